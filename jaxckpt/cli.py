@@ -1,0 +1,35 @@
+"""The ``jaxckpt`` command: subcommands register here (bench, and later agent, ls, inspect, launch, chaos)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import jaxckpt
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxckpt", description="In-memory asynchronous checkpointing for JAX/torch.")
+    p.add_argument("--version", action="version", version=f"jaxckpt {jaxckpt.__version__}")
+    p.add_argument("--log-level", default=os.environ.get("JAXCKPT_LOG_LEVEL", "INFO"))
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    bench = sub.add_parser("bench", help="run a benchmark")
+    bsub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    from jaxckpt.bench import save as bench_save
+    bench_save.add_arguments(bsub.add_parser("save", help="save-call and snapshot time vs state size, vs Orbax"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command is None:
+        build_parser().print_help()
+        return 2
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""``jaxckpt.Config``: one dataclass for every front end, loadable from TOML and overridable by JAXCKPT_* env vars."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tomllib
+import typing
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from jaxckpt.errors import ConfigError
+
+log = logging.getLogger("jaxckpt.config")
+
+STORES = ("memory", "shm", "peer")
+PROTECTIONS = ("none", "replica", "parity", "xor-group", "hybrid")
+ENV_PREFIX = "JAXCKPT_"
+
+
+@dataclass(frozen=True)
+class Config:
+    """How snapshots are taken, where they live and how they are protected.
+
+    Fields (all optional): ``store`` picks a backend by registry name; ``keep`` committed snapshots are held
+    (plus one being written, so keep=1 is double-buffered); ``memory_budget_bytes`` caps the bytes a store
+    holds (0 = unlimited); ``inflight_bytes`` bounds device-to-host bytes in flight; ``workers`` host copy
+    threads; ``max_pending_saves`` saves may be in flight before ``save()`` waits for the oldest.
+    """
+
+    store: str = "memory"
+    protection: str = "none"
+    keep: int = 1
+    memory_budget_bytes: int = 0
+    inflight_bytes: int = 256 << 20
+    workers: int = 2
+    max_pending_saves: int = 2
+    chunk_bytes: int = 64 << 20
+    job_id: str = "default"
+    commit_timeout_s: float = 120.0
+    persistent_dir: str = ""
+    persistent_interval: int = 0
+    verify_on_restore: bool = True
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name), _field_types()[f.name])
+        if self.store not in STORES and ":" not in self.store:
+            # Third-party stores register under other names; the registry reports those at use time.
+            from jaxckpt.registry import registered_stores
+            if self.store not in registered_stores():
+                raise ConfigError(f"Config.store={self.store!r}: unknown store (known: {', '.join(registered_stores())})")
+        if self.protection not in PROTECTIONS:
+            raise ConfigError(f"Config.protection={self.protection!r}: expected one of {', '.join(PROTECTIONS)}")
+        for name in ("keep", "workers", "max_pending_saves", "chunk_bytes", "inflight_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"Config.{name}={getattr(self, name)!r}: must be at least 1")
+        for name in ("memory_budget_bytes", "persistent_interval"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"Config.{name}={getattr(self, name)!r}: must not be negative")
+        if self.commit_timeout_s <= 0:
+            raise ConfigError(f"Config.commit_timeout_s={self.commit_timeout_s!r}: must be positive")
+        if not self.job_id or any(c not in _JOB_ID_CHARS for c in self.job_id):
+            raise ConfigError(f"Config.job_id={self.job_id!r}: use letters, digits, '-', '_' and '.' only")
+
+    def replace(self, **changes: Any) -> "Config":
+        """A copy with ``changes`` applied (validated like the constructor)."""
+        unknown = sorted(set(changes) - set(_field_types()))
+        if unknown:
+            raise ConfigError(f"unknown Config field(s): {', '.join(unknown)}")
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], *, source: str = "dict") -> "Config":
+        """A Config from a mapping of field names; unknown keys and wrong types raise ConfigError."""
+        unknown = sorted(set(values) - set(_field_types()))
+        if unknown:
+            raise ConfigError(f"{source}: unknown Config key(s): {', '.join(unknown)}")
+        try:
+            return cls(**values)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, *, env: bool = True) -> "Config":
+        """Load a TOML file (top-level keys, or a ``[jaxckpt]`` table), then apply JAXCKPT_* overrides."""
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML ({e})") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read config file ({e.strerror})") from None
+        if set(data) == {"jaxckpt"} and isinstance(data["jaxckpt"], dict):
+            data = data["jaxckpt"]
+        cfg = cls.from_dict(data, source=str(path))
+        return cfg.with_env() if env else cfg
+
+    def with_env(self, environ: Mapping[str, str] | None = None) -> "Config":
+        """A copy with every ``JAXCKPT_<FIELD>`` variable applied; an unknown JAXCKPT_ variable is an error."""
+        environ = os.environ if environ is None else environ
+        types = _field_types()
+        changes: dict[str, Any] = {}
+        for key, raw in environ.items():
+            if not key.startswith(ENV_PREFIX) or key in _ENV_NOT_FIELDS:
+                continue
+            name = key[len(ENV_PREFIX):].lower()
+            if name not in types:
+                raise ConfigError(f"environment variable {key}: no Config field {name!r}")
+            changes[name] = _parse_env(key, raw, types[name])
+        if changes:
+            log.info("config overridden from environment: %s", ", ".join(sorted(changes)))
+            try:
+                return dataclasses.replace(self, **changes)
+            except ConfigError as e:
+                raise ConfigError(f"environment: {e}") from None
+        return self
+
+
+# Variables in our namespace that configure other things than Config (the CLI, the launcher).
+_ENV_NOT_FIELDS = frozenset({"JAXCKPT_LOG_LEVEL", "JAXCKPT_LAUNCH_SPEC"})
+_JOB_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def _field_types() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+def _check_type(name: str, value: Any, typ: type) -> None:
+    ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        raise ConfigError(f"Config.{name}={value!r}: expected {typ.__name__}, got {type(value).__name__}")
+
+
+def _parse_env(key: str, raw: str, typ: type) -> Any:
+    try:
+        if typ is bool:
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if typ is int:
+            return int(raw.replace("_", ""))
+        if typ is float:
+            return float(raw)
+        return raw
+    except ValueError:
+        raise ConfigError(f"environment variable {key}={raw!r}: expected {typ.__name__}") from None

@@ -1,0 +1,58 @@
+"""Exceptions raised by jaxckpt. Every message names the array path, step, peer or key concerned."""
+from __future__ import annotations
+
+
+class JaxckptError(Exception):
+    """Base class of every error jaxckpt raises on purpose."""
+
+
+class ConfigError(JaxckptError, ValueError):
+    """A configuration value, file or environment variable is unknown or ill-typed."""
+
+
+class BackendNotFoundError(JaxckptError, LookupError):
+    """No store backend is registered under the requested name, or its dependency is missing."""
+
+
+class ManifestError(JaxckptError, ValueError):
+    """A manifest is malformed, truncated, or written by an unsupported format version."""
+
+
+class UnsupportedLeafError(JaxckptError, TypeError):
+    """A pytree leaf has a type jaxckpt cannot snapshot."""
+
+
+class TargetMismatchError(JaxckptError, ValueError):
+    """The restore target differs from the saved state in structure, shape or dtype."""
+
+
+class StepError(JaxckptError, ValueError):
+    """A save was asked for a step that is not newer than the newest saved one."""
+
+
+class StepNotFoundError(JaxckptError, LookupError):
+    """The requested step is not held (or was never saved)."""
+
+
+class NoCheckpointError(StepNotFoundError):
+    """Restore was asked for while nothing has been committed."""
+
+
+class BudgetExceededError(JaxckptError, MemoryError):
+    """A new snapshot does not fit the configured memory budget; committed snapshots are kept."""
+
+
+class ChecksumError(JaxckptError):
+    """Stored bytes do not match the checksum recorded at save time."""
+
+
+class PlanError(JaxckptError, ValueError):
+    """A save or restore plan is inconsistent (chunks out of bounds, overlapping, or not covering)."""
+
+
+class CommitError(JaxckptError):
+    """A step could not be committed by every process (a process died or timed out)."""
+
+
+class ClosedError(JaxckptError, RuntimeError):
+    """The checkpointer or store was used after close()."""

@@ -1,0 +1,106 @@
+"""jax.Array <-> planner records: placements from shardings, host views of local shards, arrays from boxes."""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jaxckpt.box import Box
+from jaxckpt.dtypes import dtype_name
+from jaxckpt.plan import HOST, ArrayLayout, Placement
+
+
+@functools.lru_cache(maxsize=4096)
+def placements(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> tuple[Placement, ...]:
+    """Where every piece of an array of ``shape`` with ``sharding`` lives, over all processes."""
+    out = []
+    for dev, index in sharding.devices_indices_map(shape).items():
+        out.append(Placement(Box.from_index(index, shape), dev.process_index, dev.id))
+    return tuple(sorted(out, key=lambda p: (p.process, p.device)))
+
+
+def array_layout(path: str, x: Any, kind: str) -> ArrayLayout:
+    """The planner's view of a leaf; host (numpy) leaves are owned by process 0."""
+    if kind == "prng_key":
+        x = jax.random.key_data(x)
+    if kind in ("jax", "prng_key"):
+        shape = tuple(x.shape)
+        return ArrayLayout(path, shape, dtype_name(x.dtype), x.dtype.itemsize, placements(shape, x.sharding))
+    arr = np.asarray(x)
+    shape = tuple(arr.shape)
+    return ArrayLayout(path, shape, dtype_name(arr.dtype), arr.dtype.itemsize,
+                       (Placement(Box.full(shape), 0, HOST),))
+
+
+def describe_sharding(x: Any) -> str:
+    """A short human description for manifests and ``jaxckpt inspect``."""
+    s = getattr(x, "sharding", None)
+    if isinstance(s, jax.sharding.NamedSharding):
+        mesh = ",".join(f"{k}={v}" for k, v in s.mesh.shape.items())
+        return f"NamedSharding(mesh({mesh}), {s.spec})"
+    if isinstance(s, jax.sharding.SingleDeviceSharding):
+        return f"SingleDevice({next(iter(s.device_set))})"
+    if s is None:
+        return "host"
+    return type(s).__name__
+
+
+def on_cpu(x: jax.Array) -> bool:
+    return all(d.platform == "cpu" for d in x.sharding.device_set)
+
+
+def local_sources(x: Any, kind: str) -> dict[int, tuple[Callable[[], np.ndarray], Callable[[], None] | None]]:
+    """For each local device id, (fetch, start) returning the host bytes of that device's shard.
+
+    On CPU ``np.asarray`` of a shard aliases the device buffer: taking that view here, at ``save()``, makes a
+    donating next step leave these buffers alone (JAX skips donation of buffers with external references), so
+    the worker copies the state as it was at the call. Elsewhere a device-side copy is dispatched now (it is
+    ordered before any later step) and its transfer to host is started by the dispatcher under the byte budget.
+    """
+    if kind == "prng_key":
+        x = jax.random.key_data(x)
+    if kind in ("numpy", "numpy_scalar"):
+        arr = np.asarray(x)
+        return {HOST: (lambda arr=arr: arr, None)}
+    out = {}
+    if on_cpu(x):
+        for shard in x.addressable_shards:
+            view = np.asarray(shard.data)
+            out[shard.device.id] = (lambda v=view: v, None)
+        return out
+    copy = x.copy()  # async device-side copy, immune to donation of ``x``
+    for shard in copy.addressable_shards:
+        data = shard.data
+        out[shard.device.id] = (lambda d=data: np.asarray(d), data.copy_to_host_async)
+    return out
+
+
+def make_array(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding,
+               boxes: dict[Box, np.ndarray]) -> jax.Array:
+    """A global jax.Array with ``sharding`` whose local shards come from host arrays keyed by box."""
+    index_map = sharding.addressable_devices_indices_map(shape)
+    arrays = []
+    for dev, index in index_map.items():
+        host = boxes[Box.from_index(index, shape)]
+        arrays.append(jax.device_put(host, dev))
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def needed_boxes(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> dict[Box, list[int]]:
+    """The boxes this process's devices need under ``sharding``, each with the device ids that need it."""
+    out: dict[Box, list[int]] = {}
+    for dev, index in sharding.addressable_devices_indices_map(shape).items():
+        out.setdefault(Box.from_index(index, shape), []).append(dev.id)
+    return out
+
+
+def key_data_sharding(sharding: jax.sharding.Sharding, extra_dims: int) -> jax.sharding.Sharding | None:
+    """The sharding of a typed key array's raw data (trailing key dimensions unsharded), if expressible."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * extra_dims
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return sharding
+    return None

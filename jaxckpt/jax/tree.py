@@ -1,0 +1,99 @@
+"""Pytree leaves classified for a snapshot: arrays (by kind) and plain values, each named by its path."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxckpt.errors import UnsupportedLeafError
+from jaxckpt.manifest import KeyEntry
+
+# Plain values stored by value in the manifest (msgpack types).
+VALUE_TYPES = (bool, int, float, str, bytes, type(None))
+
+
+@dataclass
+class Leaf:
+    path: str
+    keypath: tuple[KeyEntry, ...]
+    value: Any
+    kind: str  # "jax" | "prng_key" | "numpy" | "numpy_scalar" | "value"
+
+
+def keypath_entries(path: tuple) -> tuple[KeyEntry, ...]:
+    out = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            key = k.key if isinstance(k.key, (str, int)) and not isinstance(k.key, bool) else str(k.key)
+            out.append(("key", key))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            out.append(("idx", k.idx))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            out.append(("attr", k.name))
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            out.append(("idx", k.key))
+        else:
+            out.append(("key", str(k)))
+    return tuple(out)
+
+
+def path_string(entries: tuple[KeyEntry, ...]) -> str:
+    """``params/Dense_0/kernel``: the name users see in errors and ``jaxckpt inspect``."""
+    return "/".join(str(v) for _, v in entries) or "<root>"
+
+
+def classify(value: Any, path: str) -> str:
+    if isinstance(value, jax.Array):
+        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+            return "prng_key"
+        return "jax"
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject:
+            raise UnsupportedLeafError(f"{path}: numpy arrays of dtype object cannot be snapshotted")
+        return "numpy"
+    if isinstance(value, np.generic):
+        return "numpy_scalar"
+    if isinstance(value, VALUE_TYPES):
+        if isinstance(value, int) and not isinstance(value, bool) and not -(1 << 63) <= value < (1 << 64):
+            raise UnsupportedLeafError(f"{path}: integer {value} does not fit 64 bits")
+        return "value"
+    raise UnsupportedLeafError(f"{path}: leaf of type {type(value).__module__}.{type(value).__qualname__} "
+                               f"is not supported (arrays, numpy, int/float/bool/str/bytes/None are)")
+
+
+def flatten(tree: Any, *, classify_leaves: bool = True) -> tuple[list[Leaf], Any]:
+    """The leaves of ``tree`` with paths, and its treedef; paths must be unique."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves, seen = [], set()
+    for kp, value in flat:
+        entries = keypath_entries(kp)
+        path = path_string(entries)
+        if path in seen:
+            raise UnsupportedLeafError(f"{path}: two leaves have the same path (a key containing '/'?)")
+        seen.add(path)
+        leaves.append(Leaf(path, entries, value, classify(value, path) if classify_leaves else ""))
+    return leaves, treedef
+
+
+def nested(items: list[tuple[tuple[KeyEntry, ...], Any]]) -> Any:
+    """Rebuild plain nested dicts/lists from keypaths (restore without a target)."""
+    root: dict = {}
+    for entries, value in items:
+        if not entries:
+            return value
+        node = root
+        for kind, key in entries[:-1]:
+            node = node.setdefault(key, {})
+        node[entries[-1][1]] = value
+
+    def lists(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        node = {k: lists(v) for k, v in node.items()}
+        if node and all(isinstance(k, int) for k in node) and sorted(node) == list(range(len(node))):
+            return [node[i] for i in range(len(node))]
+        return node
+
+    return lists(root)

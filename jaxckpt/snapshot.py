@@ -1,0 +1,134 @@
+"""The host level of a snapshot: worker threads copy finished transfers into a store slot and checksum them.
+
+The training thread only builds a list of :class:`CopyTask` and calls :meth:`SnapshotEngine.submit`; a
+dispatcher thread starts device-to-host transfers in plan order while the bytes in flight stay under the
+budget, and the workers copy and checksum (numpy's copy and crc32c both release the GIL on large buffers).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from jaxckpt.checksum import crc32c
+from jaxckpt.store import Slot
+
+log = logging.getLogger("jaxckpt.snapshot")
+
+
+@dataclass
+class CopyTask:
+    """One chunk: ``fetch()`` returns its bytes as a host array (may block on a transfer ``start()`` began)."""
+
+    fetch: Callable[[], np.ndarray]
+    offset: int
+    nbytes: int
+    start: Callable[[], None] | None = None
+
+
+@dataclass
+class SnapshotResult:
+    crcs: list[int]
+    seconds: float
+
+
+class SnapshotEngine:
+    """A small pool of copy workers plus one dispatcher enforcing the in-flight byte budget."""
+
+    def __init__(self, workers: int = 2, inflight_bytes: int = 256 << 20) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxckpt-copy")
+        self._budget = inflight_bytes
+        self._inflight = 0
+        self._cv = threading.Condition()
+        self._queue: queue.Queue = queue.Queue()
+        self._closed = False
+        self._dispatcher = threading.Thread(target=self._dispatch, name="jaxckpt-dispatch", daemon=True)
+        self._dispatcher.start()
+
+    def submit(self, slot: Slot, tasks: list[CopyTask], release: Callable[[], None] | None = None) -> Future:
+        """Copy every task into ``slot``; the future resolves to a SnapshotResult (crcs in task order).
+
+        ``release`` runs once all copies are done (or failed): the caller drops its views of the source
+        buffers there, so a donating step can reuse them as early as possible.
+        """
+        fut: Future = Future()
+        self._queue.put((slot, tasks, release, fut))
+        return fut
+
+    def _dispatch(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            slot, tasks, release, fut = item
+            self._run_one(slot, tasks, release, fut)
+
+    def _run_one(self, slot: Slot, tasks: list[CopyTask], release, fut: Future) -> None:
+        t0 = time.perf_counter()
+        dst = np.frombuffer(slot.buffer, dtype=np.uint8)
+        crcs = [0] * len(tasks)
+        pending = [len(tasks)]
+        errors: list[BaseException] = []
+        done = threading.Event()
+
+        def finish() -> None:
+            if release is not None:
+                try:
+                    release()
+                except Exception:  # releasing views must never mask the copy's own outcome
+                    log.exception("releasing source views failed")
+            if errors:
+                fut.set_exception(errors[0])
+            else:
+                fut.set_result(SnapshotResult(crcs, time.perf_counter() - t0))
+            done.set()
+
+        def work(i: int, task: CopyTask) -> None:
+            try:
+                if not errors:
+                    src = task.fetch()
+                    out = dst[task.offset:task.offset + task.nbytes]
+                    np.copyto(out.view(src.dtype).reshape(src.shape), src, casting="no")
+                    crcs[i] = crc32c(out)
+            except BaseException as e:  # noqa: BLE001 - delivered through the future
+                errors.append(e)
+            finally:
+                with self._cv:
+                    self._inflight -= task.nbytes
+                    pending[0] -= 1
+                    last = pending[0] == 0
+                    self._cv.notify_all()
+                if last:
+                    finish()
+
+        if not tasks:
+            finish()
+            return
+        for i, task in enumerate(tasks):
+            with self._cv:
+                # One task may exceed the budget alone; it then runs with nothing else in flight.
+                while self._inflight and self._inflight + task.nbytes > self._budget:
+                    self._cv.wait()
+                self._inflight += task.nbytes
+            try:
+                if task.start is not None and not errors:
+                    task.start()
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+            self._pool.submit(work, i, task)
+        done.wait()
+
+    def close(self) -> None:
+        """Finish queued snapshots, then stop the threads."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._dispatcher.join()
+        self._pool.shutdown(wait=True)

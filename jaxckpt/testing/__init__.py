@@ -1,0 +1,1 @@
+"""Helpers for testing jaxckpt and stores built on it."""
