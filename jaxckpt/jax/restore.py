@@ -2,57 +2,21 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from typing import Any
 
 import jax
 import numpy as np
 
 from jaxckpt.box import Box
-from jaxckpt.checksum import crc32c
 from jaxckpt.dtypes import dtype_from_name, dtype_name
-from jaxckpt.errors import ChecksumError, StepNotFoundError, TargetMismatchError
+from jaxckpt.errors import TargetMismatchError
 from jaxckpt.jax import shards
 from jaxckpt.jax.tree import flatten, nested
-from jaxckpt.manifest import ArrayMeta, ChunkMeta, Manifest, merge_chunks
-from jaxckpt.plan import Assembly, plan_restore
+from jaxckpt.fetch import ChunkReader, assemble
+from jaxckpt.manifest import ArrayMeta, Manifest, merge_chunks
+from jaxckpt.plan import plan_restore
 
 log = logging.getLogger("jaxckpt.jax.restore")
-
-
-class ChunkReader:
-    """Host views of saved chunks from the buffers of the processes that hold them, verified once each."""
-
-    def __init__(self, buffers: Mapping[int, memoryview], step: int, verify: bool) -> None:
-        self._buffers, self._step, self._verify = buffers, step, verify
-        self._checked: set[tuple[int, int]] = set()
-
-    def array(self, path: str, chunk: ChunkMeta, dtype: np.dtype) -> np.ndarray:
-        buf = self._buffers.get(chunk.process)
-        if buf is None:
-            raise StepNotFoundError(f"{path}: step {self._step} chunk {chunk.box.start}..{chunk.box.stop} is held "
-                                    f"by process {chunk.process}, which this process cannot reach")
-        if chunk.offset + chunk.nbytes > len(buf):
-            raise ChecksumError(f"{path}: step {self._step} chunk at offset {chunk.offset} runs past the end of "
-                                f"process {chunk.process}'s snapshot ({len(buf)} bytes)")
-        raw = buf[chunk.offset:chunk.offset + chunk.nbytes]
-        key = (chunk.process, chunk.offset)
-        if self._verify and key not in self._checked:
-            if crc32c(raw) != chunk.crc32c:
-                raise ChecksumError(f"{path}: step {self._step} chunk {chunk.box.start}..{chunk.box.stop} of "
-                                    f"process {chunk.process} failed its crc32c check (corrupt)")
-            self._checked.add(key)
-        return np.frombuffer(raw, dtype=dtype, count=chunk.box.size).reshape(chunk.box.shape)
-
-
-def assemble(a: Assembly, dtype: np.dtype, reader: ChunkReader) -> np.ndarray:
-    """The host array of one needed box; a view of the saved bytes when one chunk is exactly that box."""
-    if a.whole_chunk:
-        return reader.array(a.path, a.reads[0].chunk, dtype)
-    out = np.empty(a.box.shape, dtype=dtype)
-    for r in a.reads:
-        src = reader.array(a.path, r.chunk, dtype)
-        out[a.box.relative(r.part)] = src[r.chunk.box.relative(r.part)]
-    return out
 
 
 def _target_spec(path: str, t: Any) -> tuple[str, tuple[int, ...] | None, Any, Any]:
@@ -108,10 +72,8 @@ def _describe(t: Any) -> str:
     return f"a {type(t).__name__} value"
 
 
-def restore_tree(target: Any, manifests: list[Manifest], buffers: Mapping[int, memoryview], *, step: int,
-                 process: int, verify: bool = True) -> Any:
+def restore_tree(target: Any, manifests: list[Manifest], reader: ChunkReader, *, step: int, process: int) -> Any:
     """The pytree of ``target``'s structure filled from the snapshot described by ``manifests``."""
-    reader = ChunkReader(buffers, step, verify)
     own = next((m for m in manifests if m.process == process), manifests[0])
     arrays = merge_chunks(manifests)
     values = {v.path: v for v in own.leaves}

@@ -1,0 +1,259 @@
+"""The framework-neutral checkpointer core both front ends drive: plan cache, snapshots, commit, retention.
+
+A front end turns its state into :class:`ArrayRecord` (one per array leaf) plus plain values, calls
+:meth:`CheckpointEngine.save`, and on restore asks :meth:`CheckpointEngine.open` for the manifests and a
+:class:`~jaxckpt.fetch.ChunkReader` and rebuilds its own arrays from them.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from jaxckpt import manifest as mf
+from jaxckpt.config import Config
+from jaxckpt.coordination import CommitTracker, Coordinator
+from jaxckpt.errors import ClosedError, CommitError, NoCheckpointError, StepError, StepNotFoundError
+from jaxckpt.fetch import ByteSource, ChunkReader, buffer_source
+from jaxckpt.plan import ArrayLayout, SavePlan, plan_save
+from jaxckpt.registry import get_store_class
+from jaxckpt.snapshot import CopyTask, SnapshotEngine, SnapshotResult
+
+log = logging.getLogger("jaxckpt.engine")
+
+# device id -> (fetch() returning that device's shard on the host, optional start() of its transfer)
+Sources = dict[int, tuple[Callable[[], np.ndarray], Callable[[], None] | None]]
+
+
+@dataclass
+class ArrayRecord:
+    """A front end's array leaf, neutral: the engine calls ``layout``/``meta`` only when the layout is new."""
+
+    path: str
+    layout_key: tuple  # hashable; equal keys promise equal layout() and meta()
+    layout: Callable[[], ArrayLayout]
+    meta: Callable[[], mf.ArrayMeta]  # chunks left empty
+    sources: Callable[[], Sources]  # called inside save(): must pin the bytes as they are now
+
+
+@dataclass
+class _Prepared:
+    plan: SavePlan
+    metas: list[mf.ArrayMeta]
+    chunk_leaf: list[int]
+    chunk_slices: list[tuple[slice, ...]]
+
+
+class SaveHandle:
+    """The outcome of one ``save()``: ``done()`` once decided, ``result()`` waits and raises on failure."""
+
+    def __init__(self, step: int, tracker: CommitTracker) -> None:
+        self.step = step
+        self._tracker = tracker
+        self._local = threading.Event()
+        self.error: BaseException | None = None
+        self.snapshot_seconds: float | None = None
+        self.save_call_seconds: float = 0.0
+        self.nbytes = 0
+
+    def local_done(self) -> bool:
+        """True once this process's chunks are in host memory (or the snapshot failed)."""
+        return self._local.is_set()
+
+    def done(self) -> bool:
+        """True once the step is decided (committed everywhere, or failed)."""
+        return self._local.is_set() and (self.error is not None or self._tracker.decided(self.step))
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait until the step is committed by every process; raise its error if it was not."""
+        if not self._local.wait(timeout):
+            raise CommitError(f"step {self.step}: snapshot not finished within {timeout}s")
+        if self.error is not None:
+            raise self.error
+        if not self._tracker.wait(self.step, timeout):
+            raise CommitError(f"step {self.step}: not committed by every process (a process failed or timed out)")
+
+
+class CheckpointEngine:
+    """Snapshots of neutral array records into a store, committed across processes, kept ``config.keep`` deep."""
+
+    def __init__(self, config: Config, coordinator: Coordinator, framework: str) -> None:
+        self.config = config
+        self.framework = framework
+        self.coordinator = coordinator
+        self.process_index, self.process_count = coordinator.process_index, coordinator.process_count
+        store_cls = get_store_class(config.store)
+        self.store = store_cls(config, process_index=self.process_index, process_count=self.process_count)
+        self._snap = SnapshotEngine(config.workers, config.inflight_bytes)
+        self._tracker = CommitTracker(coordinator, config.job_id, config.commit_timeout_s,
+                                      on_commit=self._after_commit)
+        self._prepared: dict[tuple, _Prepared] = {}
+        self._pending: deque[SaveHandle] = deque()
+        self._committed: list[int] = []
+        self._last_step: int | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ----------------------------------------------------------------------------------------------- save
+    def save(self, step: int, records: list[ArrayRecord], values: list[mf.LeafMeta], order: tuple[str, ...],
+             t0: float | None = None) -> SaveHandle:
+        """Start the snapshot of ``records`` (and plain ``values``) as ``step``; returns at once."""
+        t0 = time.perf_counter() if t0 is None else t0
+        self.check_open()
+        if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+            raise StepError(f"step must be a non-negative int, got {step!r}")
+        step = int(step)
+        if self._last_step is not None and step <= self._last_step:
+            raise StepError(f"step {step} is not newer than the newest saved step {self._last_step}")
+        self._throttle()
+        prep = self._prepare(records)
+        try:
+            slot = self.store.reserve(step, prep.plan.nbytes)
+        except Exception:
+            self._tracker.local_done(step, False)  # the other processes must not wait for us
+            raise
+        sources = [r.sources() for r in records]
+        tasks = []
+        for c, leaf_i, sl in zip(prep.plan.chunks, prep.chunk_leaf, prep.chunk_slices):
+            fetch, start = sources[leaf_i][c.device]
+            tasks.append(CopyTask(fetch=(lambda f=fetch, s=sl: f()[s]), offset=c.offset, nbytes=c.nbytes,
+                                  start=start))
+        handle = SaveHandle(step, self._tracker)
+        handle.nbytes = prep.plan.nbytes
+        fut = self._snap.submit(slot, tasks, release=sources.clear)
+        fut.add_done_callback(lambda f: self._local_finished(f, handle, slot, prep, values, order))
+        self._last_step = step
+        with self._lock:
+            self._pending.append(handle)
+        handle.save_call_seconds = time.perf_counter() - t0
+        return handle
+
+    def _throttle(self) -> None:
+        while True:
+            with self._lock:
+                while self._pending and self._pending[0].done():
+                    self._pending.popleft()
+                running = [h for h in self._pending if not h.local_done()]
+                if len(running) < self.config.max_pending_saves:
+                    return
+            running[0]._local.wait()
+
+    def _prepare(self, records: list[ArrayRecord]) -> _Prepared:
+        key = tuple((r.path, r.layout_key) for r in records)
+        prep = self._prepared.get(key)
+        if prep is not None:
+            return prep
+        layouts = [r.layout() for r in records]
+        plan = plan_save(layouts, self.process_count, self.config.chunk_bytes)[self.process_index]
+        index = {r.path: i for i, r in enumerate(records)}
+        src_box = {(lay.path, p.device): p.box for lay in layouts for p in lay.placements}
+        prep = _Prepared(plan, [r.meta() for r in records], [index[c.path] for c in plan.chunks],
+                         [src_box[(c.path, c.device)].relative(c.box) for c in plan.chunks])
+        self._prepared[key] = prep
+        log.info("planned a new state layout: %d arrays, %d local chunks, %d bytes on process %d",
+                 len(records), len(plan.chunks), plan.nbytes, self.process_index)
+        return prep
+
+    def _local_finished(self, fut, handle: SaveHandle, slot, prep: _Prepared, values, order) -> None:
+        try:
+            res: SnapshotResult = fut.result()
+            chunks: dict[int, list[mf.ChunkMeta]] = {}
+            for c, leaf_i, crc in zip(prep.plan.chunks, prep.chunk_leaf, res.crcs):
+                chunks.setdefault(leaf_i, []).append(mf.ChunkMeta(c.box, c.offset, c.nbytes, crc, self.process_index))
+            arrays = tuple(mf.ArrayMeta(m.path, m.keypath, m.shape, m.dtype, m.kind, m.sharding, m.attrs,
+                                        tuple(chunks.get(i, ()))) for i, m in enumerate(prep.metas))
+            manifest = mf.Manifest(step=handle.step, process=self.process_index, process_count=self.process_count,
+                                   framework=self.framework, arrays=arrays, leaves=tuple(values), order=order,
+                                   nbytes=prep.plan.nbytes, layout=prep.plan.layout)
+            self.store.commit(slot, mf.encode(manifest))
+            handle.snapshot_seconds = res.seconds
+        except BaseException as e:  # noqa: BLE001 - reported through the handle and the commit protocol
+            log.error("step %d: snapshot failed on process %d: %s", handle.step, self.process_index, e)
+            handle.error = e
+            self.store.abort(slot)
+            self._tracker.local_done(handle.step, False)
+        else:
+            self._tracker.local_done(handle.step, True)
+        finally:
+            handle._local.set()
+
+    def _after_commit(self, step: int, committed: bool) -> None:
+        if not committed:
+            log.warning("step %d was not committed by every process; dropping it", step)
+            self.store.delete(step)
+            return
+        with self._lock:
+            self._committed = sorted(self._committed + [step])
+            drop, self._committed = self._committed[:-self.config.keep], self._committed[-self.config.keep:]
+        for s in drop:
+            self.store.delete(s)
+
+    # ----------------------------------------------------------------------------------------------- wait
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every save so far is decided; raise the first failure."""
+        with self._lock:
+            handles = list(self._pending)
+        for h in handles:
+            h.result(timeout)
+
+    def latest_step(self) -> int | None:
+        """The newest step committed by every process, or None."""
+        return self._tracker.latest()
+
+    def all_steps(self) -> list[int]:
+        """Committed steps still held, ascending."""
+        with self._lock:
+            return list(self._committed)
+
+    # -------------------------------------------------------------------------------------------- restore
+    def resolve_step(self, step: int | None) -> int:
+        if step is not None:
+            return int(step)
+        latest = self.latest_step()
+        if latest is None:
+            raise NoCheckpointError(f"nothing has been committed yet (store {self.config.store!r}, "
+                                    f"job {self.config.job_id!r})")
+        return latest
+
+    @contextlib.contextmanager
+    def open(self, step: int | None) -> Iterator[tuple[int, list[mf.Manifest], ChunkReader]]:
+        """Pin ``step`` (default: latest) and yield (step, manifests of every process, a verified chunk reader)."""
+        self.check_open()
+        step = self.resolve_step(step)
+        view = self.store.open(step)
+        if view is None:
+            raise StepNotFoundError(f"step {step} is not held by store {self.config.store!r} "
+                                    f"(held: {self.store.steps() or 'none'})")
+        with view:
+            manifests = [mf.decode(view.manifest, source=f"step {step} manifest of process {self.process_index}")]
+            sources: dict[int, ByteSource] = {self.process_index: buffer_source(view.buffer)}
+            manifests += self._remote_manifests(step, manifests[0], sources)
+            yield step, manifests, ChunkReader(sources, step, self.config.verify_on_restore)
+
+    def _remote_manifests(self, step: int, own: mf.Manifest, sources: dict[int, ByteSource]) -> list[mf.Manifest]:
+        """Manifests (and byte sources) of the other processes of the saving job; none for one process."""
+        return []
+
+    # ---------------------------------------------------------------------------------------------- close
+    def close(self) -> None:
+        """Finish in-flight saves, stop the threads and free the store."""
+        if self._closed:
+            return
+        try:
+            self.wait(timeout=self.config.commit_timeout_s * 2)
+        except Exception as e:  # noqa: BLE001 - closing must not fail because a save did
+            log.warning("close: a pending save did not commit: %s", e)
+        self._closed = True
+        self._snap.close()
+        self._tracker.close()
+        self.store.close()
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("checkpointer is closed")
