@@ -39,7 +39,8 @@ class ArrayRecord:
     layout_key: tuple  # hashable; equal keys promise equal layout() and meta()
     layout: Callable[[], ArrayLayout]
     meta: Callable[[], mf.ArrayMeta]  # chunks left empty
-    sources: Callable[[], Sources]  # called inside save(): must pin the bytes as they are now
+    sources: Callable[[frozenset[int]], Sources]  # called inside save() for the devices the plan reads from;
+    # it must pin those devices' bytes as they are at the call (views that block donation, or device copies)
 
 
 @dataclass
@@ -48,6 +49,7 @@ class _Prepared:
     metas: list[mf.ArrayMeta]
     chunk_leaf: list[int]
     chunk_slices: list[tuple[slice, ...]]
+    devices: list[frozenset[int]]  # per array leaf, the local devices its chunks are read from
 
 
 class SaveHandle:
@@ -118,7 +120,7 @@ class CheckpointEngine:
         except Exception:
             self._tracker.local_done(step, False)  # the other processes must not wait for us
             raise
-        sources = [r.sources() for r in records]
+        sources = [r.sources(devs) if devs else {} for r, devs in zip(records, prep.devices)]
         tasks = []
         for c, leaf_i, sl in zip(prep.plan.chunks, prep.chunk_leaf, prep.chunk_slices):
             fetch, start = sources[leaf_i][c.device]
@@ -153,8 +155,12 @@ class CheckpointEngine:
         plan = plan_save(layouts, self.process_count, self.config.chunk_bytes)[self.process_index]
         index = {r.path: i for i, r in enumerate(records)}
         src_box = {(lay.path, p.device): p.box for lay in layouts for p in lay.placements}
+        devices: list[set[int]] = [set() for _ in records]
+        for c in plan.chunks:
+            devices[index[c.path]].add(c.device)
         prep = _Prepared(plan, [r.meta() for r in records], [index[c.path] for c in plan.chunks],
-                         [src_box[(c.path, c.device)].relative(c.box) for c in plan.chunks])
+                         [src_box[(c.path, c.device)].relative(c.box) for c in plan.chunks],
+                         [frozenset(d) for d in devices])
         self._prepared[key] = prep
         log.info("planned a new state layout: %d arrays, %d local chunks, %d bytes on process %d",
                  len(records), len(plan.chunks), plan.nbytes, self.process_index)

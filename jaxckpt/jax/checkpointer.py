@@ -41,7 +41,7 @@ def _record(leaf: Leaf) -> ArrayRecord:
         return mf.ArrayMeta(leaf.path, leaf.keypath, lay.shape, lay.dtype, kind, shards.describe_sharding(v), attrs)
 
     return ArrayRecord(leaf.path, key, lambda: shards.array_layout(leaf.path, v, kind), meta,
-                       lambda: shards.local_sources(v, kind))
+                       lambda devs: shards.local_sources(v, kind, devs))
 
 
 class Checkpointer:

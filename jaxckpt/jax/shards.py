@@ -48,11 +48,12 @@ def describe_sharding(x: Any) -> str:
 
 
 def on_cpu(x: jax.Array) -> bool:
-    return all(d.platform == "cpu" for d in x.sharding.device_set)
+    return next(iter(x.sharding.device_set)).platform == "cpu"
 
 
-def local_sources(x: Any, kind: str) -> dict[int, tuple[Callable[[], np.ndarray], Callable[[], None] | None]]:
-    """For each local device id, (fetch, start) returning the host bytes of that device's shard.
+def local_sources(x: Any, kind: str, devices: frozenset[int]) -> dict[int, tuple[Callable[[], np.ndarray],
+                                                                               Callable[[], None] | None]]:
+    """For each local device id in ``devices``, (fetch, start) returning the host bytes of that device's shard.
 
     On CPU ``np.asarray`` of a shard aliases the device buffer: taking that view here, at ``save()``, makes a
     donating next step leave these buffers alone (JAX skips donation of buffers with external references), so
@@ -65,15 +66,19 @@ def local_sources(x: Any, kind: str) -> dict[int, tuple[Callable[[], np.ndarray]
         arr = np.asarray(x)
         return {HOST: (lambda arr=arr: arr, None)}
     out = {}
+    # ``_addressable_device_assignment`` is the order of the array's local buffers; reading it avoids building
+    # Shard objects (index maps) for every array on every save, the main per-save Python cost.
+    order = [d.id for d in x.sharding._addressable_device_assignment]
     if on_cpu(x):
-        for shard in x.addressable_shards:
-            view = np.asarray(shard.data)
-            out[shard.device.id] = (lambda v=view: v, None)
+        for i, dev in enumerate(order):
+            if dev in devices:
+                view = np.asarray(x.addressable_data(i))
+                out[dev] = (lambda v=view: v, None)
         return out
-    copy = x.copy()  # async device-side copy, immune to donation of ``x``
-    for shard in copy.addressable_shards:
-        data = shard.data
-        out[shard.device.id] = (lambda d=data: np.asarray(d), data.copy_to_host_async)
+    for i, dev in enumerate(order):
+        if dev in devices:
+            data = x.addressable_data(i).copy()  # async device-side copy, immune to donation of ``x``
+            out[dev] = (lambda d=data: np.asarray(d), data.copy_to_host_async)
     return out
 
 
