@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -17,6 +17,7 @@ from jaxckpt.config import Config
 from jaxckpt.coordination import Coordinator, LocalCoordinator
 from jaxckpt.engine import ArrayRecord, CheckpointEngine, SaveHandle
 from jaxckpt.jax import shards
+from jaxckpt.jax.fused import wrap_step
 from jaxckpt.jax.restore import restore_tree
 from jaxckpt.jax.tree import Leaf, flatten
 
@@ -76,6 +77,12 @@ class Checkpointer:
         records = [_record(l) for l in leaves if l.kind != "value"]
         values = [mf.LeafMeta(l.path, l.keypath, l.value) for l in leaves if l.kind == "value"]
         return self.engine.save(step, records, values, tuple(l.path for l in leaves), t0=t0)
+
+    def wrap_step(self, fn: Callable, *, state_argnum: int = 0, donate_argnums: Sequence[int] = (0,),
+                  **jit_kwargs: Any) -> Callable:
+        """Jit ``fn`` so that ``f(*args, save_step=k)`` also snapshots ``args[state_argnum]`` as step ``k`` from
+        inside the compiled program (see ``jaxckpt.jax.fused``); without ``save_step`` it is the plain step."""
+        return wrap_step(self.save, fn, state_argnum=state_argnum, donate_argnums=donate_argnums, **jit_kwargs)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save so far is committed by all processes; raise the first failure."""

@@ -66,6 +66,12 @@ def local_sources(x: Any, kind: str, devices: frozenset[int]) -> dict[int, tuple
         arr = np.asarray(x)
         return {HOST: (lambda arr=arr: arr, None)}
     out = {}
+    if getattr(x.sharding, "memory_kind", None) == "pinned_host":
+        # jaxckpt's own host copy (the fused path): nothing else can touch it, so the workers read it lazily.
+        for i, d in enumerate(x.sharding._addressable_device_assignment):
+            if d.id in devices:
+                out[d.id] = (lambda i=i: np.asarray(x.addressable_data(i)), None)
+        return out
     # ``_addressable_device_assignment`` is the order of the array's local buffers; reading it avoids building
     # Shard objects (index maps) for every array on every save, the main per-save Python cost.
     order = [d.id for d in x.sharding._addressable_device_assignment]
