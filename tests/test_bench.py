@@ -1,0 +1,159 @@
+"""``jaxckpt bench save``: the quick run end to end (real subprocess), its JSON schema, and the markdown it renders.
+
+No timing thresholds: only that every figure is finite and positive and that the report is well formed.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxckpt import cli
+from jaxckpt.bench import report
+from jaxckpt.bench.save import parse_size
+
+STATS = {"median", "min", "max", "p10", "p90", "n"}
+JAXCKPT_KEYS = {"save_call_s", "snapshot_s", "snapshot_worker_s", "restore_s", "snapshot_gbps", "snapshot_vs_memcpy"}
+ORBAX_KEYS = {"save_call_s", "total_s", "restore_s"}
+RATIO_KEYS = {"save_call_orbax_over_jaxckpt", "total_orbax_over_jaxckpt", "restore_orbax_over_jaxckpt"}
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench")
+    md = d / "BENCHMARKS.md"
+    md.write_text("# Benchmarks\n\nprose before\n\n<!-- bench:save:begin -->\nold\n<!-- bench:save:end -->\n\n"
+                  "prose after\n")
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    proc = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "bench", "save", "--quick", "--json",
+                           str(d / "save.json"), "--update-md", str(md)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    return {"dir": d, "json": report.read_json(d / "save.json"), "md": md, "stdout": proc.stdout,
+            "shm_left": {n for n in shm_after - shm_before if n.startswith("jaxckpt-bench-orbax-")}}
+
+
+def _check_stats(s, where):
+    assert set(s) == STATS, where
+    assert s["min"] <= s["p10"] <= s["median"] <= s["p90"] <= s["max"], where
+
+
+def _check_schema(res, sizes, mode):
+    assert res["bench"] == "save" and res["mode"] == mode
+    assert {"bench", "mode", "machine", "date", "command", "setup", "memcpy_gbps", "results"} <= set(res)
+    m = res["machine"]
+    assert {"cpu_model", "cores", "memory_bytes", "versions", "os"} <= set(m)
+    assert {"jax", "jaxlib", "orbax-checkpoint", "numpy", "jaxckpt", "python"} <= set(m["versions"])
+    assert res["command"].startswith("jaxckpt bench save")
+    assert res["setup"]["devices"] == 8
+    assert [r["size_bytes"] for r in res["results"]] == sizes
+    for r in res["results"]:
+        assert set(r) == {"size_bytes", "jaxckpt", "orbax", "ratios"}
+        assert set(r["jaxckpt"]) == JAXCKPT_KEYS and set(r["orbax"]) == ORBAX_KEYS and set(r["ratios"]) == RATIO_KEYS
+        for side in ("jaxckpt", "orbax"):
+            for k, v in r[side].items():
+                if k.endswith("_s"):
+                    _check_stats(v, f"{r['size_bytes']}/{side}/{k}")
+        j, o = r["jaxckpt"], r["orbax"]
+        assert math.isclose(r["ratios"]["save_call_orbax_over_jaxckpt"],
+                            o["save_call_s"]["median"] / j["save_call_s"]["median"])
+        assert math.isclose(j["snapshot_vs_memcpy"], j["snapshot_gbps"] / res["memcpy_gbps"])
+    nums = report.numbers(res)
+    assert len(nums) > 50
+    bad = [(p, v) for p, v in nums if not (math.isfinite(v) and v > 0)]
+    assert not bad, bad
+
+
+def test_quick_run_json_schema(quick):
+    _check_schema(quick["json"], [1 << 20, 4 << 20], "quick")
+    assert quick["json"]["command"].startswith("jaxckpt bench save --quick --json ")
+    assert not quick["shm_left"], "Orbax tmpfs directories left behind"
+
+
+def test_quick_run_updates_only_its_section(quick):
+    text = quick["md"].read_text()
+    assert text.startswith("# Benchmarks\n\nprose before\n\n<!-- bench:save:begin -->\n")
+    assert text.endswith("<!-- bench:save:end -->\n\nprose after\n")
+    assert "\nold\n" not in text
+    assert "Quick run, placeholder until the full run" in text
+    assert report.render(quick["json"]) in text
+    assert "| 1 MiB |" in quick["stdout"] and "| 4 MiB |" in quick["stdout"]
+
+
+def test_markdown_table_from_json(quick):
+    md = report.render(quick["json"])
+    rows = [line for line in md.splitlines() if line.startswith("|")]
+    assert len(rows) == 2 + 2  # header, rule, one row per size
+    ncols = rows[0].count("|")
+    assert all(r.count("|") == ncols for r in rows)
+    assert rows[2].startswith("| 1 MiB |") and rows[3].startswith("| 4 MiB |")
+    assert f"Command: `{quick['json']['command']}`" in md
+    assert f"orbax-checkpoint {quick['json']['machine']['versions']['orbax-checkpoint']}" in md
+    # A full run's result renders without the placeholder banner.
+    full = json.loads(json.dumps(quick["json"]))
+    full["mode"] = "full"
+    assert "placeholder" not in report.render(full)
+
+
+def test_from_json_rerenders_without_measuring(quick, tmp_path, capsys):
+    md = tmp_path / "B.md"
+    assert cli.main(["bench", "save", "--from-json", str(quick["dir"] / "save.json"), "--update-md", str(md)]) == 0
+    begin, end = report.markers("save")
+    assert md.read_text() == f"{begin}\n{report.render(quick['json'])}\n{end}\n"
+    assert report.render(quick["json"]) in capsys.readouterr().out
+
+
+def test_cli_in_a_process_that_imported_jax_measures_in_a_subprocess(tmp_path):
+    # This pytest process has jax imported (conftest), so the CLI must hand over to `python -m jaxckpt.bench.save`.
+    assert "jax" in sys.modules
+    out = tmp_path / "one.json"
+    assert cli.main(["bench", "save", "--quick", "--sizes", "256K", "--repeats", "1", "--json", str(out)]) == 0
+    res = report.read_json(out)
+    _check_schema(res, [256 << 10], "quick")
+    assert res["command"] == f"jaxckpt bench save --quick --sizes 256K --repeats 1 --json {out}"
+
+
+def test_replace_section(tmp_path):
+    p = tmp_path / "B.md"
+    report.replace_section(p, "save", "one")
+    assert p.read_text() == "<!-- bench:save:begin -->\none\n<!-- bench:save:end -->\n"
+    p.write_text("# T\n\nintro\n")
+    report.replace_section(p, "save", "two")
+    report.replace_section(p, "other", "x")
+    report.replace_section(p, "save", "three\n")
+    assert p.read_text() == ("# T\n\nintro\n\n<!-- bench:save:begin -->\nthree\n<!-- bench:save:end -->\n\n"
+                             "<!-- bench:other:begin -->\nx\n<!-- bench:other:end -->\n")
+    p.write_text("<!-- bench:save:end -->\n<!-- bench:save:begin -->\n")
+    with pytest.raises(ValueError, match="section 'save' needs exactly one"):
+        report.replace_section(p, "save", "y")
+    p.write_text("<!-- bench:save:begin -->\n")
+    with pytest.raises(ValueError, match=r"found 1 begin, 0 end"):
+        report.replace_section(p, "save", "y")
+
+
+def test_render_rejects_unknown_bench():
+    with pytest.raises(ValueError, match="no markdown renderer for bench 'nope'"):
+        report.render({"bench": "nope"})
+
+
+def test_bad_options_are_refused_before_measuring(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "jaxckpt.bench.save", "--quick", "--warmup", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--warmup >= 1" in proc.stderr and "warmup 0" in proc.stderr
+
+
+def test_parse_size():
+    assert parse_size("16M") == 16 << 20
+    assert parse_size("1G") == 1 << 30
+    assert parse_size("256k") == 256 << 10
+    assert parse_size("64MiB") == 64 << 20
+    assert parse_size("4096") == 4096
+    with pytest.raises(ValueError, match="bad size 'lots'"):
+        parse_size("lots")
+    with pytest.raises(ValueError, match="must be positive"):
+        parse_size("0M")
