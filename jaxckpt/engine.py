@@ -68,6 +68,10 @@ class SaveHandle:
         """True once this process's chunks are in host memory (or the snapshot failed)."""
         return self._local.is_set()
 
+    def wait_local(self, timeout: float | None = None) -> bool:
+        """Block until this process's chunks are in host memory (or failed); False on time-out."""
+        return self._local.wait(timeout)
+
     def done(self) -> bool:
         """True once the step is decided (committed everywhere, or failed)."""
         return self._local.is_set() and (self.error is not None or self._tracker.decided(self.step))
@@ -92,6 +96,14 @@ class CheckpointEngine:
         self.process_index, self.process_count = coordinator.process_index, coordinator.process_count
         store_cls = get_store_class(config.store)
         self.store = store_cls(config, process_index=self.process_index, process_count=self.process_count)
+        self._peers = None
+        if self.process_count > 1:  # restore needs chunks that other processes hold
+            from jaxckpt.peers import Peers
+            try:
+                self._peers = Peers(config, coordinator, self.store)
+            except BaseException:
+                self.store.close()
+                raise
         self._snap = SnapshotEngine(config.workers, config.inflight_bytes)
         self._tracker = CommitTracker(coordinator, config.job_id, config.commit_timeout_s,
                                       on_commit=self._after_commit)
@@ -215,7 +227,9 @@ class CheckpointEngine:
     def all_steps(self) -> list[int]:
         """Committed steps still held, ascending."""
         with self._lock:
-            return list(self._committed)
+            committed = list(self._committed)
+        held = set(self.store.steps())  # a step deleted from the store directly (e.g. by the Orbax handler)
+        return [s for s in committed if s in held]
 
     # -------------------------------------------------------------------------------------------- restore
     def resolve_step(self, step: int | None) -> int:
@@ -244,7 +258,7 @@ class CheckpointEngine:
 
     def _remote_manifests(self, step: int, own: mf.Manifest, sources: dict[int, ByteSource]) -> list[mf.Manifest]:
         """Manifests (and byte sources) of the other processes of the saving job; none for one process."""
-        return []
+        return self._peers.manifests(step, own, sources) if self._peers is not None else []
 
     # ---------------------------------------------------------------------------------------------- close
     def close(self) -> None:
@@ -258,6 +272,8 @@ class CheckpointEngine:
         self._closed = True
         self._snap.close()
         self._tracker.close()
+        if self._peers is not None:
+            self._peers.close()
         self.store.close()
 
     def check_open(self) -> None:
