@@ -147,8 +147,11 @@ class MemoryStore(Store):
         with self._lock:
             self._closed = True
             self._pool.clear()
-            for s in [s for s, e in self._entries.items() if e.pins == 0]:
-                del self._entries[s]
+            for s, e in list(self._entries.items()):
+                if e.pins == 0:
+                    del self._entries[s]
+                else:
+                    e.doomed = True  # open views stay readable; their last close frees the buffer
 
     def _check_open(self) -> None:
         if self._closed:

@@ -74,6 +74,7 @@ class CommitTracker:
         self._cv = threading.Condition()
         self._latest: int | None = None
         self._outcome: dict[int, bool] = {}
+        self._settled: set[int] = set()  # decided steps whose on_commit hook (retention) has run
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="jaxckpt-commit", daemon=True)
         self._thread.start()
@@ -84,7 +85,7 @@ class CommitTracker:
 
     def decided(self, step: int) -> bool:
         with self._cv:
-            return step in self._outcome
+            return step in self._settled
 
     def local_done(self, step: int, ok: bool) -> None:
         """Report this process's outcome for ``step`` (called from a snapshot thread)."""
@@ -94,7 +95,8 @@ class CommitTracker:
         """Block until ``step`` is decided; True if it committed. Raises CommitError on time-out."""
         timeout_s = self._timeout * 2 if timeout_s is None else timeout_s
         with self._cv:
-            if not self._cv.wait_for(lambda: step in self._outcome, timeout=timeout_s):
+            # Settled, not just decided: after wait() the retention of the step is done and visible.
+            if not self._cv.wait_for(lambda: step in self._settled, timeout=timeout_s):
                 raise CommitError(f"step {step}: no commit decision within {timeout_s:.0f}s")
             return self._outcome[step]
 
@@ -119,6 +121,9 @@ class CommitTracker:
                     self._on_commit(step, committed)
                 except Exception:  # noqa: BLE001
                     log.exception("step %d: post-commit hook failed", step)
+            with self._cv:
+                self._settled.add(step)
+                self._cv.notify_all()
 
     def _agree(self, step: int, ok: bool) -> bool:
         c, p = self._coord, self._prefix

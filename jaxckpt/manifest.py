@@ -163,7 +163,8 @@ def _from_wire(d: Any) -> Manifest:
         for c in _expect(a["chunks"], list, f"{path}.chunks"):
             box_w, off, nb, crc, proc = _expect(c, list, f"{path}.chunk")
             box = Box.from_wire(box_w)
-            if box.ndim != len(shape) or any(hi > s for hi, s in zip(box.stop, shape)):
+            if (box.ndim != len(shape) or any(lo < 0 for lo in box.start)
+                    or any(hi > s for hi, s in zip(box.stop, shape))):
                 raise ManifestError(f"{path}: chunk box {box} out of bounds of shape {shape}")
             chunks.append(ChunkMeta(box, _int(off, f"{path}.offset"), _int(nb, f"{path}.nbytes"),
                                     _int(crc, f"{path}.crc32c"), _int(proc, f"{path}.process")))

@@ -3,7 +3,7 @@
 Save (every process computes the same global plan from the arrays' shardings, so no messages are needed):
   1) group each array's device placements by box; the processes holding a box are its replicas;
   2) a box held by one process is saved by it; a box replicated over R processes is cut into R pieces along
-     its longest axis and each replica saves one piece, the least loaded replica taking the first piece, so
+     its longest axis and each replica saves one piece, the least loaded replica taking the largest piece, so
      every replica saves about 1/R of every replicated array and the total is balanced across arrays;
   3) pieces larger than ``chunk_bytes`` are cut further so that worker threads share big arrays;
   4) each process lays its chunks out back to back (64-byte aligned) in one buffer.
@@ -87,7 +87,10 @@ def plan_save(layouts: Sequence[ArrayLayout], process_count: int, chunk_bytes: i
             holders.setdefault(p.box, {}).setdefault(p.process, p.device)  # first device of each process
         for box, procs in holders.items():
             replicas = sorted(procs, key=lambda q: (load[q], q))
-            for piece, owner in zip(box.split(len(replicas)), replicas):
+            # Pieces differ by up to a row and split() puts the small ones first: the biggest goes to the least
+            # loaded replica, or the same replica would take the small piece of every array.
+            pieces = sorted(box.split(len(replicas)), key=lambda b: -b.size)
+            for piece, owner in zip(pieces, replicas):
                 for chunk in _cut(piece, a.itemsize, chunk_bytes):
                     nbytes = chunk.size * a.itemsize
                     per_proc[owner].append((a.path, chunk, box, procs[owner], nbytes))
@@ -116,6 +119,8 @@ def validate_save_plan(layouts: Sequence[ArrayLayout], plans: Sequence[SavePlan]
     by_path: dict[str, list[Box]] = {a.path: [] for a in layouts}
     for plan in plans:
         for c in plan.chunks:
+            if c.path not in by_path:
+                raise PlanError(f"{c.path}: process {plan.process} plans a chunk of an array the layout does not have")
             by_path[c.path].append(c.box)
     for a in layouts:
         boxes, whole = by_path[a.path], Box.full(a.shape)

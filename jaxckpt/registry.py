@@ -18,6 +18,7 @@ log = logging.getLogger("jaxckpt.registry")
 _known: dict[str, str | type] = {
     "memory": "jaxckpt.backends.memory:MemoryStore",
 }
+_loaded: dict[str, type] = {}  # classes imported from the string targets above, by name
 _entry_points_loaded = False
 
 
@@ -25,6 +26,8 @@ def register_store(name: str, cls: str | type, *, clobber: bool = False) -> None
     """Register a Store class (or a ``"module:Class"`` string) under ``name``; refuses to overwrite unless told."""
     if name in _known and not clobber and _known[name] != cls:
         raise BackendNotFoundError(f"store {name!r} is already registered as {_known[name]!r}; pass clobber=True")
+    if _known.get(name) != cls:
+        _loaded.pop(name, None)
     _known[name] = cls
 
 
@@ -37,10 +40,13 @@ def registered_stores() -> Mapping[str, str | type]:
 def get_store_class(name: str) -> type:
     """The Store class registered under ``name``, importing its module on first use."""
     _load_entry_points()
-    try:
-        target = _known[name]
-    except KeyError:
-        raise BackendNotFoundError(f"no store named {name!r} (known: {', '.join(sorted(_known))})") from None
+    if name in _loaded:
+        return _loaded[name]
+    target = _known.get(name)
+    if target is None and ":" in name:
+        target = name  # "module:Class" names a class directly, as Config.store allows
+    if target is None:
+        raise BackendNotFoundError(f"no store named {name!r} (known: {', '.join(sorted(_known))})")
     if isinstance(target, type):
         return target
     module, _, attr = target.partition(":")
@@ -49,7 +55,10 @@ def get_store_class(name: str) -> type:
     except ImportError as e:
         raise BackendNotFoundError(f"store {name!r} needs {e.name!r}, which is not installed "
                                    f"(pip install 'jaxckpt[{name}]' or install {e.name})") from None
-    _known[name] = cls
+    except (AttributeError, ValueError):
+        raise BackendNotFoundError(f"store {name!r}: {target!r} names no class (module {module!r}, "
+                                   f"attribute {attr!r})") from None
+    _loaded[name] = cls
     return cls
 
 

@@ -1,0 +1,230 @@
+"""The manifest envelope: exact roundtrip, and every defect refused as ManifestError (never another exception)."""
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from jaxckpt import manifest as mf
+from jaxckpt.box import Box
+from jaxckpt.checksum import crc32c
+from jaxckpt.errors import ManifestError
+
+
+def sample() -> mf.Manifest:
+    w = mf.ArrayMeta(
+        path="params/dense/kernel", keypath=(("key", "params"), ("key", "dense"), ("key", "kernel")),
+        shape=(8, 4), dtype="bfloat16", kind="jax", sharding="NamedSharding(mesh(data=8), P('data', None))",
+        attrs={"note": "x", "n": [1, 2]},
+        chunks=(mf.ChunkMeta(Box((0, 0), (4, 4)), 0, 32, 0xDEADBEEF, 0),
+                mf.ChunkMeta(Box((4, 0), (8, 4)), 64, 32, 7, 1)))
+    key = mf.ArrayMeta(path="rng", keypath=(("attr", "rng"),), shape=(2,), dtype="uint32", kind="prng_key",
+                       attrs={"impl": "threefry2x32", "key_dtype": "key<fry>", "key_shape": []},
+                       chunks=(mf.ChunkMeta(Box((0,), (2,)), 128, 8, 1, 0),))
+    scalar = mf.ArrayMeta(path="lr", keypath=(("idx", 3),), shape=(), dtype="float32", kind="numpy_scalar",
+                          chunks=(mf.ChunkMeta(Box((), ()), 192, 4, 2, 0),))
+    leaves = (mf.LeafMeta("step", (("key", "step"),), 12), mf.LeafMeta("name", (("key", "name"),), "héllo"),
+              mf.LeafMeta("blob", (("key", "blob"),), b"\x00\xff"), mf.LeafMeta("none", (("key", "none"),), None),
+              mf.LeafMeta("f", (("key", "f"),), 1.5), mf.LeafMeta("b", (("key", "b"),), True),
+              mf.LeafMeta("big", (("key", "big"),), 2**64 - 1), mf.LeafMeta("neg", (("key", "neg"),), -(2**63)))
+    return mf.Manifest(step=12, process=0, process_count=2, framework="jax", arrays=(w, key, scalar), leaves=leaves,
+                       order=("params/dense/kernel", "rng", "lr", "step", "name", "blob", "none", "f", "b", "big",
+                              "neg"),
+                       nbytes=256, layout="abcdef0123456789", created=1700000000.25)
+
+
+VALID = mf.encode(sample())
+
+
+def envelope(body_obj, *, fmt=mf.FORMAT, version=mf.VERSION) -> bytes:
+    body = msgpack.packb(body_obj, use_bin_type=True)
+    return msgpack.packb([fmt, version, crc32c(body), body], use_bin_type=True)
+
+
+def wire() -> dict:
+    return mf._to_wire(sample())
+
+
+def test_roundtrip_is_exact():
+    m = sample()
+    assert mf.decode(VALID) == m
+    assert mf.decode(memoryview(VALID)) == m
+    assert mf.encode(mf.decode(VALID)) == VALID
+
+
+def test_empty_manifest_roundtrips():
+    m = mf.Manifest(step=0, process=0, process_count=1, framework="torch", arrays=())
+    assert mf.decode(mf.encode(m)) == m
+
+
+def test_array_lookup():
+    m = sample()
+    assert m.array("rng").kind == "prng_key"
+    with pytest.raises(KeyError):
+        m.array("nope")
+
+
+def test_wrong_version_is_refused():
+    data = envelope(wire(), version=mf.VERSION + 1)
+    with pytest.raises(ManifestError, match=f"version {mf.VERSION + 1}.*not supported"):
+        mf.decode(data, source="step 3 manifest of process 1")
+    with pytest.raises(ManifestError, match="step 3 manifest of process 1"):
+        mf.decode(data, source="step 3 manifest of process 1")
+
+
+def test_wrong_format_is_refused():
+    with pytest.raises(ManifestError, match="not a jaxckpt manifest envelope"):
+        mf.decode(envelope(wire(), fmt="orbax-manifest"))
+    with pytest.raises(ManifestError, match="not a jaxckpt manifest envelope"):
+        mf.decode(msgpack.packb({"step": 1}))
+    with pytest.raises(ManifestError):
+        mf.decode(b"")
+
+
+def test_checksum_mismatch_is_refused():
+    body = msgpack.packb(wire(), use_bin_type=True)
+    data = msgpack.packb([mf.FORMAT, mf.VERSION, crc32c(body) ^ 1, body], use_bin_type=True)
+    with pytest.raises(ManifestError, match="checksum mismatch"):
+        mf.decode(data)
+
+
+def test_oversized_input_is_refused_before_decoding(monkeypatch):
+    monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", len(VALID) - 1)
+    with pytest.raises(ManifestError, match="exceeds"):
+        mf.decode(VALID)
+
+
+def _set(d, path, value):
+    node = d
+    for k in path[:-1]:
+        node = node[k]
+    if value is KeyError:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+
+
+# Bodies that carry a valid checksum but a defect that only the schema checks can catch.
+BAD_BODIES = {
+    "step negative": (("step",), -1),
+    "step bool": (("step",), True),
+    "step missing": (("step",), KeyError),
+    "arrays not a list": (("arrays",), {"a": 1}),
+    "path not str": (("arrays", 0, "path"), 3),
+    "shape negative": (("arrays", 0, "shape"), [8, -4]),
+    "shape of str": (("arrays", 0, "shape"), "8x4"),
+    "chunk out of bounds": (("arrays", 0, "chunks", 1, 0), [[4, 0], [9, 4]]),
+    "chunk box rank": (("arrays", 0, "chunks", 0, 0), [[0], [4]]),
+    "chunk box negative extent": (("arrays", 0, "chunks", 0, 0), [[3, 0], [1, 4]]),
+    "chunk box negative start": (("arrays", 0, "chunks", 0, 0), [[-4, 0], [4, 4]]),
+    "chunk too short": (("arrays", 0, "chunks", 0), [[[0, 0], [4, 4]], 0, 32]),
+    "chunk offset negative": (("arrays", 0, "chunks", 0, 1), -64),
+    "crc not int": (("arrays", 0, "chunks", 0, 3), "deadbeef"),
+    "keypath entry kind": (("arrays", 0, "keypath", 0, 0), "weird"),
+    "keypath not list": (("arrays", 0, "keypath"), "params/dense"),
+    "dtype not str": (("arrays", 0, "dtype"), 5),
+    "attrs not dict": (("arrays", 0, "attrs"), [1]),
+    "leaf missing path": (("leaves", 0, "path"), KeyError),
+    "order not str": (("order",), [1, 2]),
+    "created str": (("created",), "yesterday"),
+    "framework missing": (("framework",), KeyError),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_BODIES))
+def test_schema_defects_with_a_valid_checksum_are_refused(name):
+    path, value = BAD_BODIES[name]
+    d = wire()
+    _set(d, path, value)
+    with pytest.raises(ManifestError):
+        mf.decode(envelope(d))
+
+
+def test_merge_chunks_joins_processes_and_checks_agreement():
+    m0 = sample()
+    other = mf.ArrayMeta(path="params/dense/kernel", keypath=m0.arrays[0].keypath, shape=(8, 4), dtype="bfloat16",
+                         kind="jax", chunks=(mf.ChunkMeta(Box((0, 0), (8, 4)), 0, 64, 3, 1),))
+    m1 = mf.Manifest(step=12, process=1, process_count=2, framework="jax", arrays=(other,))
+    merged = mf.merge_chunks([m0, m1])
+    assert len(merged["params/dense/kernel"].chunks) == 3
+    assert merged["rng"] == m0.arrays[1]
+    bad = mf.Manifest(step=12, process=1, process_count=2, framework="jax",
+                      arrays=(mf.ArrayMeta(path="rng", keypath=(), shape=(3,), dtype="uint32", kind="jax"),))
+    with pytest.raises(ManifestError, match="rng: processes disagree.*step 12"):
+        mf.merge_chunks([m0, bad])
+
+
+# ------------------------------------------------------------------------------------------------ fuzzing
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _decode_refused(data: bytes) -> None:
+    try:
+        mf.decode(data)
+    except ManifestError:
+        return
+    raise AssertionError(f"decode accepted a damaged manifest: {data[:64]!r}")
+
+
+@FUZZ
+@given(st.binary(max_size=2048))
+def test_random_bytes_raise_manifest_error(data):
+    _decode_refused(data)
+
+
+@FUZZ
+@given(st.integers(0, len(VALID) - 1))
+def test_every_truncation_raises_manifest_error(n):
+    _decode_refused(VALID[:n])
+
+
+def test_every_single_truncation_exhaustively():
+    for n in range(len(VALID)):
+        _decode_refused(VALID[:n])
+
+
+@FUZZ
+@given(st.integers(0, len(VALID) * 8 - 1))
+def test_single_bit_flips_raise_manifest_error(bit):
+    data = bytearray(VALID)
+    data[bit // 8] ^= 1 << (bit % 8)
+    _decode_refused(bytes(data))
+
+
+@FUZZ
+@given(st.lists(st.integers(0, len(VALID) * 8 - 1), min_size=2, max_size=8, unique=True))
+def test_multi_bit_flips_raise_manifest_error(bits):
+    data = bytearray(VALID)
+    for bit in bits:
+        data[bit // 8] ^= 1 << (bit % 8)
+    _decode_refused(bytes(data))
+
+
+@FUZZ
+@given(st.binary(min_size=1, max_size=64))
+def test_trailing_garbage_raises_manifest_error(tail):
+    _decode_refused(VALID + tail)
+
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=20)
+
+
+@FUZZ
+@given(msgpack_values)
+def test_random_bodies_with_a_valid_checksum_raise_manifest_error(body):
+    _decode_refused(envelope(body))
+
+
+@FUZZ
+@given(st.sampled_from(["step", "process", "process_count", "framework", "arrays", "leaves", "order", "nbytes",
+                        "layout", "created"]), msgpack_values)
+def test_random_field_values_raise_manifest_error_or_decode(field, value):
+    d = wire()
+    d[field] = value
+    try:
+        m = mf.decode(envelope(d))
+    except ManifestError:
+        return
+    assert isinstance(m, mf.Manifest)  # a value of the right type is fine; anything else must be refused
