@@ -88,22 +88,26 @@ def local_sources(x: Any, kind: str, devices: frozenset[int]) -> dict[int, tuple
     return out
 
 
+@functools.lru_cache(maxsize=4096)
+def _local_boxes(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> tuple[tuple[Any, Box], ...]:
+    return tuple((dev, Box.from_index(index, shape))
+                 for dev, index in sharding.addressable_devices_indices_map(shape).items())
+
+
 def make_array(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding,
                boxes: dict[Box, np.ndarray]) -> jax.Array:
     """A global jax.Array with ``sharding`` whose local shards come from host arrays keyed by box."""
-    index_map = sharding.addressable_devices_indices_map(shape)
-    arrays = []
-    for dev, index in index_map.items():
-        host = boxes[Box.from_index(index, shape)]
-        arrays.append(jax.device_put(host, dev))
+    local = _local_boxes(shape, sharding)
+    # One batched transfer for all local devices instead of a device_put per shard.
+    arrays = jax.device_put([boxes[box] for _, box in local], [dev for dev, _ in local])
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 def needed_boxes(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> dict[Box, list[int]]:
     """The boxes this process's devices need under ``sharding``, each with the device ids that need it."""
     out: dict[Box, list[int]] = {}
-    for dev, index in sharding.addressable_devices_indices_map(shape).items():
-        out.setdefault(Box.from_index(index, shape), []).append(dev.id)
+    for dev, box in _local_boxes(shape, sharding):
+        out.setdefault(box, []).append(dev.id)
     return out
 
 
