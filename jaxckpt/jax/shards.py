@@ -57,8 +57,9 @@ def local_sources(x: Any, kind: str, devices: frozenset[int]) -> dict[int, tuple
 
     On CPU ``np.asarray`` of a shard aliases the device buffer: taking that view here, at ``save()``, makes a
     donating next step leave these buffers alone (JAX skips donation of buffers with external references), so
-    the worker copies the state as it was at the call. Elsewhere a device-side copy is dispatched now (it is
-    ordered before any later step) and its transfer to host is started by the dispatcher under the byte budget.
+    the worker copies the state as it was at the call. If the array is not computed yet (``save()`` called right
+    after dispatching the step), or on an accelerator, a device-side copy is dispatched now instead (it is ordered
+    before any later step) and its transfer to host is started by the dispatcher under the byte budget.
     """
     if kind == "prng_key":
         x = jax.random.key_data(x)
@@ -75,17 +76,24 @@ def local_sources(x: Any, kind: str, devices: frozenset[int]) -> dict[int, tuple
     # ``_addressable_device_assignment`` is the order of the array's local buffers; reading it avoids building
     # Shard objects (index maps) for every array on every save, the main per-save Python cost.
     order = [d.id for d in x.sharding._addressable_device_assignment]
-    if on_cpu(x):
+    # A view of a buffer the step has not finished writing would wait for the step: then a device-side copy is
+    # dispatched instead (ordered after the step, before any later donation), and a worker waits for it.
+    if on_cpu(x) and x.is_ready():
         for i, dev in enumerate(order):
             if dev in devices:
                 view = np.asarray(x.addressable_data(i))
                 out[dev] = (lambda v=view: v, None)
         return out
+    copy = _device_copy(x)  # one async device-side copy of the whole array, immune to donation of ``x``
     for i, dev in enumerate(order):
         if dev in devices:
-            data = x.addressable_data(i).copy()  # async device-side copy, immune to donation of ``x``
+            data = copy.addressable_data(i)
             out[dev] = (lambda d=data: np.asarray(d), data.copy_to_host_async)
     return out
+
+
+# ``jax.Array.copy`` waits for the array here; a jitted copy is dispatched asynchronously like any step.
+_device_copy = jax.jit(lambda a: jax.numpy.copy(a))
 
 
 @functools.lru_cache(maxsize=4096)
