@@ -41,6 +41,11 @@ class Config:
     persistent_dir: str = ""
     persistent_interval: int = 0
     verify_on_restore: bool = True
+    # Multi-process jobs serve snapshots to each other: shared token ("" = process 0 makes one and shares it
+    # through the coordination service), listen address, and the time-out of every peer request.
+    peer_token: str = dataclasses.field(default="", repr=False)
+    peer_bind: str = "127.0.0.1"
+    peer_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -58,8 +63,9 @@ class Config:
         for name in ("memory_budget_bytes", "persistent_interval"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"Config.{name}={getattr(self, name)!r}: must not be negative")
-        if self.commit_timeout_s <= 0:
-            raise ConfigError(f"Config.commit_timeout_s={self.commit_timeout_s!r}: must be positive")
+        for name in ("commit_timeout_s", "peer_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"Config.{name}={getattr(self, name)!r}: must be positive")
         if not self.job_id or any(c not in _JOB_ID_CHARS for c in self.job_id):
             raise ConfigError(f"Config.job_id={self.job_id!r}: use letters, digits, '-', '_' and '.' only")
 
@@ -118,7 +124,11 @@ class Config:
 
 
 # Variables in our namespace that configure other things than Config (the CLI, the launcher).
-_ENV_NOT_FIELDS = frozenset({"JAXCKPT_LOG_LEVEL", "JAXCKPT_LAUNCH_SPEC"})
+_ENV_NOT_FIELDS = frozenset({"JAXCKPT_LOG_LEVEL", "JAXCKPT_LAUNCH_SPEC",
+                             # set by jaxckpt.testing's launcher (jaxckpt/testing/node.py) in each process
+                             "JAXCKPT_COORDINATOR", "JAXCKPT_PROCESS_ID", "JAXCKPT_PROCESS_COUNT",
+                             "JAXCKPT_DEVICES_PER_PROC", "JAXCKPT_NODE", "JAXCKPT_NODE_COUNT", "JAXCKPT_LOCAL_RANK",
+                             "JAXCKPT_PROCS_PER_NODE", "JAXCKPT_LAUNCH_DIR"})
 _JOB_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 

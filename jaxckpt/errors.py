@@ -56,3 +56,11 @@ class CommitError(JaxckptError):
 
 class ClosedError(JaxckptError, RuntimeError):
     """The checkpointer or store was used after close()."""
+
+
+class PeerError(JaxckptError, ConnectionError):
+    """A peer refused a request (wrong token), sent a malformed reply, or did not answer in time."""
+
+
+class LaunchError(JaxckptError, RuntimeError):
+    """A launched multi-process job could not start, or was used outside a launched process."""

@@ -6,7 +6,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from jaxckpt.checksum import crc32c
-from jaxckpt.errors import ChecksumError, StepNotFoundError
+from jaxckpt.errors import ChecksumError, PeerError, StepNotFoundError
 from jaxckpt.manifest import ChunkMeta
 from jaxckpt.plan import Assembly
 
@@ -42,8 +42,8 @@ class ChunkReader:
                                     f"by process {chunk.process}, which this process cannot reach")
         try:
             raw = source(chunk.offset, chunk.nbytes)
-        except ChecksumError as e:
-            raise ChecksumError(f"{path}: step {self._step} chunk of process {chunk.process}: {e}") from None
+        except (ChecksumError, PeerError, StepNotFoundError) as e:  # name the array the bytes were for
+            raise type(e)(f"{path}: step {self._step} chunk of process {chunk.process}: {e}") from None
         if len(raw) != chunk.nbytes:
             raise ChecksumError(f"{path}: step {self._step} chunk of process {chunk.process} came back with "
                                 f"{len(raw)} bytes, expected {chunk.nbytes}")

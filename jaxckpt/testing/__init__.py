@@ -1,1 +1,9 @@
-"""Helpers for testing jaxckpt and stores built on it."""
+"""Helpers for testing jaxckpt and stores built on it: the multi-process launcher and what a launched process knows.
+
+Importing this package does not import jax.
+"""
+from jaxckpt.testing.launcher import Job, ProcResult, expect_ok, free_port, launch, start
+from jaxckpt.testing.node import NodeInfo, init_from_env, kill_node, node_info
+
+__all__ = ["Job", "NodeInfo", "ProcResult", "expect_ok", "free_port", "init_from_env", "kill_node", "launch",
+           "node_info", "start"]

@@ -1,0 +1,384 @@
+"""Peer transport: a process serves its store's committed snapshots; other processes fetch manifests and ranges.
+
+The interface is three small classes (:class:`Transport` makes servers and clients) so that another transport
+can be added next to the pyzmq one. Wire protocol, version 1 (msgpack maps, never pickle):
+
+  request (one frame)  {"v": 1, "id": n, "token": bytes, "op": "steps"|"manifest"|"read", "step", "offset", "nbytes"}
+  reply (two frames)   {"v": 1, "id": n, "ok": bool, "code": "", "error": "", "steps": [...], "size"}, payload
+A manifest is paged: each reply carries at most one frame from ``offset`` and the manifest's total ``size``.
+
+Every request carries the job's shared token, compared with ``hmac.compare_digest``; a request with a wrong
+or missing token is refused (logged, nothing served). Requests are at most ``MAX_REQUEST_BYTES``; a read
+returns at most ``frame_bytes`` per reply and the client splits larger ranges (bounded messages both ways).
+Every wait has a time-out. The server thread sends zero-copy from a pinned ``store.open(step)`` view and keeps
+the view pinned until ZeroMQ has finished with the bytes, so a step deleted meanwhile is never torn.
+"""
+from __future__ import annotations
+
+import abc
+import hmac
+import itertools
+import logging
+import socket
+import threading
+import time
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+import zmq
+
+from jaxckpt.errors import PeerError, StepNotFoundError
+from jaxckpt.manifest import MAX_MANIFEST_BYTES
+from jaxckpt.store import SnapshotView, Store
+
+log = logging.getLogger("jaxckpt.backends.transport")
+
+VERSION = 1
+MAX_REQUEST_BYTES = 4096
+DEFAULT_FRAME_BYTES = 16 << 20
+_HEADER_SLACK = 4096  # a reply header is far below this
+OPS = ("steps", "manifest", "read")
+
+
+class PeerServer(abc.ABC):
+    """Serves one store's committed snapshots at ``address`` until closed."""
+
+    address: str
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class PeerClient(abc.ABC):
+    """Reads another process's committed snapshots; every call raises PeerError on refusal or time-out."""
+
+    address: str
+
+    @abc.abstractmethod
+    def steps(self) -> list[int]:
+        """The committed steps the peer holds now."""
+
+    @abc.abstractmethod
+    def manifest(self, step: int) -> bytes:
+        """The peer's encoded manifest of ``step``; StepNotFoundError if the peer does not hold it."""
+
+    @abc.abstractmethod
+    def read(self, step: int, offset: int, nbytes: int) -> memoryview:
+        """``nbytes`` bytes at ``offset`` of the peer's snapshot buffer of ``step``."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class Transport(abc.ABC):
+    """Makes peer servers and clients; all of them authenticate with one shared token."""
+
+    name: ClassVar[str] = ""
+
+    @abc.abstractmethod
+    def serve(self, store: Store, *, token: bytes, host: str = "127.0.0.1") -> PeerServer:
+        """Start serving ``store`` on ``host`` (an ephemeral port) and return at once."""
+
+    @abc.abstractmethod
+    def connect(self, address: str, *, token: bytes, timeout_s: float) -> PeerClient:
+        """A client of the server at ``address`` (connects lazily; the first request may time out)."""
+
+
+def get_transport(name: str = "zmq", **options: Any) -> Transport:
+    """The transport registered under ``name``."""
+    if name == "zmq":
+        return ZmqTransport(**options)
+    raise PeerError(f"no peer transport named {name!r} (known: zmq)")
+
+
+# --------------------------------------------------------------------------------------------------- zmq
+class ZmqTransport(Transport):
+    """ROUTER server, DEALER clients, over TCP (loopback unless told otherwise)."""
+
+    name = "zmq"
+
+    def __init__(self, frame_bytes: int = DEFAULT_FRAME_BYTES, window: int = 4) -> None:
+        self.frame_bytes = frame_bytes
+        self.window = window
+
+    def serve(self, store: Store, *, token: bytes, host: str = "127.0.0.1") -> "ZmqServer":
+        return ZmqServer(store, token=token, host=host, frame_bytes=self.frame_bytes)
+
+    def connect(self, address: str, *, token: bytes, timeout_s: float) -> "ZmqClient":
+        return ZmqClient(address, token=token, timeout_s=timeout_s, frame_bytes=self.frame_bytes,
+                         window=self.window)
+
+
+class _Refused(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ZmqServer(PeerServer):
+    """One thread owning a ROUTER socket; reads are served zero-copy from pinned store views."""
+
+    POLL_MS = 100
+
+    def __init__(self, store: Store, *, token: bytes, host: str, frame_bytes: int) -> None:
+        if not token:
+            raise PeerError("a peer server needs a non-empty token")
+        self._store, self._token, self._frame_bytes = store, bytes(token), frame_bytes
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        # Larger requests make ZeroMQ drop the connection before anything is buffered; smaller but still
+        # oversized ones get a clear "too-large" reply below.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        # A wildcard bind is reached from other hosts under this host's name.
+        self.address = f"tcp://{socket.gethostname() if host in ('*', '0.0.0.0') else host}:{port}"
+        self._stop = threading.Event()
+        self._pinned: list[tuple[zmq.MessageTracker, SnapshotView]] = []
+        self.refused = 0  # requests refused for a bad token (tests and metrics read it)
+        self.served = 0
+        self._thread = threading.Thread(target=self._run, name="jaxckpt-peer-server", daemon=True)
+        self._thread.start()
+        log.info("serving snapshots of process %d at %s", store.process_index, self.address)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                self._release_sent()
+                if not poller.poll(self.POLL_MS):
+                    continue
+                while True:
+                    try:
+                        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(frames)
+        except Exception:  # noqa: BLE001 - a dead server thread must at least say why
+            log.exception("peer server at %s stopped", self.address)
+        finally:
+            self._sock.close(linger=0)
+            for _, view in self._pinned:
+                view.close()
+            self._pinned.clear()
+
+    def _release_sent(self) -> None:
+        if self._pinned:
+            keep = []
+            for tracker, view in self._pinned:
+                if tracker.done:
+                    view.close()
+                else:
+                    keep.append((tracker, view))
+            self._pinned = keep
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        ident, body = frames[0], frames[1:]
+        rid = None
+        try:
+            if len(body) != 1:
+                raise _Refused("bad-request", f"expected one request frame, got {len(body)}")
+            raw = body[0].buffer
+            if len(raw) > MAX_REQUEST_BYTES:
+                raise _Refused("too-large", f"request of {len(raw)} bytes exceeds the {MAX_REQUEST_BYTES}-byte limit")
+            try:
+                req = msgpack.unpackb(raw, raw=False, max_bin_len=MAX_REQUEST_BYTES, max_str_len=MAX_REQUEST_BYTES)
+            except Exception as e:  # msgpack raises several unrelated types on garbage
+                raise _Refused("bad-request", f"request is not msgpack ({type(e).__name__})") from None
+            if not isinstance(req, dict):
+                raise _Refused("bad-request", "request is not a msgpack map")
+            rid = req.get("id") if isinstance(req.get("id"), int) else None
+            token = req.get("token")
+            if not isinstance(token, bytes) or not hmac.compare_digest(token, self._token):
+                self.refused += 1
+                if self.refused <= 10 or self.refused % 1000 == 0:
+                    log.warning("refused a request from %s: wrong or missing token (%d refused so far)",
+                                _peer_address(ident), self.refused)
+                raise _Refused("auth", "refused: wrong or missing token")
+            self._serve(ident, rid, req)
+        except _Refused as e:
+            self._reply(ident, rid, ok=False, code=e.code, error=str(e))
+        except Exception as e:  # noqa: BLE001 - one bad request must not stop the server
+            log.exception("peer request from %s failed", _peer_address(ident))
+            self._reply(ident, rid, ok=False, code="internal", error=f"{type(e).__name__}: {e}")
+
+    def _serve(self, ident: zmq.Frame, rid: int | None, req: dict) -> None:
+        if req.get("v") != VERSION:
+            raise _Refused("bad-request", f"protocol version {req.get('v')!r} is not supported (this is {VERSION})")
+        op = req.get("op")
+        if op not in OPS:
+            raise _Refused("bad-request", f"unknown op {op!r}")
+        if op == "steps":
+            self._reply(ident, rid, ok=True, steps=self._store.steps())
+            return
+        step = _nonneg(req, "step")
+        view = self._store.open(step)
+        if view is None:
+            raise _Refused("not-found", f"step {step} is not held by process {self._store.process_index} "
+                                        f"(held: {self._store.steps() or 'none'})")
+        size = None
+        try:
+            if op == "manifest":  # paged like reads, so that no reply exceeds a frame
+                manifest = memoryview(view.manifest)
+                size, offset = len(manifest), req.get("offset", 0)
+                if not isinstance(offset, int) or not 0 <= offset <= size:
+                    raise _Refused("bad-request", f"manifest offset {offset!r} outside 0..{size}")
+                payload: Any = manifest[offset:offset + self._frame_bytes]
+            else:
+                offset, nbytes = _nonneg(req, "offset"), _nonneg(req, "nbytes")
+                if nbytes > self._frame_bytes:
+                    raise _Refused("too-large", f"read of {nbytes} bytes exceeds the {self._frame_bytes}-byte frame")
+                if offset + nbytes > len(view.buffer):
+                    raise _Refused("bad-request", f"range {offset}+{nbytes} runs past the end of step {step}'s "
+                                                  f"{len(view.buffer)}-byte snapshot")
+                payload = view.buffer[offset:offset + nbytes]
+            tracker = self._reply(ident, rid, ok=True, payload=payload, size=size)
+        except BaseException:
+            view.close()
+            raise
+        self.served += 1
+        self._pinned.append((tracker, view))  # unpinned once ZeroMQ no longer needs the bytes
+
+    def _reply(self, ident: zmq.Frame, rid: int | None, *, ok: bool, code: str = "", error: str = "",
+               steps: list[int] | None = None, payload: Any = b"", size: int | None = None) -> zmq.MessageTracker:
+        header = msgpack.packb({"v": VERSION, "id": rid, "ok": ok, "code": code, "error": error,
+                                "steps": steps or [], "size": size}, use_bin_type=True)
+        try:
+            return self._sock.send_multipart([ident.bytes, header, payload], copy=False, track=True,
+                                             flags=zmq.NOBLOCK)
+        except zmq.Again:
+            # The peer's queue is full (it stopped reading): drop the reply, the peer times out.
+            log.warning("dropped a reply to %s: its queue is full", _peer_address(ident))
+            return _DONE
+
+    def close(self) -> None:
+        """Stop serving; in-flight replies are dropped (clients time out or retry elsewhere)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class _Done:
+    done = True
+
+
+_DONE: Any = _Done()
+
+
+def _peer_address(ident: zmq.Frame) -> str:
+    try:
+        return ident.get("Peer-Address")
+    except Exception:  # noqa: BLE001 - only for log messages
+        return "an unknown peer"
+
+
+def _nonneg(req: dict, key: str) -> int:
+    v = req.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise _Refused("bad-request", f"field {key!r} must be a non-negative int, got {v!r}")
+    return v
+
+
+class ZmqClient(PeerClient):
+    """A DEALER socket to one peer; requests carry ids so late replies to timed-out requests are dropped."""
+
+    def __init__(self, address: str, *, token: bytes, timeout_s: float, frame_bytes: int, window: int) -> None:
+        self.address = address
+        self._token, self._timeout, self._frame_bytes, self._window = bytes(token), timeout_s, frame_bytes, window
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, frame_bytes + _HEADER_SLACK)
+        self._sock.connect(address)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _send(self, op: str, **fields: int) -> int:
+        rid = next(self._ids)
+        self._sock.send(msgpack.packb({"v": VERSION, "id": rid, "token": self._token, "op": op, **fields},
+                                      use_bin_type=True))
+        return rid
+
+    def _recv(self, want: set[int], deadline: float, what: str) -> tuple[int, dict, zmq.Frame | None]:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+                raise PeerError(f"peer {self.address}: no reply to {what} within {self._timeout:g}s")
+            frames = self._sock.recv_multipart(copy=False)
+            try:
+                header = msgpack.unpackb(frames[0].buffer, raw=False)
+            except Exception:  # noqa: BLE001
+                raise PeerError(f"peer {self.address}: malformed reply to {what}") from None
+            if not isinstance(header, dict) or header.get("v") != VERSION:
+                raise PeerError(f"peer {self.address}: malformed reply to {what} (not protocol {VERSION})")
+            rid = header.get("id")
+            if rid not in want:
+                continue  # a late reply to a request that timed out earlier
+            if not header.get("ok"):
+                code, error = header.get("code"), header.get("error")
+                if code == "not-found":
+                    raise StepNotFoundError(f"peer {self.address}: {error}")
+                raise PeerError(f"peer {self.address} refused {what}: {error} ({code})")
+            return rid, header, frames[1] if len(frames) > 1 else None
+
+    def _call(self, op: str, what: str, **fields: int) -> tuple[dict, zmq.Frame | None]:
+        with self._lock:
+            self._check_open()
+            rid = self._send(op, **fields)
+            _, header, payload = self._recv({rid}, time.monotonic() + self._timeout, what)
+            return header, payload
+
+    def steps(self) -> list[int]:
+        header, _ = self._call("steps", "a steps request")
+        return [int(s) for s in header.get("steps", [])]
+
+    def manifest(self, step: int) -> bytes:
+        parts: list[bytes] = []
+        got, size = 0, None
+        while size is None or got < size:
+            header, payload = self._call("manifest", f"the manifest of step {step}", step=step, offset=got)
+            size, part = header.get("size"), payload.bytes if payload is not None else b""
+            if not isinstance(size, int) or size > MAX_MANIFEST_BYTES or (got + len(part) < size and not part):
+                raise PeerError(f"peer {self.address}: malformed manifest reply for step {step} (size {size!r})")
+            parts.append(part)
+            got += len(part)
+        return b"".join(parts)
+
+    def read(self, step: int, offset: int, nbytes: int) -> memoryview:
+        what = f"step {step} range {offset}+{nbytes}"
+        parts = [(o, min(self._frame_bytes, offset + nbytes - o))
+                 for o in range(offset, offset + nbytes, self._frame_bytes)] or [(offset, 0)]
+        out = None if len(parts) == 1 else np.empty(nbytes, dtype=np.uint8)
+        with self._lock:
+            self._check_open()
+            deadline = time.monotonic() + self._timeout
+            pending: dict[int, tuple[int, int]] = {}
+            todo = iter(parts)
+            while True:
+                while len(pending) < self._window:
+                    nxt = next(todo, None)
+                    if nxt is None:
+                        break
+                    pending[self._send("read", step=step, offset=nxt[0], nbytes=nxt[1])] = nxt
+                if not pending:
+                    break
+                rid, _, payload = self._recv(set(pending), deadline, what)
+                o, n = pending.pop(rid)
+                buf = payload.buffer if payload is not None else memoryview(b"")
+                if len(buf) != n:
+                    raise PeerError(f"peer {self.address}: {what}: reply has {len(buf)} bytes, expected {n}")
+                if out is None:
+                    return buf
+                out[o - offset:o - offset + n] = np.frombuffer(buf, dtype=np.uint8)
+                deadline = time.monotonic() + self._timeout  # progress resets the clock
+        return memoryview(out)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PeerError(f"client of peer {self.address} is closed")
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._sock.close(linger=0)

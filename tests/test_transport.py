@@ -1,0 +1,167 @@
+"""Peer transport: every transport passes TransportTests (zarr's shared-conformance-suite pattern)."""
+import logging
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from jaxckpt import Config
+from jaxckpt.backends.memory import MemoryStore
+from jaxckpt.backends.transport import MAX_REQUEST_BYTES, VERSION, ZmqTransport
+from jaxckpt.errors import PeerError, StepNotFoundError
+from jaxckpt.testing import free_port
+
+TOKEN = b"s3cret-token-of-the-job"
+FRAME = 4096  # small frames so that multi-frame reads are exercised on small data
+
+
+def _commit(store: MemoryStore, step: int, data: np.ndarray, manifest: bytes) -> None:
+    slot = store.reserve(step, data.nbytes)
+    np.frombuffer(slot.buffer, dtype=np.uint8)[:] = data.view(np.uint8).reshape(-1)
+    store.commit(slot, manifest)
+
+
+class TransportTests:
+    """What every transport must do; a subclass provides ``make_transport``."""
+
+    def make_transport(self):
+        raise NotImplementedError
+
+    @pytest.fixture
+    def served(self):
+        store = MemoryStore(Config())
+        data = np.random.default_rng(0).integers(0, 256, size=50_000, dtype=np.uint8)
+        _commit(store, 3, data, b"manifest-of-step-3")
+        t = self.make_transport()
+        server = t.serve(store, token=TOKEN)
+        clients = []
+
+        def connect(token=TOKEN, timeout_s=20.0):
+            c = t.connect(server.address, token=token, timeout_s=timeout_s)
+            clients.append(c)
+            return c
+
+        yield store, server, data, connect
+        for c in clients:
+            c.close()
+        server.close()
+        store.close()
+
+    def test_manifest_steps_and_ranges(self, served):
+        store, server, data, connect = served
+        c = connect()
+        assert c.steps() == [3]
+        assert c.manifest(3) == b"manifest-of-step-3"
+        for off, n in [(0, 10), (100, FRAME), (7, FRAME * 3 + 5), (0, data.size), (data.size, 0)]:
+            got = np.frombuffer(c.read(3, off, n), dtype=np.uint8)
+            np.testing.assert_array_equal(got, data[off:off + n])
+        big = np.random.default_rng(1).integers(0, 256, FRAME * 3 + 17, dtype=np.uint8).tobytes()
+        _commit(store, 4, data[:10], big)  # a manifest larger than a frame comes back in pages
+        assert c.manifest(4) == big and c.steps() == [3, 4]
+
+    def test_missing_step_and_bad_range(self, served):
+        store, server, data, connect = served
+        c = connect()
+        with pytest.raises(StepNotFoundError, match=r"step 9 is not held by process 0 \(held: \[3\]\)"):
+            c.manifest(9)
+        with pytest.raises(PeerError, match="runs past the end of step 3"):
+            c.read(3, data.size - 5, 10)
+        store.delete(3)
+        with pytest.raises(StepNotFoundError, match="step 3 is not held"):
+            c.read(3, 0, 10)
+
+    def test_wrong_token_is_refused_and_logged(self, served, caplog):
+        store, server, data, connect = served
+        bad = connect(token=b"not-the-token")
+        with caplog.at_level(logging.WARNING, logger="jaxckpt.backends.transport"):
+            for call in (bad.steps, lambda: bad.manifest(3), lambda: bad.read(3, 0, 10)):
+                with pytest.raises(PeerError, match="refused .*wrong or missing token"):
+                    call()
+        assert server.refused == 3
+        assert any("wrong or missing token" in r.getMessage() and "127.0.0.1" in r.getMessage()
+                   for r in caplog.records)
+        assert connect().manifest(3) == b"manifest-of-step-3"  # the server keeps serving good peers
+
+    def test_timeouts_are_bounded(self, served):
+        store, server, data, connect = served
+        t = self.make_transport()
+        nobody = t.connect(f"tcp://127.0.0.1:{free_port()}", token=TOKEN, timeout_s=0.3)
+        try:
+            with pytest.raises(PeerError, match=r"no reply to the manifest of step 3 within 0.3s"):
+                nobody.manifest(3)
+            with pytest.raises(PeerError, match=r"no reply to step 3 range 0\+20000 within 0.3s"):
+                nobody.read(3, 0, 20_000)
+        finally:
+            nobody.close()
+        c = connect(timeout_s=0.5)
+        server.close()
+        with pytest.raises(PeerError, match="no reply"):
+            c.steps()
+
+
+class TestZmqTransport(TransportTests):
+    def make_transport(self):
+        return ZmqTransport(frame_bytes=FRAME, window=3)
+
+    def _raw(self, server):
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(server.address)
+        return s
+
+    def _reply(self, s, timeout_ms=20_000):
+        assert s.poll(timeout_ms), "no reply"
+        frames = s.recv_multipart()
+        return msgpack.unpackb(frames[0], raw=False), frames[1:]
+
+    def test_garbage_and_oversized_requests_get_clear_errors(self, served):
+        store, server, data, connect = served
+        s = self._raw(server)
+        try:
+            s.send(b"\xc1 this is not msgpack")
+            header, payload = self._reply(s)
+            assert (header["ok"], header["code"]) == (False, "bad-request") and "not msgpack" in header["error"]
+            assert payload == [b""]
+            s.send_multipart([b"a", b"b"])
+            header, _ = self._reply(s)
+            assert header["code"] == "bad-request" and "expected one request frame, got 2" in header["error"]
+            s.send(msgpack.packb([1, 2, 3]))
+            header, _ = self._reply(s)
+            assert header["code"] == "bad-request" and "not a msgpack map" in header["error"]
+            s.send(b"x" * (MAX_REQUEST_BYTES + 1))
+            header, _ = self._reply(s)
+            assert header["code"] == "too-large" and f"{MAX_REQUEST_BYTES}-byte limit" in header["error"]
+            good = {"v": VERSION, "id": 7, "token": TOKEN}
+            cases = [({"op": "read", "step": 3, "offset": 0, "nbytes": FRAME + 1}, "exceeds the 4096-byte"),
+                     ({"op": "read", "step": 3, "offset": -1, "nbytes": 1}, "'offset' must be a non-negative"),
+                     ({"op": "manifest", "step": 3, "offset": 10**6}, "manifest offset 1000000 outside"),
+                     ({"op": "delete", "step": 3}, "unknown op 'delete'"),
+                     ({"op": "steps", "v": 99}, "protocol version 99")]
+            for fields, msg in cases:
+                s.send(msgpack.packb({**good, **fields}))
+                header, _ = self._reply(s)
+                assert header["ok"] is False and header["id"] == 7 and msg in header["error"], header
+            s.send(msgpack.packb({**good, "token": "a str, not bytes", "op": "steps"}))
+            header, _ = self._reply(s)
+            assert header["code"] == "auth"
+        finally:
+            s.close()
+        # A request beyond ZeroMQ's message limit costs the sender its connection; the server goes on.
+        big = self._raw(server)
+        try:
+            big.send(b"y" * (2 << 20))
+            assert not big.poll(300)
+        finally:
+            big.close()
+        c = connect()
+        np.testing.assert_array_equal(np.frombuffer(c.read(3, 5, 100), dtype=np.uint8), data[5:105])
+        assert server.refused == 1
+
+    def test_late_replies_to_timed_out_requests_are_dropped(self, served):
+        store, server, data, connect = served
+        c = connect()
+        # A stale reply (id 1) queued ahead of the real one must not be taken for it.
+        c._send("manifest", step=3)
+        assert c.steps() == [3]
+        np.testing.assert_array_equal(np.frombuffer(c.read(3, 0, 9000), dtype=np.uint8), data[:9000])
