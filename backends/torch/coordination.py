@@ -1,0 +1,65 @@
+"""``torch.distributed``'s key-value store as a jaxckpt Coordinator (the commit protocol; no collectives).
+
+The commit thread blocks on store keys for up to ``commit_timeout_s``. A TCPStore client serialises its
+operations, so blocking waits on the process group's own client would hold up whatever else uses it; when the
+store is a TCPStore we therefore open a second client to the same server just for jaxckpt.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import logging
+
+import torch.distributed as dist
+
+log = logging.getLogger("jaxckpt.backends.torch.coordination")
+
+
+def _tcp_store(store: dist.Store) -> dist.TCPStore | None:
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store if isinstance(store, dist.TCPStore) else None
+
+
+class TorchStoreCoordinator:
+    """Coordinator over a ``torch.distributed`` Store (a TCPStore, FileStore, HashStore, ...)."""
+
+    def __init__(self, store: dist.Store, process_index: int, process_count: int, *, prefix: str = "",
+                 dedicated_client: bool = True, timeout_s: float = 300.0) -> None:
+        tcp = _tcp_store(store) if dedicated_client else None
+        if tcp is not None:
+            store = dist.TCPStore(tcp.host, tcp.port, None, False, timeout=datetime.timedelta(seconds=timeout_s),
+                                  wait_for_workers=False)
+        self._store = dist.PrefixStore(prefix, store) if prefix else store
+        self.process_index, self.process_count = process_index, process_count
+
+    @classmethod
+    def from_process_group(cls, group: dist.ProcessGroup | None = None) -> "TorchStoreCoordinator":
+        """The coordinator of ``group`` (default: the world) over the default store of ``init_process_group``."""
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed.init_process_group() has not been called in this process")
+        store = dist.distributed_c10d._get_default_store()
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        prefix = ""
+        if group is not None and group is not dist.group.WORLD:
+            # Sub-groups share the default store: keep their keys apart by the group's member ranks.
+            ranks = dist.get_process_group_ranks(group)
+            prefix = "pg-" + hashlib.blake2b(repr(ranks).encode(), digest_size=6).hexdigest()
+        return cls(store, rank, size, prefix=prefix)
+
+    def set(self, key: str, value: bytes) -> None:
+        self._store.set(key, bytes(value))
+
+    def get(self, key: str, timeout_s: float) -> bytes:
+        try:
+            self._store.wait([key], datetime.timedelta(seconds=max(0.001, timeout_s)))
+        except dist.DistStoreError as e:
+            if "timeout" in str(e).lower():
+                raise TimeoutError(f"key {key!r} not set within {timeout_s:.1f}s") from None
+            raise
+        return bytes(self._store.get(key))
+
+    def try_get(self, key: str) -> bytes | None:
+        if not self._store.check([key]):
+            return None
+        return bytes(self._store.get(key))
