@@ -26,7 +26,7 @@ log = logging.getLogger("jaxckpt.jax")
 __all__ = ["Checkpointer", "SaveHandle"]
 
 
-def _record(leaf: Leaf) -> ArrayRecord:
+def _record(leaf: Leaf, owned: bool = False) -> ArrayRecord:
     v, kind = leaf.value, leaf.kind
     if kind in ("jax", "prng_key"):
         key = (kind, v.shape, str(v.dtype), v.sharding)
@@ -42,7 +42,7 @@ def _record(leaf: Leaf) -> ArrayRecord:
         return mf.ArrayMeta(leaf.path, leaf.keypath, lay.shape, lay.dtype, kind, shards.describe_sharding(v), attrs)
 
     return ArrayRecord(leaf.path, key, lambda: shards.array_layout(leaf.path, v, kind), meta,
-                       lambda devs: shards.local_sources(v, kind, devs))
+                       lambda devs: shards.local_sources(v, kind, devs, owned))
 
 
 class Checkpointer:
@@ -71,10 +71,14 @@ class Checkpointer:
         its buffers. Raises StepError if ``step`` is not newer than the last saved step, UnsupportedLeafError
         for a leaf it cannot hold, BudgetExceededError when the store's memory budget is full.
         """
+        return self._save(step, state, owned=False)
+
+    def _save(self, step: int, state: Any, owned: bool) -> SaveHandle:
+        """``owned``: the arrays are jaxckpt's private copies (the fused path), read lazily by the workers."""
         t0 = time.perf_counter()
         self.engine.check_open()
         leaves, _ = flatten(state)
-        records = [_record(l) for l in leaves if l.kind != "value"]
+        records = [_record(l, owned and l.kind == "jax") for l in leaves if l.kind != "value"]
         values = [mf.LeafMeta(l.path, l.keypath, l.value) for l in leaves if l.kind == "value"]
         return self.engine.save(step, records, values, tuple(l.path for l in leaves), t0=t0)
 
@@ -82,7 +86,7 @@ class Checkpointer:
                   **jit_kwargs: Any) -> Callable:
         """Jit ``fn`` so that ``f(*args, save_step=k)`` also snapshots ``args[state_argnum]`` as step ``k`` from
         inside the compiled program (see ``jaxckpt.jax.fused``); without ``save_step`` it is the plain step."""
-        return wrap_step(self.save, fn, state_argnum=state_argnum, donate_argnums=donate_argnums, **jit_kwargs)
+        return wrap_step(lambda k, st: self._save(k, st, owned=True), fn, state_argnum=state_argnum, donate_argnums=donate_argnums, **jit_kwargs)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save so far is committed by all processes; raise the first failure."""

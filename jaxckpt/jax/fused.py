@@ -11,13 +11,19 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from jaxckpt.jax.shards import placements
+
 HOST_KIND = "pinned_host"
 
 
 def _host_sharding(x: Any) -> Any:
     if isinstance(x, jax.Array) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return x.sharding.with_memory_kind(HOST_KIND)
-    return None  # let XLA place it; the original leaf is saved instead (see below)
+        s = x.sharding
+        # XLA:CPU (jax 0.10) rejects pinned_host outputs of partially replicated arrays ("Memory kind mismatch"):
+        # those stay in device memory, still a private copy that the workers read once the step is done.
+        if s.is_fully_replicated or len({p.box for p in placements(tuple(x.shape), s)}) == len(s.device_set):
+            return s.with_memory_kind(HOST_KIND)
+    return None
 
 
 def wrap_step(save: Callable[[int, Any], Any], fn: Callable, *, state_argnum: int = 0,
@@ -46,7 +52,7 @@ def wrap_step(save: Callable[[int, Any], Any], fn: Callable, *, state_argnum: in
         state = args[state_argnum]
         out, copy = fused_for(state)(*args)
         # Python and numpy leaves come back from jit as device arrays: save the caller's own leaves for those.
-        # jax.Array leaves were donated, so their copies (host, or device for PRNG keys) are the only ones left.
+        # jax.Array leaves were donated, so their copies (host, or device) are the only ones left, and ours.
         snap = jax.tree_util.tree_map(lambda orig, c: c if isinstance(orig, jax.Array) else orig, state, copy)
         save(save_step, snap)
         return out

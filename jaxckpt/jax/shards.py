@@ -51,15 +51,15 @@ def on_cpu(x: jax.Array) -> bool:
     return next(iter(x.sharding.device_set)).platform == "cpu"
 
 
-def local_sources(x: Any, kind: str, devices: frozenset[int]) -> dict[int, tuple[Callable[[], np.ndarray],
-                                                                               Callable[[], None] | None]]:
+def local_sources(x: Any, kind: str, devices: frozenset[int], owned: bool = False
+                  ) -> dict[int, tuple[Callable[[], np.ndarray], Callable[[], None] | None]]:
     """For each local device id in ``devices``, (fetch, start) returning the host bytes of that device's shard.
 
     On CPU ``np.asarray`` of a shard aliases the device buffer: taking that view here, at ``save()``, makes a
     donating next step leave these buffers alone (JAX skips donation of buffers with external references), so
-    the worker copies the state as it was at the call. If the array is not computed yet (``save()`` called right
-    after dispatching the step), or on an accelerator, a device-side copy is dispatched now instead (it is ordered
-    before any later step) and its transfer to host is started by the dispatcher under the byte budget.
+    the worker copies the state as it was at the call (a state the step has not finished computing is waited
+    for). On an accelerator a device-side copy is dispatched now instead (it is ordered before any later step)
+    and its transfer to host is started by the dispatcher under the byte budget.
     """
     if kind == "prng_key":
         x = jax.random.key_data(x)
@@ -67,8 +67,9 @@ def local_sources(x: Any, kind: str, devices: frozenset[int]) -> dict[int, tuple
         arr = np.asarray(x)
         return {HOST: (lambda arr=arr: arr, None)}
     out = {}
-    if getattr(x.sharding, "memory_kind", None) == "pinned_host":
-        # jaxckpt's own host copy (the fused path): nothing else can touch it, so the workers read it lazily.
+    if owned:
+        # jaxckpt's own copy (the fused path): nothing else can touch it, so the workers read it lazily (and
+        # wait for it there, never on the training thread).
         for i, d in enumerate(x.sharding._addressable_device_assignment):
             if d.id in devices:
                 out[d.id] = (lambda i=i: np.asarray(x.addressable_data(i)), None)
@@ -76,9 +77,9 @@ def local_sources(x: Any, kind: str, devices: frozenset[int]) -> dict[int, tuple
     # ``_addressable_device_assignment`` is the order of the array's local buffers; reading it avoids building
     # Shard objects (index maps) for every array on every save, the main per-save Python cost.
     order = [d.id for d in x.sharding._addressable_device_assignment]
-    # A view of a buffer the step has not finished writing would wait for the step: then a device-side copy is
-    # dispatched instead (ordered after the step, before any later donation), and a worker waits for it.
-    if on_cpu(x) and x.is_ready():
+    # On CPU a view of a buffer the step has not finished writing waits for the step. A device-side copy would
+    # not help: XLA:CPU runs such a small program inline, so its dispatch waits too, and it costs a second memcpy.
+    if on_cpu(x):
         for i, dev in enumerate(order):
             if dev in devices:
                 view = np.asarray(x.addressable_data(i))
