@@ -140,7 +140,8 @@ class CheckpointEngine:
                                   start=start))
         handle = SaveHandle(step, self._tracker)
         handle.nbytes = prep.plan.nbytes
-        fut = self._snap.submit(slot, tasks, release=sources.clear)
+        del sources  # the tasks hold the only references, each dropped as soon as its chunk is copied
+        fut = self._snap.submit(slot, tasks)
         fut.add_done_callback(lambda f: self._local_finished(f, handle, slot, prep, values, order))
         self._last_step = step
         with self._lock:

@@ -1,8 +1,20 @@
-"""The host level of a snapshot: worker threads copy finished transfers into a store slot and checksum them.
+"""Levels 1 and 2 of a snapshot: device-to-host transfers under a byte budget, then copy + checksum on workers.
 
-The training thread only builds a list of :class:`CopyTask` and calls :meth:`SnapshotEngine.submit`; a
-dispatcher thread starts device-to-host transfers in plan order while the bytes in flight stay under the
-budget, and the workers copy and checksum (numpy's copy and crc32c both release the GIL on large buffers).
+The training thread only builds a list of :class:`CopyTask` and calls :meth:`SnapshotEngine.submit`.
+
+Level 1 (device): a dispatcher thread calls each task's ``start()`` (``copy_to_host_async`` of a device-side
+copy) in plan order while the bytes in flight stay under ``Config.inflight_bytes``. Why this order and bound:
+the device-side copies were all dispatched inside ``save()``, so on the device stream they sit before the next
+step and read the state before any donated update can write it; the transfers to host then run on the copy
+engine alongside that step. Plan order is the pytree's order (parameters, then optimizer moments), which is
+also the order in which the next step's forward pass wants memory bandwidth, so the oldest transfers finish
+first; the budget keeps pinned staging memory and link contention bounded so that the step's own transfers
+(e.g. the input batch) never queue behind a whole state. On CPU there is no transfer: ``start`` is None and
+the workers read zero-copy views taken at ``save()``.
+
+Level 2 (host): worker threads copy each chunk into the store's preallocated slot and checksum it (numpy's
+copy and crc32c both release the GIL on large buffers), dropping their reference to the source as soon as
+their chunk is done.
 """
 from __future__ import annotations
 
@@ -99,6 +111,10 @@ class SnapshotEngine:
             except BaseException as e:  # noqa: BLE001 - delivered through the future
                 errors.append(e)
             finally:
+                # Drop this chunk's reference to its source now: a view released early lets a later donating
+                # step reuse that buffer instead of allocating a fresh one.
+                task.fetch = task.start = None  # type: ignore[assignment]
+                src = None
                 with self._cv:
                     self._inflight -= task.nbytes
                     pending[0] -= 1
