@@ -29,7 +29,7 @@ __all__ = ["Checkpointer", "SaveHandle"]
 def _record(leaf: Leaf, owned: bool = False) -> ArrayRecord:
     v, kind = leaf.value, leaf.kind
     if kind in ("jax", "prng_key"):
-        key = (kind, v.shape, str(v.dtype), v.sharding)
+        key = (kind, v.shape, v.dtype, v.sharding)
     else:
         a = np.asarray(v)
         key = (kind, a.shape, a.dtype.str)
@@ -58,6 +58,14 @@ class Checkpointer:
                 coordinator = LocalCoordinator()
         self.engine = CheckpointEngine(config, coordinator, framework="jax")
         self.config = config
+        self.persister = None  # the persistent tier (jaxckpt.persist), with Config.persistent_dir
+        if config.persistent_dir:
+            from jaxckpt.persist import Persister  # imports orbax: only jobs with a persistent tier pay for it
+            try:
+                self.persister = Persister(self.engine, config)
+            except BaseException:
+                self.engine.close()
+                raise
 
     @property
     def store(self):
@@ -73,14 +81,26 @@ class Checkpointer:
         """
         return self._save(step, state, owned=False)
 
-    def _save(self, step: int, state: Any, owned: bool) -> SaveHandle:
-        """``owned``: the arrays are jaxckpt's private copies (the fused path), read lazily by the workers."""
+    def _save(self, step: int, state: Any, owned: bool, extra: Any = None) -> SaveHandle:
+        """``owned``: the arrays are jaxckpt's private copies (the fused path), read lazily by the workers.
+        ``extra``: small JSON-able state saved alongside (``jaxckpt.persist.encode_extra``)."""
         t0 = time.perf_counter()
         self.engine.check_open()
-        leaves, _ = flatten(state)
+        leaves, treedef = flatten(state)
         records = [_record(l, owned and l.kind == "jax") for l in leaves if l.kind != "value"]
         values = [mf.LeafMeta(l.path, l.keypath, l.value) for l in leaves if l.kind == "value"]
-        return self.engine.save(step, records, values, tuple(l.path for l in leaves), t0=t0)
+        if extra is not None:
+            from jaxckpt.persist import extra_leaf
+            values.append(extra_leaf(extra))
+        persist = self.persister is not None and self.persister.wants(step)
+        if persist:  # before save(): a small snapshot can commit before save() returns
+            self.persister.note(step, treedef, leaves)
+        try:
+            return self.engine.save(step, records, values, tuple(l.path for l in leaves), t0=t0)
+        except BaseException:
+            if persist:
+                self.persister.forget(step)
+            raise
 
     def wrap_step(self, fn: Callable, *, state_argnum: int = 0, donate_argnums: Sequence[int] = (0,),
                   **jit_kwargs: Any) -> Callable:
@@ -93,8 +113,11 @@ class Checkpointer:
         self.engine.wait(timeout)
 
     def latest_step(self) -> int | None:
-        """The newest step committed by all processes, or None."""
-        return self.engine.latest_step()
+        """The newest step committed by all processes, or None; with nothing in memory, the newest persisted."""
+        step = self.engine.latest_step()
+        if step is None and self.persister is not None:
+            step = self.persister.latest_step()
+        return step
 
     def all_steps(self) -> list[int]:
         """Committed steps still held, ascending."""
@@ -105,8 +128,11 @@ class Checkpointer:
 
         ``target`` is a pytree of ``jax.ShapeDtypeStruct`` (with shardings), jax or numpy arrays; arrays come
         back with exactly the target's shardings, whatever the saved ones were. Without a target, nested
-        dicts of numpy arrays come back.
+        dicts of numpy arrays come back. With ``Config.persistent_dir``, a step memory cannot supply (not held, or
+        its chunks gone) comes from the persistent directory (``jaxckpt.persist.restore``); the source is logged.
         """
+        if self.persister is not None:
+            return self._restore(target, step).state
         t0 = time.perf_counter()
         with self.engine.open(step) as (step, manifests, reader):
             out = restore_tree(target, manifests, reader, step=step, process=self.engine.process_index)
@@ -114,8 +140,15 @@ class Checkpointer:
                  reader.bytes_by_process)
         return out
 
+    def _restore(self, target: Any, step: int | None):
+        """A ``jaxckpt.persist.Restored``: state, extra state, step and source (memory or persistent)."""
+        from jaxckpt.persist import restore
+        return restore(self.engine, self.persister, target, step)
+
     def close(self) -> None:
-        """Finish in-flight saves, stop the threads and free the store."""
+        """Finish in-flight saves (and the persists they start), stop the threads and free the store."""
+        if self.persister is not None:
+            self.persister.close()
         self.engine.close()
 
     def __enter__(self) -> "Checkpointer":

@@ -47,10 +47,6 @@ def describe_sharding(x: Any) -> str:
     return type(s).__name__
 
 
-def on_cpu(x: jax.Array) -> bool:
-    return next(iter(x.sharding.device_set)).platform == "cpu"
-
-
 def local_sources(x: Any, kind: str, devices: frozenset[int], owned: bool = False
                   ) -> dict[int, tuple[Callable[[], np.ndarray], Callable[[], None] | None]]:
     """For each local device id in ``devices``, (fetch, start) returning the host bytes of that device's shard.
@@ -74,15 +70,21 @@ def local_sources(x: Any, kind: str, devices: frozenset[int], owned: bool = Fals
             if d.id in devices:
                 out[d.id] = (lambda i=i: np.asarray(x.addressable_data(i)), None)
         return out
-    # ``_addressable_device_assignment`` is the order of the array's local buffers; reading it avoids building
-    # Shard objects (index maps) for every array on every save, the main per-save Python cost.
-    order = [d.id for d in x.sharding._addressable_device_assignment]
+    # Local buffers are in ``_addressable_device_assignment`` order; only the ones the plan reads are touched
+    # (one of R for replicated arrays), without building Shard objects: per-shard Python is the save() cost.
+    order, cpu = _local_order(x.sharding)
     # On CPU a view of a buffer the step has not finished writing waits for the step. A device-side copy would
     # not help: XLA:CPU runs such a small program inline, so its dispatch waits too, and it costs a second memcpy.
-    if on_cpu(x):
+    if cpu:
+        # ``_arrays`` builds every local buffer's Python object on each access (and ``addressable_data`` reads it
+        # again per call), so it is read once; a fully replicated array has one buffer worth reading.
+        if x.is_fully_replicated:
+            local = [x.addressable_data(0)] * len(order)
+        else:
+            local = x._arrays
         for i, dev in enumerate(order):
             if dev in devices:
-                view = np.asarray(x.addressable_data(i))
+                view = np.asarray(local[i])
                 out[dev] = (lambda v=view: v, None)
         return out
     copy = _device_copy(x)  # one async device-side copy of the whole array, immune to donation of ``x``
@@ -91,6 +93,12 @@ def local_sources(x: Any, kind: str, devices: frozenset[int], owned: bool = Fals
             data = copy.addressable_data(i)
             out[dev] = (lambda d=data: np.asarray(d), data.copy_to_host_async)
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_order(sharding: jax.sharding.Sharding) -> tuple[tuple[int, ...], bool]:
+    devs = sharding._addressable_device_assignment
+    return tuple(d.id for d in devs), all(d.platform == "cpu" for d in devs)
 
 
 # ``jax.Array.copy`` waits for the array here; a jitted copy is dispatched asynchronously like any step.

@@ -63,18 +63,30 @@ def classify(value: Any, path: str) -> str:
                                f"is not supported (arrays, numpy, int/float/bool/str/bytes/None are)")
 
 
+_paths_by_treedef: dict[Any, tuple[tuple[str, tuple[KeyEntry, ...]], ...]] = {}
+
+
+def _paths(tree: Any, treedef: Any) -> tuple[tuple[str, tuple[KeyEntry, ...]], ...]:
+    # Key paths are a pure function of the treedef: computed once per structure, not on every save.
+    got = _paths_by_treedef.get(treedef)
+    if got is None:
+        out, seen = [], set()
+        for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            entries = keypath_entries(kp)
+            path = path_string(entries)
+            if path in seen:
+                raise UnsupportedLeafError(f"{path}: two leaves have the same path (a key containing '/'?)")
+            seen.add(path)
+            out.append((path, entries))
+        got = _paths_by_treedef[treedef] = tuple(out)
+    return got
+
+
 def flatten(tree: Any, *, classify_leaves: bool = True) -> tuple[list[Leaf], Any]:
     """The leaves of ``tree`` with paths, and its treedef; paths must be unique."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    leaves, seen = [], set()
-    for kp, value in flat:
-        entries = keypath_entries(kp)
-        path = path_string(entries)
-        if path in seen:
-            raise UnsupportedLeafError(f"{path}: two leaves have the same path (a key containing '/'?)")
-        seen.add(path)
-        leaves.append(Leaf(path, entries, value, classify(value, path) if classify_leaves else ""))
-    return leaves, treedef
+    values, treedef = jax.tree_util.tree_flatten(tree)
+    return [Leaf(path, entries, value, classify(value, path) if classify_leaves else "")
+            for (path, entries), value in zip(_paths(tree, treedef), values)], treedef
 
 
 def nested(items: list[tuple[tuple[KeyEntry, ...], Any]]) -> Any:
