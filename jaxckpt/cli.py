@@ -20,6 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_save.add_arguments(bsub.add_parser("save", help="save-call and snapshot time vs state size, vs Orbax"))
     from jaxckpt.bench import stall as bench_stall
     bench_stall.add_arguments(bsub.add_parser("stall", help="step-time cost of a snapshot every step, vs Orbax"))
+    from jaxckpt.bench import torch_dcp as bench_torch
+    bench_torch.add_arguments(bsub.add_parser("torch", help="torch front end save/restore time, vs PyTorch DCP"))
     from jaxckpt.testing import launcher
     launcher.add_arguments(sub.add_parser("launch", help="run a command in N JAX processes grouped into nodes"))
     return p

@@ -185,7 +185,12 @@ def render_save(result: Mapping[str, Any]) -> str:
     return "\n".join(parts)
 
 
-RENDERERS: dict[str, Callable[[Mapping[str, Any]], str]] = {"save": render_save}
+def _render_torch(result: Mapping[str, Any]) -> str:
+    from jaxckpt.bench.torch_dcp import render_torch  # imported here: that module imports this one
+    return render_torch(result)
+
+
+RENDERERS: dict[str, Callable[[Mapping[str, Any]], str]] = {"save": render_save, "torch": _render_torch}
 
 
 def render(result: Mapping[str, Any]) -> str:
