@@ -126,9 +126,19 @@ def covers(whole: Box, boxes: Iterable[Box]) -> bool:
 
 
 def disjoint(boxes: Sequence[Box]) -> bool:
-    """True when no two boxes share an index."""
-    for i, a in enumerate(boxes):
-        for b in boxes[i + 1:]:
-            if a.intersect(b) is not None and a.size and b.size:
+    """True when no two non-empty boxes share an index.
+
+    A sweep along axis 0: only boxes whose axis-0 ranges overlap are compared, so the usual plan (pieces cut
+    along one axis) costs about n log n instead of n^2 comparisons.
+    """
+    items = sorted((b for b in boxes if b.size), key=lambda b: b.start[:1])
+    if items and items[0].ndim == 0:
+        return len(items) <= 1
+    active: list[Box] = []
+    for b in items:
+        active = [a for a in active if a.stop[0] > b.start[0]]
+        for a in active:
+            if a.intersect(b) is not None:
                 return False
+        active.append(b)
     return True

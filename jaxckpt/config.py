@@ -26,10 +26,16 @@ class Config:
     (plus one being written, so keep=1 is double-buffered); ``memory_budget_bytes`` caps the bytes a store
     holds (0 = unlimited); ``inflight_bytes`` bounds device-to-host bytes in flight; ``workers`` host copy
     threads; ``max_pending_saves`` saves may be in flight before ``save()`` waits for the oldest.
+    ``persistent_dir``: committed steps that are multiples of ``persistent_interval`` (0 = never) are also written
+    there in the standard Orbax format, ``persistent_keep`` newest kept (see ``jaxckpt.persist``).
     """
 
     store: str = "memory"
     protection: str = "none"
+    # Copies on other nodes for "replica" (and for data that "parity"/"hybrid" find on one node only); nodes per
+    # group for "xor-group" (extra memory 1/(group-1)). See jaxckpt.protection.
+    protection_copies: int = 1
+    protection_group: int = 4
     keep: int = 1
     memory_budget_bytes: int = 0
     inflight_bytes: int = 256 << 20
@@ -40,12 +46,16 @@ class Config:
     commit_timeout_s: float = 120.0
     persistent_dir: str = ""
     persistent_interval: int = 0
+    persistent_keep: int = 3  # persisted steps kept in persistent_dir (Orbax max_to_keep)
     verify_on_restore: bool = True
     # Multi-process jobs serve snapshots to each other: shared token ("" = process 0 makes one and shares it
     # through the coordination service), listen address, and the time-out of every peer request.
     peer_token: str = dataclasses.field(default="", repr=False)
     peer_bind: str = "127.0.0.1"
     peer_timeout_s: float = 30.0
+    # store="shm": the node agent's directory (socket, lock, shared-memory segments); "" = a per-job directory
+    # under /dev/shm. Simulated nodes on one machine each get their own (JAXCKPT_SHM_DIR).
+    shm_dir: str = ""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -57,7 +67,11 @@ class Config:
                 raise ConfigError(f"Config.store={self.store!r}: unknown store (known: {', '.join(registered_stores())})")
         if self.protection not in PROTECTIONS:
             raise ConfigError(f"Config.protection={self.protection!r}: expected one of {', '.join(PROTECTIONS)}")
-        for name in ("keep", "workers", "max_pending_saves", "chunk_bytes", "inflight_bytes"):
+        if self.protection_copies < 1:
+            raise ConfigError(f"Config.protection_copies={self.protection_copies!r}: must be at least 1")
+        if self.protection_group < 2:
+            raise ConfigError(f"Config.protection_group={self.protection_group!r}: must be at least 2")
+        for name in ("keep", "workers", "max_pending_saves", "chunk_bytes", "inflight_bytes", "persistent_keep"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"Config.{name}={getattr(self, name)!r}: must be at least 1")
         for name in ("memory_budget_bytes", "persistent_interval"):
@@ -66,6 +80,8 @@ class Config:
         for name in ("commit_timeout_s", "peer_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"Config.{name}={getattr(self, name)!r}: must be positive")
+        if self.shm_dir and not os.path.isabs(self.shm_dir):
+            raise ConfigError(f"Config.shm_dir={self.shm_dir!r}: must be an absolute path")
         if not self.job_id or any(c not in _JOB_ID_CHARS for c in self.job_id):
             raise ConfigError(f"Config.job_id={self.job_id!r}: use letters, digits, '-', '_' and '.' only")
 

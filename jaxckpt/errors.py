@@ -64,3 +64,24 @@ class PeerError(JaxckptError, ConnectionError):
 
 class LaunchError(JaxckptError, RuntimeError):
     """A launched multi-process job could not start, or was used outside a launched process."""
+
+
+class StoreUnavailableError(JaxckptError, ConnectionError):
+    """The service holding this process's snapshots (the node agent) cannot be reached; the save is skipped."""
+
+
+class AgentError(JaxckptError, RuntimeError):
+    """The node agent refused a request (wrong job, process already connected, malformed message)."""
+
+
+class DataLossError(StepNotFoundError):
+    """Lost nodes took bytes of a step that its protection cannot rebuild; names the step and the missing boxes.
+
+    ``step``, ``lost_nodes`` and ``missing`` (array path -> tuple of boxes) carry the same facts for callers that
+    fall back to an older step or the persistent tier.
+    """
+
+    def __init__(self, message: str, *, step: int | None = None, lost_nodes: tuple = (),
+                 missing: dict | None = None) -> None:
+        super().__init__(message)
+        self.step, self.lost_nodes, self.missing = step, tuple(lost_nodes), dict(missing or {})
