@@ -43,10 +43,12 @@ from etils import epath
 from jaxckpt.config import Config
 from jaxckpt.errors import ClosedError, ManifestError, StepError, StepNotFoundError
 from jaxckpt.jax.checkpointer import Checkpointer, SaveHandle
+from jaxckpt.tiered import TieredCheckpointManager  # re-exported: in memory every N, Orbax on disk every M
 
 log = logging.getLogger("jaxckpt.orbax")
 
-__all__ = ["SnapshotHandler", "SnapshotRestore", "SnapshotSave", "MARKER_NAME", "default_checkpointer"]
+__all__ = ["SnapshotHandler", "SnapshotRestore", "SnapshotSave", "MARKER_NAME", "default_checkpointer",
+           "TieredCheckpointManager"]
 
 MARKER_NAME = "jaxckpt_snapshot.json"
 MARKER_FORMAT = "jaxckpt-orbax-snapshot"

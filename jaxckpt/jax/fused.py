@@ -11,19 +11,20 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from jaxckpt.jax.shards import placements
-
 HOST_KIND = "pinned_host"
 
 
 def _host_sharding(x: Any) -> Any:
     if isinstance(x, jax.Array) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        s = x.sharding
-        # XLA:CPU (jax 0.10) rejects pinned_host outputs of partially replicated arrays ("Memory kind mismatch"):
-        # those stay in device memory, still a private copy that the workers read once the step is done.
-        if s.is_fully_replicated or len({p.box for p in placements(tuple(x.shape), s)}) == len(s.device_set):
-            return s.with_memory_kind(HOST_KIND)
-    return None
+        return x.sharding.with_memory_kind(HOST_KIND)
+    return None  # PRNG keys and python leaves come back as the program's (private) outputs
+
+
+def _to_host(state: Any, host: Any) -> Any:
+    # A device_put inside the program, not pinned_host out_shardings: XLA:CPU (jax 0.10) aliases a donated input
+    # returned unchanged to that output and then rejects it ("Memory kind mismatch") on meshes with Auto axes.
+    return jax.tree_util.tree_map(lambda x, s: x if s is None else jax.device_put(x, s), state, host,
+                                  is_leaf=lambda v: v is None)
 
 
 def wrap_step(save: Callable[[int, Any], Any], fn: Callable, *, state_argnum: int = 0,
@@ -41,8 +42,8 @@ def wrap_step(save: Callable[[int, Any], Any], fn: Callable, *, state_argnum: in
         f = fused_by_layout.get(key)
         if f is None:
             host = jax.tree_util.tree_map(_host_sharding, state)
-            f = jax.jit(lambda *a: (fn(*a), a[state_argnum]), donate_argnums=tuple(donate_argnums),
-                        out_shardings=(None, host), **jit_kwargs)
+            f = jax.jit(lambda *a: (fn(*a), _to_host(a[state_argnum], host)),
+                        donate_argnums=tuple(donate_argnums), **jit_kwargs)
             fused_by_layout[key] = f
         return f
 
