@@ -22,8 +22,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench_stall.add_arguments(bsub.add_parser("stall", help="step-time cost of a snapshot every step, vs Orbax"))
     from jaxckpt.bench import torch_dcp as bench_torch
     bench_torch.add_arguments(bsub.add_parser("torch", help="torch front end save/restore time, vs PyTorch DCP"))
+    from jaxckpt.bench import parity as bench_parity
+    bench_parity.add_arguments(bsub.add_parser("parity", help="XOR parity encode and rebuild throughput vs memcpy"))
     from jaxckpt.testing import launcher
     launcher.add_arguments(sub.add_parser("launch", help="run a command in N JAX processes grouped into nodes"))
+    from jaxckpt.backends import agent
+    agent.add_arguments(sub.add_parser("agent", help="run the node agent holding a job's snapshots in shared memory"))
+    from jaxckpt import listing
+    listing.add_ls_arguments(sub.add_parser("ls", help="steps held by a node agent, per process, with bytes and age"))
+    listing.add_inspect_arguments(sub.add_parser("inspect", help="arrays, shardings and chunk checksums of a step"))
     return p
 
 

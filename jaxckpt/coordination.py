@@ -87,6 +87,15 @@ class CommitTracker:
         with self._cv:
             return step in self._settled
 
+    def adopt(self, step: int) -> None:
+        """Take ``step`` as committed by every process (agreed at start-up from the steps a node agent held)."""
+        with self._cv:
+            self._outcome[step] = True
+            self._settled.add(step)
+            if self._latest is None or step > self._latest:
+                self._latest = step
+            self._cv.notify_all()
+
     def local_done(self, step: int, ok: bool) -> None:
         """Report this process's outcome for ``step`` (called from a snapshot thread)."""
         self._queue.put((step, ok))

@@ -7,6 +7,7 @@ A front end turns its state into :class:`ArrayRecord` (one per array leaf) plus 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -14,18 +15,21 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+import msgpack
 import numpy as np
 
 from jaxckpt import manifest as mf
 from jaxckpt.config import Config
 from jaxckpt.coordination import CommitTracker, Coordinator
-from jaxckpt.errors import ClosedError, CommitError, NoCheckpointError, StepError, StepNotFoundError
+from jaxckpt.errors import (ClosedError, CommitError, NoCheckpointError, StepError, StepNotFoundError,
+                            StoreUnavailableError)
 from jaxckpt.fetch import ByteSource, ChunkReader, buffer_source
 from jaxckpt.plan import ArrayLayout, SavePlan, plan_save
 from jaxckpt.registry import get_store_class
 from jaxckpt.snapshot import CopyTask, SnapshotEngine, SnapshotResult
 
 log = logging.getLogger("jaxckpt.engine")
+_recoveries = itertools.count()  # recovery rounds of this process; every process of a job counts alike
 
 # device id -> (fetch() returning that device's shard on the host, optional start() of its transfer)
 Sources = dict[int, tuple[Callable[[], np.ndarray], Callable[[], None] | None]]
@@ -63,6 +67,7 @@ class SaveHandle:
         self.snapshot_seconds: float | None = None
         self.save_call_seconds: float = 0.0
         self.nbytes = 0
+        self.skipped = False  # the store was unreachable: nothing saved, counted in the store's metrics
 
     def local_done(self) -> bool:
         """True once this process's chunks are in host memory (or the snapshot failed)."""
@@ -113,6 +118,17 @@ class CheckpointEngine:
         self._last_step: int | None = None
         self._lock = threading.Lock()
         self._closed = False
+        # The persistent tier (jaxckpt.persist): hooks run on the commit thread before retention, and steps held
+        # for a pending persist outlive ``keep`` until released.
+        self._commit_hooks: list[Callable[[int, bool], None]] = []
+        self._holds: dict[int, int] = {}
+        self._deferred: set[int] = set()
+        if self.store.survives_process:
+            try:
+                self._recover()
+            except BaseException:
+                self.close()
+                raise
 
     # ----------------------------------------------------------------------------------------------- save
     def save(self, step: int, records: list[ArrayRecord], values: list[mf.LeafMeta], order: tuple[str, ...],
@@ -129,6 +145,14 @@ class CheckpointEngine:
         prep = self._prepare(records)
         try:
             slot = self.store.reserve(step, prep.plan.nbytes)
+        except StoreUnavailableError as e:  # logged and counted by the store; training goes on
+            self._tracker.local_done(step, False)
+            self._last_step = step  # the step is decided (aborted) for every process: never reuse it
+            handle = SaveHandle(step, self._tracker)
+            handle.error, handle.skipped = e, True
+            handle._local.set()
+            handle.save_call_seconds = time.perf_counter() - t0
+            return handle
         except Exception:
             self._tracker.local_done(step, False)  # the other processes must not wait for us
             raise
@@ -195,6 +219,7 @@ class CheckpointEngine:
         except BaseException as e:  # noqa: BLE001 - reported through the handle and the commit protocol
             log.error("step %d: snapshot failed on process %d: %s", handle.step, self.process_index, e)
             handle.error = e
+            handle.skipped = isinstance(e, StoreUnavailableError)
             self.store.abort(slot)
             self._tracker.local_done(handle.step, False)
         else:
@@ -203,6 +228,11 @@ class CheckpointEngine:
             handle._local.set()
 
     def _after_commit(self, step: int, committed: bool) -> None:
+        for hook in list(self._commit_hooks):
+            try:
+                hook(step, committed)
+            except Exception:  # noqa: BLE001 - a hook must not stop retention
+                log.exception("step %d: commit hook failed", step)
         if not committed:
             log.warning("step %d was not committed by every process; dropping it", step)
             self.store.delete(step)
@@ -210,8 +240,33 @@ class CheckpointEngine:
         with self._lock:
             self._committed = sorted(self._committed + [step])
             drop, self._committed = self._committed[:-self.config.keep], self._committed[-self.config.keep:]
+            self._deferred.update(s for s in drop if self._holds.get(s))
+            drop = [s for s in drop if not self._holds.get(s)]
         for s in drop:
             self.store.delete(s)
+
+    # ------------------------------------------------------------------------------- persistent tier hooks
+    def add_commit_hook(self, hook: Callable[[int, bool], None]) -> None:
+        """Call ``hook(step, committed)`` on the commit thread for every decided step, before retention."""
+        self._commit_hooks.append(hook)
+
+    def hold(self, step: int) -> None:
+        """Keep ``step`` in the store past ``Config.keep`` until :meth:`release` (call from a commit hook)."""
+        with self._lock:
+            self._holds[step] = self._holds.get(step, 0) + 1
+
+    def release(self, step: int) -> None:
+        """Drop one hold of ``step``; a step retention already let go is freed with its last hold."""
+        with self._lock:
+            n = self._holds.get(step, 0) - 1
+            if n > 0:
+                self._holds[step] = n
+                return
+            self._holds.pop(step, None)
+            free = step in self._deferred
+            self._deferred.discard(step)
+        if free:
+            self.store.delete(step)
 
     # ----------------------------------------------------------------------------------------------- wait
     def wait(self, timeout: float | None = None) -> None:
@@ -219,7 +274,12 @@ class CheckpointEngine:
         with self._lock:
             handles = list(self._pending)
         for h in handles:
-            h.result(timeout)
+            try:
+                h.result(timeout)
+            except StoreUnavailableError:
+                if not h.skipped:
+                    raise
+                # a skipped save (the store's agent was gone) is logged and counted, not a failure of wait()
 
     def latest_step(self) -> int | None:
         """The newest step committed by every process, or None."""
@@ -231,6 +291,58 @@ class CheckpointEngine:
             committed = list(self._committed)
         held = set(self.store.steps())  # a step deleted from the store directly (e.g. by the Orbax handler)
         return [s for s in committed if s in held]
+
+    # ------------------------------------------------------------------------------------------- recovery
+    def _recover(self) -> None:
+        """Adopt the steps a store that survives the process (a node agent) kept from an earlier run of it.
+
+        One process: its newest ``keep`` held steps become committed, the newest is ``latest_step()``.
+        Several (O(processes) at process 0, like the commit protocol):
+          0) (every process) sets ``recover/<n>/held/<process>`` to its held steps;
+          1) (process 0)     reads those N keys and publishes ``recover/<n>/common``: the newest ``keep`` steps
+                             every process holds ("" if a process did not answer in time);
+          2) (every process) reads that one key.
+        Every process then deletes its held steps outside the agreed ones (newer ones were not committed
+        everywhere) and numbers its next save after the newest agreed step.
+        """
+        held = self.store.steps()
+        agreed = held[-self.config.keep:] if self.process_count == 1 else self._agree_held(held)
+        for s in held:
+            if s not in agreed:
+                self.store.delete(s)
+        if agreed:
+            self._committed = list(agreed)
+            self._last_step = agreed[-1]
+            self._tracker.adopt(agreed[-1])
+            log.info("process %d adopted steps %s held by store %r from an earlier run (latest %d)",
+                     self.process_index, agreed, self.config.store, agreed[-1])
+        elif held:
+            log.warning("process %d: steps %s held by store %r are not held by every process; dropped",
+                        self.process_index, held, self.config.store)
+
+    def _agree_held(self, held: list[int]) -> list[int]:
+        c, timeout = self.coordinator, self.config.commit_timeout_s
+        prefix = f"jaxckpt/{self.config.job_id}/recover/{next(_recoveries)}"
+        c.set(f"{prefix}/held/{self.process_index}", msgpack.packb(held))
+        if self.process_index == 0:
+            common, failed = set(held), None
+            for q in range(1, self.process_count):
+                try:
+                    common &= set(msgpack.unpackb(c.get(f"{prefix}/held/{q}", timeout)))
+                except TimeoutError:
+                    failed = q
+                    break
+            out = b"" if failed is not None else msgpack.packb(sorted(common)[-self.config.keep:])
+            c.set(f"{prefix}/common", out)
+        else:
+            try:
+                out = c.get(f"{prefix}/common", timeout * 2)
+            except TimeoutError:
+                out = b""
+        if not out:
+            raise CommitError(f"recovery: the processes did not agree on the steps they hold within {timeout:g}s "
+                              f"(job {self.config.job_id!r}, process {self.process_index})")
+        return [int(s) for s in msgpack.unpackb(out)]
 
     # -------------------------------------------------------------------------------------------- restore
     def resolve_step(self, step: int | None) -> int:

@@ -17,6 +17,7 @@ log = logging.getLogger("jaxckpt.registry")
 
 _known: dict[str, str | type] = {
     "memory": "jaxckpt.backends.memory:MemoryStore",
+    "shm": "jaxckpt.backends.shm:ShmStore",
 }
 _loaded: dict[str, type] = {}  # classes imported from the string targets above, by name
 _entry_points_loaded = False

@@ -48,6 +48,9 @@ class Store(abc.ABC):
     """Holds the snapshots of one process, keyed by step."""
 
     name: ClassVar[str] = ""
+    # True when snapshots outlive the process (a node agent holds them): the engine then adopts, at start, the
+    # steps an earlier run of this process committed.
+    survives_process: ClassVar[bool] = False
 
     def __init__(self, config: Config, *, process_index: int = 0, process_count: int = 1) -> None:
         self.config = config

@@ -38,6 +38,8 @@ def _restore_array(path: str, meta: ArrayMeta, t: Any, reader: ChunkReader, step
                                       f"{_describe(t)}")
         data_sharding = shards.key_data_sharding(sharding, len(meta.shape) - len(key_shape)) if sharding else None
         data = _build(path, meta, saved_dtype, data_sharding, reader, step, process)
+        if isinstance(data, np.ndarray):
+            data = data.copy()  # a view of the store's buffer; JAX on CPU would alias it (see shards.make_array)
         keys = jax.random.wrap_key_data(data, impl=meta.attrs["impl"])
         return keys if sharding is None or data_sharding is not None else jax.device_put(keys, sharding)
     if kind == "value":

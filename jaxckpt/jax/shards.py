@@ -115,8 +115,14 @@ def make_array(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.S
                boxes: dict[Box, np.ndarray]) -> jax.Array:
     """A global jax.Array with ``sharding`` whose local shards come from host arrays keyed by box."""
     local = _local_boxes(shape, sharding)
+    hosts = [boxes[box] for _, box in local]
+    if any(dev.platform == "cpu" for dev, _ in local):
+        # The CPU client aliases aligned host memory instead of copying it (even with may_alias=False), and a
+        # host array here may be a view of a store's buffer that later saves reuse once it is unpinned (a
+        # page-aligned shared-memory segment always qualifies): give each device a private copy.
+        hosts = [np.array(h, copy=True) for h in hosts]
     # One batched transfer for all local devices instead of a device_put per shard.
-    arrays = jax.device_put([boxes[box] for _, box in local], [dev for dev, _ in local])
+    arrays = jax.device_put(hosts, [dev for dev, _ in local])
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 

@@ -1,0 +1,321 @@
+"""The node agent with real processes and real SIGKILL (tests/shm_trainer.py is the trainer).
+
+- a trainer killed at every phase of a save (21 seeded trials, self-inflicted SIGKILL at a chosen phase or an
+  external one at a random instant): the agent serves exactly the newest committed step, never a half-written
+  slot, and a new trainer process restores it bit for bit and saves on; a JAX trainer the same, resharded;
+- the agent killed mid-save: the trainer skips that save (logged, counted), respawns the agent, saves on;
+  with the agent's memory wiped, restore names the step and says the memory was lost;
+- two trainers of one node see only their own slots; a live process cannot be impersonated, a dead one's
+  successor takes over; a 2-process JAX job restarts and agrees on the newest step both processes hold;
+- the CLI agent logs to a file, and on SIGTERM frees everything and exits 0. Nothing is left in /dev/shm.
+"""
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from jaxckpt.backends import agent_protocol as proto
+from jaxckpt.backends.shm import ShmStore
+from jaxckpt.config import Config
+from jaxckpt.errors import AgentError
+from jaxckpt.testing import expect_ok, launch
+from jaxckpt.testing.store import manifest_of, pattern
+from shm_trainer import agent_processes
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRAINER = os.path.join(HERE, "shm_trainer.py")
+BASE = f"/dev/shm/jaxckpt-agenttest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+PHASES = ("reserve", "reserved", "copy", "commit", "committed", "delete", "idle", "random")
+# Where the newest committed step is when the trainer dies at a phase of the save of step S.
+NEWEST = {"reserve": -1, "reserved": -1, "copy": -1, "commit": -1, "committed": 0, "delete": 0, "idle": 0}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def base_dir():
+    os.makedirs(BASE, mode=0o700)
+    yield BASE
+    left = []
+    for name in os.listdir(BASE):
+        d = os.path.join(BASE, name)
+        if proto.stop_agent(d, timeout_s=20) and os.path.exists(d):
+            left.append(d)
+        proto.kill_agent(d)
+        shutil.rmtree(d, ignore_errors=True)
+    for job in ("kill", "jax", "akill0", "akill1", "two", "mp", "cli"):
+        try:
+            os.unlink(proto.default_log_path(_dir(job)))
+        except FileNotFoundError:
+            pass
+    os.rmdir(BASE)
+    assert not left, f"agents did not clean up {left}"
+    deadline = time.monotonic() + 30
+    while agent_processes(BASE) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not agent_processes(BASE), "agent processes left running"
+
+
+def _dir(job: str) -> str:
+    return os.path.join(BASE, f"{job}@node0")
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, TRAINER, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _json(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _status(d: str, job: str) -> dict:
+    conn = proto.AgentConnection(d)
+    try:
+        conn.call("hello", job=job, role="client")
+        return conn.call("status")
+    finally:
+        conn.close()
+
+
+def _settled_status(d: str, job: str) -> dict:
+    """The agent's status once it has noticed every dead connection (no trainer connected any more)."""
+    deadline = time.monotonic() + 30
+    while True:
+        st = _status(d, job)
+        if not st["trainers"] or time.monotonic() > deadline:
+            return st
+        time.sleep(0.01)
+
+
+def _stop(d: str, job: str) -> None:
+    assert proto.stop_agent(d, job, timeout_s=30)
+    assert not os.path.exists(d), f"the agent left {os.listdir(d)}"
+
+
+# ------------------------------------------------------------------------------------------ trainer killed
+def test_trainer_killed_at_every_phase_of_a_save_restores_the_newest_committed_step():
+    job = "kill"
+    d = _dir(job)
+    for seed in range(21):
+        rng = random.Random(seed)
+        phase = PHASES[seed % len(PHASES)]
+        if phase == "random":
+            p = subprocess.Popen([sys.executable, TRAINER, "train", job, d, str(seed), "--steps", "500"],
+                                 stdout=subprocess.PIPE, text=True)
+            assert p.stdout.readline().startswith("ready")
+            time.sleep(rng.uniform(0.0, 0.3))
+            p.send_signal(signal.SIGKILL)
+            out = p.communicate(timeout=60)[0]
+            assert p.returncode == -signal.SIGKILL, out
+            done = [int(line.split()[1]) for line in out.splitlines() if line.startswith("committed")]
+            last = done[-1] if done else None
+            allowed = {last, (last or 0) + 1}  # the kill may land after the agent committed, before we heard
+        else:
+            die_step = rng.randint(1, 4)
+            r = _run("train", job, d, str(seed), "--die", phase, "--die-step", str(die_step), "--steps", "6")
+            assert r.returncode == -signal.SIGKILL, (phase, r.stdout, r.stderr)
+            newest = die_step + NEWEST[phase]
+            allowed = {newest if newest > 0 else None}
+        st = _settled_status(d, job)
+        states = {s["state"] for s in st["slots"]}
+        assert states <= {"committed"}, (seed, phase, st["slots"])  # half-written slots are gone, not served
+        held = [s["step"] for s in st["slots"]]
+        newest_held = max(held) if held else None
+        assert newest_held in allowed, (seed, phase, held, allowed)
+        r = _run("restore", job, d, str(seed), "--clear")
+        assert r.returncode == 0, (seed, phase, r.stderr)
+        got = _json(r.stdout)
+        assert got["latest"] == newest_held, (seed, phase, got)
+        if newest_held is not None:
+            assert got["bitwise"] is True, (seed, phase, got)
+        assert got["saved_next"] is True, (seed, phase, got)
+    st = _settled_status(d, job)
+    # Only pooled segments are left, at most keep + 1 = 2 of one snapshot's size (60 KiB): reused, never grown.
+    assert st["slots"] == [] and st["held_bytes"] <= 2 * 64 * 1024
+    _stop(d, job)
+
+
+def test_jax_trainer_killed_mid_save_restores_bitwise_on_another_mesh():
+    job = "jax"
+    d = _dir(job)
+    r = _run("jax-train", job, d, "5", "--steps", "3")
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    assert "committed 3" in r.stdout
+    held = [s["step"] for s in _settled_status(d, job)["slots"]]
+    r = _run("jax-restore", job, d, "5")
+    assert r.returncode == 0, r.stderr
+    got = _json(r.stdout)
+    assert got == {"latest": max(held), "bitwise": True, "shardings": True} and max(held) in (3, 4)
+    _stop(d, job)
+
+
+# -------------------------------------------------------------------------------------------- agent killed
+@pytest.mark.parametrize("wipe", [False, True], ids=["agent-killed", "agent-killed-memory-lost"])
+def test_agent_killed_mid_save_trainer_skips_respawns_and_saves_on(wipe):
+    job = f"akill{int(wipe)}"
+    d = _dir(job)
+    r = _run("train", job, d, "3", "--steps", "4", "--kill-agent", "3", *(["--wipe"] if wipe else []))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    failed = [int(x.split()[1]) for x in lines if x.startswith("failed")]
+    committed = [int(x.split()[1]) for x in lines if x.startswith("committed")]
+    assert committed[:2] == [1, 2] and failed[0] == 3 and committed[-1] > 3  # trained on, saving came back
+    assert sorted(failed + committed) == list(range(1, committed[-1] + 1))
+    got = _json(r.stdout)
+    assert got["latest"] == committed[-1] and got["bitwise"] is True and got["steps"] == [committed[-1]]
+    assert got["metrics"]["saves_skipped"] == len(failed)  # every skipped save counted
+    assert got["metrics"]["agent_spawns"] >= 1
+    assert any("step 3: StoreUnavailableError: step 3: save skipped" in e for e in got["events"]), got["events"]
+    assert "save skipped" in r.stderr  # logged, never silent
+    if wipe:
+        assert any(e.startswith("restore: step 2 of process 0 is gone") and "memory was lost" in e
+                   for e in got["events"]), got["events"]
+    _stop(d, job)
+
+
+# ---------------------------------------------------------------------------------------- two trainers
+HOLDER = """
+import sys, numpy as np
+from jaxckpt.backends.shm import ShmStore
+from jaxckpt.config import Config
+from jaxckpt.testing.store import manifest_of, pattern
+s = ShmStore(Config(store="shm", job_id=sys.argv[1], shm_dir=sys.argv[2]), process_index=0, process_count=2)
+for step in (1, 2):
+    slot = s.reserve(step, 8192)
+    np.frombuffer(slot.buffer, dtype=np.uint8)[:] = pattern(step, 8192)
+    s.commit(slot, manifest_of(step))
+half = s.reserve(3, 8192)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_two_trainers_on_one_node_see_only_their_own_slots():
+    job = "two"
+    d = _dir(job)
+    cfg = Config(store="shm", job_id=job, shm_dir=d)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, job, d], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        p1 = ShmStore(cfg, process_index=1, process_count=2)
+        slot = p1.reserve(3, 4096)
+        np.frombuffer(slot.buffer, dtype=np.uint8)[:] = pattern(33, 4096)
+        p1.commit(slot, manifest_of(3))
+        assert p1.steps() == [3]
+        assert p1.open(1) is None and p1.open(2) is None  # process 0's steps are not ours
+        assert p1._maps and all(n.startswith("seg-p1-") for n in p1._maps)
+        with pytest.raises(AgentError, match=rf"process 0 of job {job} is already connected \(pid {holder.pid}\)"):
+            ShmStore(cfg, process_index=0, process_count=2)
+        holder.kill()
+        holder.wait(timeout=30)
+        p0 = ShmStore(cfg, process_index=0, process_count=2)  # the successor takes over process 0
+        try:
+            assert p0.steps() == [1, 2]  # its half-written step 3 was discarded
+            for step in (1, 2):
+                with p0.open(step) as v:
+                    np.testing.assert_array_equal(np.frombuffer(v.buffer, np.uint8), pattern(step, 8192))
+            assert p0.open(3) is None
+            with p1.open(3) as v:
+                np.testing.assert_array_equal(np.frombuffer(v.buffer, np.uint8), pattern(33, 4096))
+        finally:
+            p0.close()
+            p1.close()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    _stop(d, job)
+
+
+# ------------------------------------------------------------------------- multi-process JAX job restart
+def _mp_save(job: str, d: str, drop_on_process0: int):
+    """Job 1: save steps 1..3 (keep 2) on 2 processes, then process 0 loses its newest step."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jaxckpt
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    ckpt = jaxckpt.Checkpointer(Config(store="shm", job_id=job, shm_dir=d, keep=2))
+    for step in (1, 2, 3):
+        host = np.arange(64, dtype=np.float32).reshape(8, 8) * step
+        x = jax.make_array_from_callback(host.shape, NamedSharding(mesh, P("x")), lambda i, h=host: h[i])
+        ckpt.save(step, {"x": x, "step": step}).result()
+    held = ckpt.store.steps()
+    if jax.process_index() == 0:
+        ckpt.store.delete(drop_on_process0)
+    ckpt.close()  # the snapshots stay with the agent
+    return held
+
+
+def _mp_restore(job: str, d: str):
+    import jax
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jaxckpt
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    ckpt = jaxckpt.Checkpointer(Config(store="shm", job_id=job, shm_dir=d, keep=2))
+    latest = ckpt.latest_step()
+    target = {"x": jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P(None, "x"))), "step": 0}
+    got = ckpt.restore(target)
+    want = np.arange(64, dtype=np.float32).reshape(8, 8) * latest
+    ok = all(np.array_equal(np.asarray(s.data), want[s.index]) for s in got["x"].addressable_shards)
+    held = ckpt.store.steps()
+    multihost_utils.sync_global_devices("restored")  # the other process may still read our chunks
+    ckpt.close()
+    return {"latest": latest, "bitwise": ok, "step": got["step"], "held": held}
+
+
+def test_multiprocess_job_restarts_and_agrees_on_the_newest_step_every_process_holds():
+    job = "mp"
+    d = _dir(job)
+    env = {"JAXCKPT_LOG_LEVEL": "WARNING"}
+    saved = expect_ok(launch(_mp_save, nodes=1, procs_per_node=2, devices_per_proc=2, args=[job, d, 3], env=env,
+                             timeout=120))
+    assert saved == [[2, 3], [2, 3]]
+    got = expect_ok(launch(_mp_restore, nodes=1, procs_per_node=2, devices_per_proc=2, args=[job, d], env=env,
+                           timeout=120))
+    # Process 0 lost step 3: both agree on step 2, and process 1 drops its step 3 (not held everywhere).
+    assert got == [{"latest": 2, "bitwise": True, "step": 2, "held": [2]}] * 2
+    _stop(d, job)
+
+
+# ---------------------------------------------------------------------------------------------- the CLI
+def test_cli_agent_logs_to_a_file_and_frees_everything_on_sigterm(tmp_path):
+    job = "cli"
+    d = _dir(job)
+    log_path = tmp_path / "agent.log"
+    agent = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d,
+                              "--log", str(log_path), "--node", "n7"])
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(d, proto.SOCKET_NAME)) and time.monotonic() < deadline:
+            time.sleep(0.01)  # else the store would spawn an agent of its own
+        store = ShmStore(Config(store="shm", job_id=job, shm_dir=d))
+        assert store.agent["pid"] == agent.pid and store.agent["node"] == "n7"
+        slot = store.reserve(1, 100_000)
+        store.commit(slot, manifest_of(1))
+        store.close()
+        r = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "ls", "--job", job, "--dir", d, "--json"],
+                           capture_output=True, text=True, timeout=60)
+        (st,) = json.loads(r.stdout)
+        assert st["node"] == "n7" and [(s["step"], s["nbytes"]) for s in st["slots"]] == [(1, 100_000)]
+        assert st["held_bytes"] == proto.round_to_pages(100_000)
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=60) == 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    assert not os.path.exists(d)
+    text = log_path.read_text()
+    assert f"of job {job} on node n7" in text and "freed 1 segments" in text
