@@ -24,6 +24,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench_torch.add_arguments(bsub.add_parser("torch", help="torch front end save/restore time, vs PyTorch DCP"))
     from jaxckpt.bench import parity as bench_parity
     bench_parity.add_arguments(bsub.add_parser("parity", help="XOR parity encode and rebuild throughput vs memcpy"))
+    from jaxckpt.bench import restore as bench_restore
+    bench_restore.add_arguments(bsub.add_parser("restore", help="restore from memory and the node agent, vs Orbax"))
+    from jaxckpt.bench import scaling as bench_scaling
+    bench_scaling.add_arguments(bsub.add_parser("scaling", help="save() and snapshot time vs state size and processes"))
+    from jaxckpt.bench import memory as bench_memory
+    bench_memory.add_arguments(bsub.add_parser("memory", help="host memory per node, per store and protection policy"))
+    from jaxckpt.bench import all as bench_all
+    bench_all.add_arguments(bsub.add_parser("all", help="every benchmark, then BENCHMARKS.md sections and plots"))
     from jaxckpt.testing import launcher
     launcher.add_arguments(sub.add_parser("launch", help="run a command in N JAX processes grouped into nodes"))
     from jaxckpt.backends import agent

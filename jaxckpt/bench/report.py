@@ -57,6 +57,34 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def available_memory_bytes() -> int:
+    """MemAvailable of /proc/meminfo (what can be allocated without swapping), or physical memory if unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def fs_type(path: str | os.PathLike) -> str:
+    """The file system type of the mount holding ``path`` (e.g. 'tmpfs', 'ext4'), from /proc/mounts."""
+    target = os.path.realpath(path)
+    best, kind = "", "unknown"
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 3:
+                mnt = parts[1].replace("\\040", " ")
+                inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        pass
+    return kind
+
+
 def now_utc() -> str:
     """The date and time of a run, ISO 8601 in UTC."""
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

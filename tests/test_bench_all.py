@@ -1,0 +1,216 @@
+"""``jaxckpt bench all``: the quick suite end to end in a real subprocess, the JSON of every benchmark, the markdown
+sections and plots rendered from them, and the orchestration (subset, failure, render-only).
+
+No timing thresholds: only that every figure is finite and positive (a few named fields may be zero or signed,
+see ``MAY_BE_ZERO`` and ``SIGNED``) and that the reports are well formed.
+"""
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxckpt import cli
+from jaxckpt.bench import all as bench_all
+from jaxckpt.bench import plots, report
+
+STATS = {"median", "min", "max", "p10", "p90", "n"}
+# Figures that are legitimately zero: a process index, an exit code, protection bytes of a policy that keeps or
+# sends none, and RSS growth when the allocator reuses pages it already had.
+MAY_BE_ZERO = {"process", "exit_code", "extra_bytes_per_node", "sent_bytes_per_node", "extra_over_data",
+               "rss_growth_bytes"}
+SIGNED = ("overhead_pct_",)  # step-time overhead vs the baseline: within noise it can be below zero
+EXPECTED = [n for n in bench_all.BENCHES if n != "torch" or importlib.util.find_spec("torch") is not None]
+PROSE = "# Benchmarks\n\nprose before\n\n<!-- bench:save:begin -->\nold\n<!-- bench:save:end -->\n\nprose after\n"
+# Keys each result has beyond bench/machine/date/command, and the list of rows that must not be empty.
+SCHEMA = {
+    "parity": ({"mode", "setup", "memcpy_gbps", "results"}, "results"),
+    "save": ({"mode", "setup", "memcpy_gbps", "results"}, "results"),
+    "restore": ({"mode", "setup", "memcpy_gbps", "memcpy_gbps_stats", "results", "skipped"}, "results"),
+    "scaling": ({"mode", "setup", "memcpy_gbps", "memcpy_gbps_stats", "by_size", "by_procs", "skipped"}, "by_size"),
+    "memory": ({"mode", "setup", "stores", "protection", "skipped"}, "stores"),
+    "torch": ({"mode", "setup", "memcpy_gbps", "results"}, "results"),
+    "stall": ({"mode", "memcpy_gbps", "procs", "steps", "warmup", "results"}, "results"),
+}
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench-all")
+    md = d / "BENCHMARKS.md"
+    md.write_text(PROSE)
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    proc = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "bench", "all", "--quick", "--out", str(d / "out"),
+                           "--update-md", str(md)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    return {"dir": d, "out": d / "out", "md": md, "stdout": proc.stdout, "stderr": proc.stderr,
+            "results": bench_all.load_results(d / "out", list(bench_all.BENCHES)),
+            "shm_left": {n for n in shm_after - shm_before if n.startswith("jaxckpt-bench")}}
+
+
+def _check_numbers(res, name):
+    nums = report.numbers(res)
+    assert len(nums) > 10, name
+    for path, v in nums:
+        key = path.rsplit("/", 1)[-1]
+        assert math.isfinite(v), f"{name}: {path} = {v}"
+        if key.startswith(SIGNED):
+            continue
+        if key in MAY_BE_ZERO:
+            assert v >= 0, f"{name}: {path} = {v}"
+        else:
+            assert v > 0, f"{name}: {path} = {v} is not positive"
+
+
+def _check_stats(obj, where):
+    """Every timing summary in ``obj`` has the summary keys, in order."""
+    if isinstance(obj, dict):
+        if "median" in obj and "p10" in obj:
+            assert set(obj) == STATS, where
+            assert obj["min"] <= obj["p10"] <= obj["median"] <= obj["p90"] <= obj["max"], where
+            assert obj["n"] >= 1, where
+        for k, v in obj.items():
+            _check_stats(v, f"{where}/{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            _check_stats(v, f"{where}/{i}")
+
+
+def test_every_benchmark_ran_and_wrote_its_json(suite):
+    assert sorted(suite["results"]) == sorted(EXPECTED)
+    summary = report.read_json(suite["out"] / "all.json")
+    assert summary["bench"] == "all" and summary["mode"] == "quick"
+    assert [r["name"] for r in summary["runs"]] == EXPECTED
+    assert all(r["ok"] and r["exit_code"] == 0 for r in summary["runs"])
+    for r in summary["runs"]:
+        assert r["command"].startswith(f"jaxckpt bench {r['name']} --quick --json ")
+        assert (suite["out"] / f"{r['name']}.log").exists()
+    _check_numbers(summary, "all")
+    assert not suite["shm_left"], "benchmark directories left in /dev/shm"
+
+
+@pytest.mark.parametrize("name", bench_all.BENCHES)
+def test_result_schema_and_figures(suite, name):
+    if name not in suite["results"]:
+        pytest.skip(f"{name} did not run here (torch not installed)")
+    res = suite["results"][name]
+    keys, rows = SCHEMA[name]
+    assert res["bench"] == name and res["mode"] == "quick"
+    assert {"machine", "date", "command"} | keys <= set(res), set(res) ^ keys
+    assert res["command"].startswith(f"jaxckpt bench {name} --quick"), res["command"]
+    m = res["machine"]
+    assert {"cpu_model", "cores", "memory_bytes", "versions", "os"} <= set(m)
+    assert {"jax", "jaxlib", "orbax-checkpoint", "numpy", "jaxckpt", "python"} <= set(m["versions"])
+    assert res[rows], f"{name}: no {rows}"
+    _check_stats(res, name)
+    _check_numbers(res, name)
+
+
+def test_new_benchmarks_cover_what_the_issues_ask(suite):
+    r = suite["results"]
+    rows = r["restore"]["results"]
+    assert [x["size_bytes"] for x in rows] == [1 << 20, 4 << 20] and not r["restore"]["skipped"]
+    for x in rows:
+        assert set(x["restore"]) == {"shm", "orbax_tmpfs", "orbax_plain"}
+        assert x["restore"]["shm"]["restore_first_s"]["n"] == 1 and "connect_s" in x["restore"]["shm"]
+        assert {"orbax_tmpfs_over_shm_first", "orbax_plain_over_memory_later", "shm_save_call_over_memory"} <= \
+            set(x["ratios"])
+        rs = x["restore"]
+        assert math.isclose(x["ratios"]["orbax_tmpfs_over_shm_later"],
+                            rs["orbax_tmpfs"]["restore_s"]["median"] / rs["shm"]["restore_s"]["median"])
+    sc = r["scaling"]
+    assert [x["procs"] for x in sc["by_procs"]] == [2, 4]
+    assert all(len(x["processes"]) == x["procs"] for x in sc["by_procs"])
+    assert all(x["held_bytes"] >= x["size_bytes"] for x in sc["by_size"])
+    assert {"save_call_largest_over_smallest", "snapshot_largest_over_smallest",
+            "save_call_most_over_fewest_procs", "snapshot_most_over_fewest_procs"} <= set(sc["ratios"])
+    mem = r["memory"]
+    assert {(p["layout"], p["policy"]) for p in mem["protection"]} == {
+        (lay, pol) for lay in ("data-parallel", "fully-sharded") for pol in ("none", "replica", "parity", "xor-group",
+                                                                             "hybrid")}
+    parity = next(p for p in mem["protection"] if p["layout"] == "data-parallel" and p["policy"] == "parity")
+    assert abs(parity["extra_over_data"] - 1 / 3) < 0.1 * (1 / 3)  # R = 4 replicas: 1/(R-1) extra, within 10%
+    for s in mem["stores"]:
+        assert s["memory"]["held_bytes"] <= s["memory"]["bound_bytes"]
+        assert s["shm"]["held_bytes"] <= s["shm"]["bound_bytes"] and s["shm"]["tmpfs_bytes"] > 0
+
+
+def test_markdown_sections_from_json(suite):
+    text = suite["md"].read_text()
+    assert text.startswith("# Benchmarks\n\nprose before\n\n<!-- bench:save:begin -->\n")
+    assert "\nprose after\n" in text and "\nold\n" not in text
+    render = bench_all.renderers()
+    for name in [*EXPECTED, "all"]:
+        begin, end = report.markers(name)
+        assert text.count(begin) == 1 and text.count(end) == 1, name
+        body = text[text.index(begin) + len(begin):text.index(end)]
+        if name != "all":
+            assert render[name](suite["results"][name]) in body, name
+            assert "placeholder" in body or "Quick run" in body, name
+    assert "| `restore` | ok |" in text and "| `scaling` | ok |" in text
+
+
+def test_plots_are_embedded_by_relative_links(suite):
+    if not plots.available():
+        pytest.skip("matplotlib not installed: bench all renders tables only")
+    text = suite["md"].read_text()
+    links = [line[line.index("](") + 2:-1] for line in text.splitlines() if line.startswith("![")]
+    assert sorted(Path(x).name for x in links) == sorted(name for name, *_ in plots.PLOTS)
+    for link in links:
+        assert not os.path.isabs(link) and link.startswith("docs/bench/")
+        assert (suite["md"].parent / link).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plotting_code_on_the_stored_quick_json(suite, tmp_path):
+    pytest.importorskip("matplotlib")
+    made = plots.make_all(suite["results"], tmp_path / "p")
+    files = sorted(p.name for items in made.values() for _, p in items)
+    assert files == sorted(name for name, *_ in plots.PLOTS)
+    for items in made.values():
+        for _, p in items:
+            assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+    # With only some results, only the plots they allow; with none, none.
+    some = plots.make_all({"restore": suite["results"]["restore"]}, tmp_path / "q")
+    assert [p.name for items in some.values() for _, p in items] == ["restore_time.png"]
+    assert plots.make_all({}, tmp_path / "r") == {}
+
+
+def test_render_only_rerenders_without_measuring(suite, tmp_path):
+    md = tmp_path / "B.md"
+    before = {p.name: p.stat().st_mtime_ns for p in suite["out"].iterdir()}
+    assert cli.main(["bench", "all", "--render-only", "--out", str(suite["out"]), "--update-md", str(md)]) == 0
+    assert {p.name: p.stat().st_mtime_ns for p in suite["out"].iterdir()} == before  # nothing was measured
+    text = md.read_text()
+    for name in EXPECTED:
+        assert bench_all.renderers()[name](suite["results"][name]) in text
+    if plots.available():
+        assert (tmp_path / "docs" / "bench" / "restore_time.png").exists()
+
+
+def test_a_failed_benchmark_is_reported_and_leaves_no_stale_result(suite, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "parity.json").write_text((suite["out"] / "parity.json").read_text())
+    # A real failure: the benchmark's process is killed by the suite's time-out.
+    proc = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "bench", "all", "--quick", "--only", "parity",
+                           "--out", str(out), "--timeout", "0.01"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "parity failed (exit code 124)" in proc.stderr and "1 benchmark(s) failed: parity" in proc.stderr
+    assert not (out / "parity.json").exists()
+    summary = report.read_json(out / "all.json")
+    assert [(r["name"], r["ok"], r["exit_code"]) for r in summary["runs"]] == [("parity", False, 124)]
+
+
+def test_selection(capsys):
+    ns = cli.build_parser().parse_args(["bench", "all", "--only", "save,parity", "--skip", "parity"])
+    assert bench_all.selected(ns) == ["save"]
+    ns = cli.build_parser().parse_args(["bench", "all", "--skip", "stall,torch"])
+    assert bench_all.selected(ns) == ["parity", "save", "restore", "scaling", "memory"]
+    ns = cli.build_parser().parse_args(["bench", "all", "--only", "save,nope"])
+    with pytest.raises(ValueError, match=r"unknown benchmark\(s\) nope \(known: parity,"):
+        bench_all.selected(ns)
+    assert cli.main(["bench", "all", "--only", "nope", "--render-only"]) == 2
