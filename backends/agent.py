@@ -8,6 +8,12 @@ directory committed, listens on a Unix socket (mode 0600) and serves each connec
              refused, a dead one's claim is taken over. A dropped connection discards its half-written slots
              and releases its pins.
   tools      ``hello`` as a client: status (``jaxckpt ls``), manifest (``jaxckpt inspect``), shutdown.
+  readers    ``hello`` as a reader of the job (a restoring process of this node): index, and open/unpin of any
+             process's committed slot, which the reader maps read-only (zero-copy); its pins go with it.
+
+Peers on other nodes read the same memory over the peer transport (agent_serve.py): the agent serves every
+committed slot of its node, token-authenticated, on ``--peer-bind`` (loopback by default), and publishes its
+address in ``peer.addr`` next to ``peer.token``.
 
 Peers must run as our uid (checked with SO_PEERCRED). On SIGTERM or SIGINT (or ``shutdown``) it stops
 listening, unlinks every segment and record, removes its directory and exits 0. It logs to a file.
@@ -44,6 +50,7 @@ MAX_INT = 1 << 62
 MAX_PROCESS = 999_999_999  # process indices name files (agent_protocol.SEG_RE)
 TRAINER_OPS = ("reserve", "commit", "abort", "steps", "open", "unpin", "delete", "held")
 ANY_OPS = ("status", "manifest", "shutdown")
+READER_OPS = ("index", "open", "unpin")
 
 
 @dataclass(eq=False)
@@ -53,13 +60,15 @@ class _Conn:
     pid: int
     process: int | None = None  # set by a trainer's hello
     client: bool = False  # set by a tool's hello
+    reader: bool = False  # set by a reader's hello (with client)
     pins: Counter = field(default_factory=Counter)
 
 
 class Agent:
     """The agent of ``job`` in ``directory``; :meth:`run` serves until stopped."""
 
-    def __init__(self, job: str, directory: str, *, node: str = "", node_budget: int = 0) -> None:
+    def __init__(self, job: str, directory: str, *, node: str = "", node_budget: int = 0,
+                 peer_bind: str | None = "127.0.0.1") -> None:
         Config(job_id=job)  # validates the job id (it names files)
         self.job, self.dir = job, os.path.abspath(directory)
         self.node = node or socket.gethostname()
@@ -73,6 +82,9 @@ class Agent:
         self._ids = itertools.count(1)
         self._lock_fd: int | None = None
         self._listener: socket.socket | None = None
+        self.peer_bind = peer_bind  # None: serve no peers
+        self.peer_server = None
+        self.snapshots = None  # agent_serve.AgentSnapshots once serving
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def acquire(self) -> bool:
@@ -103,6 +115,7 @@ class Agent:
         try:
             self.adoption = self.table.adopt()
             self._write_pid()
+            self._serve_peers()
             self._listen()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self._stop.set())
@@ -121,6 +134,24 @@ class Agent:
             f.write(msgpack.packb({"pid": os.getpid(), "generation": self.generation, "job": self.job,
                                    "started": self.started}))
         os.replace(tmp, path)
+
+    def _serve_peers(self) -> None:
+        """Serve the node's committed snapshots to peers and publish the address (agent_serve.py)."""
+        from jaxckpt.backends import agent_serve
+
+        self.snapshots = agent_serve.AgentSnapshots(self.table, self.dir)
+        if self.peer_bind is None:
+            return
+        try:
+            from jaxckpt.backends.transport import get_transport
+
+            token = agent_serve.load_or_make_token(self.dir)
+            self.peer_server = get_transport().serve(self.snapshots, token=token, host=self.peer_bind)
+            agent_serve.write_peer_info(self.dir, {"address": self.peer_server.address, "node": self.node,
+                                                   "job": self.job, "generation": self.generation,
+                                                   "pid": os.getpid(), "directory": self.dir})
+        except Exception:  # noqa: BLE001 - the node's trainers are served without it; restores say what is missing
+            log.exception("agent %s: cannot serve peers on %s", self.generation, self.peer_bind)
 
     def _listen(self) -> None:
         path = os.path.join(self.dir, SOCKET_NAME)
@@ -177,8 +208,13 @@ class Agent:
                 c.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        if self.peer_server is not None:
+            self.peer_server.close()
+            self.peer_server = None
         if self._lock_fd is None:
             return
+        from jaxckpt.backends.agent_serve import remove_peer_files
+        remove_peer_files(self.dir)
         nsegs, nbytes = self.table.close()
         _unlink(os.path.join(self.dir, PID_NAME))
         _unlink(os.path.join(self.dir, LOCK_NAME))  # while still locked: a newer agent re-creates it
@@ -215,10 +251,10 @@ class Agent:
             conn.sock.close()
         except OSError:
             pass
+        for (p, step), n in conn.pins.items():  # a trainer's or a reader's
+            for _ in range(n):
+                self.table.unpin(p, step)
         if conn.process is not None:
-            for (p, step), n in conn.pins.items():
-                for _ in range(n):
-                    self.table.unpin(p, step)
             self.table.drop_owner(conn.id, conn.process)
             log.info("process %d (pid %d) disconnected", conn.process, conn.pid)
 
@@ -233,6 +269,11 @@ class Agent:
                 raise Refused("bad", f"{op!r} before hello")
             if op in ANY_OPS:
                 return self._tool_op(conn, op, msg)
+            if conn.reader and op in READER_OPS:
+                if op == "index":
+                    return {"ok": True, "held": self.snapshots.held() if self.snapshots else [],
+                            "generation": self.generation, "node": self.node}, None
+                return {"ok": True, **self._trainer_op(conn, _int(msg, "process", MAX_PROCESS), op, msg)}, None
             if op not in TRAINER_OPS or conn.process is None:
                 raise Refused("bad", f"unknown or not permitted operation {op!r}")
             return {"ok": True, **self._trainer_op(conn, conn.process, op, msg)}, None
@@ -248,11 +289,12 @@ class Agent:
     def _hello(self, conn: _Conn, msg: dict) -> dict:
         if conn.process is not None or conn.client:
             raise Refused("bad", "hello was already said on this connection")
-        client = msg.get("role") == "client"
-        if msg["job"] != self.job and not (client and msg["job"] is None):  # tools may ask any agent they find
+        reader = msg.get("role") == "reader"
+        client = msg.get("role") == "client" or reader
+        if msg["job"] != self.job and not (client and not reader and msg["job"] is None):  # tools may ask any agent
             raise Refused("job", f"this agent ({self.dir}) serves job {self.job!r}, not {msg['job']!r}")
         if client:
-            conn.client = True
+            conn.client, conn.reader = True, reader
         else:
             process = _int(msg, "process", MAX_PROCESS)
             limits = Limits(budget=_int(msg, "budget"), keep=max(1, _int(msg, "keep")),
@@ -319,7 +361,9 @@ class Agent:
                 trainers = {str(c.process): c.pid for c in self._conns.values() if c.process is not None}
             return {"ok": True, "job": self.job, "node": self.node, "dir": self.dir, "pid": os.getpid(),
                     "generation": self.generation, "started": self.started, "now": time.time(),
-                    "trainers": trainers, "adoption": self.adoption, **self.table.status()}, None
+                    "trainers": trainers, "adoption": self.adoption,
+                    "peer_address": self.peer_server.address if self.peer_server else None,
+                    **self.table.status()}, None
         if op == "manifest":
             m = self.table.manifest(_int(msg, "process", MAX_PROCESS), _int(msg, "step"))
             return {"ok": True, "found": m is not None, "manifest": m or b""}, None
@@ -367,6 +411,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node", default="", help="node name shown by `jaxckpt ls` (default: host name)")
     p.add_argument("--budget-bytes", type=int, default=0, help="cap on the node's snapshot memory (0: none)")
     p.add_argument("--log", default="", help="log file (default: in the temp directory, named after --dir)")
+    p.add_argument("--peer-bind", default="127.0.0.1",
+                   help="address peers read this node's snapshots on (default loopback; 'none': do not serve)")
     p.set_defaults(run=run_cli)
 
 
@@ -379,7 +425,8 @@ def run_cli(args: argparse.Namespace) -> int:
     handler.setFormatter(logging.Formatter(f"%(asctime)s agent[{os.getpid()}] %(levelname)s %(message)s"))
     logging.getLogger("jaxckpt").addHandler(handler)
     try:
-        return Agent(args.job, directory, node=args.node, node_budget=args.budget_bytes).run()
+        return Agent(args.job, directory, node=args.node, node_budget=args.budget_bytes,
+                     peer_bind=None if args.peer_bind == "none" else args.peer_bind).run()
     except Exception:
         log.exception("agent of job %s in %s failed", args.job, directory)
         raise

@@ -7,6 +7,7 @@ Directory (``Config.shm_dir``, default ``/dev/shm/jaxckpt-<uid>-<job>``; mode 07
   agent.sock            Unix socket, mode 0600: trainers and the CLI talk to the agent here
   seg-p<P>-<gen>-<n>    a shared-memory segment (mode 0600) of process P, created by agent generation <gen>
   rec-p<P>-s<step>      commit record of (P, step): segment, size, manifest; written last, atomically
+  peer.addr, peer.token where peers read this node's snapshots, and the token they need (agent_serve.py)
 
 Messages are msgpack maps framed by a 4-byte big-endian length, never pickle, at most ``MAX_MESSAGE_BYTES``
 (a manifest travels inline in ``commit`` and ``open``). A request is ``{"v": 1, "op": ..., fields}``; a reply
@@ -108,7 +109,10 @@ def open_segment(directory: str, name: str, size: int, *, writable: bool = True)
     """Map segment ``name`` of ``directory`` (``size`` bytes, shared); checks it is our private regular file."""
     path = os.path.join(directory, check_name(name))
     flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(path, flags)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:  # gone, or a symlink planted in its place (O_NOFOLLOW): never followed
+        raise AgentError(f"cannot open segment {path}: {e.strerror or e}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
@@ -217,7 +221,7 @@ def spawn_agent(config: Config, directory: str, *, log_path: str | None = None) 
     Two spawns race harmlessly: the agent's lock lets one run; the other exits at once.
     """
     cmd = [sys.executable, "-m", "jaxckpt.cli", "agent", "--job", config.job_id, "--dir", directory,
-           "--log", log_path or default_log_path(directory)]
+           "--log", log_path or default_log_path(directory), "--peer-bind", config.peer_bind]
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, close_fds=True)
 

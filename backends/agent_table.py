@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -186,6 +187,11 @@ class SlotTable:
         with self._lock:
             names = [e.seg.name for (p, _), e in self._slots.items() if p == process and e.seg is not None]
             return names + [s.name for s in self._pools.get(process, [])]
+
+    def committed(self) -> list[tuple[int, int, bytes]]:
+        """(process, step, manifest) of every committed, readable slot of the node (what peers are served)."""
+        with self._lock:
+            return sorted((e.process, e.step, e.manifest) for e in self._slots.values() if self._visible(e))
 
     def manifest(self, process: int, step: int) -> bytes | None:
         with self._lock:
@@ -371,7 +377,10 @@ class SlotTable:
                 seg_name = check_name(d["seg"])
                 if not seg_name.startswith(f"seg-p{process}-"):
                     raise ProtocolError(f"{path}: segment {seg_name} belongs to another process")
-                size = os.stat(os.path.join(self.dir, seg_name), follow_symlinks=False).st_size
+                st = os.stat(os.path.join(self.dir, seg_name), follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                    raise ProtocolError(f"{path}: segment {seg_name} is not a private regular file")
+                size = st.st_size
                 if size < nbytes:
                     raise ProtocolError(f"{path}: segment {seg_name} holds {size} bytes, record says {nbytes}")
                 seg = Segment(seg_name, process, size)

@@ -128,6 +128,10 @@ class ShmStore(Store):
         if time.monotonic() - self._last_spawn < RESPAWN_INTERVAL_S:
             return
         ensure_private_dir(self.directory, create=True)
+        if self.config.peer_token:
+            from jaxckpt.backends.agent_serve import read_token, write_token
+            if read_token(self.directory) is None:  # the agent serves peers with the job's token
+                write_token(self.directory, self.config.peer_token.encode())
         self._last_spawn = time.monotonic()
         self._spawned = spawn_agent(self.config, self.directory)
         self.metrics["agent_spawns"] += 1

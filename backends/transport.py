@@ -1,11 +1,16 @@
-"""Peer transport: a process serves its store's committed snapshots; other processes fetch manifests and ranges.
+"""Peer transport: a process (or a node agent) serves committed snapshots; others fetch manifests and ranges.
 
 The interface is three small classes (:class:`Transport` makes servers and clients) so that another transport
-can be added next to the pyzmq one. Wire protocol, version 1 (msgpack maps, never pickle):
+can be added next to the pyzmq one. A server serves a :class:`SnapshotSource`: one process's store, or a node
+agent's memory holding the snapshots of every process of its node. Wire protocol, version 1 (msgpack maps,
+never pickle):
 
-  request (one frame)  {"v": 1, "id": n, "token": bytes, "op": "steps"|"manifest"|"read", "step", "offset", "nbytes"}
-  reply (two frames)   {"v": 1, "id": n, "ok": bool, "code": "", "error": "", "steps": [...], "size"}, payload
+  request (one frame)  {"v": 1, "id": n, "token": bytes, "op": "steps"|"manifest"|"read"|"held", "step", "offset",
+                        "nbytes", "process"}
+  reply (two frames)   {"v": 1, "id": n, "ok": bool, "code": "", "error": "", "steps": [...], "size", "held"}, payload
 A manifest is paged: each reply carries at most one frame from ``offset`` and the manifest's total ``size``.
+``process`` (optional) names the saving process whose snapshot is meant; without it, a store's server means its
+own process. ``held`` lists every (process, step) the source holds as ``jaxckpt.sources.HeldEntry`` wire lists.
 
 Every request carries the job's shared token, compared with ``hmac.compare_digest``; a request with a wrong
 or missing token is refused (logged, nothing served). Requests are at most ``MAX_REQUEST_BYTES``; a read
@@ -38,7 +43,60 @@ VERSION = 1
 MAX_REQUEST_BYTES = 4096
 DEFAULT_FRAME_BYTES = 16 << 20
 _HEADER_SLACK = 4096  # a reply header is far below this
-OPS = ("steps", "manifest", "read")
+OPS = ("steps", "manifest", "read", "held")
+
+
+class SnapshotSource(abc.ABC):
+    """What a peer server serves: committed snapshots of one or more processes, opened pinned."""
+
+    label: str  # for log lines, e.g. "process 3" or "node agent at /dev/shm/..."
+
+    @abc.abstractmethod
+    def steps(self, process: int | None) -> list[int]:
+        """Committed steps of ``process`` (None: the source's default process, or every process)."""
+
+    @abc.abstractmethod
+    def open(self, process: int | None, step: int) -> SnapshotView | None:
+        """Pin ``process``'s snapshot of ``step``; None if not held."""
+
+    @abc.abstractmethod
+    def held(self) -> list[list]:
+        """Every snapshot held, as HeldEntry wire lists."""
+
+
+class StoreSource(SnapshotSource):
+    """One process's Store as a SnapshotSource (its own process only)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.label = f"process {store.process_index}"
+        self._entries: dict[tuple[int, int], list] = {}  # (step, manifest crc) -> entry
+
+    def steps(self, process: int | None) -> list[int]:
+        return self.store.steps() if process in (None, self.store.process_index) else []
+
+    def open(self, process: int | None, step: int) -> SnapshotView | None:
+        return self.store.open(step) if process in (None, self.store.process_index) else None
+
+    def held(self) -> list[list]:
+        from jaxckpt.checksum import crc32c
+        from jaxckpt.errors import ManifestError
+        from jaxckpt.sources import held_entry
+
+        out = []
+        for step in self.store.steps():
+            view = self.store.open(step)
+            if view is None:
+                continue
+            with view:
+                key = (step, crc32c(view.manifest))
+                if key not in self._entries:
+                    try:
+                        self._entries[key] = held_entry(view.manifest).to_wire()
+                    except ManifestError:  # not a jaxckpt manifest (a raw store in a test): listed, unusable
+                        self._entries[key] = [self.store.process_index, step, 0, "", key[1]]
+                out.append(self._entries[key])
+        return out
 
 
 class PeerServer(abc.ABC):
@@ -60,12 +118,16 @@ class PeerClient(abc.ABC):
         """The committed steps the peer holds now."""
 
     @abc.abstractmethod
-    def manifest(self, step: int) -> bytes:
-        """The peer's encoded manifest of ``step``; StepNotFoundError if the peer does not hold it."""
+    def manifest(self, step: int, process: int | None = None) -> bytes:
+        """The peer's encoded manifest of ``step`` (of saving ``process``); StepNotFoundError if not held."""
 
     @abc.abstractmethod
-    def read(self, step: int, offset: int, nbytes: int) -> memoryview:
-        """``nbytes`` bytes at ``offset`` of the peer's snapshot buffer of ``step``."""
+    def read(self, step: int, offset: int, nbytes: int, process: int | None = None) -> memoryview:
+        """``nbytes`` bytes at ``offset`` of the peer's snapshot buffer of ``step`` (of saving ``process``)."""
+
+    @abc.abstractmethod
+    def held(self) -> list[list]:
+        """Every snapshot the peer holds, as HeldEntry wire lists."""
 
     @abc.abstractmethod
     def close(self) -> None: ...
@@ -77,8 +139,8 @@ class Transport(abc.ABC):
     name: ClassVar[str] = ""
 
     @abc.abstractmethod
-    def serve(self, store: Store, *, token: bytes, host: str = "127.0.0.1") -> PeerServer:
-        """Start serving ``store`` on ``host`` (an ephemeral port) and return at once."""
+    def serve(self, store: Store | SnapshotSource, *, token: bytes, host: str = "127.0.0.1") -> PeerServer:
+        """Start serving ``store`` (a Store or any SnapshotSource) on ``host`` (an ephemeral port); returns at once."""
 
     @abc.abstractmethod
     def connect(self, address: str, *, token: bytes, timeout_s: float) -> PeerClient:
@@ -102,8 +164,9 @@ class ZmqTransport(Transport):
         self.frame_bytes = frame_bytes
         self.window = window
 
-    def serve(self, store: Store, *, token: bytes, host: str = "127.0.0.1") -> "ZmqServer":
-        return ZmqServer(store, token=token, host=host, frame_bytes=self.frame_bytes)
+    def serve(self, store: Store | SnapshotSource, *, token: bytes, host: str = "127.0.0.1") -> "ZmqServer":
+        source = store if isinstance(store, SnapshotSource) else StoreSource(store)
+        return ZmqServer(source, token=token, host=host, frame_bytes=self.frame_bytes)
 
     def connect(self, address: str, *, token: bytes, timeout_s: float) -> "ZmqClient":
         return ZmqClient(address, token=token, timeout_s=timeout_s, frame_bytes=self.frame_bytes,
@@ -117,14 +180,14 @@ class _Refused(Exception):
 
 
 class ZmqServer(PeerServer):
-    """One thread owning a ROUTER socket; reads are served zero-copy from pinned store views."""
+    """One thread owning a ROUTER socket; reads are served zero-copy from pinned snapshot views."""
 
     POLL_MS = 100
 
-    def __init__(self, store: Store, *, token: bytes, host: str, frame_bytes: int) -> None:
+    def __init__(self, source: SnapshotSource, *, token: bytes, host: str, frame_bytes: int) -> None:
         if not token:
             raise PeerError("a peer server needs a non-empty token")
-        self._store, self._token, self._frame_bytes = store, bytes(token), frame_bytes
+        self._source, self._token, self._frame_bytes = source, bytes(token), frame_bytes
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         # Larger requests make ZeroMQ drop the connection before anything is buffered; smaller but still
@@ -139,7 +202,7 @@ class ZmqServer(PeerServer):
         self.served = 0
         self._thread = threading.Thread(target=self._run, name="jaxckpt-peer-server", daemon=True)
         self._thread.start()
-        log.info("serving snapshots of process %d at %s", store.process_index, self.address)
+        log.info("serving snapshots of %s at %s", source.label, self.address)
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -209,14 +272,21 @@ class ZmqServer(PeerServer):
         op = req.get("op")
         if op not in OPS:
             raise _Refused("bad-request", f"unknown op {op!r}")
+        process = req.get("process")
+        if process is not None:
+            process = _nonneg(req, "process")
         if op == "steps":
-            self._reply(ident, rid, ok=True, steps=self._store.steps())
+            self._reply(ident, rid, ok=True, steps=self._source.steps(process))
+            return
+        if op == "held":
+            self._reply(ident, rid, ok=True, held=self._source.held())
             return
         step = _nonneg(req, "step")
-        view = self._store.open(step)
+        view = self._source.open(process, step)
         if view is None:
-            raise _Refused("not-found", f"step {step} is not held by process {self._store.process_index} "
-                                        f"(held: {self._store.steps() or 'none'})")
+            whose = self._source.label if process is None else f"{self._source.label} for process {process}"
+            raise _Refused("not-found", f"step {step} is not held by {whose} "
+                                        f"(held: {self._source.steps(process) or 'none'})")
         size = None
         try:
             if op == "manifest":  # paged like reads, so that no reply exceeds a frame
@@ -241,9 +311,12 @@ class ZmqServer(PeerServer):
         self._pinned.append((tracker, view))  # unpinned once ZeroMQ no longer needs the bytes
 
     def _reply(self, ident: zmq.Frame, rid: int | None, *, ok: bool, code: str = "", error: str = "",
-               steps: list[int] | None = None, payload: Any = b"", size: int | None = None) -> zmq.MessageTracker:
-        header = msgpack.packb({"v": VERSION, "id": rid, "ok": ok, "code": code, "error": error,
-                                "steps": steps or [], "size": size}, use_bin_type=True)
+               steps: list[int] | None = None, payload: Any = b"", size: int | None = None,
+               held: list[list] | None = None) -> zmq.MessageTracker:
+        fields = {"v": VERSION, "id": rid, "ok": ok, "code": code, "error": error, "steps": steps or [], "size": size}
+        if held is not None:
+            fields["held"] = held
+        header = msgpack.packb(fields, use_bin_type=True)
         try:
             return self._sock.send_multipart([ident.bytes, header, payload], copy=False, track=True,
                                              flags=zmq.NOBLOCK)
@@ -293,8 +366,9 @@ class ZmqClient(PeerClient):
         self._lock = threading.Lock()
         self._closed = False
 
-    def _send(self, op: str, **fields: int) -> int:
+    def _send(self, op: str, **fields: int | None) -> int:
         rid = next(self._ids)
+        fields = {k: v for k, v in fields.items() if v is not None}
         self._sock.send(msgpack.packb({"v": VERSION, "id": rid, "token": self._token, "op": op, **fields},
                                       use_bin_type=True))
         return rid
@@ -321,7 +395,7 @@ class ZmqClient(PeerClient):
                 raise PeerError(f"peer {self.address} refused {what}: {error} ({code})")
             return rid, header, frames[1] if len(frames) > 1 else None
 
-    def _call(self, op: str, what: str, **fields: int) -> tuple[dict, zmq.Frame | None]:
+    def _call(self, op: str, what: str, **fields: int | None) -> tuple[dict, zmq.Frame | None]:
         with self._lock:
             self._check_open()
             rid = self._send(op, **fields)
@@ -330,13 +404,24 @@ class ZmqClient(PeerClient):
 
     def steps(self) -> list[int]:
         header, _ = self._call("steps", "a steps request")
-        return [int(s) for s in header.get("steps", [])]
+        steps = header.get("steps", [])
+        if not isinstance(steps, list) or not all(type(s) is int and s >= 0 for s in steps):
+            raise PeerError(f"peer {self.address}: malformed reply to a steps request")
+        return steps
 
-    def manifest(self, step: int) -> bytes:
+    def held(self) -> list[list]:
+        header, _ = self._call("held", "a held request")
+        held = header.get("held")
+        if not isinstance(held, list):
+            raise PeerError(f"peer {self.address}: malformed reply to a held request")
+        return held
+
+    def manifest(self, step: int, process: int | None = None) -> bytes:
         parts: list[bytes] = []
         got, size = 0, None
+        what = f"the manifest of step {step}" + (f" of process {process}" if process is not None else "")
         while size is None or got < size:
-            header, payload = self._call("manifest", f"the manifest of step {step}", step=step, offset=got)
+            header, payload = self._call("manifest", what, step=step, offset=got, process=process)
             size, part = header.get("size"), payload.bytes if payload is not None else b""
             if not isinstance(size, int) or size > MAX_MANIFEST_BYTES or (got + len(part) < size and not part):
                 raise PeerError(f"peer {self.address}: malformed manifest reply for step {step} (size {size!r})")
@@ -344,8 +429,8 @@ class ZmqClient(PeerClient):
             got += len(part)
         return b"".join(parts)
 
-    def read(self, step: int, offset: int, nbytes: int) -> memoryview:
-        what = f"step {step} range {offset}+{nbytes}"
+    def read(self, step: int, offset: int, nbytes: int, process: int | None = None) -> memoryview:
+        what = f"step {step} range {offset}+{nbytes}" + (f" of process {process}" if process is not None else "")
         parts = [(o, min(self._frame_bytes, offset + nbytes - o))
                  for o in range(offset, offset + nbytes, self._frame_bytes)] or [(offset, 0)]
         out = None if len(parts) == 1 else np.empty(nbytes, dtype=np.uint8)
@@ -359,7 +444,7 @@ class ZmqClient(PeerClient):
                     nxt = next(todo, None)
                     if nxt is None:
                         break
-                    pending[self._send("read", step=step, offset=nxt[0], nbytes=nxt[1])] = nxt
+                    pending[self._send("read", step=step, offset=nxt[0], nbytes=nxt[1], process=process)] = nxt
                 if not pending:
                     break
                 rid, _, payload = self._recv(set(pending), deadline, what)

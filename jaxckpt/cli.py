@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxckpt import listing
     listing.add_ls_arguments(sub.add_parser("ls", help="steps held by a node agent, per process, with bytes and age"))
     listing.add_inspect_arguments(sub.add_parser("inspect", help="arrays, shardings and chunk checksums of a step"))
+    from jaxckpt import chaos
+    chaos.add_arguments(sub.add_parser("chaos", help="seeded fault injection over a multi-process job on simulated "
+                                                     "nodes: every restore checked bit for bit"))
     return p
 
 

@@ -16,6 +16,8 @@ log = logging.getLogger("jaxckpt.config")
 STORES = ("memory", "shm", "peer")
 PROTECTIONS = ("none", "replica", "parity", "xor-group", "hybrid")
 ENV_PREFIX = "JAXCKPT_"
+MAX_JOB_ID = 128
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,12 @@ class Config:
     # store="shm": the node agent's directory (socket, lock, shared-memory segments); "" = a per-job directory
     # under /dev/shm. Simulated nodes on one machine each get their own (JAXCKPT_SHM_DIR).
     shm_dir: str = ""
+    # Restore from node agents (jaxckpt.catalog): agent directories of the saving job's nodes that this process
+    # can read (comma-separated, glob patterns allowed, e.g. "/dev/shm/jaxckpt-sim/node*"); this process's own
+    # node agent is always used, and the processes of a job share what they found through the coordination
+    # service. ``restore_workers`` chunk fetches run in parallel per process.
+    agent_dirs: str = ""
+    restore_workers: int = 4
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -71,19 +79,25 @@ class Config:
             raise ConfigError(f"Config.protection_copies={self.protection_copies!r}: must be at least 1")
         if self.protection_group < 2:
             raise ConfigError(f"Config.protection_group={self.protection_group!r}: must be at least 2")
-        for name in ("keep", "workers", "max_pending_saves", "chunk_bytes", "inflight_bytes", "persistent_keep"):
+        for name in ("keep", "workers", "max_pending_saves", "chunk_bytes", "inflight_bytes", "persistent_keep",
+                     "restore_workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"Config.{name}={getattr(self, name)!r}: must be at least 1")
         for name in ("memory_budget_bytes", "persistent_interval"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"Config.{name}={getattr(self, name)!r}: must not be negative")
         for name in ("commit_timeout_s", "peer_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"Config.{name}={getattr(self, name)!r}: must be positive")
+            # NaN fails too: every wait needs a real time-out (and threading refuses huge ones with OverflowError).
+            if not 0 < getattr(self, name) <= MAX_TIMEOUT_S:
+                raise ConfigError(f"Config.{name}={getattr(self, name)!r}: must be positive and at most "
+                                  f"{MAX_TIMEOUT_S:g} (a week)")
         if self.shm_dir and not os.path.isabs(self.shm_dir):
             raise ConfigError(f"Config.shm_dir={self.shm_dir!r}: must be an absolute path")
         if not self.job_id or any(c not in _JOB_ID_CHARS for c in self.job_id):
             raise ConfigError(f"Config.job_id={self.job_id!r}: use letters, digits, '-', '_' and '.' only")
+        if len(self.job_id) > MAX_JOB_ID:  # it names files and directories (NAME_MAX 255 with our prefixes)
+            raise ConfigError(f"Config.job_id={self.job_id[:16]!r}...: {len(self.job_id)} characters, at most "
+                              f"{MAX_JOB_ID}")
 
     def replace(self, **changes: Any) -> "Config":
         """A copy with ``changes`` applied (validated like the constructor)."""

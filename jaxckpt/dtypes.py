@@ -1,6 +1,8 @@
 """Dtype names on the wire: numpy's names, plus the ml_dtypes extensions (bfloat16, float8_*) JAX and torch use."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from jaxckpt.errors import ManifestError
@@ -11,17 +13,28 @@ except ImportError:  # pragma: no cover - depends on the environment
     _ml = None
 
 
+_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}(\[[a-zA-Z0-9]{1,8}\])?\Z")
+
+
 def dtype_name(dtype: np.dtype) -> str:
     """The name under which ``dtype`` is written into a manifest."""
     return np.dtype(dtype).name
 
 
 def dtype_from_name(name: str) -> np.dtype:
-    """The numpy dtype of a manifest dtype name; raises ManifestError for names it cannot map."""
-    try:
-        return np.dtype(name)
-    except TypeError:
-        pass
-    if _ml is not None and hasattr(_ml, name):
-        return np.dtype(getattr(_ml, name))
-    raise ManifestError(f"unknown dtype {name!r} in manifest")
+    """The numpy dtype of a manifest dtype name; raises ManifestError for names it cannot map.
+
+    Only plain element types are accepted: a name from another process or from disk must never turn bytes into
+    Python objects (dtype object) or into another shape (sub-array and structured dtypes).
+    """
+    dt = None
+    if isinstance(name, str) and _NAME.match(name):  # never hand numpy's comma/shape mini-language to a peer
+        try:
+            dt = np.dtype(name)
+        except (TypeError, ValueError):
+            scalar = getattr(_ml, name, None) if _ml is not None and not name.startswith("_") else None
+            if isinstance(scalar, type) and issubclass(scalar, np.generic):
+                dt = np.dtype(scalar)
+    if dt is None or dt.hasobject or dt.subdtype is not None or dt.names is not None:
+        raise ManifestError(f"unknown dtype {name!r} in manifest")
+    return dt

@@ -23,7 +23,8 @@ from jaxckpt.config import Config
 from jaxckpt.coordination import CommitTracker, Coordinator
 from jaxckpt.errors import (ClosedError, CommitError, NoCheckpointError, StepError, StepNotFoundError,
                             StoreUnavailableError)
-from jaxckpt.fetch import ByteSource, ChunkReader, buffer_source
+from jaxckpt.catalog import Catalog, node_agent_dir
+from jaxckpt.fetch import ChunkReader
 from jaxckpt.plan import ArrayLayout, SavePlan, plan_save
 from jaxckpt.registry import get_store_class
 from jaxckpt.snapshot import CopyTask, SnapshotEngine, SnapshotResult
@@ -54,6 +55,7 @@ class _Prepared:
     chunk_leaf: list[int]
     chunk_slices: list[tuple[slice, ...]]
     devices: list[frozenset[int]]  # per array leaf, the local devices its chunks are read from
+    key: tuple = ()  # the layout key (protection plans are kept per layout)
 
 
 class SaveHandle:
@@ -102,13 +104,16 @@ class CheckpointEngine:
         store_cls = get_store_class(config.store)
         self.store = store_cls(config, process_index=self.process_index, process_count=self.process_count)
         self._peers = None
-        if self.process_count > 1:  # restore needs chunks that other processes hold
+        # Restore needs chunks that other processes hold: node agents serve them (store="shm"), else each process.
+        if self.process_count > 1 and node_agent_dir(self.store) is None:
             from jaxckpt.peers import Peers
             try:
                 self._peers = Peers(config, coordinator, self.store)
             except BaseException:
                 self.store.close()
                 raise
+        self.catalog = Catalog(config, coordinator, self.store, self._peers)  # where restores read from
+        self.last_restore_report = None  # jaxckpt.sources.RestoreReport of the last open() (restore)
         self._snap = SnapshotEngine(config.workers, config.inflight_bytes)
         self._tracker = CommitTracker(coordinator, config.job_id, config.commit_timeout_s,
                                       on_commit=self._after_commit)
@@ -123,6 +128,12 @@ class CheckpointEngine:
         self._commit_hooks: list[Callable[[int, bool], None]] = []
         self._holds: dict[int, int] = {}
         self._deferred: set[int] = set()
+        # Config.protection (jaxckpt.protect_runtime): needs node agents; registers its rebuild holder before
+        # _recover so that a restarted job counts steps it can rebuild from protection.
+        self.protection = None
+        if config.protection != "none" and node_agent_dir(self.store) is not None:
+            from jaxckpt.protect_runtime import Protector
+            self.protection = Protector(self)
         if self.store.survives_process:
             try:
                 self._recover()
@@ -164,6 +175,8 @@ class CheckpointEngine:
                                   start=start))
         handle = SaveHandle(step, self._tracker)
         handle.nbytes = prep.plan.nbytes
+        if self.protection is not None:
+            self.protection.on_save(step, prep.key, [r.path for r in records], sources)
         del sources  # the tasks hold the only references, each dropped as soon as its chunk is copied
         fut = self._snap.submit(slot, tasks)
         fut.add_done_callback(lambda f: self._local_finished(f, handle, slot, prep, values, order))
@@ -178,10 +191,16 @@ class CheckpointEngine:
             with self._lock:
                 while self._pending and self._pending[0].done():
                     self._pending.popleft()
-                running = [h for h in self._pending if not h.local_done()]
+                # Undecided, not just unfinished: a process must not run ahead of the commit protocol (its node
+                # agent keeps only keep + max_pending_saves steps of a trainer that dies: agent_table.drop_owner).
+                running = [h for h in self._pending if not h.done()]
                 if len(running) < self.config.max_pending_saves:
                     return
             running[0]._local.wait()
+            try:
+                running[0]._tracker.wait(running[0].step)
+            except CommitError:  # decided as failed in the end; the loop looks again
+                pass
 
     def _prepare(self, records: list[ArrayRecord]) -> _Prepared:
         key = tuple((r.path, r.layout_key) for r in records)
@@ -189,15 +208,19 @@ class CheckpointEngine:
         if prep is not None:
             return prep
         layouts = [r.layout() for r in records]
-        plan = plan_save(layouts, self.process_count, self.config.chunk_bytes)[self.process_index]
+        plans = plan_save(layouts, self.process_count, self.config.chunk_bytes)
+        plan = plans[self.process_index]
         index = {r.path: i for i, r in enumerate(records)}
         src_box = {(lay.path, p.device): p.box for lay in layouts for p in lay.placements}
         devices: list[set[int]] = [set() for _ in records]
         for c in plan.chunks:
             devices[index[c.path]].add(c.device)
+        if self.protection is not None:  # the device copies this process's parity stripes are computed from
+            for path, devs in self.protection.prepare(key, layouts, plans).items():
+                devices[index[path]] |= devs
         prep = _Prepared(plan, [r.meta() for r in records], [index[c.path] for c in plan.chunks],
                          [src_box[(c.path, c.device)].relative(c.box) for c in plan.chunks],
-                         [frozenset(d) for d in devices])
+                         [frozenset(d) for d in devices], key)
         self._prepared[key] = prep
         log.info("planned a new state layout: %d arrays, %d local chunks, %d bytes on process %d",
                  len(records), len(plan.chunks), plan.nbytes, self.process_index)
@@ -280,6 +303,8 @@ class CheckpointEngine:
                 if not h.skipped:
                     raise
                 # a skipped save (the store's agent was gone) is logged and counted, not a failure of wait()
+        if self.protection is not None:  # ... and protected (or its protection failed, which is logged)
+            self.protection.wait(timeout=timeout)
 
     def latest_step(self) -> int | None:
         """The newest step committed by every process, or None."""
@@ -296,29 +321,63 @@ class CheckpointEngine:
     def _recover(self) -> None:
         """Adopt the steps a store that survives the process (a node agent) kept from an earlier run of it.
 
-        One process: its newest ``keep`` held steps become committed, the newest is ``latest_step()``.
-        Several (O(processes) at process 0, like the commit protocol):
-          0) (every process) sets ``recover/<n>/held/<process>`` to its held steps;
+        Own steps are the held ones this process saved as the same process of a job of the same size (their
+        manifests say so); the others were saved by another incarnation of the job (say 4 processes, where we
+        are 2) and stay with the agents as restore sources.
+        One process: its newest ``keep`` own steps become committed. Several (O(processes) at process 0, like
+        the commit protocol):
+          0) (every process) sets ``recover/<n>/held/<process>`` to its own held steps;
           1) (process 0)     reads those N keys and publishes ``recover/<n>/common``: the newest ``keep`` steps
                              every process holds ("" if a process did not answer in time);
           2) (every process) reads that one key.
-        Every process then deletes its held steps outside the agreed ones (newer ones were not committed
-        everywhere) and numbers its next save after the newest agreed step.
+        With node agents, the catalog also finds every agent and agrees on the newest step whose snapshot every
+        process can obtain from them (jaxckpt.catalog), whatever job size saved it: that is ``latest_step()``
+        when it is newer. Every process then deletes its own held steps outside those (newer ones were not
+        committed everywhere) and any held step newer than the restorable one, and numbers its next save after it.
         """
         held = self.store.steps()
-        agreed = held[-self.config.keep:] if self.process_count == 1 else self._agree_held(held)
+        own = self._own_steps(held)
+        restorable = None
+        if self.catalog.uses_agents:
+            prefix = f"jaxckpt/{self.config.job_id}/catalog/{next(_recoveries)}"
+            self.catalog.discover(prefix)
+            restorable = self.catalog.agree_latest(prefix)
+        agreed = own[-self.config.keep:] if self.process_count == 1 else self._agree_held(own)
+        kept = set(agreed) | ({restorable} if restorable is not None else set())
         for s in held:
-            if s not in agreed:
+            if (s in own and s not in kept) or (restorable is not None and s > restorable):
                 self.store.delete(s)
-        if agreed:
+        newest = max([*agreed, *([restorable] if restorable is not None else [])], default=None)
+        if newest is not None:
             self._committed = list(agreed)
-            self._last_step = agreed[-1]
-            self._tracker.adopt(agreed[-1])
-            log.info("process %d adopted steps %s held by store %r from an earlier run (latest %d)",
-                     self.process_index, agreed, self.config.store, agreed[-1])
+            self._last_step = newest
+            self._tracker.adopt(newest)
+            log.info("process %d adopted steps %s held by store %r from an earlier run (latest %d%s)",
+                     self.process_index, agreed, self.config.store, newest,
+                     ", restorable from the node agents" if newest not in agreed else "")
         elif held:
             log.warning("process %d: steps %s held by store %r are not held by every process; dropped",
                         self.process_index, held, self.config.store)
+
+    def _own_steps(self, held: list[int]) -> list[int]:
+        """The held steps this process saved as process ``process_index`` of ``process_count`` processes."""
+        out = []
+        for s in held:
+            try:
+                view = self.store.open(s)
+            except StepNotFoundError:
+                continue
+            if view is None:
+                continue
+            with view:
+                try:
+                    m = mf.decode(view.manifest, source=f"step {s} manifest of process {self.process_index}")
+                except mf.ManifestError as e:
+                    log.warning("process %d: held step %d is unreadable (%s); not adopted", self.process_index, s, e)
+                    continue
+            if (m.process, m.process_count) == (self.process_index, self.process_count):
+                out.append(s)
+        return out
 
     def _agree_held(self, held: list[int]) -> list[int]:
         c, timeout = self.coordinator, self.config.commit_timeout_s
@@ -347,8 +406,12 @@ class CheckpointEngine:
     # -------------------------------------------------------------------------------------------- restore
     def resolve_step(self, step: int | None) -> int:
         if step is not None:
+            if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+                raise StepError(f"step must be a non-negative int, got {step!r}")  # never int(2.5) or "../x"
             return int(step)
         latest = self.latest_step()
+        if latest is None and self.protection is not None and self.protection.holder.losses:
+            raise self.protection.holder.losses[max(self.protection.holder.losses)]
         if latest is None:
             raise NoCheckpointError(f"nothing has been committed yet (store {self.config.store!r}, "
                                     f"job {self.config.job_id!r})")
@@ -356,22 +419,20 @@ class CheckpointEngine:
 
     @contextlib.contextmanager
     def open(self, step: int | None) -> Iterator[tuple[int, list[mf.Manifest], ChunkReader]]:
-        """Pin ``step`` (default: latest) and yield (step, manifests of every process, a verified chunk reader)."""
+        """Pin ``step`` (default: latest) and yield (step, manifests of every process that saved it, a verified
+        chunk reader over the cheapest sources of each: jaxckpt.catalog). The reader's report (bytes per source
+        kind and node, fallbacks) is logged and kept as ``last_restore_report``."""
         self.check_open()
         step = self.resolve_step(step)
-        view = self.store.open(step)
-        if view is None:
-            raise StepNotFoundError(f"step {step} is not held by store {self.config.store!r} "
-                                    f"(held: {self.store.steps() or 'none'})")
-        with view:
-            manifests = [mf.decode(view.manifest, source=f"step {step} manifest of process {self.process_index}")]
-            sources: dict[int, ByteSource] = {self.process_index: buffer_source(view.buffer)}
-            manifests += self._remote_manifests(step, manifests[0], sources)
-            yield step, manifests, ChunkReader(sources, step, self.config.verify_on_restore)
-
-    def _remote_manifests(self, step: int, own: mf.Manifest, sources: dict[int, ByteSource]) -> list[mf.Manifest]:
-        """Manifests (and byte sources) of the other processes of the saving job; none for one process."""
-        return self._peers.manifests(step, own, sources) if self._peers is not None else []
+        with self.catalog.open(step) as (manifests, sources):
+            reader = ChunkReader(sources, step, self.config.verify_on_restore, workers=self.config.restore_workers,
+                                 process=self.process_index)
+            try:
+                yield step, manifests, reader
+            finally:
+                self.last_restore_report = report = reader.finish()
+                if report.chunks:
+                    log.info("restored %s", report.summary())
 
     # ---------------------------------------------------------------------------------------------- close
     def close(self) -> None:
@@ -385,6 +446,9 @@ class CheckpointEngine:
         self._closed = True
         self._snap.close()
         self._tracker.close()
+        if self.protection is not None:
+            self.protection.close()
+        self.catalog.close()
         if self._peers is not None:
             self._peers.close()
         self.store.close()

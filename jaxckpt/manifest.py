@@ -15,6 +15,7 @@ import msgpack
 
 from jaxckpt.box import Box
 from jaxckpt.checksum import crc32c
+from jaxckpt.dtypes import dtype_from_name
 from jaxckpt.errors import ManifestError
 
 FORMAT = "jaxckpt-manifest"
@@ -116,12 +117,19 @@ def _keypath_to_wire(kp: Iterable[KeyEntry]) -> list:
     return [[k, v] for k, v in kp]
 
 
+# What each keypath entry kind may carry (front ends write dict keys as str or int, attributes by name).
+_KEY_TYPES = {"key": (str, int), "idx": int, "attr": str}
+
+
 def _keypath_from_wire(v: Any) -> tuple[KeyEntry, ...]:
     out = []
     for entry in _expect(v, list, "keypath"):
-        kind, key = _expect(entry, list, "keypath entry")
-        if kind not in ("key", "idx", "attr"):
+        if len(_expect(entry, list, "keypath entry")) != 2:
+            raise ManifestError(f"keypath entry {entry!r} is not a [kind, key] pair")
+        kind, key = entry
+        if kind not in _KEY_TYPES:
             raise ManifestError(f"unknown keypath entry kind {kind!r}")
+        _expect(key, _KEY_TYPES[kind], f"keypath {kind}")
         out.append((kind, key))
     return tuple(out)
 
@@ -140,7 +148,8 @@ def _to_wire(m: Manifest) -> dict:
 
 
 def _expect(v: Any, typ: type | tuple, what: str) -> Any:
-    if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+    types = typ if isinstance(typ, tuple) else (typ,)
+    if not isinstance(v, typ) or (isinstance(v, bool) and bool not in types):
         raise ManifestError(f"manifest field {what!r} has type {type(v).__name__}")
     return v
 
@@ -173,14 +182,64 @@ def _from_wire(d: Any) -> Manifest:
                                 kind=_expect(a["kind"], str, f"{path}.kind"),
                                 sharding=_expect(a["sharding"], str, f"{path}.sharding"),
                                 attrs=_expect(a["attrs"], dict, f"{path}.attrs"), chunks=tuple(chunks)))
-    leaves = tuple(LeafMeta(_expect(x["path"], str, "leaf.path"), _keypath_from_wire(x["keypath"]), x["value"])
-                   for x in _expect(d["leaves"], list, "leaves"))
-    return Manifest(step=_int(d["step"], "step"), process=_int(d["process"], "process"),
-                    process_count=_int(d["process_count"], "process_count"),
-                    framework=_expect(d["framework"], str, "framework"), arrays=tuple(arrays), leaves=leaves,
-                    order=tuple(_expect(p, str, "order") for p in _expect(d["order"], list, "order")),
-                    nbytes=_int(d["nbytes"], "nbytes"), layout=_expect(d["layout"], str, "layout"),
-                    created=_expect(d["created"], (int, float), "created"))
+    leaves = tuple(LeafMeta(_expect(x["path"], str, "leaf.path"), _keypath_from_wire(x["keypath"]),
+                            _expect(x["value"], _VALUE_TYPES, f"{x['path']}.value"))
+                   for x in (_expect(x, dict, "leaf") for x in _expect(d["leaves"], list, "leaves")))
+    m = Manifest(step=_int(d["step"], "step"), process=_int(d["process"], "process"),
+                 process_count=_int(d["process_count"], "process_count"),
+                 framework=_expect(d["framework"], str, "framework"), arrays=tuple(arrays), leaves=leaves,
+                 order=tuple(_expect(p, str, "order") for p in _expect(d["order"], list, "order")),
+                 nbytes=_int(d["nbytes"], "nbytes"), layout=_expect(d["layout"], str, "layout"),
+                 created=_expect(d["created"], (int, float), "created"))
+    _check_consistent(m)
+    return m
+
+
+_VALUE_TYPES = (bool, int, float, str, bytes, type(None))
+
+
+def _check_consistent(m: Manifest) -> None:
+    """Cross-field rules a checksum cannot vouch for (a buggy or hostile writer): restore relies on them."""
+    if m.process >= m.process_count:
+        raise ManifestError(f"manifest of process {m.process} in a job of {m.process_count} processes")
+    paths: set[str] = set()
+    keys: set[tuple] = set()
+    for x in (*m.arrays, *m.leaves):
+        if x.path in paths:
+            raise ManifestError(f"{x.path}: listed twice in the manifest of step {m.step}")
+        paths.add(x.path)
+        k = tuple(key for _, key in x.keypath)
+        if k in keys:
+            raise ManifestError(f"{x.path}: keypath {list(k)} is used twice in the manifest of step {m.step}")
+        keys.add(k)
+    for k in keys:  # a leaf cannot sit inside another leaf
+        for n in range(len(k)):
+            if k[:n] in keys:
+                raise ManifestError(f"keypath {list(k[:n])} is both a leaf and a container in step {m.step}")
+    if len(set(m.order)) != len(m.order) or not paths.issuperset(m.order):
+        raise ManifestError(f"manifest of step {m.step}: leaf order names unknown or repeated paths")
+    ranges: list[tuple[int, int, int, str]] = []
+    for a in m.arrays:
+        itemsize = dtype_from_name(a.dtype).itemsize
+        for c in a.chunks:
+            if c.process >= m.process_count:
+                raise ManifestError(f"{a.path}: chunk of process {c.process} in a job of {m.process_count}")
+            if c.nbytes != c.box.size * itemsize:
+                raise ManifestError(f"{a.path}: chunk {c.box} of {a.dtype} has {c.nbytes} bytes, expected "
+                                    f"{c.box.size * itemsize}")
+            if c.nbytes:
+                ranges.append((c.process, c.offset, c.offset + c.nbytes, a.path))
+        if a.kind == "prng_key":
+            shape, kdtype, impl = a.attrs.get("key_shape"), a.attrs.get("key_dtype"), a.attrs.get("impl")
+            if not (isinstance(shape, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                                    for s in shape)
+                    and isinstance(kdtype, str) and isinstance(impl, str)):
+                raise ManifestError(f"{a.path}: PRNG key array without a valid key_shape/key_dtype/impl")
+    ranges.sort()
+    for (p0, _, end, path0), (p1, start, _, path1) in zip(ranges, ranges[1:]):
+        if p0 == p1 and start < end:  # two chunks sharing bytes: one of them would be read unverified
+            raise ManifestError(f"{path1}: chunk at offset {start} of process {p1} overlaps a chunk of {path0} "
+                                f"in step {m.step}")
 
 
 def merge_chunks(manifests: Iterable[Manifest]) -> dict[str, ArrayMeta]:

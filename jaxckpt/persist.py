@@ -53,7 +53,7 @@ from etils import epath
 from jaxckpt.config import Config
 from jaxckpt.dtypes import dtype_from_name
 from jaxckpt.engine import CheckpointEngine
-from jaxckpt.errors import (ChecksumError, ManifestError, NoCheckpointError, PeerError, PlanError,
+from jaxckpt.errors import (ChecksumError, ManifestError, NoCheckpointError, PeerError, PlanError, StepError,
                             StepNotFoundError, TargetMismatchError, UnsupportedLeafError)
 from jaxckpt.jax.restore import restore_tree
 from jaxckpt.jax.tree import Leaf, flatten, nested
@@ -194,13 +194,20 @@ def _to_host(x: Any) -> Any:
     return x
 
 
+def _step_number(step: Any) -> int:
+    """``step`` as an int; anything else (a float, a bool, a path like "../x") is refused before it names a path."""
+    if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+        raise StepError(f"step must be a non-negative int, got {step!r}")
+    return int(step)
+
+
 def read_state(directory: epath.PathLike, step: int, target: Any = None) -> Any:
     """Persisted ``step`` laid out like ``target`` (shardings honoured); None: nested dicts of numpy arrays.
 
     Without a target Orbax places arrays on the shardings recorded at save time (this process's CPU device for a
     single-process job, the job's mesh for a multi-process one): pass a target to restore onto another topology.
     """
-    item = epath.Path(directory) / str(step) / STATE_ITEM
+    item = epath.Path(directory) / str(_step_number(step)) / STATE_ITEM
     if not item.exists():
         raise StepNotFoundError(f"step {step} is not in the persistent directory {directory} "
                                 f"(persisted: {persisted_steps(directory) or 'none'})")
@@ -221,7 +228,7 @@ def read_state(directory: epath.PathLike, step: int, target: Any = None) -> Any:
 
 def read_extra(directory: epath.PathLike, step: int) -> Any:
     """The extra state persisted with ``step``, or None if it had none."""
-    item = epath.Path(directory) / str(step) / EXTRA_ITEM
+    item = epath.Path(directory) / str(_step_number(step)) / EXTRA_ITEM
     if not item.exists():
         return None
     handler = ocp.JsonCheckpointHandler()
@@ -266,7 +273,7 @@ def restore(engine: CheckpointEngine, persister: "Persister | None", target: Any
             where = f" nor in {persister.directory}" if persister is not None else ""
             raise NoCheckpointError(f"nothing has been committed yet (store {engine.config.store!r}, job "
                                     f"{engine.config.job_id!r}){where}")
-    step = int(step)
+    step = _step_number(step)
     try:
         with engine.open(step) as (step, manifests, reader):
             state = restore_tree(target, manifests, reader, step=step, process=engine.process_index)

@@ -123,6 +123,12 @@ class Checkpointer:
         """Committed steps still held, ascending."""
         return self.engine.all_steps()
 
+    @property
+    def last_restore_report(self):
+        """Where the last restore read its bytes (a ``jaxckpt.sources.RestoreReport``: bytes per source kind,
+        node and source, fallbacks taken), or None before the first restore."""
+        return self.engine.last_restore_report
+
     def restore(self, target: Any = None, step: int | None = None) -> Any:
         """The state saved at ``step`` (default: the latest committed), laid out like ``target``.
 

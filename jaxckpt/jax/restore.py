@@ -1,7 +1,10 @@
 """Rebuild a pytree from saved chunks onto the target's shardings (which may differ from the saved ones)."""
 from __future__ import annotations
 
+import functools
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -9,7 +12,7 @@ import numpy as np
 
 from jaxckpt.box import Box
 from jaxckpt.dtypes import dtype_from_name, dtype_name
-from jaxckpt.errors import TargetMismatchError
+from jaxckpt.errors import ManifestError, PlanError, TargetMismatchError
 from jaxckpt.jax import shards
 from jaxckpt.jax.tree import flatten, nested
 from jaxckpt.fetch import ChunkReader, assemble
@@ -40,7 +43,10 @@ def _restore_array(path: str, meta: ArrayMeta, t: Any, reader: ChunkReader, step
         data = _build(path, meta, saved_dtype, data_sharding, reader, step, process)
         if isinstance(data, np.ndarray):
             data = data.copy()  # a view of the store's buffer; JAX on CPU would alias it (see shards.make_array)
-        keys = jax.random.wrap_key_data(data, impl=meta.attrs["impl"])
+        try:
+            keys = jax.random.wrap_key_data(data, impl=meta.attrs["impl"])
+        except (TypeError, ValueError) as e:  # an impl name or key shape this JAX cannot take
+            raise ManifestError(f"{path}: step {step} saved PRNG keys this JAX cannot rebuild: {e}") from None
         return keys if sharding is None or data_sharding is not None else jax.device_put(keys, sharding)
     if kind == "value":
         if meta.kind == "numpy_scalar":
@@ -64,8 +70,51 @@ def _build(path: str, meta: ArrayMeta, dtype: np.dtype, sharding: Any, reader: C
         (a,) = plan_restore(meta, {whole: [-1]}, step=step, prefer_process=process)
         return assemble(a, dtype, reader)
     needed = shards.needed_boxes(meta.shape, sharding)
-    boxes = {a.box: assemble(a, dtype, reader) for a in plan_restore(meta, needed, step=step, prefer_process=process)}
-    return shards.make_array(meta.shape, dtype, sharding, boxes)
+    private = shards.needs_private_hosts(sharding)
+    plans = plan_restore(meta, needed, step=step, prefer_process=process)
+    # Copies and checksums release the GIL: the boxes of a sharded array are assembled in parallel.
+    hosts = list(_pool().map(lambda a: assemble(a, dtype, reader, private), plans)) if len(plans) > 1 else \
+        [assemble(a, dtype, reader, private) for a in plans]
+    return shards.make_array(meta.shape, dtype, sharding, {a.box: h for a, h in zip(plans, hosts)}, private=private)
+
+
+@functools.lru_cache(maxsize=1)
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="jaxckpt-restore")
+
+
+def _assembly_sharding(meta: ArrayMeta, t: Any) -> tuple[bool, Any]:
+    """(wanted, sharding) the saved bytes of ``meta`` will be assembled onto for target ``t`` (None: one host
+    array), as ``_restore_array`` does; not wanted when the target does not match (the build says why)."""
+    kind, shape, _, sharding = _target_spec(meta.path, t)
+    if meta.kind == "prng_key":
+        if kind != "jax":
+            return False, None
+        return True, shards.key_data_sharding(sharding, len(meta.shape) - len(shape)) if sharding else None
+    if kind == "value":
+        return meta.kind == "numpy_scalar", None
+    if shape != meta.shape:
+        return False, None
+    if kind == "numpy":
+        return True, None
+    return True, sharding if sharding is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+def _prefetch(pairs: list[tuple[ArrayMeta, Any]], reader: ChunkReader, step: int, process: int) -> None:
+    """Fetch every saved chunk the arrays of ``pairs`` (meta, target) will be built from, once each and in
+    parallel (``ChunkReader.prefetch``), before any array is assembled."""
+    chunks = []
+    for meta, t in pairs:
+        try:
+            wanted, sharding = _assembly_sharding(meta, t)
+            if not wanted:
+                continue
+            needed = {Box.full(meta.shape): [-1]} if sharding is None else shards.needed_boxes(meta.shape, sharding)
+            chunks += [(meta.path, r.chunk) for a in plan_restore(meta, needed, step=step, prefer_process=process)
+                       for r in a.reads]
+        except (PlanError, TargetMismatchError, ValueError, TypeError, KeyError):
+            continue  # the build of this array raises the error, with its message
+    reader.prefetch(chunks)
 
 
 def _describe(t: Any) -> str:
@@ -80,6 +129,7 @@ def restore_tree(target: Any, manifests: list[Manifest], reader: ChunkReader, *,
     arrays = merge_chunks(manifests)
     values = {v.path: v for v in own.leaves}
     if target is None:
+        _prefetch([(arrays[p], None) for p in own.order if p in arrays], reader, step, process)
         items = []
         for path in own.order:
             if path in arrays:
@@ -98,6 +148,7 @@ def restore_tree(target: Any, manifests: list[Manifest], reader: ChunkReader, *,
     for path in own.order:
         if path not in wanted:
             raise TargetMismatchError(f"{path}: saved in step {step} but missing from the target (structure differs)")
+    _prefetch([(arrays[leaf.path], leaf.value) for leaf in leaves if leaf.path in arrays], reader, step, process)
     out = []
     for leaf in leaves:
         if leaf.path in arrays:

@@ -111,16 +111,29 @@ def _local_boxes(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> tup
                  for dev, index in sharding.addressable_devices_indices_map(shape).items())
 
 
+def needs_private_hosts(sharding: jax.sharding.Sharding) -> bool:
+    """Whether host arrays handed to ``make_array`` must be private memory (CPU devices alias what they get)."""
+    return _local_order(sharding)[1]
+
+
 def make_array(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding,
-               boxes: dict[Box, np.ndarray]) -> jax.Array:
-    """A global jax.Array with ``sharding`` whose local shards come from host arrays keyed by box."""
+               boxes: dict[Box, np.ndarray], private: bool = False) -> jax.Array:
+    """A global jax.Array with ``sharding`` whose local shards come from host arrays keyed by box.
+
+    ``private``: the host arrays are memory of their own (see ``needs_private_hosts``), so each may be given to
+    one device as is; otherwise (or for a second device needing the same box) a copy is made on CPU.
+    """
     local = _local_boxes(shape, sharding)
     hosts = [boxes[box] for _, box in local]
-    if any(dev.platform == "cpu" for dev, _ in local):
-        # The CPU client aliases aligned host memory instead of copying it (even with may_alias=False), and a
-        # host array here may be a view of a store's buffer that later saves reuse once it is unpinned (a
-        # page-aligned shared-memory segment always qualifies): give each device a private copy.
-        hosts = [np.array(h, copy=True) for h in hosts]
+    if needs_private_hosts(sharding):
+        # The CPU client aliases aligned host memory instead of copying it (even with may_alias=False): a view
+        # of a store's buffer would change when a later save reuses it, and two devices given one array would
+        # share (and donate) one buffer. Every device gets memory of its own.
+        used: set[int] = set()
+        for i, h in enumerate(hosts):
+            if not private or id(h) in used:
+                hosts[i] = np.array(h, copy=True)
+            used.add(id(h))
     # One batched transfer for all local devices instead of a device_put per shard.
     arrays = jax.device_put(hosts, [dev for dev, _ in local])
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
