@@ -450,8 +450,28 @@ class CheckpointEngine:
             self.protection.close()
         self.catalog.close()
         if self._peers is not None:
+            self._close_barrier()
             self._peers.close()
         self.store.close()
+
+    def _close_barrier(self) -> None:
+        """Wait (bounded) until every process is closing: until then another may still restore from this one.
+
+        The commit protocol's shape: each process sets one key, process 0 reads them and publishes one key.
+        A process that died is waited for at most ``peer_timeout_s``; then this one closes anyway.
+        """
+        c, prefix, timeout = self.coordinator, f"jaxckpt/{self.config.job_id}/closing", self.config.peer_timeout_s
+        try:
+            c.set(f"{prefix}/{c.process_index}", b"1")
+            if c.process_index == 0:
+                deadline = time.monotonic() + timeout
+                for q in range(1, c.process_count):
+                    c.get(f"{prefix}/{q}", max(0.001, deadline - time.monotonic()))
+                c.set(f"{prefix}/all", b"1")
+            else:
+                c.get(f"{prefix}/all", timeout)
+        except Exception as e:  # noqa: BLE001 - closing must not hang or fail on a dead peer
+            log.warning("close: not every process reached close within %.0fs (%s); closing anyway", timeout, e)
 
     def check_open(self) -> None:
         if self._closed:
