@@ -134,6 +134,9 @@ class CheckpointEngine:
         if config.protection != "none" and node_agent_dir(self.store) is not None:
             from jaxckpt.protect_runtime import Protector
             self.protection = Protector(self)
+        elif config.protection != "none":
+            log.warning("Config.protection=%r needs node agents (store='shm'); store %r keeps snapshots unprotected",
+                        config.protection, config.store)
         if self.store.survives_process:
             try:
                 self._recover()

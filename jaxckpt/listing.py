@@ -2,7 +2,10 @@
 
 Both ask the node agents named by ``--dir`` (repeatable, one per node) or the job's default agent (``--job``,
 ``JAXCKPT_JOB_ID``/``JAXCKPT_SHM_DIR``), and never start one. ``ls`` lists every slot per process: step,
-state, bytes, age, pins and protection (``none`` until protection policies exist). ``inspect`` decodes the
+state, bytes, age, pins and ``protected``: ``yes`` once that process's protection data of the step (parity it
+computed, copies or parity it holds for other nodes, the plan and manifests) is committed on this node, the
+node's part of the step's redundancy (jaxckpt.protect_runtime); protection slots themselves are listed as
+``P (protection)``. ``inspect`` decodes the
 step's manifests: arrays, shapes, dtypes, shardings and every chunk's box, offset, size and crc32c.
 """
 from __future__ import annotations
@@ -114,15 +117,33 @@ def _trainers(st: dict) -> str:
         or "none"
 
 
+def mark_protected(st: dict) -> dict:
+    """Set ``protected`` on every slot of an agent status: yes/no for snapshots, ``-`` for protection slots."""
+    from jaxckpt.backends.protect import PROTECT_BASE
+
+    have = {(s["process"] - PROTECT_BASE, s["step"]) for s in st["slots"]
+            if s["process"] >= PROTECT_BASE and s["state"] == "committed"}
+    for s in st["slots"]:
+        s["protected"] = "-" if s["process"] >= PROTECT_BASE else \
+            ("yes" if (s["process"], s["step"]) in have else "no")
+    return st
+
+
+def _process_label(p: int) -> str:
+    from jaxckpt.backends.protect import PROTECT_BASE
+    return f"{p - PROTECT_BASE} (protection)" if p >= PROTECT_BASE else str(p)
+
+
 def format_status(st: dict) -> str:
     head = (f"job {st['job']}  node {st['node']}  agent pid {st['pid']} (up {human_age(st['now'] - st['started'])})"
             f"  {st['dir']}\nheld {human_bytes(st['held_bytes'])} (+ {human_bytes(st['metadata_bytes'])} "
             f"metadata), node budget {human_bytes(st['node_budget']) if st['node_budget'] else 'none'}, "
             f"trainers connected: {_trainers(st)}")
-    rows = [[s["process"], s["step"], s["state"], human_bytes(s["nbytes"]), human_age(s["age_s"]), s["pins"], "none"]
-            for s in st["slots"]]
+    mark_protected(st)
+    rows = [[_process_label(s["process"]), s["step"], s["state"], human_bytes(s["nbytes"]), human_age(s["age_s"]),
+             s["pins"], s["protected"]] for s in st["slots"]]
     pooled = "".join(f"\npooled segments of process {p}: {human_bytes(n)}" for p, n in sorted(st["pooled"].items()))
-    body = table(rows, ["process", "step", "state", "bytes", "age", "pins", "protection"]) if rows else "no snapshots"
+    body = table(rows, ["process", "step", "state", "bytes", "age", "pins", "protected"]) if rows else "no snapshots"
     return f"{head}\n{body}{pooled}"
 
 
@@ -173,7 +194,7 @@ def run_ls(args: argparse.Namespace) -> int:
             print(f"jaxckpt ls: {d}: {e}", file=sys.stderr)
             rc = 1
     if args.json:
-        print(json.dumps(out, indent=2, sort_keys=True))
+        print(json.dumps([mark_protected(st) for st in out], indent=2, sort_keys=True))
     elif out:
         print("\n\n".join(format_status(st) for st in out))
     return rc

@@ -1,0 +1,301 @@
+"""Config.protection at run time, trainer side: build each committed step's redundancy in the background.
+
+Per step (the engine calls :meth:`Protector.prepare` for a new layout, :meth:`on_save` in ``save()``, and the
+commit hook when the step is decided):
+  0) ``prepare`` (once per layout; the first time, collectively) agrees on the node of every process (each
+     process sets one key with its node agent's generation, process 0 publishes the list: O(processes)) and
+     computes the :class:`~jaxckpt.protection.ProtectionPlan`; it asks the engine to also pin the local device
+     shards this process's ``parity`` stripes read;
+  1) ``on_save``: a background thread XORs this process's ``parity`` stripes from those device copies (REFT:
+     zero bytes sent) and drops the views;
+  2) when the step is committed everywhere, one bounded worker thread: waits for its parity, pulls what this
+     node holds for other nodes (``xor-group`` units XORed into parity, ``replica`` copy blocks; each block is
+     fetched by one process of the holding node, through the agents' peer transport, verified by checksum) and
+     the manifests of the processes of the ``copies`` preceding nodes, and commits all of it with the encoded
+     plan to its node's agent as the slot of pseudo process ``PROTECT_BASE + p`` (``jaxckpt.backends.protect``);
+  3) it sets ``protect/<step>/done/<p>``; process 0 reads the N keys and publishes ``protect/<step>/ok``; every
+     other process reads that one key. The step is then *protected* (:meth:`protected_steps`).
+The pull replaces a push: the bytes cross the network once either way, the agent needs no write path from peers,
+and a node that is being filled decides its own pace (one worker, one block at a time).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from jaxckpt import manifest as mf
+from jaxckpt import parity
+from jaxckpt.errors import ChecksumError, CommitError, PeerError
+from jaxckpt.plan import ArrayLayout, SavePlan
+from jaxckpt.protection import (ProtectionPlan, SavedChunk, copy_block, encode_plan, plan_for_config,
+                                segment_from_copy, stripe_parity)
+
+if TYPE_CHECKING:
+    from jaxckpt.engine import CheckpointEngine
+
+log = logging.getLogger("jaxckpt.protect_runtime")
+_rounds = itertools.count()  # node agreements of this process; every process of a job counts alike
+
+
+class Protector:
+    """The trainer side of ``Config.protection`` for one engine (see the module docstring)."""
+
+    def __init__(self, engine: "CheckpointEngine") -> None:
+        from jaxckpt.backends.protect import RebuildHolder
+
+        self.engine, self.config = engine, engine.config
+        self.p, self.n = engine.process_index, engine.process_count
+        self.nodes: tuple[int, ...] | None = None
+        self.generations: list[str] = []  # agent generation of each node id
+        self._plans: dict[tuple, ProtectionPlan] = {}
+        self._devs: dict[tuple, dict] = {}  # layout -> (path, box) -> the local device holding that box
+        self._need: dict[tuple, set] = {}  # layout -> the (path, device) views the parity stripes read
+        self._encoded: dict[int, bytes] = {}
+        self._steps: dict[int, tuple[ProtectionPlan, Future | None]] = {}
+        self._protected: list[int] = []
+        self._pending: set[int] = set()  # saved, not yet protected nor failed
+        self._cond = threading.Condition()
+        self._failed: dict[int, BaseException] = {}
+        self._store = None
+        self._parity_pool = ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-parity")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-protect")
+        self._closed = False
+        self.holder = RebuildHolder(self._agent_holders, workers=max(1, engine.config.workers))
+        engine.catalog.add_holders(lambda: [self.holder])
+        engine.add_commit_hook(self._on_commit)
+
+    # ------------------------------------------------------------------------------------------- planning
+    def _agent_holders(self):
+        return [h for h in self.engine.catalog.holders() if h.kind in ("node", "remote")]
+
+    def _agree_nodes(self) -> None:
+        c, timeout = self.engine.coordinator, self.config.commit_timeout_s
+        gen = str(self.engine.store.agent.get("generation", ""))
+        if self.n == 1:
+            gens = [gen]
+        else:
+            prefix = f"jaxckpt/{self.config.job_id}/protect/nodes/{next(_rounds)}"
+            c.set(f"{prefix}/{self.p}", gen.encode())
+            if self.p == 0:
+                gens = [gen] + [c.get(f"{prefix}/{q}", timeout).decode() for q in range(1, self.n)]
+                c.set(f"{prefix}/all", ",".join(gens).encode())
+            else:
+                gens = c.get(f"{prefix}/all", timeout * 2).decode().split(",")
+        ids: dict[str, int] = {}
+        self.nodes = tuple(ids.setdefault(g, len(ids)) for g in gens)
+        self.generations = list(ids)
+        log.info("process %d: protection %r over %d node(s): %s", self.p, self.config.protection, len(ids),
+                 self.nodes)
+
+    def prepare(self, key: tuple, layouts: Sequence[ArrayLayout], plans: Sequence[SavePlan]
+                ) -> dict[str, frozenset[int]]:
+        """Plan the protection of a new layout; the local devices whose shards this process's parity reads."""
+        if self.nodes is None:
+            self._agree_nodes()
+        plan = plan_for_config(layouts, plans, self.nodes, self.config)
+        self._plans[key] = plan
+        self._encoded[id(plan)] = encode_plan(plan)
+        mine = {(a.path, pl.box): pl.device for a in layouts for pl in a.placements if pl.process == self.p}
+        self._devs[key] = mine
+        extra: dict[str, set[int]] = {}
+        for s in plan.parity_tasks(self.p):
+            for u in s.units:
+                for g in u.segments:
+                    c = plan.chunks[g.chunk]
+                    extra.setdefault(c.path, set()).add(mine[(c.path, c.source)])
+        self._need[key] = {(path, d) for path, devs in extra.items() for d in devs}
+        return {k: frozenset(v) for k, v in extra.items()}
+
+    # --------------------------------------------------------------------------------------------- saving
+    def on_save(self, step: int, key: tuple, paths: Sequence[str], sources: Sequence[dict]) -> None:
+        """Start this process's parity of ``step`` from the device views ``sources`` (one dict per record)."""
+        plan = self._plans[key]
+        tasks = plan.parity_tasks(self.p)
+        fut = None
+        if tasks:
+            need = self._need[key]  # hold only these views: the others are released as their chunks are copied
+            fetchers = {(path, dev): src[dev][0] for path, src in zip(paths, sources) for dev in src
+                        if (path, dev) in need}
+            fut = self._parity_pool.submit(self._parity, plan, tasks, fetchers, self._devs[key])
+        with self._cond:
+            self._steps[step] = (plan, fut)
+            self._pending.add(step)
+
+    def _parity(self, plan: ProtectionPlan, tasks, fetchers: dict, devs: dict) -> list[tuple[str, int, np.ndarray]]:
+        # one host read of our replica of each source box, then the XOR of each stripe
+        shards: dict[tuple, np.ndarray] = {}
+
+        def read(c: SavedChunk, lo: int, hi: int) -> np.ndarray:
+            k = (c.path, c.source)
+            if k not in shards:
+                shards[k] = np.asarray(fetchers[(c.path, devs[k])]())
+            return segment_from_copy(c, lo, hi, shards[k], c.source)
+        try:
+            return [("stripe", s.id, stripe_parity(plan, s, read)) for s in tasks]
+        finally:
+            fetchers.clear()  # drop the views: the next donating step may reuse the buffers
+
+    # --------------------------------------------------------------------------------------- after commit
+    def _on_commit(self, step: int, committed: bool) -> None:
+        with self._cond:
+            entry = self._steps.pop(step, None) if not committed else self._steps.get(step)
+            if not committed or self._closed:
+                self._pending.discard(step)
+                self._cond.notify_all()
+        if entry is None or not committed or self._closed:
+            return
+        self._pool.submit(self._protect, step)
+
+    def _protect(self, step: int) -> None:
+        try:
+            with self._cond:
+                plan, fut = self._steps.pop(step)
+            blocks = list(fut.result()) if fut is not None else []
+            me = self.nodes[self.p]
+            local = [q for q in range(self.n) if self.nodes[q] == me]
+            reader = _ChunkPuller(self, step)
+            try:
+                for s in plan.stripes:
+                    if s.kind == "xor-group" and s.node == me and local[s.id % len(local)] == self.p:
+                        blocks.append(("stripe", s.id, stripe_parity(plan, s, reader.read)))
+                for b in plan.copy_blocks:
+                    if b.node == me and local[b.id % len(local)] == self.p:
+                        blocks.append(("copy", b.id, copy_block(plan, b, reader.read)))
+                ids = plan.node_ids
+                at = ids.index(me)
+                prev = {ids[(at - k) % len(ids)] for k in range(1, max(1, plan.copies) + 1)} - {me}
+                manifests = {q: reader.manifest(q) for q in range(self.n) if self.nodes[q] in prev}
+            finally:
+                reader.close()
+            self._write(step, plan, manifests, blocks)
+            self._announce(step, True)
+        except BaseException as e:  # noqa: BLE001 - the step stays unprotected; training goes on
+            log.error("step %d: protection failed on process %d: %s", step, self.p, e)
+            with self._cond:
+                self._failed[step] = e
+            self._announce(step, False)
+
+    def _write(self, step: int, plan: ProtectionPlan, manifests: dict[int, bytes], blocks) -> None:
+        from jaxckpt.backends.protect import PROTECT_BASE, build_slot, encode_meta
+
+        if self._store is None:
+            from jaxckpt.backends.shm import ShmStore
+            self._store = ShmStore(self.config, process_index=PROTECT_BASE + self.p, process_count=self.n)
+        meta = encode_meta(self._encoded[id(plan)], manifests)
+        header, size, writes = build_slot(step, self.p, meta, blocks)
+        slot = self._store.reserve(step, size)
+        try:
+            buf = parity.as_bytes(np.frombuffer(slot.buffer, np.uint8)) if size else None
+            for off, data in writes:
+                d = parity.as_bytes(data) if not isinstance(data, bytes) else np.frombuffer(data, np.uint8)
+                buf[off:off + d.size] = d
+            self._store.commit(slot, header)
+        except BaseException:
+            self._store.abort(slot)
+            raise
+        keep = set(self.engine.all_steps()) | {step}
+        for s in self._store.steps():
+            if s not in keep and s < step:
+                self._store.delete(s)
+
+    def _announce(self, step: int, ok: bool) -> None:
+        c, timeout = self.engine.coordinator, self.config.commit_timeout_s
+        prefix = f"jaxckpt/{self.config.job_id}/protect/{step}"
+        try:
+            if self.n == 1:
+                done = ok
+            else:
+                c.set(f"{prefix}/done/{self.p}", b"1" if ok else b"0")
+                if self.p == 0:
+                    done = ok
+                    for q in range(1, self.n):
+                        done = c.get(f"{prefix}/done/{q}", timeout) == b"1" and done
+                    c.set(f"{prefix}/ok", b"1" if done else b"0")
+                else:
+                    done = c.get(f"{prefix}/ok", timeout * 2) == b"1"
+        except TimeoutError:
+            done = False
+        with self._cond:
+            self._pending.discard(step)
+            if done:
+                self._protected = sorted(set(self._protected) | {step})
+            else:
+                self._failed.setdefault(step, CommitError(f"step {step}: protection not complete on every node"))
+            self._cond.notify_all()
+        if done:
+            log.info("step %d is protected (%s)", step, self.config.protection)
+
+    # ----------------------------------------------------------------------------------------------- API
+    def protected_steps(self) -> list[int]:
+        """Steps whose redundancy is in place on every node, ascending."""
+        with self._cond:
+            return list(self._protected)
+
+    def wait(self, step: int | None = None, timeout: float | None = None) -> bool:
+        """Until ``step`` (default: every step handed to protection so far) is protected or failed."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: (step in self._protected or step in self._failed) if step is not None
+                else not self._pending, timeout)
+
+    def close(self) -> None:
+        self._closed = True
+        self._parity_pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
+        if self._store is not None:
+            self._store.close()
+
+
+class _ChunkPuller:
+    """Verified whole chunks and manifests of ``step`` from the agents of the nodes that saved them."""
+
+    def __init__(self, prot: Protector, step: int) -> None:
+        self.prot, self.step = prot, step
+        self._opened: dict[int, Any] = {}
+        self._crcs: dict[tuple[int, int], int] = {}
+        self._chunks: dict[tuple[int, int], np.ndarray] = {}
+
+    def _holder(self, q: int):
+        gen = self.prot.generations[self.prot.nodes[q]]
+        own = self.prot.engine.store.agent.get("generation")
+        for h in self.prot._agent_holders():
+            if (h.kind == "node" and gen == own) or getattr(getattr(h, "info", None), "generation", None) == gen:
+                return h
+        raise PeerError(f"step {self.step}: no agent of the node of process {q} (generation {gen}) is known")
+
+    def _open(self, q: int):
+        o = self._opened.get(q)
+        if o is None:
+            o = self._opened[q] = self._holder(q).open(q, self.step)
+            m = mf.decode(o.manifest, source=f"step {self.step} manifest of process {q}")
+            for a in m.arrays:
+                for c in a.chunks:
+                    self._crcs[(c.process, c.offset)] = c.crc32c
+        return o
+
+    def manifest(self, q: int) -> bytes:
+        return bytes(self._open(q).manifest)
+
+    def read(self, c: SavedChunk, lo: int, hi: int) -> np.ndarray:
+        if c.key not in self._chunks:
+            o = self._open(c.process)
+            data = np.frombuffer(bytes(o.read(c.offset, c.nbytes)), np.uint8)
+            crc = self._crcs.get(c.key)
+            if crc is None:
+                raise ChecksumError(f"{c.path}: step {self.step} has no chunk at offset {c.offset} of process "
+                                    f"{c.process}")
+            parity.check(data, crc, f"{c.path}: step {self.step} chunk of process {c.process}")
+            self._chunks[c.key] = data
+        return self._chunks[c.key][lo:hi]
+
+    def close(self) -> None:
+        for o in self._opened.values():
+            try:
+                o.close()
+            except Exception as e:  # noqa: BLE001
+                log.warning("step %d: could not close a source: %s", self.step, e)

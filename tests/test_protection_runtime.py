@@ -1,0 +1,317 @@
+"""Config.protection at run time with real processes: 4 simulated nodes x 1 process (2 CPU devices each; 4 x 2
+with 1 device each when PROTECTION_PROCS_PER_NODE=2).
+
+A job saves a tiny state (a replicated array, a data-parallel one and a fully sharded one) with protection, waits
+until every step is protected and exits; the agents keep the memory. A node is then lost (its agent SIGKILLed, its
+shared memory removed) and a new job of the same size, with a fresh agent on the replacement node, restores the
+newest step bit for bit, rebuilding the lost node's chunks from parity (replicated arrays, REFT) or from copies
+on the next node (sharded arrays). 4 x 1 rather than 4 x 2: the machine has 2 cores.
+"""
+import os
+import shutil
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from jaxckpt.backends import agent_protocol as proto
+from jaxckpt.testing import expect_ok, launch, node_info
+from shm_trainer import agent_processes
+
+BASE = f"/dev/shm/jaxckpt-prot-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+ENV = {"JAXCKPT_LOG_LEVEL": "WARNING"}
+NODES = 4
+PROCS = int(os.environ.get("PROTECTION_PROCS_PER_NODE", "1"))  # 2: the 4 x 2 layout (8 JAX processes, slow here)
+CHUNK = 256
+
+
+@pytest.fixture(scope="module", autouse=True)
+def base_dir():
+    os.makedirs(BASE, mode=0o700)
+    yield BASE
+    for name in sorted(os.listdir(BASE)):
+        d = os.path.join(BASE, name)
+        proto.stop_agent(d, timeout_s=20)
+        proto.kill_agent(d)
+        shutil.rmtree(d, ignore_errors=True)
+        try:
+            os.unlink(proto.default_log_path(d))
+        except FileNotFoundError:
+            pass
+    shutil.rmtree(BASE, ignore_errors=True)
+    deadline = time.monotonic() + 30
+    while agent_processes(BASE) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not agent_processes(BASE), "agent processes left running"
+
+
+# ---------------------------------------------------------------------------- runs in the launched processes
+def _config(base: str, job: str, policy: str):
+    import jaxckpt
+
+    return jaxckpt.Config(store="shm", job_id=job, shm_dir=f"{base}/{job}-node{node_info().node}", keep=2,
+                          chunk_bytes=CHUNK, agent_dirs=f"{base}/{job}-node*", commit_timeout_s=60.0,
+                          peer_timeout_s=20.0, protection=policy)
+
+
+def host_state(step: int) -> dict:
+    rng = np.random.default_rng([7, step])
+    rep = rng.standard_normal((16, 12)).astype(np.float32)
+    rep.reshape(-1)[[5, 77]] = np.array([0x7FC00001, 0xFFA00002], np.uint32).view(np.float32)  # NaN payloads
+    return {"rep": rep, "dp": rng.integers(-2**31, 2**31 - 1, (8, 20), dtype=np.int32),
+            "fsdp": rng.standard_normal((32, 6)).astype(np.float32)}
+
+
+SPECS = {"rep": (), "dp": (None, "model"), "fsdp": (("data", "model"),)}
+
+
+def _mesh():
+    import jax
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    return jax.sharding.Mesh(np.array(devices).reshape(NODES, 2), ("data", "model"),
+                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def _sharding(mesh, k):
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    return NamedSharding(mesh, P(*SPECS[k]))
+
+
+def device_state(mesh, step: int) -> dict:
+    import jax
+
+    return {k: jax.make_array_from_callback(h.shape, _sharding(mesh, k), lambda idx, h=h: h[idx])
+            for k, h in host_state(step).items()} | {"step": step}
+
+
+def check_bitwise(got: dict, step: int) -> None:
+    host = host_state(step)
+    for k, h in host.items():
+        for shard in got[k].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data).view(np.uint8), h[shard.index].view(np.uint8),
+                                          err_msg=f"{k} step {step}")
+    assert got["step"] == step
+
+
+def save_job(base: str, job: str, policy: str, steps: list, drop_protection: list | None = None):
+    """Save ``steps`` protected; ``drop_protection`` = [node, step]: that node then drops its protection of
+    that step (as if it had never completed there)."""
+    import jaxckpt
+
+    mesh = _mesh()
+    with jaxckpt.Checkpointer(_config(base, job, policy)) as ck:
+        for step in steps:
+            ck.save(step, device_state(mesh, step))
+        ck.wait()
+        protected = ck.engine.protection.protected_steps()
+        if drop_protection and node_info().node == drop_protection[0]:
+            ck.engine.protection._store.delete(drop_protection[1])
+        policies = ck.engine.protection._plans[next(iter(ck.engine.protection._plans))].policies()
+    failed = {s: repr(e) for s, e in ck.engine.protection._failed.items()}
+    return {"protected": protected, "policies": {k: list(v) for k, v in policies.items()}, "failed": failed}
+
+
+def restore_job(base: str, job: str, policy: str, save_next: int = 0):
+    import jax
+    import jaxckpt
+    from jax.experimental import multihost_utils
+
+    mesh = _mesh()
+    target = {k: jax.ShapeDtypeStruct(h.shape, h.dtype, sharding=_sharding(mesh, k))
+              for k, h in host_state(0).items()} | {"step": 0}
+    with jaxckpt.Checkpointer(_config(base, job, policy)) as ck:
+        latest = ck.latest_step()
+        try:
+            got = ck.restore(target)
+        except jaxckpt.errors.DataLossError as e:
+            multihost_utils.sync_global_devices("failed")
+            return {"error": str(e), "type": type(e).__name__, "latest": latest}
+        check_bitwise(got, latest)
+        report = ck.last_restore_report.to_dict()
+        protected = []
+        if save_next:
+            ck.save(save_next, device_state(mesh, save_next))
+            ck.wait()
+            protected = ck.engine.protection.protected_steps()
+        multihost_utils.sync_global_devices("restored")
+    return {"latest": latest, "report": report, "protected": protected}
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def lose_node(job: str, node: int) -> None:
+    """A node is lost: its agent SIGKILLed and its shared memory removed (the replacement starts empty)."""
+    d = f"{BASE}/{job}-node{node}"
+    proto.kill_agent(d, remove_memory=True)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def run(fn, *args):
+    return expect_ok(launch(fn, nodes=NODES, procs_per_node=PROCS, devices_per_proc=2 // PROCS, args=(BASE, *args),
+                            env=ENV, timeout=240))
+
+
+def rebuilt_bytes(results) -> int:
+    return sum(r["report"]["bytes_by_kind"].get("rebuild", 0) for r in results)
+
+
+# ----------------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("policy", ["parity", "replica"])
+def test_lose_two_nodes_in_turn(policy):
+    """Save protected; lose node 1, recover bit for bit and save a new protected step; lose node 3, recover."""
+    job = f"turn-{policy}"
+    out = run(save_job, job, policy, [1, 2])
+    assert all(r["protected"] == [1, 2] for r in out), out
+    kinds = out[0]["policies"]
+    if policy == "parity":
+        assert kinds == {"rep": ["parity"], "dp": ["parity"], "fsdp": ["replica"]}, kinds
+    else:
+        assert set(map(tuple, kinds.values())) == {("replica",)}, kinds
+    lose_node(job, 1)
+    out = run(restore_job, job, policy, 3)
+    assert [r["latest"] for r in out] == [2] * NODES * PROCS, out
+    assert rebuilt_bytes(out) > 0
+    assert all(3 in r["protected"] for r in out), out
+    lose_node(job, 3)
+    out = run(restore_job, job, policy)
+    assert [r["latest"] for r in out] == [3] * NODES * PROCS, out
+    assert rebuilt_bytes(out) > 0
+
+
+def test_two_nodes_in_different_groups_recover():
+    """replica, one copy on the next node: nodes 0 and 2 lost together; 1 and 3 hold their copies."""
+    job = "two-ok"
+    out = run(save_job, job, "replica", [1])
+    assert all(r["protected"] == [1] for r in out), out
+    lose_node(job, 0)
+    lose_node(job, 2)
+    out = run(restore_job, job, "replica")
+    assert [r["latest"] for r in out] == [1] * NODES * PROCS, out
+    assert rebuilt_bytes(out) > 0
+
+
+@pytest.mark.parametrize("policy,lost", [("replica", (1, 2)), ("parity", (0, 2))])
+def test_two_nodes_in_one_group_is_a_clear_error(policy, lost):
+    """Loss beyond the policy: every process gets DataLossError naming the step, the nodes and missing boxes."""
+    job = f"two-bad-{policy}"
+    out = run(save_job, job, policy, [1, 2])
+    assert all(r["protected"] == [1, 2] for r in out), out
+    for n in lost:
+        lose_node(job, n)
+    out = run(restore_job, job, policy)
+    for r in out:
+        assert r.get("type") == "DataLossError", r
+        assert r["latest"] is None
+        assert "step 2" in r["error"] and f"node(s) {lost[0]}, {lost[1]}" in r["error"], r["error"]
+        # the missing boxes are named: the sharded array's copies were on the other lost node (replica); the
+        # replicated arrays' stripes lost two units each (parity; node 0's copies survive on node 1)
+        named = ["fsdp"] if policy == "replica" else ["dp", "rep"]
+        assert all(f"{k} [" in r["error"] for k in named), r["error"]
+
+
+def test_falls_back_to_older_protected_step():
+    """Step 2's protection never completed on node 2: with node 1 lost, step 1 is restored instead."""
+    job = "older"
+    out = run(save_job, job, "parity", [1, 2], [2, 2])
+    assert all(r["protected"] == [1, 2] for r in out), out
+    lose_node(job, 1)
+    out = run(restore_job, job, "parity")
+    assert [r["latest"] for r in out] == [1] * NODES * PROCS, out
+    assert rebuilt_bytes(out) > 0
+
+
+def test_corrupt_chunk_is_rebuilt_from_protection():
+    """No node lost; a byte of every snapshot segment of node 2's first process flipped: rebuilt instead."""
+    job = "corrupt"
+    out = run(save_job, job, "parity", [1, 2])
+    assert all(r["protected"] == [1, 2] for r in out), out
+    d = f"{BASE}/{job}-node2"
+    segs = [n for n in os.listdir(d) if n.startswith(f"seg-p{2 * PROCS}-")]  # the first process of node 2
+    assert segs
+    for n in segs:
+        with open(os.path.join(d, n), "r+b") as f:
+            b = f.read(1)
+            f.seek(0)
+            f.write(bytes([b[0] ^ 0x40]))
+    out = run(restore_job, job, "parity")
+    assert [r["latest"] for r in out] == [2] * NODES * PROCS, out
+    assert rebuilt_bytes(out) > 0
+    assert any("rebuild" in fb or "crc32c" in fb for r in out for fb in r["report"]["fallbacks"]), out
+
+
+def test_wrong_token_is_refused_and_ls_shows_protection(capsys):
+    """An agent holding protection data gives a peer with a wrong token nothing; `jaxckpt ls` shows protection."""
+    import json
+
+    from jaxckpt import cli
+
+    from jaxckpt.backends.agent_serve import read_peer_info
+    from jaxckpt.backends.protect import PROTECT_BASE
+    from jaxckpt.backends.transport import ZmqTransport
+    from jaxckpt.errors import PeerError
+
+    job = "token"
+    run(save_job, job, "replica", [1])
+    info = read_peer_info(f"{BASE}/{job}-node1")
+    t = ZmqTransport()
+    good = t.connect(info["address"], token=info["token"], timeout_s=10)
+    try:
+        assert [PROTECT_BASE + PROCS, 1] in [e[:2] for e in good.held()]
+        assert good.manifest(1, PROTECT_BASE + PROCS)
+    finally:
+        good.close()
+    args = ["ls", "--job", job, "--dir", f"{BASE}/{job}-node1"]
+    assert cli.main(args + ["--json"]) == 0
+    (st,) = json.loads(capsys.readouterr().out)
+    rows = {(s["process"], s["step"]): s["protected"] for s in st["slots"]}
+    q = PROCS  # the first process of node 1
+    assert rows[(q, 1)] == "yes" and rows[(PROTECT_BASE + q, 1)] == "-", rows
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "protected" in out and f"{q} (protection)" in out, out
+    bad = t.connect(info["address"], token=b"not-the-token", timeout_s=5)
+    try:
+        with pytest.raises(PeerError):
+            bad.manifest(1, PROTECT_BASE + PROCS)
+        with pytest.raises(PeerError):
+            bad.held()
+    finally:
+        bad.close()
+
+
+@pytest.mark.skipif(os.environ.get("RUN_SLOW_TESTS") != "1", reason="slow: set RUN_SLOW_TESTS=1")
+@pytest.mark.parametrize("policy", ["parity", "replica", "hybrid"])
+def test_lose_every_node_in_turn(policy):
+    """Each of the 4 nodes lost in turn; after each recovery the job saves a new protected step."""
+    job = f"every-{policy}"
+    out = run(save_job, job, policy, [1])
+    assert all(r["protected"] == [1] for r in out), out
+    if policy == "hybrid":  # copies on 4 nodes: parity; sharded: an XOR group of the 4 nodes
+        assert out[0]["policies"] == {"rep": ["parity"], "dp": ["parity"], "fsdp": ["xor-group"]}, out[0]
+    for i, node in enumerate(range(NODES)):
+        lose_node(job, node)
+        out = run(restore_job, job, policy, i + 2)
+        assert [r["latest"] for r in out] == [i + 1] * NODES * PROCS, out
+        assert rebuilt_bytes(out) > 0
+        assert all(i + 2 in r["protected"] for r in out), out
+
+
+def test_slot_format_roundtrip_and_malformed():
+    """Protection slot headers and metas decode back; garbage is a ManifestError naming the source."""
+    from jaxckpt.backends.protect import build_slot, decode_header, decode_meta, encode_meta
+    from jaxckpt.errors import ManifestError
+
+    meta = encode_meta(b"plan-bytes", {3: b"m3", 5: b"m5"})
+    header, size, writes = build_slot(9, 2, meta, [("stripe", 4, np.arange(100, dtype=np.uint8)),
+                                                   ("copy", 1, np.ones(3, np.float32))])
+    h = decode_header(header, source="slot")
+    assert (h.step, h.process, h.meta[1]) == (9, 2, len(meta))
+    assert [(b.kind, b.id, b.nbytes) for b in h.blocks] == [("stripe", 4, 100), ("copy", 1, 12)]
+    assert all(b.offset % 64 == 0 for b in h.blocks) and size >= h.blocks[-1].offset + 12
+    assert decode_meta(meta, source="meta") == (b"plan-bytes", {3: b"m3", 5: b"m5"})
+    for bad in (b"", b"\x93\x01\x02", header[:-3]):
+        with pytest.raises(ManifestError, match="slot X"):
+            decode_header(bad, source="slot X")
+    with pytest.raises(ManifestError, match="meta Y"):
+        decode_meta(b"\xc1", source="meta Y")
