@@ -1,19 +1,34 @@
-"""Train the Flax GPT on 2 simulated nodes x 2 processes, SIGKILL one node's trainers mid-training, relaunch the
-job, restore from the node agents' memory and check that the run continues bit for bit.
+"""Train the Flax GPT on 2 simulated nodes x 2 processes, lose node 1 mid-training (its trainers, its agent and
+its shared memory), relaunch the job on a replacement node, restore from the surviving node's memory and check
+that the run continues bit for bit.
 
-    python examples/train_flax_nodes.py                 # defaults: about a minute on 2 CPU cores
+    python examples/train_flax_nodes.py                  # defaults: about a minute on 2 CPU cores
+    python examples/train_flax_nodes.py --no-lose-memory # only node 1's trainers die; its agent keeps the memory
     python examples/train_flax_nodes.py --steps 16 --fail-at 9 --d-model 128 --layers 2
 
 1. Job 1 (launched with ``jaxckpt.testing``: 4 JAX processes, 2 CPU devices each, nodes of 2 processes, mesh
-   data=4 x model=2) trains with ``store="shm"`` and ``ckpt.save(step, state)`` after every step: each node's
-   agent (spawned by the first trainer on it) holds the node's snapshots in shared memory. When the trainers
-   reach ``--fail-at``, this driver SIGKILLs node 1's trainers (a save may be in flight); node 0's trainers block
-   on the next collective and the job is torn down, as a scheduler would. The agents keep the memory.
-2. Job 2, a fresh launch (new processes, new JAX coordination service), builds a Checkpointer on the same node
-   directories: every process agrees on the newest step all four saving processes committed, restores it from
-   its own memory, its node's agent and the other node's agent (bytes per source are printed), and trains on.
+   data=4 x model=2) trains with ``store="shm"``, ``protection="hybrid"`` and ``ckpt.save(step, state)`` after
+   every step: each node's agent (spawned by the first trainer on it) holds the node's snapshots in shared
+   memory, and after each commit the trainers build the step's redundancy in the background (a step is
+   *protected* once it is complete). When the trainers reach ``--fail-at``, this driver SIGKILLs node 1's
+   trainers (a save may be in flight); node 0's trainers block on the next collective and the job is torn down,
+   as a scheduler would. With ``--lose-memory`` (the default) node 1 is lost for good: its agent is SIGKILLed and
+   its shared memory and directory removed, so the replacement node starts empty.
+2. Job 2, a fresh launch (new processes, new JAX coordination service, a fresh agent on the replacement node 1),
+   builds a Checkpointer on the node directories: every process agrees on the newest step that is fully
+   recoverable, restores it from its own memory, its node's agent, the other node's agent and, for the chunks
+   that died with node 1, a rebuild from the protection data node 0 holds (bytes per source kind are printed),
+   and trains on.
 3. Job 3 trains the same steps without checkpointing or failure. Per-step losses and the final state of every
    process's shards must be bit-identical to jobs 1+2. Exit status 1 otherwise. Agents and memory are removed.
+
+Why ``hybrid``: every array of this GPT (tensor-parallel on ``model`` inside a process, replicated over ``data``)
+has device copies on both nodes, and plan.py saves each replicated box once, cut into pieces over the 4 data
+replicas, so half of every box dies with a node. ``hybrid`` picks ``parity`` (REFT) for a box whose copies span
+two or more nodes: with 2 nodes each node computes, from its own device copy and with no bytes sent, the other
+node's share, so either node alone can rebuild the step. ``replica`` also survives (each chunk copied to the
+other node through the agents' peer transport) but sends every byte at save time; ``parity`` alone behaves like
+``hybrid`` here. ``--protection`` chooses.
 """
 from __future__ import annotations
 
@@ -40,8 +55,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--batch", type=int, default=8, help="global batch, split over the data axis")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lose-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="lose node 1's agent and shared memory too, not only its trainers (default: yes)")
+    p.add_argument("--protection", choices=("hybrid", "parity", "replica", "none"), default="hybrid",
+                   help="Config.protection (default hybrid; 'none' cannot survive --lose-memory)")
     p.add_argument("--timeout", type=float, default=600.0, help="time-out of each job in seconds")
     args = p.parse_args(argv)
+    if args.lose_memory and args.protection == "none":
+        p.error("--protection none cannot survive losing a node's memory; add --no-lose-memory")
     if not 1 <= args.fail_at < args.steps:
         p.error(f"--fail-at must be in [1, {args.steps - 1}], got {args.fail_at}")
     return args
@@ -66,7 +87,8 @@ def _config(opts: dict):
 
     base = opts["base"]
     return jaxckpt.Config(store="shm", job_id=JOB, shm_dir=f"{base}/node{node_info().node}", keep=2,
-                          agent_dirs=f"{base}/node*", commit_timeout_s=60.0)
+                          agent_dirs=f"{base}/node*", commit_timeout_s=60.0, peer_timeout_s=30.0,
+                          protection=opts["protection"])
 
 
 def _loss(loss) -> str:
@@ -101,7 +123,9 @@ def first_job(opts: dict):
             if step == opts["fail_at"]:
                 open(os.path.join(info.launch_dir, f"reached-{info.process_id}"), "w").close()
             state, loss = step_fn(state, batch)
-            log.write(json.dumps([step, _loss(loss)]) + "\n")
+            prot = ckpt.engine.protection
+            protected = prot.protected_steps() if prot is not None else []
+            log.write(json.dumps([step, _loss(loss), protected[-1] if protected else None]) + "\n")
             log.flush()
             ckpt.save(step + 1, state)  # snapshot k holds the state after k steps
     return "finished without being killed"
@@ -152,6 +176,16 @@ def _kill_node_one(job, timeout: float) -> None:
     job.close()
 
 
+def _lose_node_memory(node_dir: str) -> None:
+    """Node 1 is gone for good: its agent SIGKILLed, its segments, records and directory removed."""
+    from jaxckpt.backends import agent_protocol as proto
+
+    pid = proto.kill_agent(node_dir, remove_memory=True)
+    shutil.rmtree(node_dir, ignore_errors=True)
+    print(f"job 1: SIGKILLed node 1's agent (pid {pid}) and removed its shared memory; node 1 is replaced "
+          f"by an empty one", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     from jaxckpt.backends import agent_protocol as proto
     from jaxckpt.testing import expect_ok, launch, start
@@ -161,20 +195,24 @@ def main(argv: list[str] | None = None) -> int:
         f"/tmp/jaxckpt-example-{os.getpid()}"
     os.makedirs(base, mode=0o700)
     opts = {k: getattr(args, k) for k in ("steps", "fail_at", "d_model", "layers", "heads", "vocab", "seq_len",
-                                          "batch", "seed")}
+                                          "batch", "seed", "protection")}
     opts["base"] = base
     layout = dict(nodes=2, procs_per_node=2, devices_per_proc=2, env={"JAXCKPT_LOG_LEVEL": "WARNING"})
     try:
         t0 = time.perf_counter()
         with start(first_job, args=(opts,), **layout) as job:
             _kill_node_one(job, args.timeout)
+        if args.lose_memory:
+            _lose_node_memory(os.path.join(base, "node1"))
         t1 = time.perf_counter()
         resumed = expect_ok(launch(resume_job, args=(opts,), timeout=args.timeout, **layout))
         t2 = time.perf_counter()
         ref = expect_ok(launch(reference_job, args=(opts,), timeout=args.timeout, **layout))
         t3 = time.perf_counter()
         with open(os.path.join(base, "losses-0.jsonl")) as f:
-            first = {step: loss for step, loss in (json.loads(line) for line in f if line.strip())}
+            logged = [json.loads(line) for line in f if line.strip()]
+        first = {step: loss for step, loss, _ in logged}
+        protected_at_loss = logged[-1][2] if logged else None
     finally:
         for name in sorted(os.listdir(base)):
             d = os.path.join(base, name)
@@ -193,13 +231,21 @@ def main(argv: list[str] | None = None) -> int:
     agree = all(r["restored"] == restored for r in resumed)
     state_ok = [r["digest"] for r in resumed] == [r["digest"] for r in ref]
     yes = {True: "yes", False: "NO"}
+    kinds: dict[str, int] = {}
+    for r in resumed:
+        for k, v in r["report"]["bytes_by_kind"].items():
+            kinds[k] = kinds.get(k, 0) + v
+    lost = "trainers, agent and shared memory" if args.lose_memory else "trainers (its agent kept the memory)"
     print("summary")
-    print(f"  killed node 1 at step:      {args.fail_at} (job 1 logged losses up to step {max(first)})")
-    print(f"  restored step:              {restored} (all 4 processes agree: {yes[agree]})")
+    print(f"  steps:                      {args.steps} (protection {args.protection!r})")
+    print(f"  lost node 1 at step:        {args.fail_at}: {lost} (job 1 logged losses up to step {max(first)})")
+    print(f"  restored step:              {restored} (all 4 processes agree: {yes[agree]}; newest protected step "
+          f"process 0 had seen: {protected_at_loss})")
     for i, r in enumerate(resumed):
         rep = r["report"]
         print(f"  process {i} restore:          {r['restore_s'] * 1e3:.0f} ms, {rep['nbytes']:,} bytes by source "
               f"kind {rep['bytes_by_kind']}")
+    print(f"  restore bytes by kind:      {', '.join(f'{k} {v:,}' for k, v in sorted(kinds.items()))} (all processes)")
     print(f"  time:                       job 1 {t1 - t0:.1f} s, job 2 {t2 - t1:.1f} s, reference {t3 - t2:.1f} s")
     print(f"  loss curve bit-identical:   {yes[loss_ok]}")
     print(f"  final state bit-identical:  {yes[state_ok]} (every process's shards)")
