@@ -20,6 +20,7 @@ import numpy as np
 from jaxckpt.checksum import crc32c
 from jaxckpt.errors import ChecksumError, DataLossError, PeerError, StepNotFoundError, StoreUnavailableError
 from jaxckpt.manifest import ChunkMeta
+from jaxckpt.snapshot import copy_and_checksum
 from jaxckpt.plan import Assembly
 from jaxckpt.sources import ByteSource, RestoreReport, Source, plan_fetch
 
@@ -59,6 +60,11 @@ class ChunkReader:
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
         self.report = RestoreReport(step, process)
+        # When the restored arrays need memory of their own anyway (JAX on CPU aliases the host arrays it is
+        # given), each chunk is copied out of its source and checksummed in the same pass; ``take`` then hands
+        # that private copy to one assembly instead of copying it again.
+        self.private_copies = False
+        self._owned: set[tuple[int, int]] = set()
 
     @property
     def bytes_by_process(self) -> dict[int, int]:
@@ -116,6 +122,14 @@ class ChunkReader:
             raise StepNotFoundError(f"{where} from {src.name}: {e}") from None
         if len(raw) != chunk.nbytes:
             raise ChecksumError(f"{where} came back from {src.name} with {len(raw)} bytes, expected {chunk.nbytes}")
+        if self.private_copies:
+            out = np.empty(chunk.nbytes, dtype=np.uint8)
+            crc = copy_and_checksum(out, np.frombuffer(raw, dtype=np.uint8))
+            if self._verify and crc != chunk.crc32c:
+                raise ChecksumError(f"{where} failed its crc32c check (corrupt) at {src.name}")
+            with self._lock:
+                self._owned.add((chunk.process, chunk.offset))
+            return memoryview(out)
         if self._verify and crc32c(raw) != chunk.crc32c:
             raise ChecksumError(f"{where} failed its crc32c check (corrupt) at {src.name}")
         return raw
@@ -148,6 +162,15 @@ class ChunkReader:
         corrupt = any(isinstance(e, ChecksumError) for _, e in failures)
         cls = ChecksumError if corrupt else type(failures[-1][1])
         return cls(f"{where}: no source gave good bytes ({said})")
+
+    def take(self, chunk: ChunkMeta) -> bool:
+        """True once for a chunk whose fetched bytes are a private copy nobody else was given."""
+        with self._lock:
+            key = (chunk.process, chunk.offset)
+            if key in self._owned:
+                self._owned.discard(key)
+                return True
+            return False
 
     def array(self, path: str, chunk: ChunkMeta, dtype: np.dtype) -> np.ndarray:
         raw = self.raw(path, chunk)
@@ -184,7 +207,9 @@ def assemble(a: Assembly, dtype: np.dtype, reader: ChunkReader, private: bool = 
     ``private`` asks for memory of its own (a copy)."""
     if a.whole_chunk:
         arr = reader.array(a.path, a.reads[0].chunk, dtype)
-        return arr.copy() if private else arr
+        if private and not reader.take(a.reads[0].chunk):
+            return arr.copy()
+        return arr
     out = np.empty(a.box.shape, dtype=dtype)
     for r in a.reads:
         src = reader.array(a.path, r.chunk, dtype)

@@ -126,6 +126,8 @@ def _describe(t: Any) -> str:
 def restore_tree(target: Any, manifests: list[Manifest], reader: ChunkReader, *, step: int, process: int) -> Any:
     """The pytree of ``target``'s structure filled from the snapshot described by ``manifests``."""
     own = next((m for m in manifests if m.process == process), manifests[0])
+    # On CPU every restored buffer needs memory of its own (see shards.make_array): copy while verifying.
+    reader.private_copies = jax.devices()[0].platform == "cpu"
     arrays = merge_chunks(manifests)
     values = {v.path: v for v in own.leaves}
     if target is None:
