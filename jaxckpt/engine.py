@@ -243,7 +243,8 @@ class CheckpointEngine:
             self.store.commit(slot, mf.encode(manifest))
             handle.snapshot_seconds = res.seconds
         except BaseException as e:  # noqa: BLE001 - reported through the handle and the commit protocol
-            log.error("step %d: snapshot failed on process %d: %s", handle.step, self.process_index, e)
+            log.error("step %d: snapshot failed on process %d: %s", handle.step, self.process_index, e,
+                      exc_info=not isinstance(e, StoreUnavailableError))
             handle.error = e
             handle.skipped = isinstance(e, StoreUnavailableError)
             self.store.abort(slot)
