@@ -26,6 +26,7 @@ import fcntl
 import itertools
 import logging
 import os
+import sys
 import secrets
 import signal
 import socket
@@ -421,7 +422,15 @@ def run_cli(args: argparse.Namespace) -> int:
     directory = agent_dir(Config(job_id=args.job, shm_dir=os.path.abspath(args.dir) if args.dir else ""))
     log_path = args.log or default_log_path(directory)
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-    handler = logging.FileHandler(log_path)
+    # O_NOFOLLOW and 0600: the default log path is predictable (under /tmp), so a planted symlink must not
+    # redirect the agent's writes, and the log (names of jobs and steps) is the user's alone.
+    try:
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        os.fchmod(fd, 0o600)
+        handler = logging.StreamHandler(os.fdopen(fd, "a", buffering=1))
+    except OSError as e:  # a symlink (ELOOP) or an unwritable path: log to stderr rather than not start
+        handler = logging.StreamHandler(sys.stderr)
+        print(f"jaxckpt agent: not logging to {log_path} ({e.strerror}); logging to stderr", file=sys.stderr)
     handler.setFormatter(logging.Formatter(f"%(asctime)s agent[{os.getpid()}] %(levelname)s %(message)s"))
     logging.getLogger("jaxckpt").addHandler(handler)
     try:
