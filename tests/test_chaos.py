@@ -1,0 +1,142 @@
+"""``jaxckpt chaos``: the quick profile in CI, and the bugs it found, pinned down deterministically.
+
+- the quick profile: 50 seeded trials of every available fault kind over a 2-node, 2-process job with shm
+  agents, plus 2 JAX-trainer trials: every fault recovered from, 0 wrong restores, 0 hangs, 0 committed steps
+  lost to faults that destroy nothing;
+- a fast process must not run ahead of the commit protocol: found by chaos (a trainer killed after running
+  several locally committed steps ahead of a slow peer had its agent free the newest globally committed step on
+  disconnect); fixed in CheckpointEngine._throttle, pinned here with two engines and real agents.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from jaxckpt import chaos
+from jaxckpt.backends import agent_protocol as proto
+from jaxckpt.cli import build_parser
+from shm_trainer import agent_processes
+
+
+def test_quick_profile_recovers_from_every_fault_with_no_wrong_restore_and_no_hang():
+    run = chaos.ChaosRun(chaos.PROFILES["quick"], seed=0)
+    rep = run.run()
+    table = chaos.format_table(rep)
+    print(table)
+    assert rep["trials"] >= 50 and rep["jax_trials"] == 2, table
+    assert rep["wrong_restores"] == 0 and rep["hangs"] == 0 and rep["unexpected_losses"] == 0, table
+    assert rep["recoveries"] == rep["trials"], table
+    available = {k for k, f in chaos.FAULTS.items() if f.inject is not None}
+    assert {k.removesuffix(" (jax)") for k in rep["faults"]} == available, table  # every kind was exercised
+    assert rep["saves_not_resumed"] == 0, table  # saving came back after every agent and budget fault
+    assert set(rep["unavailable"]) == {"peer-delay", "peer-drop"}
+    assert chaos.ok(rep)
+    for r in rep["results"]:
+        assert r["checks"] >= 1 and r["restored"] is None or r["restored"] <= r["trained"], r
+    # Nothing is left behind: no agent, no shared memory, no scratch directory, no log.
+    assert not os.path.exists(run.base) and not os.path.exists(run.tmp)
+    assert not agent_processes(run.job)
+    for d in [*run.node_dirs, run.jax_dir]:
+        assert not os.path.exists(proto.default_log_path(d))
+
+
+def test_cli_parses_the_profiles_and_refuses_unknown_faults():
+    args = build_parser().parse_args(["chaos", "--profile", "long", "--seed", "3", "--json"])
+    assert (args.profile, args.seed, args.json, args.run) == ("long", 3, True, chaos.run_cli)
+    assert chaos.PROFILES["long"].trials == 500
+    with pytest.raises(ValueError, match="unknown fault kind"):
+        chaos.ChaosRun(chaos.PROFILES["quick"], 0, faults=["kill-everything"])
+
+
+# ----------------------------------------------------------------------------------- found by chaos
+def _agent(d: str, job: str) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d,
+                          "--log", d + ".log"],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(d, proto.SOCKET_NAME)):
+        assert p.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    return p
+
+
+def _status(d: str, job: str) -> dict:
+    conn = proto.AgentConnection(d)
+    try:
+        conn.call("hello", job=job, role="client")
+        return conn.call("status")
+    finally:
+        conn.close()
+
+
+def _held(d: str, job: str, process: int) -> list[int]:
+    return sorted(s["step"] for s in _status(d, job)["slots"] if s["process"] == process and s["state"] == "committed")
+
+
+AHEAD = """
+import json, sys, time
+from jaxckpt.config import Config
+from jaxckpt.engine import CheckpointEngine
+from jaxckpt.testing import chaos_trainer as ct
+from jaxckpt.testing.filecoord import FileCoordinator
+p, job, d, coord = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+cfg = Config(store="shm", job_id=job, shm_dir=d, keep=1, max_pending_saves=1, workers=1, commit_timeout_s=30.0,
+             peer_timeout_s=30.0)
+eng = CheckpointEngine(cfg, FileCoordinator(coord, p, 2), framework="numpy")
+slow = lambda phase: time.sleep(0.3) if phase == "copy" and p == 0 else None
+for step in range(1, 7):
+    arrays, values = ct.state(0, step, 2)
+    eng.save(step, ct.records(arrays, p, 2, slow), [], ())
+    latest = eng.latest_step() or 0
+    print(json.dumps({"undecided": len([s for s in eng.store.steps() if s > latest])}), flush=True)
+print(json.dumps({"committed": eng.latest_step() or 0}), flush=True)
+if p == 0:
+    eng.close()
+else:
+    time.sleep(600)  # killed here
+"""
+
+
+def test_a_fast_process_never_runs_ahead_of_the_commit_protocol(tmp_path):
+    """Process 1 saves fast, process 0 slowly. Process 1 may hold at most max_pending_saves undecided steps
+    beyond the committed ones, so that when it dies its agent (which keeps keep + max_pending_saves of a dead
+    trainer's steps) still holds the newest committed step."""
+    import json
+
+    job = f"ahead-{uuid.uuid4().hex[:6]}"
+    base = f"/dev/shm/jaxckpt-ahead-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    dirs = [os.path.join(base, f"node{p}") for p in (0, 1)]
+    agents = [_agent(d, job) for d in dirs]
+    procs = []
+    try:
+        procs = [subprocess.Popen([sys.executable, "-c", AHEAD, str(p), job, dirs[p], str(tmp_path / "coord")],
+                                  stdout=subprocess.PIPE, text=True) for p in (0, 1)]
+        lines = [json.loads(procs[1].stdout.readline()) for _ in range(7)]
+        # Process 1 dies now: its connection drops, and its agent applies the dead trainer's retention.
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].wait(60)
+        deadline = time.monotonic() + 30
+        while "1" in _status(dirs[1], job)["trainers"] and time.monotonic() < deadline:
+            time.sleep(0.005)
+        held = _held(dirs[1], job, 1)
+        undecided, committed = [x["undecided"] for x in lines[:6]], lines[6]["committed"]
+        assert max(undecided) <= 1, undecided  # never more than max_pending_saves undecided steps
+        assert committed >= 4 and committed in held, (committed, held)  # the newest committed step survived
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for d, a in zip(dirs, agents):
+            proto.stop_agent(d, job, timeout_s=30)
+            if a.poll() is None:
+                a.send_signal(signal.SIGKILL)
+            a.wait()
+        shutil.rmtree(base, ignore_errors=True)
