@@ -67,7 +67,7 @@ class Profile:
     step_time_s: float = 0.01
     protection: str = "none"  # Config.protection of the numpy trainers (then node loss must keep protected steps)
     timeout_s: float = 60.0  # every wait of the driver, and the trainers' commit time-out
-    peer_timeout_s: float = 10.0  # the trainers' Config.peer_timeout_s (a dead agent costs this much per request)
+    peer_timeout_s: float = 5.0  # the trainers' Config.peer_timeout_s (a dead agent costs this much per request)
 
 
 PROFILES = {"quick": Profile(trials=50, jax_trials=2, nodes=2, procs_per_node=1),
@@ -236,7 +236,12 @@ class ChaosRun:
         deadline = time.monotonic() + self.profile.timeout_s
         while not self._listening(d, p.pid):
             if p.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the agent of {d} did not start (log: {log_path})")
+                try:
+                    with open(log_path, "rb") as f:
+                        tail = f.read()[-2000:].decode(errors="replace")
+                except OSError:
+                    tail = ""
+                raise RuntimeError(f"the agent of {d} did not start (exit code {p.poll()}); its log ends:\n{tail}")
             time.sleep(0.005)
 
     @staticmethod
