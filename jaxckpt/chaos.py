@@ -24,7 +24,7 @@ work lost = steps trained before the job was stopped minus the step restored. A 
 
     jaxckpt chaos --profile quick [--seed 0] [--json]      # 50 trials + 2 JAX trials (tests/test_chaos.py)
     jaxckpt chaos --profile long --seed 1                  # 500 + 20 (the RELIABILITY table of BENCHMARKS.md)
-    jaxckpt chaos --protection hybrid [--faults node-loss,kill-agent-wipe]   # node loss with protection
+    jaxckpt chaos --protection none [--faults corrupt-chunk,kill-agent-wipe]   # without protection
 """
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from jaxckpt.backends import agent_protocol as proto
+from jaxckpt.backends.agent import EXIT_ALREADY_RUNNING
 from jaxckpt.chaos_faults import DESTRUCTIVE, FAULTS, JAX_KINDS, NODE_LOSS
 from jaxckpt.errors import JaxckptError
 from jaxckpt.testing import chaos_trainer as ct
@@ -70,8 +71,12 @@ class Profile:
     peer_timeout_s: float = 5.0  # the trainers' Config.peer_timeout_s (a dead agent costs this much per request)
 
 
-PROFILES = {"quick": Profile(trials=50, jax_trials=2, nodes=2, procs_per_node=1),
-            "long": Profile(trials=500, jax_trials=20, nodes=3, procs_per_node=1, interval=2)}
+PROFILES = {"quick": Profile(trials=50, jax_trials=2, nodes=2, procs_per_node=1, protection="hybrid"),
+            "long": Profile(trials=500, jax_trials=20, nodes=3, procs_per_node=1, interval=2, protection="hybrid")}
+
+
+class _AlreadyServed(Exception):
+    """Another agent holds the directory's lock."""
 
 
 @dataclass
@@ -217,7 +222,18 @@ class ChaosRun:
 
     # ----------------------------------------------------------------------------------------- agents
     def start_agent(self, d: str) -> None:
-        """Start (or restart) the agent of node directory ``d`` with the node budget; wait until it listens."""
+        """Start (or restart) the agent of node directory ``d`` with the node budget; wait until it listens.
+
+        An agent a trainer's store started meanwhile (protection's store spawns one when ours is down) is
+        replaced: SIGKILLed, its memory kept for ours to adopt, so that the node keeps its budget."""
+        for _ in range(3):
+            try:
+                return self._start_agent(d)
+            except _AlreadyServed:
+                ct.kill_agent(d, wipe=False)
+        self._start_agent(d)
+
+    def _start_agent(self, d: str) -> None:
         old = self.agents.pop(d, None)
         if old is not None:
             if old.poll() is None:
@@ -235,6 +251,8 @@ class ChaosRun:
         # file of the agent it replaces may still be there, so only a connection tells.
         deadline = time.monotonic() + self.profile.timeout_s
         while not self._listening(d, p.pid):
+            if p.poll() == EXIT_ALREADY_RUNNING:
+                raise _AlreadyServed(d)
             if p.poll() is not None or time.monotonic() > deadline:
                 try:
                     with open(log_path, "rb") as f:
@@ -293,6 +311,9 @@ class ChaosRun:
             elif trained():
                 self._check(inc, prev, mode)
                 return inc
+            elif inc.of("restart") and all(p.poll() in (None, ct.RESTART) for p in inc.procs):
+                # A restart agreed by all: each process ends on its own, after dropping steps with bad bytes.
+                inc.wait(lambda: all(p.poll() is not None for p in inc.procs), min(10.0, self.profile.timeout_s))
             self.stop(inc)
             self.fired += inc.of("phase-fault")
             if prev is not None:
@@ -462,14 +483,15 @@ def run_chaos(profile: str = "quick", seed: int = 0, **kw: Any) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``jaxckpt chaos [--profile quick|long] [--seed N] [--trials N] [--jax-trials N] [--faults K,..] [--json]``."""
     p.add_argument("--profile", choices=sorted(PROFILES), default="quick",
-                   help="quick: 50 trials + 2 JAX trials on 2 nodes (CI); long: 500 + 20 on 3 nodes")
+                   help="quick: 50 trials + 2 JAX trials on 2 nodes (CI); long: 500 + 20 on 3 nodes; both with "
+                        "protection hybrid")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trials", type=int, default=None, help="numpy-trainer trials (default: the profile's)")
     p.add_argument("--jax-trials", type=int, default=None, help="JAX-trainer trials (default: the profile's)")
     p.add_argument("--faults", default="", help=f"comma-separated fault kinds (default: all of {sorted(FAULTS)})")
     p.add_argument("--protection", default=None, choices=("none", "replica", "parity", "xor-group", "hybrid"),
-                   help="Config.protection of the numpy trainers (default: the profile's, none); with one, losing "
-                        "a node's memory must keep the newest protected step")
+                   help="Config.protection of the numpy trainers (default: the profile's, hybrid): losing a node's "
+                        "memory must keep the newest protected step; with none, it may lose every step")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=run_cli)
 
