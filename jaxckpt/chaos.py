@@ -226,12 +226,25 @@ class ChaosRun:
 
         An agent a trainer's store started meanwhile (protection's store spawns one when ours is down) is
         replaced: SIGKILLed, its memory kept for ours to adopt, so that the node keeps its budget."""
-        for _ in range(3):
+        deadline = time.monotonic() + self.profile.timeout_s
+        while True:
             try:
                 return self._start_agent(d)
             except _AlreadyServed:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"another agent kept serving {d} for {self.profile.timeout_s:.0f} s") from None
+                self._kill_server(d, deadline)
+
+    @staticmethod
+    def _kill_server(d: str, deadline: float) -> None:
+        """SIGKILL the agent that holds ``d``'s lock. It takes the lock before it writes its pid file, so the
+        file may still name the dead agent it replaces: wait until it names a live process."""
+        while time.monotonic() < deadline:
+            info = proto.read_pid_file(d)
+            if info is not None and ct.proc_state(info[0]) not in ("Z", "X"):
                 ct.kill_agent(d, wipe=False)
-        self._start_agent(d)
+                return
+            time.sleep(0.005)
 
     def _start_agent(self, d: str) -> None:
         old = self.agents.pop(d, None)

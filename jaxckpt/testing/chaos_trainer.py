@@ -293,14 +293,15 @@ def kill_agent(directory: str, *, wipe: bool) -> int | None:
     pid = proto.kill_agent(directory)
     if pid is not None:
         deadline = time.monotonic() + 10
-        while _proc_state(pid) not in ("Z", "X") and time.monotonic() < deadline:
+        while proc_state(pid) not in ("Z", "X") and time.monotonic() < deadline:
             time.sleep(0.002)
     if wipe:
         proto.kill_agent(directory, remove_memory=True)
     return pid
 
 
-def _proc_state(pid: int) -> str:
+def proc_state(pid: int) -> str:
+    """The state letter /proc gives process ``pid`` ("R", "S", ...); "X" when it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0]
