@@ -17,6 +17,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from jaxckpt import hostbuf
 from jaxckpt.checksum import crc32c
 from jaxckpt.errors import ChecksumError, DataLossError, PeerError, StepNotFoundError, StoreUnavailableError
 from jaxckpt.manifest import ChunkMeta
@@ -54,9 +55,11 @@ class ChunkReader:
             p: list(s) if isinstance(s, (list, tuple)) else [Source("process", f"process {p}", "", s)]
             for p, s in sources.items()}
         self._step, self._verify, self._workers = step, verify, max(1, workers)
-        self._cache: dict[tuple[int, int], memoryview] = {}
-        self._bad: set[tuple[int, int, str]] = set()  # (process, offset, source name) that failed
-        self._inflight: dict[tuple[int, int], threading.Event] = {}  # a second reader of a chunk waits
+        # Keyed by the chunk's whole identity (see _key), never by its place alone: bytes cached for one chunk
+        # must not be handed out for another that happens to sit at the same offset of the same process.
+        self._cache: dict[tuple, memoryview] = {}
+        self._bad: set[tuple] = set()  # (chunk key, source name) that failed
+        self._inflight: dict[tuple, threading.Event] = {}  # a second reader of a chunk waits
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
         self.report = RestoreReport(step, process)
@@ -64,7 +67,11 @@ class ChunkReader:
         # given), each chunk is copied out of its source and checksummed in the same pass; ``take`` then hands
         # that private copy to one assembly instead of copying it again.
         self.private_copies = False
-        self._owned: set[tuple[int, int]] = set()
+        self._owned: set[tuple] = set()
+
+    def _key(self, chunk: ChunkMeta) -> tuple[int, int, int, int, int]:
+        """(step, saving process, offset, nbytes, crc32c): which snapshot's bytes, and which bytes of it."""
+        return self._step, chunk.process, chunk.offset, chunk.nbytes, chunk.crc32c
 
     @property
     def bytes_by_process(self) -> dict[int, int]:
@@ -73,7 +80,7 @@ class ChunkReader:
 
     def raw(self, path: str, chunk: ChunkMeta) -> memoryview:
         """The verified bytes of ``chunk`` (of array ``path``), from the first source that gives them."""
-        key = (chunk.process, chunk.offset)
+        key = self._key(chunk)
         while True:
             with self._lock:
                 got = self._cache.get(key)
@@ -91,21 +98,21 @@ class ChunkReader:
                 del self._inflight[key]
             done.set()
 
-    def _fetch(self, path: str, chunk: ChunkMeta, key: tuple[int, int]) -> memoryview:
+    def _fetch(self, path: str, chunk: ChunkMeta, key: tuple) -> memoryview:
         sources = self._sources.get(chunk.process)
         where = f"{path}: step {self._step} chunk {chunk.box.start}..{chunk.box.stop} of process {chunk.process}"
         if not sources:
             raise StepNotFoundError(f"{where} is held by process {chunk.process}, which this process cannot reach")
         failures: list[tuple[Source, Exception]] = []
         for src in sources:
-            if (chunk.process, chunk.offset, src.name) in self._bad:
+            if (key, src.name) in self._bad:
                 continue
             try:
                 raw = self._read(src, chunk, where)
             except SOURCE_ERRORS as e:
                 failures.append((src, e))
                 with self._lock:
-                    self._bad.add((chunk.process, chunk.offset, src.name))
+                    self._bad.add((key, src.name))
                 continue
             self._account(key, raw, src, chunk, path, failures)
             return raw
@@ -123,18 +130,18 @@ class ChunkReader:
         if len(raw) != chunk.nbytes:
             raise ChecksumError(f"{where} came back from {src.name} with {len(raw)} bytes, expected {chunk.nbytes}")
         if self.private_copies:
-            out = np.empty(chunk.nbytes, dtype=np.uint8)
+            out = hostbuf.empty(chunk.nbytes, np.uint8)
             crc = copy_and_checksum(out, np.frombuffer(raw, dtype=np.uint8))
             if self._verify and crc != chunk.crc32c:
                 raise ChecksumError(f"{where} failed its crc32c check (corrupt) at {src.name}")
             with self._lock:
-                self._owned.add((chunk.process, chunk.offset))
+                self._owned.add(self._key(chunk))
             return memoryview(out)
         if self._verify and crc32c(raw) != chunk.crc32c:
             raise ChecksumError(f"{where} failed its crc32c check (corrupt) at {src.name}")
         return raw
 
-    def _account(self, key: tuple[int, int], raw: memoryview, src: Source, chunk: ChunkMeta, path: str,
+    def _account(self, key: tuple, raw: memoryview, src: Source, chunk: ChunkMeta, path: str,
                  failures: list[tuple[Source, Exception]]) -> None:
         r = self.report
         with self._lock:
@@ -166,7 +173,7 @@ class ChunkReader:
     def take(self, chunk: ChunkMeta) -> bool:
         """True once for a chunk whose fetched bytes are a private copy nobody else was given."""
         with self._lock:
-            key = (chunk.process, chunk.offset)
+            key = self._key(chunk)
             if key in self._owned:
                 self._owned.discard(key)
                 return True
@@ -181,7 +188,7 @@ class ChunkReader:
         the log. Raises the first failure after every fetch has ended."""
         todo = plan_fetch(chunks, self._sources, self.report)
         with self._lock:
-            todo = [(p, c) for p, c in todo if (c.process, c.offset) not in self._cache]
+            todo = [(p, c) for p, c in todo if self._key(c) not in self._cache]
         if not todo:
             return
         log.info("step %d: fetching %d chunks (%d bytes) on process %d; planned bytes by source kind %s, by node %s",
@@ -208,9 +215,9 @@ def assemble(a: Assembly, dtype: np.dtype, reader: ChunkReader, private: bool = 
     if a.whole_chunk:
         arr = reader.array(a.path, a.reads[0].chunk, dtype)
         if private and not reader.take(a.reads[0].chunk):
-            return arr.copy()
+            return hostbuf.copy(arr)
         return arr
-    out = np.empty(a.box.shape, dtype=dtype)
+    out = hostbuf.empty(a.box.shape, dtype)
     for r in a.reads:
         src = reader.array(a.path, r.chunk, dtype)
         out[a.box.relative(r.part)] = src[r.chunk.box.relative(r.part)]

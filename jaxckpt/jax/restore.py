@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxckpt import hostbuf
 from jaxckpt.box import Box
 from jaxckpt.dtypes import dtype_from_name, dtype_name
 from jaxckpt.errors import ManifestError, PlanError, TargetMismatchError
@@ -42,7 +43,7 @@ def _restore_array(path: str, meta: ArrayMeta, t: Any, reader: ChunkReader, step
         data_sharding = shards.key_data_sharding(sharding, len(meta.shape) - len(key_shape)) if sharding else None
         data = _build(path, meta, saved_dtype, data_sharding, reader, step, process)
         if isinstance(data, np.ndarray):
-            data = data.copy()  # a view of the store's buffer; JAX on CPU would alias it (see shards.make_array)
+            data = hostbuf.copy(data)  # a view of the store's buffer, which JAX on CPU would alias
         try:
             keys = jax.random.wrap_key_data(data, impl=meta.attrs["impl"])
         except (TypeError, ValueError) as e:  # an impl name or key shape this JAX cannot take

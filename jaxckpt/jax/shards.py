@@ -7,6 +7,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from jaxckpt import hostbuf
 from jaxckpt.box import Box
 from jaxckpt.dtypes import dtype_name
 from jaxckpt.plan import HOST, ArrayLayout, Placement
@@ -61,6 +62,8 @@ def local_sources(x: Any, kind: str, devices: frozenset[int], owned: bool = Fals
         x = jax.random.key_data(x)
     if kind in ("numpy", "numpy_scalar"):
         arr = np.asarray(x)
+        if not arr.dtype.isnative:  # the manifest names the native dtype (dtypes.dtype_name): save its bytes
+            return {HOST: (lambda arr=arr: arr.astype(arr.dtype.newbyteorder("=")), None)}
         return {HOST: (lambda arr=arr: arr, None)}
     out = {}
     if owned:
@@ -132,7 +135,7 @@ def make_array(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.S
         used: set[int] = set()
         for i, h in enumerate(hosts):
             if not private or id(h) in used:
-                hosts[i] = np.array(h, copy=True)
+                hosts[i] = hostbuf.copy(h)
             used.add(id(h))
     # One batched transfer for all local devices instead of a device_put per shard.
     arrays = jax.device_put(hosts, [dev for dev, _ in local])

@@ -1,0 +1,30 @@
+"""Host buffers a CPU device can adopt as they are.
+
+XLA:CPU takes a host array given to ``device_put`` without copying it only when the data is aligned to 64 bytes;
+numpy's large allocations come from malloc's mmap path at 16 bytes past a page boundary, so a restored shard
+held in such memory is copied a second time by ``device_put``. Restore allocates through here instead.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+ALIGN = 64
+
+
+def empty(shape: int | Sequence[int], dtype: np.dtype | type | str) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on an ``ALIGN``-byte boundary."""
+    dtype = np.dtype(dtype)
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    start = (-raw.ctypes.data) % ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def copy(a: np.ndarray) -> np.ndarray:
+    """A private, aligned, C-contiguous copy of ``a``."""
+    out = empty(a.shape, a.dtype)
+    np.copyto(out, a, casting="no")
+    return out
