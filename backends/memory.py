@@ -3,6 +3,10 @@
 Buffers of freed snapshots go back to a pool and are reused by later saves of the same layout, so after the
 first few steps a save allocates nothing (and pays no page faults). With ``keep=1`` the store holds one committed
 snapshot plus the one being written: double-buffered, and the writer never touches the committed buffer.
+
+A committed buffer is immutable, so a restore on CPU lends it (``_View.lend``) instead of copying it: the restored
+arrays use it as their memory (XLA never writes into host memory it adopted: a donating step allocates its
+output elsewhere), and the buffer is never pooled again once lent; it is freed when the last of them goes.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jaxckpt import hostbuf
 from jaxckpt.config import Config
 from jaxckpt.errors import BudgetExceededError, ClosedError, StepError
 from jaxckpt.store import Slot, SnapshotView, Store
@@ -30,6 +35,7 @@ class _Entry:
     manifest: bytes = b""
     pins: int = 0
     doomed: bool = False
+    lent: bool = False  # restored arrays use this memory: never back to the pool
 
 
 class _View(SnapshotView):
@@ -45,6 +51,11 @@ class _View(SnapshotView):
             self._closed = True
             self.buffer = memoryview(b"")
             self._store._unpin(self._entry)
+
+    def lend(self) -> bool:
+        with self._store._lock:
+            self._entry.lent = True
+        return True
 
 
 class MemoryStore(Store):
@@ -85,7 +96,7 @@ class MemoryStore(Store):
                     f"step {step}: snapshot of {nbytes} bytes does not fit the memory budget of {budget} bytes "
                     f"({self._held()} held; committed steps {committed} are kept)")
         self.allocations += 1
-        return np.empty(max(nbytes, 1), dtype=np.uint8)
+        return hostbuf.empty(max(nbytes, 1), np.uint8)  # aligned: a CPU device can adopt lent chunks
 
     def commit(self, slot: Slot, manifest: bytes) -> None:
         with self._lock:
@@ -133,7 +144,7 @@ class MemoryStore(Store):
 
     def _free(self, entry: _Entry) -> None:
         del self._entries[entry.step]
-        if not self._closed:
+        if not self._closed and not entry.lent:
             self._pool.append(entry.buf)
 
     def _held(self) -> int:

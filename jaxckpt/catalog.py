@@ -248,7 +248,7 @@ class Catalog:
             own_error = e
         own: tuple[mf.Manifest, HeldEntry] | None = None
         if view is not None:
-            opened.append(Opened(view.manifest, buffer_source(view.buffer), view.close))
+            opened.append(Opened(view.manifest, buffer_source(view.buffer), view.close, view.lend))
             m = mf.decode(view.manifest, source=f"step {step} manifest of process {me}")
             own = (m, HeldEntry(step, m.process, m.process_count, m.layout, crc32c(view.manifest)))
         index: list[tuple[Holder, HeldEntry]] = []
@@ -284,7 +284,7 @@ class Catalog:
             m, e = local
             q = m.process
             sources[q] = [Source("local", f"own memory of process {self.process_index}", self._local_node(),
-                                 opened[0].read)]
+                                 opened[0].read, opened[0].lend)]
             manifests[q] = m
             # the node agent holds the same memory as our own store: no fallback there
             others = [(h, x) for h, x in by_q.get(q, []) if h.kind != "node" and x.crc == e.crc]

@@ -65,7 +65,9 @@ class ChunkReader:
         self.report = RestoreReport(step, process)
         # When the restored arrays need memory of their own anyway (JAX on CPU aliases the host arrays it is
         # given), each chunk is copied out of its source and checksummed in the same pass; ``take`` then hands
-        # that private copy to one assembly instead of copying it again.
+        # that private copy to one assembly instead of copying it again. A source that can lend its memory
+        # (``Source.lend``: the in-process store, whose snapshot buffers are immutable once committed) is only
+        # verified, and its bytes are handed over as they are.
         self.private_copies = False
         self._owned: set[tuple] = set()
 
@@ -129,6 +131,13 @@ class ChunkReader:
             raise StepNotFoundError(f"{where} from {src.name}: {e}") from None
         if len(raw) != chunk.nbytes:
             raise ChecksumError(f"{where} came back from {src.name} with {len(raw)} bytes, expected {chunk.nbytes}")
+        if self.private_copies and src.lend is not None:
+            if self._verify and crc32c(raw) != chunk.crc32c:
+                raise ChecksumError(f"{where} failed its crc32c check (corrupt) at {src.name}")
+            if src.lend():  # memory that is never rewritten while the restored arrays live: no copy needed
+                with self._lock:
+                    self._owned.add(self._key(chunk))
+                return raw
         if self.private_copies:
             out = hostbuf.empty(chunk.nbytes, np.uint8)
             crc = copy_and_checksum(out, np.frombuffer(raw, dtype=np.uint8))

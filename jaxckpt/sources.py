@@ -119,6 +119,7 @@ class Opened:
     manifest: bytes
     read: ByteSource
     close: Callable[[], None] = lambda: None
+    lend: Callable[[], bool] | None = None  # see Source.lend
 
 
 class Holder(abc.ABC):
@@ -152,6 +153,9 @@ class Source:
     name: str
     node: str
     read: ByteSource = field(compare=False, repr=False)
+    # Only a source whose memory is never rewritten while it is referenced has one (SnapshotView.lend): then the
+    # restored arrays may use the bytes read from it as their own memory. True when it agreed.
+    lend: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
 
 
 def order_sources(holders: Iterable[tuple[Holder, HeldEntry]]) -> list[Holder]:

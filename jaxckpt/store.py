@@ -37,6 +37,11 @@ class SnapshotView(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
+    def lend(self) -> bool:
+        """Let arrays restored from this view keep using its memory: the store then never rewrites it (a later
+        save gets other memory) while anything references it. True if the store agreed."""
+        return False
+
     def __enter__(self) -> "SnapshotView":
         return self
 
