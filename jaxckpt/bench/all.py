@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from jaxckpt.bench import report
+from jaxckpt.bench import report, runner
 
 log = logging.getLogger("jaxckpt.bench")
 
@@ -221,12 +221,7 @@ def render_summary(summary: Mapping[str, Any], extra: str = "") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m jaxckpt.bench.all``: the same options as ``jaxckpt bench all``."""
-    p = argparse.ArgumentParser(prog="python -m jaxckpt.bench.all", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("JAXCKPT_LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run(args)
+    return runner.main("jaxckpt.bench.all", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import argparse
 import gc
 import logging
 import os
-import shlex
 import shutil
 import sys
 import tempfile
@@ -25,7 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
-from jaxckpt.bench import report
+from jaxckpt.bench import report, runner
 from jaxckpt.bench.save import parse_size
 
 log = logging.getLogger("jaxckpt.bench")
@@ -46,11 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``jaxckpt bench memory``."""
     p.add_argument("--sizes", default=None, help=f"state sizes, K/M/G binary (default {FULL['sizes']}, --quick "
                                                  f"{QUICK['sizes']})")
-    p.add_argument("--quick", action="store_true", help="a tiny state: seconds, for CI")
-    p.add_argument("--timeout", type=float, default=1200.0, help="limit for the measuring process, in seconds")
-    p.add_argument("--json", metavar="PATH", help="write the results here")
-    p.add_argument("--update-md", metavar="PATH", help="rewrite the bench:memory section of this markdown file")
-    p.add_argument("--from-json", metavar="PATH", help="measure nothing: render (and --update-md) this result file")
+    runner.output_arguments(p, "memory", "a tiny state: seconds, for CI", timeout=1200.0)
     p.set_defaults(run=run)
 
 
@@ -67,31 +62,13 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
 
 def command(args: argparse.Namespace) -> str:
     """The command line that repeats this run."""
-    words = ["jaxckpt", "bench", "memory"] + (["--quick"] if args.quick else [])
-    for flag, key in (("--sizes", "sizes"), ("--json", "json"), ("--update-md", "update_md")):
-        if getattr(args, key) is not None:
-            words += [flag, str(getattr(args, key))]
-    return shlex.join(words)
+    return runner.command_line("memory", args, (("--sizes", "sizes"),))
 
 
 def run(args: argparse.Namespace) -> int:
     """``jaxckpt bench memory``: measure (or render ``--from-json``), write JSON, print and update the section."""
-    if args.from_json:
-        result = report.read_json(args.from_json)
-    else:
-        try:
-            opts = options(args)
-        except ValueError as e:
-            log.error("%s", e)
-            return 2
-        result = measure(opts, command(args), quick=args.quick, timeout=args.timeout)
-        if args.json:
-            report.write_json(args.json, result)
-    md = render(result)
-    if args.update_md:
-        report.replace_section(args.update_md, "memory", md)
-    print(md)
-    return 0
+    return runner.run(args, "memory", options,
+                      lambda a, o: measure(o, command(a), quick=a.quick, timeout=a.timeout), render)
 
 
 # ------------------------------------------------------------------------------------------------- the driver
@@ -267,12 +244,7 @@ def render(result: Mapping[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m jaxckpt.bench.memory``: the same options as ``jaxckpt bench memory``."""
-    p = argparse.ArgumentParser(prog="python -m jaxckpt.bench.memory", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("JAXCKPT_LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run(args)
+    return runner.main("jaxckpt.bench.memory", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

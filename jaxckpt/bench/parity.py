@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from jaxckpt import parity
-from jaxckpt.bench import memcpy, report
+from jaxckpt.bench import memcpy, report, runner
 from jaxckpt.bench.save import parse_size
 
 log = logging.getLogger("jaxckpt.bench")
@@ -37,14 +37,11 @@ QUICK = {"block_bytes": 4 << 20, "fanins": (1, 3), "workers": (1,), "repeats": 3
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``jaxckpt bench parity``."""
-    p.add_argument("--quick", action="store_true", help="small blocks, few repeats: seconds, for CI")
     p.add_argument("--block-size", default=None,
                    help=f"bytes per block, K/M/G binary (default {report.fmt_size(FULL['block_bytes'])}, "
                         f"--quick {report.fmt_size(QUICK['block_bytes'])})")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per case, after one warm-up")
-    p.add_argument("--json", metavar="PATH", help="write the results here")
-    p.add_argument("--update-md", metavar="PATH", help="rewrite the bench:parity section of this markdown file")
-    p.add_argument("--from-json", metavar="PATH", help="measure nothing: render (and --update-md) this result file")
+    runner.output_arguments(p, "parity", "small blocks, few repeats: seconds, for CI")
     p.set_defaults(run=run)
 
 
@@ -62,12 +59,7 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
 
 def command(args: argparse.Namespace) -> str:
     """The command line that repeats this run."""
-    words = ["jaxckpt", "bench", "parity"] + (["--quick"] if args.quick else [])
-    for flag, key in (("--block-size", "block_size"), ("--repeats", "repeats"), ("--json", "json"),
-                      ("--update-md", "update_md")):
-        if getattr(args, key) is not None:
-            words += [flag, str(getattr(args, key))]
-    return " ".join(words)
+    return runner.command_line("parity", args, (("--block-size", "block_size"), ("--repeats", "repeats")))
 
 
 def _timed(fn, repeats: int) -> list[float]:
@@ -152,19 +144,4 @@ def render(result: Mapping[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """``jaxckpt bench parity``: measure (or render ``--from-json``), write JSON, print and update the section."""
-    if args.from_json:
-        result = report.read_json(args.from_json)
-    else:
-        try:
-            opts = options(args)
-        except ValueError as e:
-            log.error("%s", e)
-            return 2
-        result = measure(opts, command(args))
-        if args.json:
-            report.write_json(args.json, result)
-    md = render(result)
-    if args.update_md:
-        report.replace_section(args.update_md, "parity", md)
-    print(md)
-    return 0
+    return runner.run(args, "parity", options, lambda a, o: measure(o, command(a)), render)

@@ -24,7 +24,6 @@ import argparse
 import gc
 import logging
 import os
-import shlex
 import shutil
 import sys
 import tempfile
@@ -32,7 +31,7 @@ import time
 import uuid
 from typing import Any, Mapping
 
-from jaxckpt.bench import memcpy, report
+from jaxckpt.bench import memcpy, report, runner
 from jaxckpt.bench.save import parse_size
 
 log = logging.getLogger("jaxckpt.bench")
@@ -59,11 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"fresh restorer processes per size (default {FULL['restorers']})")
     p.add_argument("--plain-dir", default=None,
                    help="where the plain-directory Orbax checkpoint goes (default: the temp directory)")
-    p.add_argument("--quick", action="store_true", help="tiny sizes, few repeats: seconds, for CI")
-    p.add_argument("--timeout", type=float, default=1800.0, help="limit for each saver/restorer process")
-    p.add_argument("--json", metavar="PATH", help="write the results here")
-    p.add_argument("--update-md", metavar="PATH", help="rewrite the bench:restore section of this markdown file")
-    p.add_argument("--from-json", metavar="PATH", help="measure nothing: render (and --update-md) this result file")
+    runner.output_arguments(p, "restore", "tiny sizes, few repeats: seconds, for CI", timeout=1800.0)
     p.set_defaults(run=run)
 
 
@@ -85,32 +80,14 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
 
 def command(args: argparse.Namespace) -> str:
     """The command line that repeats this run."""
-    words = ["jaxckpt", "bench", "restore"] + (["--quick"] if args.quick else [])
-    for flag, key in (("--sizes", "sizes"), ("--repeats", "repeats"), ("--restorers", "restorers"),
-                      ("--plain-dir", "plain_dir"), ("--json", "json"), ("--update-md", "update_md")):
-        if getattr(args, key) is not None:
-            words += [flag, str(getattr(args, key))]
-    return shlex.join(words)
+    return runner.command_line("restore", args, (("--sizes", "sizes"), ("--repeats", "repeats"),
+                                                 ("--restorers", "restorers"), ("--plain-dir", "plain_dir")))
 
 
 def run(args: argparse.Namespace) -> int:
     """``jaxckpt bench restore``: measure (or render ``--from-json``), write JSON, print and update the section."""
-    if args.from_json:
-        result = report.read_json(args.from_json)
-    else:
-        try:
-            opts = options(args)
-        except ValueError as e:
-            log.error("%s", e)
-            return 2
-        result = measure(opts, command(args), quick=args.quick, timeout=args.timeout)
-        if args.json:
-            report.write_json(args.json, result)
-    md = render(result)
-    if args.update_md:
-        report.replace_section(args.update_md, "restore", md)
-    print(md)
-    return 0
+    return runner.run(args, "restore", options,
+                      lambda a, o: measure(o, command(a), quick=a.quick, timeout=a.timeout), render)
 
 
 # ------------------------------------------------------------------------------------------------- the driver
@@ -389,12 +366,7 @@ def render(result: Mapping[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m jaxckpt.bench.restore``: the same options as ``jaxckpt bench restore``."""
-    p = argparse.ArgumentParser(prog="python -m jaxckpt.bench.restore", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("JAXCKPT_LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run(args)
+    return runner.main("jaxckpt.bench.restore", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

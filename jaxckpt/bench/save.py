@@ -23,7 +23,7 @@ import tempfile
 import time
 from typing import Any
 
-from jaxckpt.bench import memcpy, report
+from jaxckpt.bench import memcpy, report, runner
 
 log = logging.getLogger("jaxckpt.bench")
 
@@ -48,10 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"timed repeats per size (default {FULL['repeats']}, --quick {QUICK['repeats']})")
     p.add_argument("--warmup", type=int, default=None,
                    help=f"untimed rounds first, at least 1 (default {FULL['warmup']}, --quick {QUICK['warmup']})")
-    p.add_argument("--quick", action="store_true", help="tiny sizes, few repeats: seconds, for CI")
-    p.add_argument("--json", metavar="PATH", help="write the results here")
-    p.add_argument("--update-md", metavar="PATH", help="rewrite the bench:save section of this markdown file")
-    p.add_argument("--from-json", metavar="PATH", help="measure nothing: render (and --update-md) this result file")
+    runner.output_arguments(p, "save", "tiny sizes, few repeats: seconds, for CI")
     p.set_defaults(run=run)
 
 
@@ -96,24 +93,14 @@ def forwarded(args: argparse.Namespace) -> list[str]:
 # ---------------------------------------------------------------------------------------------- entry points
 def run(args: argparse.Namespace) -> int:
     """``jaxckpt bench save``: measure (or render ``--from-json``), write JSON, print and update the table."""
-    if args.from_json:
-        result = report.read_json(args.from_json)
-    else:
+    if not args.from_json and "jax" in sys.modules:
         try:
-            options(args)  # refuse bad options here, before any subprocess or measurement starts
+            options(args)  # refuse bad options here, before any subprocess starts
         except ValueError as e:
             log.error("%s", e)
             return 2
-        if "jax" in sys.modules:
-            return _run_subprocess(args)
-        result = measure(args)
-    if args.json and not args.from_json:
-        report.write_json(args.json, result)
-    md = report.render(result)
-    if args.update_md:
-        report.replace_section(args.update_md, "save", md)
-    print(md)
-    return 0
+        return _run_subprocess(args)
+    return runner.run(args, "save", options, lambda a, _: measure(a), report.render)
 
 
 def _run_subprocess(args: argparse.Namespace) -> int:
@@ -125,12 +112,7 @@ def _run_subprocess(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m jaxckpt.bench.save``: the same options as ``jaxckpt bench save``."""
-    p = argparse.ArgumentParser(prog="python -m jaxckpt.bench.save", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("JAXCKPT_LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run(args)
+    return runner.main("jaxckpt.bench.save", __doc__, add_arguments, run, argv)
 
 
 # ------------------------------------------------------------------------------------------------ measuring

@@ -18,12 +18,11 @@ import argparse
 import gc
 import logging
 import os
-import shlex
 import sys
 import time
 from typing import Any, Mapping
 
-from jaxckpt.bench import memcpy, report
+from jaxckpt.bench import memcpy, report, runner
 from jaxckpt.bench.save import parse_size
 
 log = logging.getLogger("jaxckpt.bench")
@@ -51,11 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bytes-per-proc", default=None,
                    help=f"state bytes per process in the process sweep (default {FULL['bytes_per_proc']})")
     p.add_argument("--repeats", type=int, default=None, help=f"timed saves (default {FULL['repeats']})")
-    p.add_argument("--quick", action="store_true", help="tiny sizes, two process counts: seconds, for CI")
-    p.add_argument("--timeout", type=float, default=1800.0, help="limit for each launched job, in seconds")
-    p.add_argument("--json", metavar="PATH", help="write the results here")
-    p.add_argument("--update-md", metavar="PATH", help="rewrite the bench:scaling section of this markdown file")
-    p.add_argument("--from-json", metavar="PATH", help="measure nothing: render (and --update-md) this result file")
+    runner.output_arguments(p, "scaling", "tiny sizes, two process counts: seconds, for CI", timeout=1800.0)
     p.set_defaults(run=run)
 
 
@@ -81,33 +76,14 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
 
 def command(args: argparse.Namespace) -> str:
     """The command line that repeats this run."""
-    words = ["jaxckpt", "bench", "scaling"] + (["--quick"] if args.quick else [])
-    for flag, key in (("--sizes", "sizes"), ("--max-size", "max_size"), ("--procs", "procs"),
-                      ("--bytes-per-proc", "bytes_per_proc"), ("--repeats", "repeats"), ("--json", "json"),
-                      ("--update-md", "update_md")):
-        if getattr(args, key) is not None:
-            words += [flag, str(getattr(args, key))]
-    return shlex.join(words)
+    return runner.command_line("scaling", args, (("--sizes", "sizes"), ("--max-size", "max_size"), ("--procs", "procs"),
+                                                 ("--bytes-per-proc", "bytes_per_proc"), ("--repeats", "repeats")))
 
 
 def run(args: argparse.Namespace) -> int:
     """``jaxckpt bench scaling``: measure (or render ``--from-json``), write JSON, print and update the section."""
-    if args.from_json:
-        result = report.read_json(args.from_json)
-    else:
-        try:
-            opts = options(args)
-        except ValueError as e:
-            log.error("%s", e)
-            return 2
-        result = measure(opts, command(args), quick=args.quick, timeout=args.timeout)
-        if args.json:
-            report.write_json(args.json, result)
-    md = render(result)
-    if args.update_md:
-        report.replace_section(args.update_md, "scaling", md)
-    print(md)
-    return 0
+    return runner.run(args, "scaling", options,
+                      lambda a, o: measure(o, command(a), quick=a.quick, timeout=a.timeout), render)
 
 
 # ------------------------------------------------------------------------------------------------- the driver
@@ -326,12 +302,7 @@ def render(result: Mapping[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m jaxckpt.bench.scaling``: the same options as ``jaxckpt bench scaling``."""
-    p = argparse.ArgumentParser(prog="python -m jaxckpt.bench.scaling", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("JAXCKPT_LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run(args)
+    return runner.main("jaxckpt.bench.scaling", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

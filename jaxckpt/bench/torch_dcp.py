@@ -30,7 +30,7 @@ import time
 import warnings
 from typing import Any, Mapping
 
-from jaxckpt.bench import memcpy, report
+from jaxckpt.bench import memcpy, report, runner
 from jaxckpt.bench.save import parse_size
 
 log = logging.getLogger("jaxckpt.bench")
@@ -63,10 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's own; on a loaded machine 1 avoids waiting on "
                         "descheduled OpenMP threads in every tensor copy, DCP's and jaxckpt's restore alike)")
-    p.add_argument("--quick", action="store_true", help="tiny sizes, few repeats: seconds, for CI")
-    p.add_argument("--json", metavar="PATH", help="write the results here")
-    p.add_argument("--update-md", metavar="PATH", help="rewrite the bench:torch section of this markdown file")
-    p.add_argument("--from-json", metavar="PATH", help="measure nothing: render (and --update-md) this result file")
+    runner.output_arguments(p, "torch", "tiny sizes, few repeats: seconds, for CI")
     p.set_defaults(run=run)
 
 
@@ -101,32 +98,12 @@ def forwarded(args: argparse.Namespace) -> list[str]:
 # ---------------------------------------------------------------------------------------------- entry points
 def run(args: argparse.Namespace) -> int:
     """``jaxckpt bench torch``: measure (or render ``--from-json``), write JSON, print and update the section."""
-    if args.from_json:
-        result = report.read_json(args.from_json)
-    else:
-        try:
-            options(args)
-        except ValueError as e:
-            log.error("%s", e)
-            return 2
-        result = measure(args)
-        if args.json:
-            report.write_json(args.json, result)
-    md = render_torch(result)
-    if args.update_md:
-        report.replace_section(args.update_md, "torch", md)
-    print(md)
-    return 0
+    return runner.run(args, "torch", options, lambda a, _: measure(a), render_torch)
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m jaxckpt.bench.torch_dcp``: the same options as ``jaxckpt bench torch``."""
-    p = argparse.ArgumentParser(prog="python -m jaxckpt.bench.torch_dcp", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("JAXCKPT_LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run(args)
+    return runner.main("jaxckpt.bench.torch_dcp", __doc__, add_arguments, run, argv)
 
 
 # ------------------------------------------------------------------------------------------------ measuring
