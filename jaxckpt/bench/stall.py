@@ -7,6 +7,8 @@ a fresh state with the same compiled step:
 - ``none``:          no checkpointing (the baseline step time);
 - ``jaxckpt``:       ``ckpt.save(step, state)`` after every step (views + background copy; the default);
 - ``jaxckpt-fused``: ``ckpt.wrap_step``: the step program itself copies its incoming state to pinned host;
+- ``jaxckpt-shm``, ``jaxckpt-fused-shm``: the same two with ``store="shm"`` (the slots are the node agent's
+  shared memory, issue 4);
 - ``orbax``:         ``ocp.AsyncCheckpointer(StandardCheckpointHandler)`` saving every step to tmpfs.
 
 and then the idle snapshot throughput (save + wait with no training), compared with the machine's memcpy
@@ -29,7 +31,7 @@ from jaxckpt.bench.report import machine_facts, now_utc, summarize
 
 log = logging.getLogger("jaxckpt.bench")
 
-MODES = ("none", "jaxckpt", "jaxckpt-fused", "orbax")
+MODES = ("none", "jaxckpt", "jaxckpt-fused", "jaxckpt-shm", "jaxckpt-fused-shm", "orbax")
 # Presets: (d_model, layers). State bytes ~ 12 bytes/param (param + 2 AdamW moments, float32).
 SIZES = {"tiny": (64, 2), "0.2G": (512, 6), "1G": (1024, 7)}
 
@@ -37,6 +39,16 @@ SIZES = {"tiny": (64, 2), "0.2G": (512, 6), "1G": (1024, 7)}
 def gpt_config(size: str, seq_len: int) -> dict:
     d, layers = SIZES[size]
     return {"d_model": d, "layers": layers, "heads": 8 if d >= 256 else 4, "seq_len": seq_len, "vocab": 256}
+
+
+def job_id(spec: dict, mode: str) -> str:
+    """The job id of one mode's checkpointer (each mode its own job, and its own agent with ``-shm``)."""
+    return f"stall-{spec['size']}-{mode}"
+
+
+def agent_dir(spec: dict, mode: str) -> str:
+    """The node agent's directory of a ``-shm`` mode, inside the run's private temporary directory."""
+    return os.path.join(spec["orbax_dir"], f"agent-{mode}")
 
 
 def run_process(spec: dict) -> dict:
@@ -61,8 +73,9 @@ def run_process(spec: dict) -> dict:
         step_times, call_times, snap_times, nbytes = [], [], [], 0
         ck = tmp = ckptr = fused = None
         if mode.startswith("jaxckpt"):
-            ck = jaxckpt.Checkpointer(jaxckpt.Config(job_id=f"stall-{spec['size']}-{mode}", keep=1))
-            if mode == "jaxckpt-fused":
+            shm = {"store": "shm", "shm_dir": agent_dir(spec, mode)} if mode.endswith("-shm") else {}
+            ck = jaxckpt.Checkpointer(jaxckpt.Config(job_id=job_id(spec, mode), keep=1, **shm))
+            if mode.startswith("jaxckpt-fused"):
                 fused = ck.wrap_step(step_fn)
         elif mode == "orbax":
             tmp = spec["orbax_dir"]
@@ -70,7 +83,7 @@ def run_process(spec: dict) -> dict:
         handles = []
         for i, batch in enumerate(data):
             t0 = time.perf_counter()
-            if mode == "jaxckpt-fused":
+            if fused is not None:
                 state, loss = fused(state, batch, save_step=i)
                 call = time.perf_counter() - t0  # dispatch + save() of the host copy
             else:
@@ -79,7 +92,7 @@ def run_process(spec: dict) -> dict:
                 # save() itself costs the training thread (on CPU a view of an unfinished array would wait too).
                 loss.block_until_ready()
                 tc = time.perf_counter()
-                if mode == "jaxckpt":
+                if ck is not None:
                     handles.append(ck.save(i, state))
                 elif mode == "orbax":
                     ckptr.save(os.path.join(tmp, f"{mode}-{i}"), args=ocp.args.StandardSave(state))
@@ -92,7 +105,7 @@ def run_process(spec: dict) -> dict:
                 call_times.append(call)
         if ck is not None:
             ck.wait()
-            if mode == "jaxckpt":
+            if fused is None:
                 snap_times = [h.snapshot_seconds for h in handles[spec["warmup"]:]]
                 nbytes = handles[-1].nbytes
             # Idle throughput: save and wait with nothing else running, slots already warm.
@@ -137,8 +150,8 @@ def _merge(size: str, per_proc: list[dict], memcpy: dict) -> dict:
         summary[f"step_s_{mode}"] = st
         summary[f"overhead_pct_{mode}"] = 100.0 * (st - base) / base
         summary[f"save_call_s_{mode}"] = worst(mode, "save_call_s")
-    for mode in ("jaxckpt", "jaxckpt-fused"):
-        if mode in per_proc[0]["modes"]:
+    for mode in MODES:
+        if mode.startswith("jaxckpt") and mode in per_proc[0]["modes"]:
             gbps = min(p["modes"][mode]["bytes_this_process"] / p["modes"][mode]["idle_snapshot_s"]["median"] / 1e9
                        for p in per_proc)
             summary[f"idle_snapshot_gbps_{mode}"] = gbps
@@ -151,6 +164,7 @@ def _merge(size: str, per_proc: list[dict], memcpy: dict) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     """Drive the benchmark: memcpy first, then each size in ``--procs`` launched processes."""
+    from jaxckpt.backends import agent_protocol as proto
     from jaxckpt.bench.memcpy import memcpy_gbps
     from jaxckpt.bench.report import write_json
     from jaxckpt.testing.launcher import expect_ok, launch
@@ -164,14 +178,18 @@ def run(args: argparse.Namespace) -> int:
                               "results": []}
     for size in sizes:
         tmp = tempfile.mkdtemp(prefix="jaxckpt-stall-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        spec = {"size": size, "gpt": gpt_config(size, args.seq_len), "batch": args.batch, "steps": steps,
+                "warmup": warmup, "modes": list(MODES), "orbax_dir": tmp, "idle_repeats": 2 if args.quick else 5}
         try:
-            spec = {"size": size, "gpt": gpt_config(size, args.seq_len), "batch": args.batch, "steps": steps,
-                    "warmup": warmup, "modes": list(MODES), "orbax_dir": tmp, "idle_repeats": 2 if args.quick else 5}
             log.info("bench stall: size %s on %d processes", size, args.procs)
             per_proc = expect_ok(launch(run_process, nodes=1, procs_per_node=args.procs,
                                         devices_per_proc=8 // args.procs, args=(spec,), timeout=args.timeout))
             result["results"].append(_merge(size, per_proc, memcpy))
         finally:
+            for mode in MODES:
+                if mode.endswith("-shm"):  # the agents the trainers spawned: free their memory before the next size
+                    proto.stop_agent(agent_dir(spec, mode), job_id(spec, mode), timeout_s=60)
+                    proto.kill_agent(agent_dir(spec, mode), remove_memory=True)  # only if it did not stop
             shutil.rmtree(tmp, ignore_errors=True)
     if args.json:
         write_json(args.json, result)
