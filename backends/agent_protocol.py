@@ -43,6 +43,8 @@ MAX_MESSAGE_BYTES = MAX_MANIFEST_BYTES + (1 << 20)  # a full-size manifest plus 
 RPC_TIMEOUT_S = 120.0  # a reserve may fallocate gigabytes on first use
 SEG_RE = re.compile(r"seg-p(\d{1,9})-([0-9a-f]{16})-(\d{1,12})\Z")
 REC_RE = re.compile(r"rec-p(\d{1,9})-s(\d{1,19})\Z")
+# Pseudo process index of a trainer's protection slots: PROTECT_BASE + process (jaxckpt.backends.protect).
+PROTECT_BASE = 500_000_000
 _HEADER = struct.Struct(">I")
 
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import msgpack
 
-from jaxckpt.backends.agent_protocol import (MAX_MESSAGE_BYTES, REC_RE, SEG_RE, ProtocolError, check_name,
-                                             record_name, round_to_pages, segment_name)
+from jaxckpt.backends.agent_protocol import (MAX_MESSAGE_BYTES, PROTECT_BASE, REC_RE, SEG_RE, ProtocolError,
+                                             check_name, record_name, round_to_pages, segment_name)
 
 log = logging.getLogger("jaxckpt.backends.agent")
 
@@ -174,7 +174,12 @@ class SlotTable:
                 # The engine keeps ``keep`` globally committed steps plus up to ``pending`` newer ones that are
                 # committed here but may not be everywhere: only beyond that is a step surely not needed.
                 visible = sorted(s for (p, s), e in self._slots.items() if p == process and self._visible(e))
+                # A step this node holds protection slots of may be the newest protected one: until a newer
+                # step is protected, a lost node is rebuilt from those and from this node's own bytes of it.
+                protected = {s for (p, s), e in self._slots.items() if p >= PROTECT_BASE and self._visible(e)}
                 for s in visible[:-(lim.keep + lim.pending)]:
+                    if s in protected:
+                        continue
                     log.info("process %d step %d: freed by the retention of a disconnected trainer", process, s)
                     self._delete(self._slots[(process, s)])
 

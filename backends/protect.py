@@ -30,6 +30,7 @@ import msgpack
 import numpy as np
 
 from jaxckpt import manifest as mf
+from jaxckpt.backends.agent_protocol import PROTECT_BASE
 from jaxckpt import parity
 from jaxckpt.checksum import crc32c
 from jaxckpt.errors import ChecksumError, DataLossError, ManifestError, PeerError, StepNotFoundError
@@ -39,7 +40,6 @@ from jaxckpt.sources import HeldEntry, Holder, Opened
 
 log = logging.getLogger("jaxckpt.backends.protect")
 
-PROTECT_BASE = 500_000_000  # pseudo process index of a trainer's protection slots: PROTECT_BASE + process
 FORMAT, VERSION = "jaxckpt-protect", 1
 MAX_HEADER_BYTES = 16 << 20
 
@@ -220,6 +220,7 @@ class RebuildHolder(Holder):
         """Look at every agent again; the steps that can be restored with rebuilding, by step."""
         real: dict[int, list[tuple[Holder, HeldEntry]]] = {}
         prot: dict[int, list[tuple[Holder, HeldEntry]]] = {}
+        unreadable: dict[int, list[tuple[Holder, HeldEntry]]] = {}  # held, but its manifest does not decode
         for h in self._agents():
             try:
                 entries = h.held()
@@ -231,6 +232,8 @@ class RebuildHolder(Holder):
                     prot.setdefault(e.step, []).append((h, e))
                 elif e.process < e.process_count:
                     real.setdefault(e.step, []).append((h, e))
+                else:
+                    unreadable.setdefault(e.step, []).append((h, e))
         out, losses = {}, {}
         for step, slots in prot.items():
             plan_bytes, manifests, blocks = None, {}, {}
@@ -252,6 +255,15 @@ class RebuildHolder(Holder):
                 log.warning("%s", err)
                 continue
             n_proc = len(plan.nodes)
+            # A node whose agent still holds this step's protection but lists nothing of its own processes for
+            # the step was not lost: retention dropped the step there. Such a step is simply gone, no warning.
+            alive = {plan.nodes[e.process - PROTECT_BASE] for _, e in slots if e.process - PROTECT_BASE < n_proc}
+            listed = {e.process for _, e in real.get(step, ()) if e.process_count == n_proc} | \
+                {e.process for _, e in unreadable.get(step, ())}
+            dropped = sorted(q for q in range(n_proc) if plan.nodes[q] in alive and q not in listed)
+            if dropped:
+                log.debug("step %d: no longer held for processes %s (retention); not rebuilt", step, dropped[:16])
+                continue
             held: dict[int, list[Holder]] = {}
             for h, e in real.get(step, ()):
                 if e.process_count == n_proc and (not plan.layout or e.layout == plan.layout):

@@ -46,6 +46,10 @@ _HEADER_SLACK = 4096  # a reply header is far below this
 OPS = ("steps", "manifest", "read", "held")
 
 
+class PeerTimeoutError(PeerError):
+    """The peer did not answer in time (it may be dead), as opposed to answering with a refusal."""
+
+
 class SnapshotSource(abc.ABC):
     """What a peer server serves: committed snapshots of one or more processes, opened pinned."""
 
@@ -377,7 +381,7 @@ class ZmqClient(PeerClient):
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self._sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
-                raise PeerError(f"peer {self.address}: no reply to {what} within {self._timeout:g}s")
+                raise PeerTimeoutError(f"peer {self.address}: no reply to {what} within {self._timeout:g}s")
             frames = self._sock.recv_multipart(copy=False)
             try:
                 header = msgpack.unpackb(frames[0].buffer, raw=False)

@@ -20,7 +20,12 @@ whose snapshot is held, at some holder it can reach, for every process of the sa
 commit records); process 0 publishes the newest step in every process's list; every process reads it.
 
 Opening a step (:meth:`Catalog.open`): for each process of the saving job, its holders in cost order; the first
-that opens gives the manifest, the others stand by as fallbacks and are opened only if a read needs them.
+that opens gives the manifest, the others stand by as fallbacks and are opened only if a read needs them. A
+corrupt manifest in this process's own store is routed around the same way (another holder's copy, e.g. the one
+kept with protection; the own bytes are still read first, each chunk checked against that copy).
+
+A remote agent that does not answer in time (a dead agent's stale address) is not asked again for the rest of the
+operation (a restore, a scan, a protection pull: :meth:`Catalog.begin`), and that is logged once.
 """
 from __future__ import annotations
 
@@ -97,6 +102,43 @@ class _Lazy:
         return self._o.read(offset, nbytes)
 
 
+class _NotAsked(PeerError):
+    """A holder skipped because it did not answer earlier in the same operation."""
+
+
+class _Guarded(Holder):
+    """A remote agent's holder that is not asked again in the current operation (a restore, a scan) once it
+    failed to answer in time: a dead agent's stale address would otherwise cost ``Config.peer_timeout_s`` on
+    every request (each listing, manifest and chunk read) of that operation."""
+
+    def __init__(self, holder: Holder, catalog: "Catalog", timeout_error: type[Exception]) -> None:
+        self._h, self._catalog, self._timeout_error = holder, catalog, timeout_error
+        self.kind, self.name, self.node = holder.kind, holder.name, holder.node
+        self.dead: str | None = None  # the operation in which it did not answer
+
+    def __getattr__(self, name: str):  # e.g. ``info``: protection finds an agent by its generation
+        return getattr(self._h, name)
+
+    def _call(self, fn: Callable, *args):
+        if self.dead is not None:
+            raise _NotAsked(f"{self.name}: not asked, it did not answer earlier in this {self.dead}")
+        try:
+            return fn(*args)
+        except self._timeout_error as e:
+            self._catalog._unresponsive(self, e)
+            raise
+
+    def held(self) -> list[HeldEntry]:
+        return self._call(self._h.held)
+
+    def open(self, process: int, step: int) -> Opened:
+        o = self._call(self._h.open, process, step)
+        return Opened(o.manifest, lambda offset, nbytes: self._call(o.read, offset, nbytes), o.close, o.lend)
+
+    def close(self) -> None:
+        self._h.close()
+
+
 class Catalog:
     """Holders of this job's (and an earlier job's) snapshots for one process (see the module docstring)."""
 
@@ -109,6 +151,7 @@ class Catalog:
         self._holders: list[Holder] | None = None
         self._providers: list[Callable[[], Iterable[Holder]]] = []
         self._lock = threading.Lock()
+        self._operation = "catalog scan"  # what a holder that stops answering is skipped for the rest of
 
     @property
     def uses_agents(self) -> bool:
@@ -118,6 +161,23 @@ class Catalog:
     def add_holders(self, provider: Callable[[], Iterable[Holder]]) -> None:
         """Also read from the holders ``provider()`` returns (asked on every open; e.g. rebuild, persistent)."""
         self._providers.append(provider)
+
+    def begin(self, operation: str) -> None:
+        """Start ``operation`` (a restore, a scan): agents that did not answer in the last one are asked again."""
+        with self._lock:
+            self._operation = operation
+            holders = list(self._holders or ())
+        for h in holders:
+            if isinstance(h, _Guarded):
+                h.dead = None
+
+    def _unresponsive(self, h: _Guarded, e: Exception) -> None:
+        with self._lock:
+            if h.dead is not None:
+                return
+            h.dead = what = self._operation
+        log.warning("process %d: %s (node %s) did not answer within %gs (%s); not asked again in this %s",
+                    self.process_index, h.name, h.node, self.config.peer_timeout_s, e, what)
 
     # ------------------------------------------------------------------------------------------ discovery
     def _own_node(self) -> str:
@@ -185,6 +245,7 @@ class Catalog:
         if not self.uses_agents:
             return []
         from jaxckpt.backends.agent_readers import NodeAgentHolder, RemoteAgentHolder
+        from jaxckpt.backends.transport import PeerTimeoutError
 
         own_gen = (getattr(self.store, "agent", None) or {}).get("generation")
         infos = list(self.agents.values())
@@ -197,8 +258,8 @@ class Catalog:
                                              self.config.peer_timeout_s)]
         for a in infos:
             if a is not own:
-                out.append(RemoteAgentHolder(a, label[a.address], self.config.peer_timeout_s,
-                                             self.config.restore_workers))
+                out.append(_Guarded(RemoteAgentHolder(a, label[a.address], self.config.peer_timeout_s,
+                                                      self.config.restore_workers), self, PeerTimeoutError))
         return out
 
     def index(self) -> list[tuple[Holder, HeldEntry]]:
@@ -208,16 +269,26 @@ class Catalog:
         def ask(h: Holder) -> list[tuple[Holder, HeldEntry]]:
             try:
                 return [(h, e) for e in h.held()]
+            except _NotAsked as e:
+                log.debug("process %d: %s", self.process_index, e)
+                return []
             except HOLDER_ERRORS as e:
                 log.warning("process %d: %s did not list its snapshots: %s", self.process_index, h.name, e)
                 return []
-        if len(holders) <= 1:
-            return [x for h in holders for x in ask(h)]
-        with ThreadPoolExecutor(max_workers=min(len(holders), self.config.restore_workers)) as ex:
-            return [x for got in ex.map(ask, holders) for x in got]
+
+        def ask_all(hs: list[Holder]) -> list[tuple[Holder, HeldEntry]]:
+            if len(hs) <= 1:
+                return [x for h in hs for x in ask(h)]
+            with ThreadPoolExecutor(max_workers=min(len(hs), self.config.restore_workers)) as ex:
+                return [x for got in ex.map(ask, hs) for x in got]
+        # The agents first: the registered holders (rebuild) ask the same agents again, and then skip one that
+        # did not answer instead of waiting for it a second time.
+        agents = [h for h in holders if h.kind in ("node", "remote", "peer")]
+        return ask_all(agents) + ask_all([h for h in holders if h.kind not in ("node", "remote", "peer")])
 
     def agree_latest(self, prefix: str) -> int | None:
         """The newest step whose snapshot every process of this job can obtain, agreed by all (collective)."""
+        self.begin("catalog scan")
         complete = complete_steps(e for _, e in self.index())
         if self.process_count == 1:
             return complete[-1] if complete else None
@@ -228,6 +299,7 @@ class Catalog:
     @contextlib.contextmanager
     def open(self, step: int) -> Iterator[tuple[list[mf.Manifest], dict[int, list[Source]]]]:
         """The manifests of every process that saved ``step`` and, per process, its sources cheapest first."""
+        self.begin(f"restore of step {step}")
         opened: list[Opened] = []
         try:
             yield self._open(step, opened)
@@ -247,10 +319,18 @@ class Catalog:
         except StepNotFoundError as e:  # e.g. the agent that held it lost its memory: the store says so
             own_error = e
         own: tuple[mf.Manifest, HeldEntry] | None = None
+        own_bad: ManifestError | None = None
         if view is not None:
             opened.append(Opened(view.manifest, buffer_source(view.buffer), view.close, view.lend))
-            m = mf.decode(view.manifest, source=f"step {step} manifest of process {me}")
-            own = (m, HeldEntry(step, m.process, m.process_count, m.layout, crc32c(view.manifest)))
+            try:
+                m = mf.decode(view.manifest, source=f"step {step} manifest of process {me}")
+            except ManifestError as e:  # routed around like a corrupt chunk: another holder's copy, if any
+                own_bad = ManifestError(f"step {step}: the manifest of process {me} held by {self._own_name()} "
+                                        f"is corrupt and no other holder has a good copy ({e})")
+                log.warning("step %d: the manifest of process %d held by %s is corrupt; looking for another "
+                            "copy (%s)", step, me, self._own_name(), e)
+            else:
+                own = (m, HeldEntry(step, m.process, m.process_count, m.layout, crc32c(view.manifest)))
         index: list[tuple[Holder, HeldEntry]] = []
         prefer = Version(step, own[0].process_count, own[0].layout) if own else None
         if prefer is not None and prefer.process_count == 1 and not self._providers:
@@ -264,12 +344,17 @@ class Catalog:
                           for q in range(prefer.process_count) if q != me]
             entries = [e for _, e in index] + ([own[1]] if own else [])
             if not entries:
-                raise own_error or self._not_held(step)
+                raise own_bad or own_error or self._not_held(step)
             version = choose_version(entries, step, prefer)
             if version is None:
-                raise self._missing(step, entries, own_error)
+                raise self._missing(step, entries, own_bad or own_error)
         local = own if own is not None and prefer == version else None
-        return self._gather(step, version, index, local, opened)
+        manifests, sources = self._gather(step, version, index, local, opened)
+        if own_bad is not None and self.config.verify_on_restore and me in sources:
+            # the bytes in our own memory are still read first: each chunk is checked against the good manifest
+            sources[me].insert(0, Source("local", f"own memory of process {me}", self._local_node(),
+                                         opened[0].read))
+        return manifests, sources
 
     def _gather(self, step: int, version: Version, index: list[tuple[Holder, HeldEntry]],
                 local: tuple[mf.Manifest, HeldEntry] | None, opened: list[Opened]
@@ -339,11 +424,14 @@ class Catalog:
             node = next((h.node for h in self._holders or () if h.kind == "node"), None)
         return node or self._own_node()
 
+    def _own_name(self) -> str:
+        return f"the node agent at {self.agent_dir}" if self.agent_dir else f"store {self.config.store!r}"
+
     def _not_held(self, step: int) -> StepNotFoundError:
         return StepNotFoundError(f"step {step} is not held by store {self.config.store!r} "
                                  f"(held: {self.store.steps() or 'none'})")
 
-    def _missing(self, step: int, entries: list[HeldEntry], own_error: StepNotFoundError | None) -> Exception:
+    def _missing(self, step: int, entries: list[HeldEntry], own_error: Exception | None) -> Exception:
         gaps = missing_processes(entries, step)
         if not gaps:
             if own_error is not None:

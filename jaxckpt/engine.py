@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -70,6 +71,9 @@ class SaveHandle:
         self.save_call_seconds: float = 0.0
         self.nbytes = 0
         self.skipped = False  # the store was unreachable: nothing saved, counted in the store's metrics
+        # Config.protection: the future of this process's parity stripes, which read the saved buffers after the
+        # local copy; a front end whose buffers are written in place (torch) waits for it too.
+        self.parity: Future | None = None
 
     def local_done(self) -> bool:
         """True once this process's chunks are in host memory (or the snapshot failed)."""
@@ -179,7 +183,7 @@ class CheckpointEngine:
         handle = SaveHandle(step, self._tracker)
         handle.nbytes = prep.plan.nbytes
         if self.protection is not None:
-            self.protection.on_save(step, prep.key, [r.path for r in records], sources)
+            handle.parity = self.protection.on_save(step, prep.key, [r.path for r in records], sources)
         del sources  # the tasks hold the only references, each dropped as soon as its chunk is copied
         fut = self._snap.submit(slot, tasks)
         fut.add_done_callback(lambda f: self._local_finished(f, handle, slot, prep, values, order))

@@ -8,11 +8,17 @@ commit hook when the step is decided):
      shards this process's ``parity`` stripes read;
   1) ``on_save``: a background thread XORs this process's ``parity`` stripes from those device copies (REFT:
      zero bytes sent) and drops the views;
-  2) when the step is committed everywhere, one bounded worker thread: waits for its parity, pulls what this
-     node holds for other nodes (``xor-group`` units XORed into parity, ``replica`` copy blocks; each block is
-     fetched by one process of the holding node, through the agents' peer transport, verified by checksum) and
-     the manifests of the processes of the ``copies`` preceding nodes, and commits all of it with the encoded
-     plan to its node's agent as the slot of pseudo process ``PROTECT_BASE + p`` (``jaxckpt.backends.protect``);
+  2) when the step is committed everywhere, one bounded worker thread takes the steps in order; process 0
+     decides for each whether it is protected or skipped (``protect/<step>/go``): a step is skipped when
+     ``Config.keep`` newer steps are committed already (retention lets it go: it can no longer be a restore
+     target), so with a save every step protection trails by at most about ``keep`` steps instead of falling
+     further behind; every process follows that one decision, so a step is protected by all or skipped by
+     all. The step being protected is held past ``Config.keep`` (``engine.hold``) until every node has pulled
+     its bytes. For a protected step the worker: waits for its parity, pulls what this node holds for other
+     nodes (``xor-group`` units XORed into parity, ``replica`` copy blocks; each block is fetched by one
+     process of the holding node, through the agents' peer transport, verified by checksum) and the manifests
+     of the processes of the ``copies`` preceding nodes, and commits all of it with the encoded plan to its
+     node's agent as the slot of pseudo process ``PROTECT_BASE + p`` (``jaxckpt.backends.protect``);
   3) it sets ``protect/<step>/done/<p>``; process 0 reads the N keys and publishes ``protect/<step>/ok``; every
      other process reads that one key. The step is then *protected* (:meth:`protected_steps`).
 The pull replaces a push: the bytes cross the network once either way, the agent needs no write path from peers,
@@ -34,6 +40,7 @@ from jaxckpt.errors import ChecksumError, CommitError, PeerError
 from jaxckpt.plan import ArrayLayout, SavePlan
 from jaxckpt.protection import (ProtectionPlan, SavedChunk, copy_block, encode_plan, plan_for_config,
                                 segment_from_copy, stripe_parity)
+from jaxckpt.registry import get_store_class
 
 if TYPE_CHECKING:
     from jaxckpt.engine import CheckpointEngine
@@ -59,6 +66,10 @@ class Protector:
         self._steps: dict[int, tuple[ProtectionPlan, Future | None]] = {}
         self._protected: list[int] = []
         self._pending: set[int] = set()  # saved, not yet protected nor failed
+        self._queued: set[int] = set()  # committed, waiting for the worker
+        self._recent: list[int] = []  # the newest Config.keep committed steps: what retention keeps
+        self._held: set[int] = set()  # steps this runtime holds in the store (engine.hold)
+        self._skipped: set[int] = set()  # committed steps retention let go before their turn (never protected)
         self._cond = threading.Condition()
         self._failed: dict[int, BaseException] = {}
         self._store = None
@@ -112,8 +123,9 @@ class Protector:
         return {k: frozenset(v) for k, v in extra.items()}
 
     # --------------------------------------------------------------------------------------------- saving
-    def on_save(self, step: int, key: tuple, paths: Sequence[str], sources: Sequence[dict]) -> None:
-        """Start this process's parity of ``step`` from the device views ``sources`` (one dict per record)."""
+    def on_save(self, step: int, key: tuple, paths: Sequence[str], sources: Sequence[dict]) -> Future | None:
+        """Start this process's parity of ``step`` from the device views ``sources`` (one dict per record); its
+        future (None without parity stripes) is done once the views are no longer read."""
         plan = self._plans[key]
         tasks = plan.parity_tasks(self.p)
         fut = None
@@ -125,6 +137,7 @@ class Protector:
         with self._cond:
             self._steps[step] = (plan, fut)
             self._pending.add(step)
+        return fut
 
     def _parity(self, plan: ProtectionPlan, tasks, fetchers: dict, devs: dict) -> list[tuple[str, int, np.ndarray]]:
         # one host read of our replica of each source box, then the XOR of each stripe
@@ -147,17 +160,75 @@ class Protector:
             if not committed or self._closed:
                 self._pending.discard(step)
                 self._cond.notify_all()
-        if entry is None or not committed or self._closed:
-            return
+            if entry is None or not committed or self._closed:
+                return
+            self._recent = sorted(self._recent + [step])[-self.config.keep:]
+            # Queued steps retention now lets go will be skipped: do not keep them in memory (one chosen after
+            # all, as process 0 saw it, is held again when its protection starts, if it is still there).
+            older = [s for s in self._queued if self._stale(s) and s in self._held]
+            self._held.difference_update(older)
+            self._queued.add(step)
+            self._held.add(step)
+        self.engine.hold(step)  # before retention: the nodes pull this step's bytes while protecting it
+        for s in older:
+            self.engine.release(s)
         self._pool.submit(self._protect, step)
+
+    def _stale(self, step: int) -> bool:
+        """True when ``Config.keep`` newer steps are committed: retention lets ``step`` go (call locked)."""
+        return len(self._recent) >= self.config.keep and step < self._recent[0]
+
+    def _decide(self, step: int) -> bool | None:
+        """Protect ``step`` (True) or skip it (False), as process 0 decides; None if it did not say in time."""
+        with self._cond:
+            self._queued.discard(step)
+            stale = self._stale(step)
+        if self.n == 1:
+            return not stale
+        c, timeout = self.engine.coordinator, self.config.commit_timeout_s
+        key = f"jaxckpt/{self.config.job_id}/protect/{step}/go"
+        if self.p == 0:
+            c.set(key, b"0" if stale else b"1")
+            return not stale
+        try:
+            return c.get(key, timeout * 2) == b"1"
+        except TimeoutError:
+            return None
+
+    def _skip(self, step: int) -> None:
+        # its parity future runs on (not cancelled: a front end may wait for it before reusing its buffers)
+        with self._cond:
+            self._skipped.add(step)
+            self._pending.discard(step)
+            self._cond.notify_all()
+        log.debug("step %d: protection skipped: %d newer steps are committed", step, self.config.keep)
 
     def _protect(self, step: int) -> None:
         try:
             with self._cond:
                 plan, fut = self._steps.pop(step)
+            go = self._decide(step)
+            if go is False:
+                self._skip(step)
+                return
+            if go is None:  # process 0 is gone or stuck: no one would collect an announcement either
+                e = CommitError(f"step {step}: process 0 did not decide on its protection within "
+                                f"{self.config.commit_timeout_s * 2:g}s")
+                log.error("step %d: protection failed on process %d: %s", step, self.p, e)
+                with self._cond:
+                    self._failed[step] = e
+                    self._pending.discard(step)
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                hold = step not in self._held
+                self._held.add(step)
+            if hold:  # released as probably skipped; keep it now, if retention has not dropped it yet
+                self.engine.hold(step)
             blocks = list(fut.result()) if fut is not None else []
             me = self.nodes[self.p]
             local = [q for q in range(self.n) if self.nodes[q] == me]
+            self.engine.catalog.begin(f"protection of step {step}")
             reader = _ChunkPuller(self, step)
             try:
                 for s in plan.stripes:
@@ -179,13 +250,19 @@ class Protector:
             with self._cond:
                 self._failed[step] = e
             self._announce(step, False)
+        finally:
+            with self._cond:
+                held = step in self._held
+                self._held.discard(step)
+            if held:
+                self.engine.release(step)
 
     def _write(self, step: int, plan: ProtectionPlan, manifests: dict[int, bytes], blocks) -> None:
         from jaxckpt.backends.protect import PROTECT_BASE, build_slot, encode_meta
 
-        if self._store is None:
-            from jaxckpt.backends.shm import ShmStore
-            self._store = ShmStore(self.config, process_index=PROTECT_BASE + self.p, process_count=self.n)
+        if self._store is None:  # the configured store class (a subclass of ShmStore, say), as the engine's
+            store_cls = get_store_class(self.config.store)
+            self._store = store_cls(self.config, process_index=PROTECT_BASE + self.p, process_count=self.n)
         meta = encode_meta(self._encoded[id(plan)], manifests)
         header, size, writes = build_slot(step, self.p, meta, blocks)
         slot = self._store.reserve(step, size)
@@ -198,7 +275,7 @@ class Protector:
         except BaseException:
             self._store.abort(slot)
             raise
-        keep = set(self.engine.all_steps()) | {step}
+        keep = set(self.engine.store.steps()) | {step}  # committed, pending and held (the newest protected) steps
         for s in self._store.steps():
             if s not in keep and s < step:
                 self._store.delete(s)
@@ -222,11 +299,18 @@ class Protector:
             done = False
         with self._cond:
             self._pending.discard(step)
+            newest = max(self._protected, default=None)
             if done:
                 self._protected = sorted(set(self._protected) | {step})
             else:
                 self._failed.setdefault(step, CommitError(f"step {step}: protection not complete on every node"))
             self._cond.notify_all()
+        if done and (newest is None or step > newest):
+            # Until a newer step is protected, this one is all a lost node can be rebuilt from: its local bytes
+            # stay past Config.keep (its protection slots likewise, in _write) while newer steps are unprotected.
+            self.engine.hold(step)
+            if newest is not None:
+                self.engine.release(newest)
         if done:
             log.info("step %d is protected (%s)", step, self.config.protection)
 
@@ -237,11 +321,12 @@ class Protector:
             return list(self._protected)
 
     def wait(self, step: int | None = None, timeout: float | None = None) -> bool:
-        """Until ``step`` (default: every step handed to protection so far) is protected or failed."""
+        """Until ``step`` (default: every step handed to protection so far) is protected, failed or skipped
+        (``Config.keep`` newer steps were committed before its turn)."""
         with self._cond:
             return self._cond.wait_for(
-                lambda: (step in self._protected or step in self._failed) if step is not None
-                else not self._pending, timeout)
+                lambda: (step in self._protected or step in self._failed or step in self._skipped)
+                if step is not None else not self._pending, timeout)
 
     def close(self) -> None:
         self._closed = True

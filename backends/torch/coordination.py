@@ -2,13 +2,17 @@
 
 The commit thread blocks on store keys for up to ``commit_timeout_s``. A TCPStore client serialises its
 operations, so blocking waits on the process group's own client would hold up whatever else uses it; when the
-store is a TCPStore we therefore open a second client to the same server just for jaxckpt.
+store is a TCPStore we therefore open our own clients to the same server, one per thread: the commit thread and
+the protection thread (``Config.protection``) each block on keys that the other process's other thread sets, and
+with one shared client each process's wait would hold up its own ``set`` that the other waits for (a deadlock
+until the time-out).
 """
 from __future__ import annotations
 
 import datetime
 import hashlib
 import logging
+import threading
 
 import torch.distributed as dist
 
@@ -27,11 +31,23 @@ class TorchStoreCoordinator:
     def __init__(self, store: dist.Store, process_index: int, process_count: int, *, prefix: str = "",
                  dedicated_client: bool = True, timeout_s: float = 300.0) -> None:
         tcp = _tcp_store(store) if dedicated_client else None
-        if tcp is not None:
-            store = dist.TCPStore(tcp.host, tcp.port, None, False, timeout=datetime.timedelta(seconds=timeout_s),
-                                  wait_for_workers=False)
-        self._store = dist.PrefixStore(prefix, store) if prefix else store
+        self._server = None if tcp is None else (tcp.host, tcp.port, datetime.timedelta(seconds=timeout_s))
+        self._prefix = prefix
+        self._shared = dist.PrefixStore(prefix, store) if prefix else store
+        self._local = threading.local()
         self.process_index, self.process_count = process_index, process_count
+
+    @property
+    def _store(self) -> dist.Store:
+        """This thread's client (TCPStore), or the one shared store (other store types)."""
+        if self._server is None:
+            return self._shared
+        s = getattr(self._local, "store", None)
+        if s is None:
+            host, port, timeout = self._server
+            s = dist.TCPStore(host, port, None, False, timeout=timeout, wait_for_workers=False)
+            s = self._local.store = dist.PrefixStore(self._prefix, s) if self._prefix else s
+        return s
 
     @classmethod
     def from_process_group(cls, group: dist.ProcessGroup | None = None) -> "TorchStoreCoordinator":

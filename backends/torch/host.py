@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -37,6 +38,22 @@ class Reads:
     events: list = field(default_factory=list)  # CUDA: the copy stream's events, in order
     pinned: list = field(default_factory=list)  # pinned buffers to return to the pool once copied
     waited: bool = False
+
+
+def _parity_read(handle: SaveHandle, timeout: float | None) -> bool:
+    """Whether the save's parity stripes (Config.protection) have read its host sources, waiting up to ``timeout``.
+
+    They are computed from the same views (or pinned buffers) as the snapshot's chunks, on their own thread and
+    possibly after the local copy is done: an in-place update before then would put torn bytes into the parity.
+    """
+    fut = getattr(handle, "parity", None)
+    if fut is None:
+        return True
+    try:
+        wait([fut], timeout)
+    except Exception:  # noqa: BLE001 - a failed parity is the protection's business (logged, step unprotected)
+        pass
+    return fut.done()
 
 
 class HostCopies:
@@ -104,15 +121,19 @@ class HostCopies:
                     last[dev] = ev
                 for dev, ev in last.items():
                     torch.cuda.current_stream(dev).wait_event(ev)
-            if reads.views and reads.handle is not None and not reads.handle.wait_local(timeout):
-                raise CommitError(f"step {reads.handle.step}: host copies not finished within {timeout}s")
+            if reads.views and reads.handle is not None:
+                if not reads.handle.wait_local(timeout):
+                    raise CommitError(f"step {reads.handle.step}: host copies not finished within {timeout}s")
+                if not _parity_read(reads.handle, timeout):
+                    raise CommitError(f"step {reads.handle.step}: parity of Config.protection not computed within "
+                                      f"{timeout}s")
             reads.waited = True
         self._reclaim()
 
     def _reclaim(self) -> None:
         keep = []
         for reads in self._pending:
-            finished = reads.handle is not None and reads.handle.local_done()
+            finished = reads.handle is not None and reads.handle.local_done() and _parity_read(reads.handle, 0)
             if finished:
                 for key, host in reads.pinned:
                     self._pool.setdefault(key, []).append(host)

@@ -1,0 +1,131 @@
+"""The newest protected step outlives ``Config.keep`` until a newer step is protected (real processes, 2 simulated
+nodes x 1 process, node agents, keep=1).
+
+Without that, a node lost after step N+1 is committed but before it is protected has nothing to be rebuilt from:
+retention already dropped step N's own bytes on the surviving node, and N+1 has no redundancy yet. Here step 2's
+protection fails on purpose (its protection slots are refused), node 1 then loses its agent and all its memory,
+and the relaunched job must restore step 1, bit for bit, from node 0's own bytes and protection slots.
+"""
+import os
+import shutil
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from jaxckpt.backends import agent_protocol as proto
+from jaxckpt.backends.shm import ShmStore
+from jaxckpt.errors import StoreUnavailableError
+from jaxckpt.testing import expect_ok, launch, node_info
+from shm_trainer import agent_processes
+
+BASE = f"/dev/shm/jaxckpt-pwin-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+ENV = {"JAXCKPT_LOG_LEVEL": "WARNING"}
+NODES = 2
+HERE = __name__
+
+
+class RefusingProtectionStore(ShmStore):
+    """The real ShmStore, except that protection slots (pseudo processes >= PROTECT_BASE) of steps >= 2 are
+    refused, as an agent out of room would."""
+
+    def reserve(self, step, nbytes):
+        if self.process_index >= proto.PROTECT_BASE and step >= 2:
+            raise StoreUnavailableError(f"step {step}: protection slot refused by the test")
+        return super().reserve(step, nbytes)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def base_dir():
+    os.makedirs(BASE, mode=0o700)
+    yield BASE
+    for name in sorted(os.listdir(BASE)):
+        d = os.path.join(BASE, name)
+        proto.stop_agent(d, timeout_s=20)
+        proto.kill_agent(d, remove_memory=True)
+        shutil.rmtree(d, ignore_errors=True)
+        try:
+            os.unlink(proto.default_log_path(d))
+        except FileNotFoundError:
+            pass
+    shutil.rmtree(BASE, ignore_errors=True)
+    deadline = time.monotonic() + 30
+    while agent_processes(BASE) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not agent_processes(BASE), "agent processes left running"
+
+
+def _config(base: str, job: str, store: str):
+    import jaxckpt
+
+    node = node_info().node
+    return jaxckpt.Config(store=store, job_id=job, shm_dir=f"{base}/{job}-node{node}", keep=1, chunk_bytes=256,
+                          agent_dirs=f"{base}/{job}-node*", commit_timeout_s=60.0, peer_timeout_s=20.0,
+                          protection="hybrid")
+
+
+def host_state(step: int) -> dict:
+    rng = np.random.default_rng([23, step])
+    rep = rng.standard_normal((16, 12)).astype(np.float32)
+    rep.reshape(-1)[[3, 50]] = np.array([0x7FC00001, 0xFFA00002], np.uint32).view(np.float32)  # NaN payloads
+    return {"rep": rep, "fsdp": rng.standard_normal((32, 6)).astype(np.float32)}
+
+
+def _shardings():
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(NODES, 2), ("data", "model"),
+                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    return {"rep": NamedSharding(mesh, P()), "fsdp": NamedSharding(mesh, P(("data", "model")))}
+
+
+def save_job(base: str, job: str):
+    """Step 1 protected; step 2 committed but its protection refused; the process then exits normally."""
+    import jax
+    import jaxckpt
+
+    sh = _shardings()
+    with jaxckpt.Checkpointer(_config(base, job, f"{HERE}:RefusingProtectionStore")) as ck:
+        for step in (1, 2):
+            ck.save(step, {k: jax.make_array_from_callback(h.shape, sh[k], lambda i, h=h: h[i])
+                           for k, h in host_state(step).items()})
+            ck.wait()
+        prot = ck.engine.protection
+        return {"latest": ck.latest_step(), "protected": prot.protected_steps(), "failed": sorted(prot._failed)}
+
+
+def restore_job(base: str, job: str):
+    import jax
+    import jaxckpt
+
+    sh = _shardings()
+    target = {k: jax.ShapeDtypeStruct(h.shape, h.dtype, sharding=sh[k]) for k, h in host_state(0).items()}
+    with jaxckpt.Checkpointer(_config(base, job, "shm")) as ck:
+        latest = ck.latest_step()
+        got = ck.restore(target)
+        report = ck.last_restore_report.to_dict()
+    want = host_state(latest)
+    for k, h in want.items():
+        for shard in got[k].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data).view(np.uint8), h[shard.index].view(np.uint8),
+                                          err_msg=f"{k} step {latest}")
+    return {"latest": latest, "report": report}
+
+
+def test_a_node_lost_while_the_newest_step_is_unprotected_restores_the_protected_one():
+    job = "win"
+    out = expect_ok(launch(save_job, nodes=NODES, procs_per_node=1, devices_per_proc=2, args=(BASE, job),
+                           env=ENV, timeout=180))
+    for r in out:
+        assert r["latest"] == 2 and r["protected"] == [1] and r["failed"] == [2], r
+    lost = f"{BASE}/{job}-node1"
+    proto.stop_agent(lost, timeout_s=20)
+    proto.kill_agent(lost, remove_memory=True)  # the whole node: its agent and every byte it held
+    shutil.rmtree(lost, ignore_errors=True)
+    out = expect_ok(launch(restore_job, nodes=NODES, procs_per_node=1, devices_per_proc=2, args=(BASE, job),
+                           env=ENV, timeout=180))
+    assert [r["latest"] for r in out] == [1, 1], out
+    assert out[1]["report"]["bytes_by_kind"].get("rebuild", 0) > 0, out[1]["report"]
