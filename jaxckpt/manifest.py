@@ -16,7 +16,7 @@ import msgpack
 from jaxckpt.box import Box
 from jaxckpt.checksum import crc32c
 from jaxckpt.dtypes import dtype_from_name
-from jaxckpt.errors import ManifestError
+from jaxckpt.errors import ManifestError, TargetMismatchError
 
 FORMAT = "jaxckpt-manifest"
 VERSION = 1
@@ -257,3 +257,16 @@ def merge_chunks(manifests: Iterable[Manifest]) -> dict[str, ArrayMeta]:
             out[a.path] = ArrayMeta(prev.path, prev.keypath, prev.shape, prev.dtype, prev.kind, prev.sharding,
                                     prev.attrs, prev.chunks + a.chunks)
     return out
+
+
+def check_target_paths(paths: Iterable[str], m: Manifest, step: int) -> None:
+    """Raise TargetMismatchError unless a restore target's leaves (by path) are exactly the ones ``m`` saved."""
+    wanted = list(paths)
+    saved = set(m.order)
+    for path in wanted:
+        if path not in saved:
+            raise TargetMismatchError(f"{path}: in the target but not in step {step} (structure differs)")
+    wanted_set = set(wanted)
+    for path in m.order:
+        if path not in wanted_set:
+            raise TargetMismatchError(f"{path}: saved in step {step} but missing from the target (structure differs)")

@@ -38,6 +38,7 @@ from jaxckpt.engine import ArrayRecord, CheckpointEngine
 from jaxckpt.errors import StepNotFoundError
 from jaxckpt.plan import HOST, ArrayLayout, Placement
 from jaxckpt.registry import register_store
+from jaxckpt.testing.agents import agent_processes  # noqa: F401 - the agent tests import it from here
 
 DIE = {"phase": None, "step": -1}
 CURRENT = {"step": 0}
@@ -274,20 +275,6 @@ def jax_restore(args: argparse.Namespace) -> int:
     return 0
 
 
-def agent_processes(marker: str) -> list[int]:
-    """Pids of live processes whose command line mentions ``marker`` (our agents' directories do)."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
-            with open(f"/proc/{pid}/stat") as f:
-                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:
-            continue
-        if marker.encode() in cmd and not zombie:
-            out.append(int(pid))
-    return out
 
 
 def main(argv: list[str]) -> int:

@@ -12,7 +12,6 @@
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,9 +25,8 @@ from jaxckpt.backends import agent_protocol as proto
 from jaxckpt.backends.shm import ShmStore
 from jaxckpt.config import Config
 from jaxckpt.errors import AgentError
-from jaxckpt.testing import expect_ok, launch
+from jaxckpt.testing import expect_ok, launch, remove_agents
 from jaxckpt.testing.store import manifest_of, pattern
-from shm_trainer import agent_processes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAINER = os.path.join(HERE, "shm_trainer.py")
@@ -42,24 +40,8 @@ NEWEST = {"reserve": -1, "reserved": -1, "copy": -1, "commit": -1, "committed": 
 def base_dir():
     os.makedirs(BASE, mode=0o700)
     yield BASE
-    left = []
-    for name in os.listdir(BASE):
-        d = os.path.join(BASE, name)
-        if proto.stop_agent(d, timeout_s=20) and os.path.exists(d):
-            left.append(d)
-        proto.kill_agent(d)
-        shutil.rmtree(d, ignore_errors=True)
-    for job in ("kill", "jax", "akill0", "akill1", "two", "mp", "cli"):
-        try:
-            os.unlink(proto.default_log_path(_dir(job)))
-        except FileNotFoundError:
-            pass
-    os.rmdir(BASE)
+    left = remove_agents(BASE, also=[_dir(job) for job in ("kill", "jax", "akill0", "akill1", "two", "mp", "cli")])
     assert not left, f"agents did not clean up {left}"
-    deadline = time.monotonic() + 30
-    while agent_processes(BASE) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not agent_processes(BASE), "agent processes left running"
 
 
 def _dir(job: str) -> str:

@@ -32,8 +32,7 @@ from jaxckpt.fetch import ChunkReader
 from jaxckpt.manifest import ChunkMeta
 from jaxckpt.sources import HeldEntry, RestoreReport, Source, Version, choose_version, complete_steps, \
     missing_processes, newest_common
-from jaxckpt.testing import expect_ok, launch, node_info, start
-from shm_trainer import agent_processes
+from jaxckpt.testing import expect_ok, launch, node_info, remove_agents, start
 
 BASE = f"/dev/shm/jaxckpt-elastic-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 JOB, KILL_JOB = "elastic", "elastic-kill"
@@ -46,23 +45,8 @@ CHUNK = 256  # small: arrays are cut into several chunks per process
 def base_dir():
     os.makedirs(BASE, mode=0o700)
     yield BASE
-    left = []
-    for name in sorted(os.listdir(BASE)):
-        d = os.path.join(BASE, name)
-        if proto.stop_agent(d, timeout_s=20) and os.path.exists(d):
-            left.append(d)
-        proto.kill_agent(d)
-        shutil.rmtree(d, ignore_errors=True)
-        try:
-            os.unlink(proto.default_log_path(d))
-        except FileNotFoundError:
-            pass
-    os.rmdir(BASE)
+    left = remove_agents(BASE)
     assert not left, f"agents did not clean up {left}"
-    deadline = time.monotonic() + 30
-    while agent_processes(BASE) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not agent_processes(BASE), "agent processes left running"
 
 
 def node_dir(job: str, node) -> str:

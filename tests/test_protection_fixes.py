@@ -15,7 +15,6 @@ process (2 CPU devices each), node agents, protection on.
 """
 import logging
 import os
-import shutil
 import threading
 import time
 import uuid
@@ -28,8 +27,7 @@ from jaxckpt.backends import agent_protocol as proto
 from jaxckpt.backends.memory import MemoryStore
 from jaxckpt.backends.protect import PROTECT_BASE
 from jaxckpt.backends.shm import ShmStore
-from jaxckpt.testing import expect_ok, launch, node_info
-from shm_trainer import agent_processes
+from jaxckpt.testing import expect_ok, launch, node_info, remove_agents
 
 BASE = f"/dev/shm/jaxckpt-pfix-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 ENV = {"JAXCKPT_LOG_LEVEL": "WARNING"}
@@ -42,20 +40,7 @@ HERE = __name__  # the module name the launched processes import this file by
 def base_dir():
     os.makedirs(BASE, mode=0o700)
     yield BASE
-    for name in sorted(os.listdir(BASE)):
-        d = os.path.join(BASE, name)
-        proto.stop_agent(d, timeout_s=20)
-        proto.kill_agent(d)
-        shutil.rmtree(d, ignore_errors=True)
-        try:
-            os.unlink(proto.default_log_path(d))
-        except FileNotFoundError:
-            pass
-    shutil.rmtree(BASE, ignore_errors=True)
-    deadline = time.monotonic() + 30
-    while agent_processes(BASE) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not agent_processes(BASE), "agent processes left running"
+    remove_agents(BASE)
 
 
 # ------------------------------------------------------------------------------ stores named by Config.store

@@ -8,7 +8,6 @@ and the relaunched job must restore step 1, bit for bit, from node 0's own bytes
 """
 import os
 import shutil
-import time
 import uuid
 
 import numpy as np
@@ -17,8 +16,7 @@ import pytest
 from jaxckpt.backends import agent_protocol as proto
 from jaxckpt.backends.shm import ShmStore
 from jaxckpt.errors import StoreUnavailableError
-from jaxckpt.testing import expect_ok, launch, node_info
-from shm_trainer import agent_processes
+from jaxckpt.testing import expect_ok, launch, node_info, remove_agents
 
 BASE = f"/dev/shm/jaxckpt-pwin-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 ENV = {"JAXCKPT_LOG_LEVEL": "WARNING"}
@@ -40,20 +38,7 @@ class RefusingProtectionStore(ShmStore):
 def base_dir():
     os.makedirs(BASE, mode=0o700)
     yield BASE
-    for name in sorted(os.listdir(BASE)):
-        d = os.path.join(BASE, name)
-        proto.stop_agent(d, timeout_s=20)
-        proto.kill_agent(d, remove_memory=True)
-        shutil.rmtree(d, ignore_errors=True)
-        try:
-            os.unlink(proto.default_log_path(d))
-        except FileNotFoundError:
-            pass
-    shutil.rmtree(BASE, ignore_errors=True)
-    deadline = time.monotonic() + 30
-    while agent_processes(BASE) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not agent_processes(BASE), "agent processes left running"
+    remove_agents(BASE)
 
 
 def _config(base: str, job: str, store: str):

@@ -26,8 +26,7 @@ import numpy as np
 import pytest
 
 from jaxckpt.backends import agent_protocol as proto
-from jaxckpt.testing import expect_ok, launch, node_info, start
-from shm_trainer import agent_processes
+from jaxckpt.testing import expect_ok, launch, node_info, remove_agents, start
 
 BASE = f"/dev/shm/jaxckpt-tfault-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 ENV = {"JAXCKPT_LOG_LEVEL": "WARNING"}
@@ -40,22 +39,7 @@ CONTINUE = 2  # steps trained after the restore, compared with the reference
 def base_dir():
     os.makedirs(BASE, mode=0o700)
     yield BASE
-    for name in sorted(os.listdir(BASE)):
-        d = os.path.join(BASE, name)
-        if not os.path.isdir(d):
-            continue
-        proto.stop_agent(d, timeout_s=20)
-        proto.kill_agent(d)
-        shutil.rmtree(d, ignore_errors=True)
-        try:
-            os.unlink(proto.default_log_path(d))
-        except FileNotFoundError:
-            pass
-    shutil.rmtree(BASE, ignore_errors=True)
-    deadline = time.monotonic() + 30
-    while agent_processes(BASE) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not agent_processes(BASE), "agent processes left running"
+    remove_agents(BASE)
 
 
 # ---------------------------------------------------------------------------- runs in the launched processes

@@ -17,7 +17,7 @@ from jaxckpt.box import Box
 from jaxckpt.dtypes import dtype_from_name
 from jaxckpt.errors import TargetMismatchError
 from jaxckpt.fetch import ChunkReader, assemble
-from jaxckpt.manifest import ArrayMeta, Manifest, merge_chunks
+from jaxckpt.manifest import ArrayMeta, Manifest, check_target_paths, merge_chunks
 from jaxckpt.plan import HOST, plan_restore
 
 from jaxckpt.backends.torch import dtensor as dt
@@ -200,14 +200,6 @@ def restore_state(target: Any, manifests: list[Manifest], reader: ChunkReader, *
                     items.append((values[path].keypath, values[path].value))
             return nested(items)
         leaves = flatten(target)
-        saved = set(own.order)
-        for leaf in leaves:
-            if leaf.path not in saved:
-                raise TargetMismatchError(f"{leaf.path}: in the target but not in step {step} (structure differs)")
-        wanted = {leaf.path for leaf in leaves}
-        for path in own.order:
-            if path not in wanted:
-                raise TargetMismatchError(f"{path}: saved in step {step} but missing from the target "
-                                          f"(structure differs)")
+        check_target_paths((leaf.path for leaf in leaves), own, step)
         out = iter([_restore_leaf(ctx, leaf, values) for leaf in leaves])
         return rebuild(target, lambda _: next(out))

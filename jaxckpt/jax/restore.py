@@ -17,7 +17,7 @@ from jaxckpt.errors import ManifestError, PlanError, TargetMismatchError
 from jaxckpt.jax import shards
 from jaxckpt.jax.tree import flatten, nested
 from jaxckpt.fetch import ChunkReader, assemble
-from jaxckpt.manifest import ArrayMeta, Manifest, merge_chunks
+from jaxckpt.manifest import ArrayMeta, Manifest, check_target_paths, merge_chunks
 from jaxckpt.plan import plan_restore
 
 log = logging.getLogger("jaxckpt.jax.restore")
@@ -143,14 +143,7 @@ def restore_tree(target: Any, manifests: list[Manifest], reader: ChunkReader, *,
                 items.append((values[path].keypath, values[path].value))
         return nested(items)
     leaves, treedef = flatten(target, classify_leaves=False)
-    saved = set(own.order)
-    for leaf in leaves:
-        if leaf.path not in saved:
-            raise TargetMismatchError(f"{leaf.path}: in the target but not in step {step} (structure differs)")
-    wanted = {leaf.path for leaf in leaves}
-    for path in own.order:
-        if path not in wanted:
-            raise TargetMismatchError(f"{path}: saved in step {step} but missing from the target (structure differs)")
+    check_target_paths((leaf.path for leaf in leaves), own, step)
     _prefetch([(arrays[leaf.path], leaf.value) for leaf in leaves if leaf.path in arrays], reader, step, process)
     out = []
     for leaf in leaves:
