@@ -127,6 +127,7 @@ class _StepInfo:
     blocks: dict[tuple[str, int], list[tuple[Holder, int, BlockRef]]]  # block -> (holder, pseudo process, ref)
     lost_nodes: tuple[int, ...]
     bad_blocks: tuple[tuple[str, int], ...]
+    complete: bool = False  # every saving process's slot and every block are there, and no node is lost
 
 
 class _IO:
@@ -236,13 +237,14 @@ class RebuildHolder(Holder):
                     unreadable.setdefault(e.step, []).append((h, e))
         out, losses = {}, {}
         for step, slots in prot.items():
-            plan_bytes, manifests, blocks = None, {}, {}
+            plan_bytes, manifests, blocks, writers = None, {}, {}, set()
             for h, e in slots:
                 try:
                     hdr, pb, man = self._header(h, e.process, step, e.crc)
                 except (ManifestError, ChecksumError, PeerError, StepNotFoundError, OSError) as err:
                     log.warning("step %d: protection slot at %s unusable: %s", step, h.name, err)
                     continue
+                writers.add(e.process - PROTECT_BASE)
                 plan_bytes = plan_bytes or pb
                 manifests.update(man)
                 for ref in hdr.blocks:
@@ -299,13 +301,20 @@ class RebuildHolder(Holder):
             except ManifestError as err:
                 log.warning("%s", err)
                 continue
-            out[step] = _StepInfo(step, plan, manifests, crcs, held, blocks, lost_nodes, bad)
+            complete = not lost_nodes and not bad and writers >= set(range(n_proc))
+            out[step] = _StepInfo(step, plan, manifests, crcs, held, blocks, lost_nodes, bad, complete)
         with self._lock:
             new = [s for s in losses if s not in self.losses]
             self._steps, self.losses = out, losses
         for s in new:
             log.warning("%s", losses[s])
         return out
+
+    def protected_steps(self) -> list[int]:
+        """The steps of the last :meth:`scan` whose protection is complete (every process wrote its slot, every
+        parity stripe and copy block is held, no node is lost): each survives the loss of a node now."""
+        with self._lock:
+            return sorted(s for s, info in self._steps.items() if info.complete)
 
     def held(self) -> list[HeldEntry]:
         out = []

@@ -30,6 +30,8 @@ class Config:
     threads; ``max_pending_saves`` saves may be in flight before ``save()`` waits for the oldest.
     ``persistent_dir``: committed steps that are multiples of ``persistent_interval`` (0 = never) are also written
     there in the standard Orbax format, ``persistent_keep`` newest kept (see ``jaxckpt.persist``).
+    ``protection_bandwidth``: bytes per second the protection pulls of one process may take (0 = unlimited;
+    a token bucket with a burst of a tenth of a second, see ``jaxckpt.protect_runtime``).
     """
 
     store: str = "memory"
@@ -38,6 +40,7 @@ class Config:
     # group for "xor-group" (extra memory 1/(group-1)). See jaxckpt.protection.
     protection_copies: int = 1
     protection_group: int = 4
+    protection_bandwidth: int = 0
     keep: int = 1
     memory_budget_bytes: int = 0
     inflight_bytes: int = 256 << 20
@@ -83,7 +86,7 @@ class Config:
                      "restore_workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"Config.{name}={getattr(self, name)!r}: must be at least 1")
-        for name in ("memory_budget_bytes", "persistent_interval"):
+        for name in ("memory_budget_bytes", "persistent_interval", "protection_bandwidth"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"Config.{name}={getattr(self, name)!r}: must not be negative")
         for name in ("commit_timeout_s", "peer_timeout_s"):

@@ -23,7 +23,7 @@ from jaxckpt import manifest as mf
 from jaxckpt.config import Config
 from jaxckpt.coordination import CommitTracker, Coordinator
 from jaxckpt.errors import (ClosedError, CommitError, NoCheckpointError, StepError, StepNotFoundError,
-                            StoreUnavailableError)
+                            StepOutOfRangeError, StoreUnavailableError)
 from jaxckpt.catalog import Catalog, node_agent_dir
 from jaxckpt.fetch import ChunkReader
 from jaxckpt.plan import ArrayLayout, SavePlan, plan_save
@@ -31,6 +31,7 @@ from jaxckpt.registry import get_store_class
 from jaxckpt.snapshot import CopyTask, SnapshotEngine, SnapshotResult
 
 log = logging.getLogger("jaxckpt.engine")
+MAX_STEP = 1 << 62  # the largest step number: agents' records and messages carry steps up to it
 _recoveries = itertools.count()  # recovery rounds of this process; every process of a job counts alike
 
 # device id -> (fetch() returning that device's shard on the host, optional start() of its transfer)
@@ -157,6 +158,8 @@ class CheckpointEngine:
         if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
             raise StepError(f"step must be a non-negative int, got {step!r}")
         step = int(step)
+        if step > MAX_STEP:
+            raise StepError(f"step {step} is out of range: steps are at most {MAX_STEP}")
         if self._last_step is not None and step <= self._last_step:
             raise StepError(f"step {step} is not newer than the newest saved step {self._last_step}")
         self._throttle()
@@ -340,8 +343,11 @@ class CheckpointEngine:
           2) (every process) reads that one key.
         With node agents, the catalog also finds every agent and agrees on the newest step whose snapshot every
         process can obtain from them (jaxckpt.catalog), whatever job size saved it: that is ``latest_step()``
-        when it is newer. Every process then deletes its own held steps outside those (newer ones were not
-        committed everywhere) and any held step newer than the restorable one, and numbers its next save after it.
+        when it is newer. With protection, the newest step every process holds whose protection is complete
+        (``RebuildHolder.protected_steps``, agreed likewise) is kept and held too, as ``Protector._announce``
+        holds the newest protected step: until a newer step is protected, a node lost now is rebuilt from it.
+        Every process then deletes its own held steps outside those (newer ones were not committed everywhere)
+        and any held step newer than the restorable one, and numbers its next save after it.
         """
         held = self.store.steps()
         own = self._own_steps(held)
@@ -349,12 +355,28 @@ class CheckpointEngine:
         if self.catalog.uses_agents:
             prefix = f"jaxckpt/{self.config.job_id}/catalog/{next(_recoveries)}"
             self.catalog.discover(prefix)
-            restorable = self.catalog.agree_latest(prefix)
-        agreed = own[-self.config.keep:] if self.process_count == 1 else self._agree_held(own)
-        kept = set(agreed) | ({restorable} if restorable is not None else set())
+            restorable = self.catalog.agree_latest(prefix)  # its scan is the one protected_steps() reads
+        protected = self.protection.holder.protected_steps() if self.protection is not None else []
+        if self.process_count == 1:
+            agreed = own[-self.config.keep:]
+            guard = max(set(own) & set(protected), default=None)
+        else:
+            agreed, guard = self._agree_held(own, protected)
+        if guard is not None and restorable is not None and guard > restorable:
+            guard = None
+        kept = set(agreed) | ({restorable} if restorable is not None else set()) | \
+            ({guard} if guard is not None else set())
         for s in held:
             if (s in own and s not in kept) or (restorable is not None and s > restorable):
                 self.store.delete(s)
+        if guard is not None:
+            with self._lock:
+                self._holds[guard] = self._holds.get(guard, 0) + 1
+                if guard not in agreed:  # freed with its last hold, like a step retention let go
+                    self._deferred.add(guard)
+            self.protection.adopt(guard)
+            log.info("process %d keeps step %d, the newest protected one, until a newer step is protected",
+                     self.process_index, guard)
         newest = max([*agreed, *([restorable] if restorable is not None else [])], default=None)
         if newest is not None:
             self._committed = list(agreed)
@@ -387,19 +409,24 @@ class CheckpointEngine:
                 out.append(s)
         return out
 
-    def _agree_held(self, held: list[int]) -> list[int]:
+    def _agree_held(self, held: list[int], protected: list[int]) -> tuple[list[int], int | None]:
+        """(the newest ``keep`` steps every process holds, the newest step every process holds and sees as
+        protected or None)."""
         c, timeout = self.coordinator, self.config.commit_timeout_s
         prefix = f"jaxckpt/{self.config.job_id}/recover/{next(_recoveries)}"
-        c.set(f"{prefix}/held/{self.process_index}", msgpack.packb(held))
+        c.set(f"{prefix}/held/{self.process_index}", msgpack.packb([held, protected]))
         if self.process_index == 0:
-            common, failed = set(held), None
+            common, prot, failed = set(held), set(protected), None
             for q in range(1, self.process_count):
                 try:
-                    common &= set(msgpack.unpackb(c.get(f"{prefix}/held/{q}", timeout)))
+                    h, pr = msgpack.unpackb(c.get(f"{prefix}/held/{q}", timeout))
                 except TimeoutError:
                     failed = q
                     break
-            out = b"" if failed is not None else msgpack.packb(sorted(common)[-self.config.keep:])
+                common &= set(h)
+                prot &= set(pr)
+            guard = max(common & prot, default=None)
+            out = b"" if failed is not None else msgpack.packb([sorted(common)[-self.config.keep:], guard])
             c.set(f"{prefix}/common", out)
         else:
             try:
@@ -409,13 +436,18 @@ class CheckpointEngine:
         if not out:
             raise CommitError(f"recovery: the processes did not agree on the steps they hold within {timeout:g}s "
                               f"(job {self.config.job_id!r}, process {self.process_index})")
-        return [int(s) for s in msgpack.unpackb(out)]
+        steps, guard = msgpack.unpackb(out)
+        return [int(s) for s in steps], (None if guard is None else int(guard))
 
     # -------------------------------------------------------------------------------------------- restore
     def resolve_step(self, step: int | None) -> int:
         if step is not None:
             if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
                 raise StepError(f"step must be a non-negative int, got {step!r}")  # never int(2.5) or "../x"
+            if step > MAX_STEP:  # no store could hold it; stores' wire formats need not represent it
+                raise StepOutOfRangeError(f"step {step} is not held by store {self.config.store!r} (held: "
+                                          f"{self.all_steps() or 'none'}): it is out of range (steps are at most "
+                                          f"{MAX_STEP})")
             return int(step)
         latest = self.latest_step()
         if latest is None and self.protection is not None and self.protection.holder.losses:

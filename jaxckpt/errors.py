@@ -34,6 +34,10 @@ class StepNotFoundError(JaxckptError, LookupError):
     """The requested step is not held (or was never saved)."""
 
 
+class StepOutOfRangeError(StepError, StepNotFoundError):
+    """A step number no store can hold (past ``engine.MAX_STEP``): a bad argument, and a step that is not held."""
+
+
 class NoCheckpointError(StepNotFoundError):
     """Restore was asked for while nothing has been committed."""
 

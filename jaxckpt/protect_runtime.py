@@ -13,10 +13,13 @@ commit hook when the step is decided):
      ``Config.keep`` newer steps are committed already (retention lets it go: it can no longer be a restore
      target), so with a save every step protection trails by at most about ``keep`` steps instead of falling
      further behind; every process follows that one decision, so a step is protected by all or skipped by
-     all. The step being protected is held past ``Config.keep`` (``engine.hold``) until every node has pulled
+     all. Process 0 publishes a skip as soon as retention lets a queued step go; the other processes hold
+     every queued step (``engine.hold``, past ``Config.keep``) until that decision says skip, so none drops the
+     bytes of a step process 0 still protects. The step being protected is held until every node has pulled
      its bytes. For a protected step the worker: waits for its parity, pulls what this node holds for other
      nodes (``xor-group`` units XORed into parity, ``replica`` copy blocks; each block is fetched by one
-     process of the holding node, through the agents' peer transport, verified by checksum) and the manifests
+     process of the holding node, through the agents' peer transport, verified by checksum, at most
+     ``Config.protection_bandwidth`` bytes per second per process: :class:`TokenBucket`) and the manifests
      of the processes of the ``copies`` preceding nodes, and commits all of it with the encoded plan to its
      node's agent as the slot of pseudo process ``PROTECT_BASE + p`` (``jaxckpt.backends.protect``);
   3) it sets ``protect/<step>/done/<p>``; process 0 reads the N keys and publishes ``protect/<step>/ok``; every
@@ -29,6 +32,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -70,12 +74,15 @@ class Protector:
         self._recent: list[int] = []  # the newest Config.keep committed steps: what retention keeps
         self._held: set[int] = set()  # steps this runtime holds in the store (engine.hold)
         self._skipped: set[int] = set()  # committed steps retention let go before their turn (never protected)
+        self._told: set[int] = set()  # process 0: queued steps whose skip it published before their turn
         self._cond = threading.Condition()
         self._failed: dict[int, BaseException] = {}
         self._store = None
         self._parity_pool = ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-parity")
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-protect")
         self._closed = False
+        rate = engine.config.protection_bandwidth
+        self.bandwidth = TokenBucket(rate) if rate else None  # Config.protection_bandwidth, for every pull
         self.holder = RebuildHolder(self._agent_holders, workers=max(1, engine.config.workers))
         engine.catalog.add_holders(lambda: [self.holder])
         engine.add_commit_hook(self._on_commit)
@@ -163,16 +170,56 @@ class Protector:
             if entry is None or not committed or self._closed:
                 return
             self._recent = sorted(self._recent + [step])[-self.config.keep:]
-            # Queued steps retention now lets go will be skipped: do not keep them in memory (one chosen after
-            # all, as process 0 saw it, is held again when its protection starts, if it is still there).
-            older = [s for s in self._queued if self._stale(s) and s in self._held]
-            self._held.difference_update(older)
+            # Queued steps retention now lets go will be skipped: do not keep them in memory. Only process 0's
+            # decision counts, so process 0 publishes it now (staleness only grows: its worker would decide the
+            # same) and the others let a step go only once that decision says skip; until then they hold it,
+            # or process 0 might still protect it after their retention dropped its bytes.
+            stale = [s for s in self._queued if self._stale(s)]
+            tell: list[int] = []
+            if self.p == 0 or self.n == 1:
+                older = [s for s in stale if s in self._held]
+                self._held.difference_update(older)
+                tell = [s for s in stale if s not in self._told] if self.n > 1 else []
+                self._told.update(tell)
+                ask = []
+            else:
+                older, ask = [], [s for s in stale if s in self._held]
             self._queued.add(step)
             self._held.add(step)
         self.engine.hold(step)  # before retention: the nodes pull this step's bytes while protecting it
-        for s in older:
-            self.engine.release(s)
-        self._pool.submit(self._protect, step)
+        try:
+            self._share_skips(tell, ask, older)
+        finally:
+            for s in older:
+                self.engine.release(s)
+            self._pool.submit(self._protect, step)
+
+    def _share_skips(self, tell: list[int], ask: list[int], older: list[int]) -> None:
+        """Process 0: publish the skip of ``tell``; the others: add to ``older`` the steps of ``ask`` whose skip
+        is published (a step whose decision is not out yet stays held: its worker releases it)."""
+        c = self.engine.coordinator
+        for s in tell:
+            try:
+                c.set(self._go_key(s), b"0")
+            except Exception as e:  # noqa: BLE001 - its worker publishes the decision instead
+                with self._cond:
+                    self._told.discard(s)
+                log.warning("step %d: could not publish its protection skip now: %s", s, e)
+        for s in ask:
+            try:
+                skipped = c.try_get(self._go_key(s)) == b"0"
+            except Exception as e:  # noqa: BLE001 - kept until its worker reads the decision
+                log.warning("step %d: could not read its protection decision now: %s", s, e)
+                continue
+            if skipped:
+                with self._cond:
+                    mine = s in self._held  # the worker may have decided it meanwhile, and released it
+                    self._held.discard(s)
+                if mine:
+                    older.append(s)
+
+    def _go_key(self, step: int) -> str:
+        return f"jaxckpt/{self.config.job_id}/protect/{step}/go"
 
     def _stale(self, step: int) -> bool:
         """True when ``Config.keep`` newer steps are committed: retention lets ``step`` go (call locked)."""
@@ -183,12 +230,15 @@ class Protector:
         with self._cond:
             self._queued.discard(step)
             stale = self._stale(step)
+            told = step in self._told  # its skip is published already (_on_commit)
+            self._told.discard(step)
         if self.n == 1:
             return not stale
         c, timeout = self.engine.coordinator, self.config.commit_timeout_s
-        key = f"jaxckpt/{self.config.job_id}/protect/{step}/go"
+        key = self._go_key(step)
         if self.p == 0:
-            c.set(key, b"0" if stale else b"1")
+            if not told:
+                c.set(key, b"0" if stale else b"1")
             return not stale
         try:
             return c.get(key, timeout * 2) == b"1"
@@ -314,6 +364,12 @@ class Protector:
         if done:
             log.info("step %d is protected (%s)", step, self.config.protection)
 
+    def adopt(self, step: int) -> None:
+        """Take ``step`` as the newest protected one (found at start-up; the engine holds it): the next step
+        protected releases it, as :meth:`_announce` does."""
+        with self._cond:
+            self._protected = sorted(set(self._protected) | {step})
+
     # ----------------------------------------------------------------------------------------------- API
     def protected_steps(self) -> list[int]:
         """Steps whose redundancy is in place on every node, ascending."""
@@ -369,6 +425,8 @@ class _ChunkPuller:
     def read(self, c: SavedChunk, lo: int, hi: int) -> np.ndarray:
         if c.key not in self._chunks:
             o = self._open(c.process)
+            if self.prot.bandwidth is not None:
+                self.prot.bandwidth.take(c.nbytes)  # sleeps, if it must, outside any lock
             data = np.frombuffer(bytes(o.read(c.offset, c.nbytes)), np.uint8)
             crc = self._crcs.get(c.key)
             if crc is None:
@@ -384,3 +442,39 @@ class _ChunkPuller:
                 o.close()
             except Exception as e:  # noqa: BLE001
                 log.warning("step %d: could not close a source: %s", self.step, e)
+
+
+class TokenBucket:
+    """``rate`` bytes per second with a burst of ``burst`` bytes (default: a tenth of a second's worth).
+
+    :meth:`take` admits its bytes at once and then sleeps off any debt, outside the lock: over any span from
+    the first take, at most ``burst + rate * span`` bytes are admitted. ``admitted`` and ``slept`` (the total
+    sleep asked for) account for it.
+    """
+
+    def __init__(self, rate: int, burst: int | None = None) -> None:
+        if rate <= 0:
+            raise ValueError(f"rate must be positive, got {rate!r}")
+        self.rate = float(rate)
+        self.burst = float(burst if burst is not None else max(1.0, rate / 10))
+        self.admitted = 0
+        self.slept = 0.0
+        self.started: float | None = None  # time.monotonic() of the first take
+        self._tokens = self.burst
+        self._t = 0.0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> float:
+        """Admit ``nbytes``; sleep until the bucket is out of debt. Returns the seconds slept."""
+        with self._lock:
+            now = time.monotonic()
+            if self.started is None:
+                self.started = self._t = now
+            self._tokens = min(self.burst, self._tokens + (now - self._t) * self.rate) - nbytes
+            self._t = now
+            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
+            self.admitted += nbytes
+            self.slept += wait
+        if wait > 0:
+            time.sleep(wait)
+        return wait

@@ -16,6 +16,7 @@ import pytest
 
 from jaxckpt.backends import agent_protocol as proto
 from jaxckpt.testing import expect_ok, launch, node_info, remove_agents
+import sharded_state
 
 BASE = f"/dev/shm/jaxckpt-prot-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 ENV = {"JAXCKPT_LOG_LEVEL": "WARNING"}
@@ -52,32 +53,19 @@ SPECS = {"rep": (), "dp": (None, "model"), "fsdp": (("data", "model"),)}
 
 
 def _mesh():
-    import jax
-
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    return jax.sharding.Mesh(np.array(devices).reshape(NODES, 2), ("data", "model"),
-                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    return sharded_state.node_mesh(NODES)
 
 
 def _sharding(mesh, k):
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    return NamedSharding(mesh, P(*SPECS[k]))
+    return sharded_state.sharding(mesh, SPECS[k])
 
 
 def device_state(mesh, step: int) -> dict:
-    import jax
-
-    return {k: jax.make_array_from_callback(h.shape, _sharding(mesh, k), lambda idx, h=h: h[idx])
-            for k, h in host_state(step).items()} | {"step": step}
+    return sharded_state.device_state(mesh, host_state(step), SPECS, step)
 
 
 def check_bitwise(got: dict, step: int) -> None:
-    host = host_state(step)
-    for k, h in host.items():
-        for shard in got[k].addressable_shards:
-            np.testing.assert_array_equal(np.asarray(shard.data).view(np.uint8), h[shard.index].view(np.uint8),
-                                          err_msg=f"{k} step {step}")
-    assert got["step"] == step
+    sharded_state.check_bitwise(got, host_state(step), step)
 
 
 def save_job(base: str, job: str, policy: str, steps: list, drop_protection: list | None = None):

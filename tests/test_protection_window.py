@@ -17,6 +17,7 @@ from jaxckpt.backends import agent_protocol as proto
 from jaxckpt.backends.shm import ShmStore
 from jaxckpt.errors import StoreUnavailableError
 from jaxckpt.testing import expect_ok, launch, node_info, remove_agents
+import sharded_state
 
 BASE = f"/dev/shm/jaxckpt-pwin-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 ENV = {"JAXCKPT_LOG_LEVEL": "WARNING"}
@@ -58,13 +59,8 @@ def host_state(step: int) -> dict:
 
 
 def _shardings():
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    mesh = jax.sharding.Mesh(np.array(devices).reshape(NODES, 2), ("data", "model"),
-                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    return {"rep": NamedSharding(mesh, P()), "fsdp": NamedSharding(mesh, P(("data", "model")))}
+    mesh = sharded_state.node_mesh(NODES)
+    return {"rep": sharded_state.sharding(mesh, ()), "fsdp": sharded_state.sharding(mesh, (("data", "model"),))}
 
 
 def save_job(base: str, job: str):
