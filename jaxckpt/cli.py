@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_scaling.add_arguments(bsub.add_parser("scaling", help="save() and snapshot time vs state size and processes"))
     from jaxckpt.bench import memory as bench_memory
     bench_memory.add_arguments(bsub.add_parser("memory", help="host memory per node, per store and protection policy"))
+    from jaxckpt.bench import cluster as bench_cluster
+    bench_cluster.add_arguments(bsub.add_parser("cluster", help="protection, restore paths and node-loss recovery "
+                                                                "on simulated nodes, vs Orbax"))
     from jaxckpt.bench import all as bench_all
     bench_all.add_arguments(bsub.add_parser("all", help="every benchmark, then BENCHMARKS.md sections and plots"))
     from jaxckpt.testing import launcher

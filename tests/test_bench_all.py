@@ -21,7 +21,7 @@ STATS = {"median", "min", "max", "p10", "p90", "n"}
 # Figures that are legitimately zero: a process index, an exit code, protection bytes of a policy that keeps or
 # sends none, and RSS growth when the allocator reuses pages it already had.
 MAY_BE_ZERO = {"process", "exit_code", "extra_bytes_per_node", "sent_bytes_per_node", "extra_over_data",
-               "rss_growth_bytes"}
+               "rss_growth_bytes", "cycle", "steps_lost"}
 SIGNED = ("overhead_pct_",)  # step-time overhead vs the baseline: within noise it can be below zero
 EXPECTED = [n for n in bench_all.BENCHES if n != "torch" or importlib.util.find_spec("torch") is not None]
 PROSE = "# Benchmarks\n\nprose before\n\n<!-- bench:save:begin -->\nold\n<!-- bench:save:end -->\n\nprose after\n"
@@ -34,6 +34,7 @@ SCHEMA = {
     "memory": ({"mode", "setup", "stores", "protection", "skipped"}, "stores"),
     "torch": ({"mode", "setup", "memcpy_gbps", "results"}, "results"),
     "stall": ({"mode", "memcpy_gbps", "procs", "steps", "warmup", "results"}, "results"),
+    "cluster": ({"mode", "setup", "policies", "restore", "save", "recovery", "ratios"}, "policies"),
 }
 
 
@@ -209,7 +210,7 @@ def test_selection(capsys):
     ns = cli.build_parser().parse_args(["bench", "all", "--only", "save,parity", "--skip", "parity"])
     assert bench_all.selected(ns) == ["save"]
     ns = cli.build_parser().parse_args(["bench", "all", "--skip", "stall,torch"])
-    assert bench_all.selected(ns) == ["parity", "save", "restore", "scaling", "memory"]
+    assert bench_all.selected(ns) == ["parity", "save", "restore", "scaling", "memory", "cluster"]
     ns = cli.build_parser().parse_args(["bench", "all", "--only", "save,nope"])
     with pytest.raises(ValueError, match=r"unknown benchmark\(s\) nope \(known: parity,"):
         bench_all.selected(ns)

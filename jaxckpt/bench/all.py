@@ -29,7 +29,7 @@ from jaxckpt.bench import report, runner
 
 log = logging.getLogger("jaxckpt.bench")
 
-BENCHES = ("parity", "save", "restore", "scaling", "memory", "torch", "stall")
+BENCHES = ("parity", "save", "restore", "scaling", "memory", "torch", "stall", "cluster")
 # Options of the full run (--quick uses each benchmark's --quick alone). Estimated on the 2-core machine:
 # parity <1 min, save ~1.5, restore ~2, scaling ~2 (sizes to 4 GiB as memory allows, 2/4/8 processes),
 # memory <1, torch ~1.5, stall ~7 (a GPT of 0.2 and 1 GB of state, about 1.3 and 6 s per step, 4 modes).
@@ -41,6 +41,7 @@ FULL_ARGS: dict[str, list[str]] = {
     "memory": [],
     "torch": [],
     "stall": ["--sizes", "0.2G,1G", "--steps", "10", "--warmup", "2"],
+    "cluster": [],  # 512 MiB on 4 simulated nodes, every policy, 2 node-loss cycles: ~4.5 min
 }
 BUDGET_S = {"full": 20 * 60, "quick": 3 * 60}
 TIMEOUT_S = 45 * 60  # one benchmark; a hung one must not hold the suite forever
@@ -156,10 +157,10 @@ def measure(names: list[str], args: argparse.Namespace, out: Path) -> list[str]:
 # --------------------------------------------------------------------------------------------------- rendering
 def renderers() -> dict[str, Callable[[Mapping[str, Any]], str]]:
     """Each benchmark's markdown renderer (imported lazily: none of them imports jax or torch to render)."""
-    from jaxckpt.bench import memory, parity, restore, scaling, stall, torch_dcp
+    from jaxckpt.bench import cluster, memory, parity, restore, scaling, stall, torch_dcp
     return {"parity": parity.render, "save": report.render_save, "restore": restore.render,
             "scaling": scaling.render, "memory": memory.render, "torch": torch_dcp.render_torch,
-            "stall": stall.render_stall}
+            "stall": stall.render_stall, "cluster": cluster.render}
 
 
 def load_results(out: Path, names: list[str]) -> dict[str, dict[str, Any]]:

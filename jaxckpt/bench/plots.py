@@ -182,11 +182,70 @@ def scaling_procs(results: Results, out: Path) -> Path | None:
 
 
 # (file name, section of BENCHMARKS.md that embeds it, caption, function)
+def cluster_restore(results: Results, out: Path) -> Path | None:
+    """Restore time per path on simulated nodes (bench cluster), jaxckpt vs Orbax, log scale; failures marked."""
+    res = results.get("cluster")
+    if not res:
+        return None
+    from jaxckpt.bench.report import fmt_size
+    short = {"local": "local", "peers": "peers\n(node lost)", "resharded": "resharded\n(other mesh)",
+             "persistent": "persistent\ntier", "orbax_standard": "Orbax Standard\n(disk, cold)",
+             "orbax_emergency": "Orbax\nemergency", "orbax_emergency_dp": "Orbax emergency\n(dp half only)"}
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.4))
+    keys, labelled = list(short), set()
+    for i, key in enumerate(keys):
+        r = res["restore"][key]
+        if r.get("restore_s") is None:
+            ax.text(i, 0.03, "failed", ha="center", va="bottom", rotation=90, fontsize=9, color="red",
+                    transform=ax.get_xaxis_transform())
+            continue
+        y, e = _errs([r["restore_s"]], 1e3)
+        who = "Orbax" if key.startswith("orbax") else "jaxckpt"
+        ax.bar([i], y, 0.6, yerr=e, capsize=3, color="C1" if who == "Orbax" else "C0",
+               label=None if who in labelled else who)
+        labelled.add(who)
+    ax.set_xticks(range(len(keys)), [short[k] for k in keys], fontsize=7.5)
+    ax.set_yscale("log")
+    ax.set_ylabel("restore time (ms), median, min–max")
+    title = f"Restore on {res['setup']['nodes']} simulated nodes, {fmt_size(res['setup']['state_bytes'])} state"
+    return _finish(fig, ax, out / "cluster_restore.png", title, _subtitle(res))
+
+
+def cluster_recovery(results: Results, out: Path) -> Path | None:
+    """Kill-to-first-step time after a node loss, split into its stages: from peers vs the persistent tier."""
+    res = results.get("cluster")
+    if not res:
+        return None
+    plt = _pyplot()
+    rec = res["recovery"]
+    kinds = [("peers", "jaxckpt:\nrestore from peers"), ("persistent", "restart from the\npersistent tier")]
+    stages = [("relaunch_s", "relaunch (start, JAX init)"), ("create_s", "Checkpointer()"),
+              ("latest_s", "latest_step()"),
+              ("restore_s", "restore"), ("first_step_s", "first step (compile)")]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    bottom = [0.0] * len(kinds)
+    for k, (key, label) in enumerate(stages):
+        y = [rec[kind][key]["median"] for kind, _ in kinds]
+        ax.bar(range(len(kinds)), y, 0.5, bottom=bottom, label=label, color=f"C{k}")
+        bottom = [b + v for b, v in zip(bottom, y)]
+    _, err = _errs([rec[kind]["recovery_s"] for kind, _ in kinds], 1.0)
+    ax.errorbar(range(len(kinds)), [rec[kind]["recovery_s"]["median"] for kind, _ in kinds], yerr=err, fmt="k.",
+                capsize=4, label="kill → first step (median, min–max)")
+    ax.set_xticks(range(len(kinds)), [label for _, label in kinds])
+    ax.set_xlim(-0.5, len(kinds) + 0.7)  # room on the right for the legend
+    ax.set_ylabel("seconds after the SIGKILL of a node")
+    return _finish(fig, ax, out / "cluster_recovery.png", "Recovery after a node loss: kill to first step trained",
+                   _subtitle(res))
+
+
 PLOTS: tuple[tuple[str, str, str, Callable[[Results, Path], Path | None]], ...] = (
     ("save_call_vs_size.png", "save", "save() call time vs state size, jaxckpt vs Orbax", save_call_vs_size),
     ("snapshot_throughput.png", "scaling", "snapshot throughput vs memcpy", snapshot_throughput),
     ("restore_time.png", "restore", "restore time by source", restore_time),
     ("scaling_procs.png", "scaling", "per-process cost vs processes", scaling_procs),
+    ("cluster_restore.png", "cluster", "restore time per path on simulated nodes, vs Orbax", cluster_restore),
+    ("cluster_recovery.png", "cluster", "recovery time after a node loss, by stage", cluster_recovery),
 )
 
 

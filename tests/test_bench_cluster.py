@@ -1,0 +1,121 @@
+"""``jaxckpt bench cluster --quick`` end to end in a real subprocess: 4 simulated nodes, every protection policy,
+every restore path (each checked bit for bit inside the run), two node losses, Orbax's emergency manager.
+
+No timing thresholds: the JSON's shape, that every figure is finite and positive, what the run must have done
+(rebuilt the lost node's chunks, restored the newest protected or persisted step, planned parity at 1/(R-1)), the
+markdown section and plots rendered from it, and that nothing is left behind in /dev/shm.
+"""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxckpt.bench import cluster, cluster_report, plots, report
+from test_bench_all import _check_numbers, _check_stats
+
+PROSE = "# Benchmarks\n\nbefore\n\n<!-- bench:cluster:begin -->\nold\n<!-- bench:cluster:end -->\n\nafter\n"
+
+
+def _ours():
+    return {n for n in os.listdir("/dev/shm") if n.startswith("jaxckpt-bench-cluster")} \
+        if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench-cluster")
+    md = d / "BENCHMARKS.md"
+    md.write_text(PROSE)
+    before = _ours()
+    proc = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "bench", "cluster", "--quick", "--json",
+                           str(d / "cluster.json"), "--update-md", str(md), "--plain-dir", str(d)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return {"dir": d, "md": md, "result": report.read_json(d / "cluster.json"), "left": _ours() - before,
+            "stdout": proc.stdout}
+
+
+def test_schema_and_every_figure(run):
+    res = run["result"]
+    assert res["bench"] == "cluster" and res["mode"] == "quick"
+    assert res["command"].startswith("jaxckpt bench cluster --quick")
+    assert {"machine", "date", "command", "setup", "policies", "restore", "save", "recovery", "ratios"} <= set(res)
+    _check_stats(res, "cluster")
+    _check_numbers(res, "cluster")
+    assert not run["left"], f"left in /dev/shm: {run['left']}"
+    assert not [n for n in os.listdir(run["dir"]) if n.startswith("jaxckpt-bench-cluster")]
+
+
+def test_policies_memory_and_protection(run):
+    res = run["result"]
+    rows = {p["policy"]: p for p in res["policies"]}
+    assert list(rows) == ["none", "parity", "replica", "xor-group", "hybrid"]
+    assert rows["none"]["chosen"] == ["none"] and rows["none"]["extra_bytes_per_node"] == 0
+    assert "protect_lag_s" not in rows["none"]
+    assert rows["parity"]["chosen"] == ["parity", "replica"]  # the fully sharded half is held once
+    assert rows["hybrid"]["chosen"] == ["parity", "xor-group"]
+    par = rows["parity"]
+    assert par["replica_nodes"] == 4
+    assert abs(par["parity_extra_over_parity_data"] - 1 / 3) <= 0.1 / 3  # issue 5: 1/(R-1) within 10%
+    for name in ("parity", "replica", "xor-group", "hybrid"):
+        r = rows[name]
+        assert r["protect_lag_s"]["n"] == res["setup"]["repeats"] and r["sent_bytes_total"] > 0
+        assert abs(r["measured_over_planned_extra"] - 1) <= 0.1, (name, r["measured_over_planned_extra"])
+        assert r["snapshot_bytes_per_node"] == rows["none"]["snapshot_bytes_per_node"]
+
+
+def test_restore_paths_and_recovery(run):
+    res = run["result"]
+    rs = res["restore"]
+    assert rs["resharded"]["processes"] == 2 and rs["local"]["processes"] == 4
+    assert rs["peers"]["sources"].get("rebuild", 0) > 0  # the lost node's chunks came from parity or copies
+    assert rs["local"]["sources"].get("rebuild", 0) == 0
+    for key in ("local", "peers", "resharded", "persistent", "orbax_standard", "orbax_emergency_dp"):
+        assert rs[key]["restore_s"]["n"] >= 1, key
+    em = rs["orbax_emergency"]
+    assert (em["restore_s"] is None and em["error"]) or em["restore_s"]["n"] >= 1
+    q = res["ratios"]
+    assert math.isclose(q["orbax_standard_over_peers"],
+                        rs["orbax_standard"]["restore_s"]["median"] / rs["peers"]["restore_s"]["median"])
+    events = res["recovery"]["events"]
+    assert [e["kind"] for e in events] == ["peers", "persistent"]
+    peers, persistent = events
+    assert peers["lost_node"] != persistent["lost_node"]
+    # The restarted job restores the newest step it can still obtain: at least the newest protected step (from
+    # peers) or the newest persisted one (every agent's memory gone), never newer than the step trained.
+    assert peers["newest_protected_at_kill"] <= peers["restored_step"] <= peers["killed_at_step"]
+    assert persistent["newest_persisted_at_kill"] <= persistent["restored_step"] <= persistent["killed_at_step"]
+    for e in events:
+        parts = e["relaunch_s"] + e["create_s"] + e["latest_s"] + e["restore_s"] + e["first_step_s"]
+        assert math.isclose(parts, e["recovery_s"])
+
+
+def test_markdown_and_plots(run, tmp_path):
+    res = run["result"]
+    text = run["md"].read_text()
+    body = cluster.render(res)
+    assert body == cluster_report.render(res)
+    assert text.startswith("# Benchmarks\n\nbefore\n\n<!-- bench:cluster:begin -->\n") and "\nafter\n" in text
+    assert body in text and "\nold\n" not in text and "Quick run" in body
+    assert "None" not in body and "nan" not in body
+    for words in ("jaxckpt, via peers", "Orbax StandardRestore", "Orbax emergency", "Parity floor",
+                  "kill → first step", res["machine"]["loadavg_at_start"]):
+        assert words in body, words
+    if plots.available():
+        made = plots.make_all({"cluster": res}, tmp_path)
+        files = [p for _, p in made["cluster"]]
+        assert sorted(p.name for p in files) == ["cluster_recovery.png", "cluster_restore.png"]
+        assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in files)
+
+
+def test_options_are_checked():
+    from jaxckpt import cli
+    ns = cli.build_parser().parse_args(["bench", "cluster", "--quick", "--nodes", "1"])
+    with pytest.raises(ValueError, match="at least 2 nodes"):
+        cluster.options(ns)
+    ns = cli.build_parser().parse_args(["bench", "cluster", "--repeats", "0"])
+    with pytest.raises(ValueError, match="--repeats must be at least 1"):
+        cluster.options(ns)
+    assert cli.main(["bench", "cluster", "--quick", "--nodes", "1"]) == 2
