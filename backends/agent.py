@@ -52,6 +52,9 @@ MAX_PROCESS = 999_999_999  # process indices name files (agent_protocol.SEG_RE)
 TRAINER_OPS = ("reserve", "commit", "abort", "steps", "open", "unpin", "delete", "held")
 ANY_OPS = ("status", "manifest", "shutdown")
 READER_OPS = ("index", "open", "unpin")
+# A message must arrive whole within this long of its first byte: a client that stalls mid-message (or
+# announces more bytes than it sends) loses its connection instead of pinning a thread for ever.
+MESSAGE_TIMEOUT_S = 30.0
 
 
 @dataclass(eq=False)
@@ -69,7 +72,7 @@ class Agent:
     """The agent of ``job`` in ``directory``; :meth:`run` serves until stopped."""
 
     def __init__(self, job: str, directory: str, *, node: str = "", node_budget: int = 0,
-                 peer_bind: str | None = "127.0.0.1") -> None:
+                 peer_bind: str | None = "127.0.0.1", message_timeout_s: float = MESSAGE_TIMEOUT_S) -> None:
         Config(job_id=job)  # validates the job id (it names files)
         self.job, self.dir = job, os.path.abspath(directory)
         self.node = node or socket.gethostname()
@@ -84,6 +87,7 @@ class Agent:
         self._lock_fd: int | None = None
         self._listener: socket.socket | None = None
         self.peer_bind = peer_bind  # None: serve no peers
+        self.message_timeout_s = message_timeout_s
         self.peer_server = None
         self.snapshots = None  # agent_serve.AgentSnapshots once serving
 
@@ -231,7 +235,11 @@ class Agent:
     def _serve(self, conn: _Conn) -> None:
         try:
             while not self._stop.is_set():
-                msg = recv_msg(conn.sock)
+                try:
+                    msg = recv_msg(conn.sock, message_timeout_s=self.message_timeout_s)
+                except ProtocolError as e:  # oversized, stalled or garbled: the connection is dropped
+                    log.warning("dropped connection %d (pid %d, process %s): %s", conn.id, conn.pid, conn.process, e)
+                    break
                 if msg is None:
                     break
                 reply, after = self._handle(conn, msg)
@@ -414,6 +422,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log", default="", help="log file (default: in the temp directory, named after --dir)")
     p.add_argument("--peer-bind", default="127.0.0.1",
                    help="address peers read this node's snapshots on (default loopback; 'none': do not serve)")
+    p.add_argument("--message-timeout-s", type=float, default=MESSAGE_TIMEOUT_S,
+                   help="a request must arrive whole within this long of its first byte, else the connection is "
+                        f"dropped (default {MESSAGE_TIMEOUT_S:g})")
     p.set_defaults(run=run_cli)
 
 
@@ -435,7 +446,8 @@ def run_cli(args: argparse.Namespace) -> int:
     logging.getLogger("jaxckpt").addHandler(handler)
     try:
         return Agent(args.job, directory, node=args.node, node_budget=args.budget_bytes,
-                     peer_bind=None if args.peer_bind == "none" else args.peer_bind).run()
+                     peer_bind=None if args.peer_bind == "none" else args.peer_bind,
+                     message_timeout_s=args.message_timeout_s).run()
     except Exception:
         log.exception("agent of job %s in %s failed", args.job, directory)
         raise

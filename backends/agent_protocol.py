@@ -136,15 +136,27 @@ def send_msg(sock: socket.socket, msg: dict) -> None:
     sock.sendall(_HEADER.pack(len(body)) + body)
 
 
-def recv_msg(sock: socket.socket) -> dict | None:
-    """Receive one framed msgpack map; None on a clean end of stream before a message starts."""
-    head = _recv_exact(sock, _HEADER.size, allow_eof=True)
-    if head is None:
+def recv_msg(sock: socket.socket, *, message_timeout_s: float | None = None) -> dict | None:
+    """Receive one framed msgpack map; None on a clean end of stream before a message starts.
+
+    The wait for a message to start is the socket's own time-out (an agent's trainers stay connected, idle,
+    between saves). With ``message_timeout_s``, the whole message must arrive within that many seconds of its
+    first byte: a peer that sends part of a message and stalls gets a ProtocolError instead of a thread.
+    The body is allocated as it arrives, never from the length header alone.
+    """
+    first = _recv_exact(sock, 1, allow_eof=True)
+    if first is None:
         return None
-    (n,) = _HEADER.unpack(head)
-    if n > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {n} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
-    body = _recv_exact(sock, n, allow_eof=False)
+    deadline = None if message_timeout_s is None else time.monotonic() + message_timeout_s
+    idle = sock.gettimeout()
+    try:
+        (n,) = _HEADER.unpack(first + _recv_exact(sock, _HEADER.size - 1, allow_eof=False, deadline=deadline))
+        if n > MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"message of {n} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+        body = _recv_exact(sock, n, allow_eof=False, deadline=deadline)
+    finally:
+        if deadline is not None:
+            sock.settimeout(idle)
     try:
         msg = msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=True, max_bin_len=n, max_str_len=n,
                               max_array_len=n, max_map_len=n, max_ext_len=0)
@@ -155,16 +167,28 @@ def recv_msg(sock: socket.socket) -> dict | None:
     return msg
 
 
-def _recv_exact(sock: socket.socket, n: int, *, allow_eof: bool) -> bytes | None:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            if got == 0 and allow_eof:
+_RECV_PIECE = 1 << 20  # the buffer grows by what arrived, at most this much per read
+
+
+def _recv_exact(sock: socket.socket, n: int, *, allow_eof: bool, deadline: float | None = None) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ProtocolError(f"message stalled: {len(buf)} of {n} bytes arrived within the time-out")
+            sock.settimeout(left)
+        try:
+            piece = sock.recv(min(n - len(buf), _RECV_PIECE))
+        except socket.timeout:
+            if deadline is None:
+                raise
+            raise ProtocolError(f"message stalled: {len(buf)} of {n} bytes arrived within the time-out") from None
+        if not piece:
+            if not buf and allow_eof:
                 return None
-            raise ConnectionResetError(f"connection closed after {got} of {n} bytes")
-        got += k
+            raise ConnectionResetError(f"connection closed after {len(buf)} of {n} bytes")
+        buf += piece
     return bytes(buf)
 
 

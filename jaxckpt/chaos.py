@@ -14,8 +14,9 @@ is one incarnation of the job:
      point of a save, a commit or the restore (jaxckpt/chaos_faults.py): trainers SIGKILLed by a timer or by
      themselves at an exact phase, agents SIGKILLed with or without their memory, a whole node lost (its
      trainers, agent and memory at once), bits of stored chunks or of commit records flipped, the node's memory
-     budget filled. The job recovers (agents restarted; that saves resume is checked). With ``--protection``,
-     losing a node's memory must keep the newest step reported protected before the loss;
+     budget filled, one node's peer traffic delayed or dropped by a proxy (jaxckpt/chaos_proxy.py). The job
+     recovers (agents restarted; that saves resume is checked). With ``--protection``, losing a node's memory
+     must keep the newest step reported protected before the loss;
   2) the job is stopped (SIGKILL, at a random point too); the next trial's restore checks what the fault left.
 A fault at the restore is checked within its own trial (after a clean incarnation checked the previous one).
 Every wait has a time-out; one that expires is a **hang** (everything is killed and the run goes on). Steps of
@@ -23,7 +24,7 @@ work lost = steps trained before the job was stopped minus the step restored. A 
 (``jaxckpt.Checkpointer``, every restore onto another mesh).
 
     jaxckpt chaos --profile quick [--seed 0] [--json]      # 50 trials + 2 JAX trials (tests/test_chaos.py)
-    jaxckpt chaos --profile long --seed 1                  # 500 + 20 (the RELIABILITY table of BENCHMARKS.md)
+    jaxckpt chaos --profile long --seed 1 --update-md BENCHMARKS.md   # 500 + 20: the RELIABILITY section
     jaxckpt chaos --protection none [--faults corrupt-chunk,kill-agent-wipe]   # without protection
 """
 from __future__ import annotations
@@ -49,7 +50,7 @@ from typing import Any, Callable
 
 from jaxckpt.backends import agent_protocol as proto
 from jaxckpt.backends.agent import EXIT_ALREADY_RUNNING
-from jaxckpt.chaos_faults import DESTRUCTIVE, FAULTS, JAX_KINDS, NODE_LOSS
+from jaxckpt.chaos_faults import DESTRUCTIVE, FAULTS, JAX_KINDS, NODE_LOSS, end_trial
 from jaxckpt.errors import JaxckptError
 from jaxckpt.testing import chaos_trainer as ct
 
@@ -208,6 +209,7 @@ class ChaosRun:
         self.trained_max = 0  # the newest step any incarnation of the current job trained
         self.unattributed = Counter()  # wrong restores and hangs of the first incarnation (no fault before it)
         self.budget = self._node_budget()
+        self.peer_proxy = None  # (proxy, node dir, its peer info, node) while a peer fault's trial runs
 
     def _node_budget(self) -> int:
         """Room for keep + pending + three spare snapshots of every process of a node: ample unless filled."""
@@ -400,6 +402,7 @@ class ChaosRun:
                     self.warm_up(inc, res)
                     self.stop(inc)
                     res.trained, res.committed = inc.last("trained"), inc.last("committed")
+                    res.protected = inc.last("protected")  # what a memory wipe in the restore must not take
                 prev = res
             inc = self.launch(prev, mode, fault, target)
             if inc is not None and res is not None:
@@ -414,12 +417,14 @@ class ChaosRun:
                 self.stop(inc)
             elif res is not None:
                 res.detail += " (no incarnation could restore before it)"
+            end_trial(self)
             if res is not None:
                 res.seconds = round(time.monotonic() - t0, 2)
                 self.results.append(res)
             prev = res
 
     def close(self) -> None:
+        end_trial(self)
         for d, p in list(self.agents.items()):
             try:
                 proto.stop_agent(d, self.job + "-jax" if d == self.jax_dir else self.job, timeout_s=30)
@@ -506,6 +511,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Config.protection of the numpy trainers (default: the profile's, hybrid): losing a node's "
                         "memory must keep the newest protected step; with none, it may lose every step")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--update-md", default="", metavar="PATH",
+                   help="write the result table into PATH's chaos section, e.g. BENCHMARKS.md "
+                        "(jaxckpt/chaos_report.py)")
     p.set_defaults(run=run_cli)
 
 
@@ -517,6 +525,11 @@ def run_cli(args: argparse.Namespace) -> int:
         profile = dataclasses.replace(profile, protection=args.protection)
     rep = ChaosRun(profile, args.seed, trials=args.trials, jax_trials=args.jax_trials, faults=faults).run()
     print(json.dumps(rep, indent=1) if args.json else format_table(rep))
+    if args.update_md:
+        from jaxckpt import chaos_report
+
+        chaos_report.update_md(args.update_md, rep, chaos_report.command_line(args))
+        print(f"wrote the chaos section of {args.update_md}", file=sys.stderr)
     return 0 if ok(rep) else 1
 
 

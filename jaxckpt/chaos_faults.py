@@ -6,7 +6,8 @@
                                         the job recover as it must (agents restarted, saves checked to resume);
   after(run, res)                       once the job is stopped: damage to data at rest (chunks, records).
 A kind whose ``inject`` is None is a hook for a fault that needs machinery not wired yet (``unavailable`` says
-what); the driver lists it and skips it.
+what); the driver lists it and skips it. :func:`end_trial` undoes what a trial's fault set up (the peer proxy),
+whether or not an incarnation ran.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import msgpack
 
 from jaxckpt import manifest as mf
 from jaxckpt.backends import agent_protocol as proto
+from jaxckpt.backends import agent_serve
+from jaxckpt.chaos_proxy import PeerProxy
 from jaxckpt.errors import BudgetExceededError
 from jaxckpt.testing import chaos_trainer as ct
 
@@ -178,6 +181,71 @@ def _fill_budget(run: "ChaosRun", inc: "Incarnation", res: "TrialResult") -> Non
                                  run.profile.timeout_s) and not inc.exited()
 
 
+# ------------------------------------------------------------------------------------------ peer messages
+# Per piece of the TCP stream: delay-kind trials hold back 30% of pieces for up to 0.3 s (well inside the trainers'
+# peer time-out, so requests succeed late), from the incarnation's restore on; drop-kind trials drop 10% of
+# pieces, at most 1..3 times per trial (a reset or a stall of up to twice the peer time-out: requests in flight
+# fail and are retried or fall back), from the end of the restore on: a restore that cannot reach a node for a
+# moment rightly settles for an older step, which the driver would count against the fault that restore checks
+# (the previous trial's); restores across drops are checked in tests/test_hardening.py.
+PEER_FAULTS = {"peer-delay": dict(delay_p=0.3, delay_max_s=0.3),
+               "peer-drop": dict(delay_p=0.05, delay_max_s=0.05, drop_p=0.1)}
+
+
+def _peer_prep(kind: str) -> Callable:
+    def prep(run: "ChaosRun", res: "TrialResult") -> tuple[None, int]:
+        """Put a proxy in front of a random node's peer endpoint before the incarnation starts, so that its
+        restore (reading the other nodes' chunks) and its protection pulls cross it."""
+        end_trial(run)
+        node = run.rng.randrange(run.profile.nodes) if res.mode == "numpy" else 0
+        d, seed, drops = _node_dir(run, res, node), run.rng.randrange(1 << 32), run.rng.randint(1, 3)
+        info = agent_serve.read_peer_info(d)
+        if info is None:
+            res.detail = f"node {node}'s agent serves no peers: nothing to intercept"
+            return None, -1
+        opts = dict(PEER_FAULTS[kind])
+        if "drop_p" in opts:
+            opts.update(max_drops=drops, stall_max_s=2 * run.profile.peer_timeout_s)
+        proxy = PeerProxy(info["address"], seed=seed, io_timeout_s=run.profile.timeout_s / 4,
+                          armed="drop_p" not in opts, **opts)
+        published = dict(info)
+        del published["token"]  # the agent's peer file keeps the token in its own file
+        agent_serve.write_peer_info(d, {**published, "address": proxy.address})
+        run.peer_proxy = (proxy, d, published, node)
+        return None, -1
+    return prep
+
+
+def _peer_traffic(run: "ChaosRun", inc: "Incarnation", res: "TrialResult") -> None:
+    """Train while the proxy delays or drops: a few commits, and a step protected after the proxy went in
+    (protection pulls cross it), then the job is stopped; the next restore reads around what it did."""
+    if getattr(run, "peer_proxy", None) is None:
+        run.warm_up(inc, res)
+        return
+    run.peer_proxy[0].arm()  # every process has restored (launch returns once all have trained)
+    if run.warm_up(inc, res) and run.profile.protection != "none":
+        mark = inc.last("committed")
+        inc.wait(lambda: inc.last("protected") >= mark or inc.exited(), run.profile.timeout_s / 2)
+    proxy, _, _, node = run.peer_proxy
+    res.detail = f"proxy in front of node {node}'s peer endpoint: {proxy.stats.summary()}"
+
+
+def end_trial(run: "ChaosRun") -> None:
+    """Take the trial's peer proxy out: close it, and give the agent's own address back to its peer file
+    (unless a restarted agent has written its own since)."""
+    entry, run.peer_proxy = getattr(run, "peer_proxy", None), None
+    if entry is None:
+        return
+    proxy, d, published, _ = entry
+    proxy.close()
+    try:
+        now = agent_serve.read_peer_info(d)
+        if now is not None and now.get("address") == proxy.address:
+            agent_serve.write_peer_info(d, published)
+    except OSError:  # the node's directory went (node loss): nothing to give back
+        pass
+
+
 # ------------------------------------------------------------------------------------------ data at rest
 def _newest_record(run: "ChaosRun", res: "TrialResult") -> tuple[int, str, int, int, str] | None:
     """(node, node dir, step, process, record name) of the newest snapshot commit record on a random node (not
@@ -240,10 +308,9 @@ FAULTS: dict[str, Fault] = {
     "corrupt-chunk": Fault(_no_prep, _train_a_little, _corrupt_chunk),
     "corrupt-record": Fault(_no_prep, _train_a_little, _corrupt_record),
     "fill-budget": Fault(_no_prep, _fill_budget),
-    # Hooks: give these an inject function once peer messages can be intercepted (a proxy in front of an
-    # agent's peer server, or a transport wrapper), e.g. delaying or dropping protection pulls and restore reads.
-    "peer-delay": Fault(_no_prep, None, unavailable="needs peer-message interception (a transport proxy)"),
-    "peer-drop": Fault(_no_prep, None, unavailable="needs peer-message interception (a transport proxy)"),
+    # A proxy in front of one node's peer endpoint (jaxckpt/chaos_proxy.py), for the trial's restore and training.
+    "peer-delay": Fault(_peer_prep("peer-delay"), _peer_traffic),
+    "peer-drop": Fault(_peer_prep("peer-drop"), _peer_traffic),
     "node-loss": Fault(_no_prep, _lose_node),
 }
 # Faults that destroy stored data: the newest committed step may be lost (restore falls back, or starts over).

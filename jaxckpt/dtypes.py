@@ -14,11 +14,19 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 
 _NAME = re.compile(r"[a-z][a-z0-9_]{0,31}(\[[a-zA-Z0-9]{1,8}\])?\Z")
+# Fixed-width strings and raw bytes: numpy names them by bit width ("str160"), which np.dtype cannot read back,
+# so they travel as "str[5]" (5 UCS-4 characters, little-endian), "bytes[7]", "void[3]" (itemsize bytes).
+_FIXED = {"U": "str", "S": "bytes", "V": "void"}
+_FIXED_NAME = re.compile(r"(str|bytes|void)\[(\d{1,8})\]\Z")
+_FIXED_CODE = {"str": "<U", "bytes": "S", "void": "V"}
 
 
 def dtype_name(dtype: np.dtype) -> str:
     """The name under which ``dtype`` is written into a manifest."""
-    return np.dtype(dtype).name
+    dt = np.dtype(dtype)
+    if dt.type in (np.str_, np.bytes_, np.void) and dt.names is None and dt.subdtype is None:  # not ml_dtypes
+        return f"{_FIXED[dt.kind]}[{dt.itemsize // 4 if dt.kind == 'U' else dt.itemsize}]"
+    return dt.name
 
 
 def dtype_from_name(name: str) -> np.dtype:
@@ -28,6 +36,9 @@ def dtype_from_name(name: str) -> np.dtype:
     Python objects (dtype object) or into another shape (sub-array and structured dtypes).
     """
     dt = None
+    fixed = _FIXED_NAME.match(name) if isinstance(name, str) else None
+    if fixed:
+        return np.dtype(f"{_FIXED_CODE[fixed.group(1)]}{int(fixed.group(2))}")
     if isinstance(name, str) and _NAME.match(name):  # never hand numpy's comma/shape mini-language to a peer
         try:
             dt = np.dtype(name)

@@ -39,7 +39,7 @@ def test_quick_profile_recovers_from_every_fault_with_no_wrong_restore_and_no_ha
     available = {k for k, f in chaos.FAULTS.items() if f.inject is not None}
     assert {k.removesuffix(" (jax)") for k in rep["faults"]} == available, table  # every kind was exercised
     assert rep["saves_not_resumed"] == 0, table  # saving came back after every agent and budget fault
-    assert set(rep["unavailable"]) == {"peer-delay", "peer-drop"}
+    assert rep["unavailable"] == {}  # peer-delay and peer-drop run through jaxckpt/chaos_proxy.py
     assert chaos.ok(rep)
     for r in rep["results"]:
         assert r["checks"] >= 1 and r["restored"] is None or r["restored"] <= r["trained"], r
