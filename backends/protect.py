@@ -316,6 +316,11 @@ class RebuildHolder(Holder):
         with self._lock:
             return sorted(s for s, info in self._steps.items() if info.complete)
 
+    def rebuildable_steps(self) -> list[int]:
+        """The steps of the last :meth:`scan` whose every process can be read or rebuilt (complete or not)."""
+        with self._lock:
+            return sorted(self._steps)
+
     def held(self) -> list[HeldEntry]:
         out = []
         for step, info in self.scan().items():

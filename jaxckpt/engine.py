@@ -346,6 +346,8 @@ class CheckpointEngine:
         when it is newer. With protection, the newest step every process holds whose protection is complete
         (``RebuildHolder.protected_steps``, agreed likewise) is kept and held too, as ``Protector._announce``
         holds the newest protected step: until a newer step is protected, a node lost now is rebuilt from it.
+        So is a newer step that can only be rebuilt (a node of it was lost, say the one just restored): until a
+        newer step is protected it is the only fallback should the newest step turn out unreadable.
         Every process then deletes its own held steps outside those (newer ones were not committed everywhere)
         and any held step newer than the restorable one, and numbers its next save after it.
         """
@@ -356,28 +358,38 @@ class CheckpointEngine:
             prefix = f"jaxckpt/{self.config.job_id}/catalog/{next(_recoveries)}"
             self.catalog.discover(prefix)
             restorable = self.catalog.agree_latest(prefix)  # its scan is the one protected_steps() reads
-        protected = self.protection.holder.protected_steps() if self.protection is not None else []
+        holder = self.protection.holder if self.protection is not None else None
+        protected = holder.protected_steps() if holder is not None else []
+        rebuildable = holder.rebuildable_steps() if holder is not None else []
         if self.process_count == 1:
             agreed = own[-self.config.keep:]
             guard = max(set(own) & set(protected), default=None)
         else:
-            agreed, guard = self._agree_held(own, protected)
+            agreed, guard, rebuildable = self._agree_held(own, protected, rebuildable)
         if guard is not None and restorable is not None and guard > restorable:
             guard = None
-        kept = set(agreed) | ({restorable} if restorable is not None else set()) | \
-            ({guard} if guard is not None else set())
+        # Fallbacks newer than guard that can be rebuilt though not protected on every node (a node of theirs was
+        # lost): the newest one older than what the job restores now (should that be unreadable), and that one
+        # itself when it is such a step (retention would drop it as soon as the next step commits).
+        newest = max([*agreed, *([restorable] if restorable is not None else [])], default=None)
+        older = max((s for s in rebuildable if (newest is None or s < newest) and (guard is None or s > guard)),
+                    default=None)
+        fallbacks = [s for s in (older, newest) if s is not None and s in rebuildable and s not in protected and
+                     (guard is None or s > guard)]
+        kept = set(agreed) | {s for s in (restorable, guard, *fallbacks) if s is not None}
         for s in held:
             if (s in own and s not in kept) or (restorable is not None and s > restorable):
                 self.store.delete(s)
-        if guard is not None:
+        for step, complete in ((guard, True), *((s, False) for s in fallbacks)):
+            if step is None:
+                continue
             with self._lock:
-                self._holds[guard] = self._holds.get(guard, 0) + 1
-                if guard not in agreed:  # freed with its last hold, like a step retention let go
-                    self._deferred.add(guard)
-            self.protection.adopt(guard)
-            log.info("process %d keeps step %d, the newest protected one, until a newer step is protected",
-                     self.process_index, guard)
-        newest = max([*agreed, *([restorable] if restorable is not None else [])], default=None)
+                self._holds[step] = self._holds.get(step, 0) + 1
+                if step not in agreed:  # freed with its last hold, like a step retention let go
+                    self._deferred.add(step)
+            self.protection.adopt(step, complete=complete)
+            log.info("process %d keeps step %d, the newest %s, until a newer step is protected", self.process_index,
+                     step, "protected one" if complete else "older one that can be rebuilt")
         if newest is not None:
             self._committed = list(agreed)
             self._last_step = newest
@@ -409,24 +421,27 @@ class CheckpointEngine:
                 out.append(s)
         return out
 
-    def _agree_held(self, held: list[int], protected: list[int]) -> tuple[list[int], int | None]:
+    def _agree_held(self, held: list[int], protected: list[int], rebuildable: list[int]
+                    ) -> tuple[list[int], int | None, list[int]]:
         """(the newest ``keep`` steps every process holds, the newest step every process holds and sees as
-        protected or None)."""
+        protected or None, the steps every process sees as rebuildable)."""
         c, timeout = self.coordinator, self.config.commit_timeout_s
         prefix = f"jaxckpt/{self.config.job_id}/recover/{next(_recoveries)}"
-        c.set(f"{prefix}/held/{self.process_index}", msgpack.packb([held, protected]))
+        c.set(f"{prefix}/held/{self.process_index}", msgpack.packb([held, protected, rebuildable]))
         if self.process_index == 0:
-            common, prot, failed = set(held), set(protected), None
+            common, prot, rb, failed = set(held), set(protected), set(rebuildable), None
             for q in range(1, self.process_count):
                 try:
-                    h, pr = msgpack.unpackb(c.get(f"{prefix}/held/{q}", timeout))
-                except TimeoutError:
+                    h, pr, r = msgpack.unpackb(c.get(f"{prefix}/held/{q}", timeout))
+                except (TimeoutError, ValueError):  # ValueError: not three lists, from a process of another version
                     failed = q
                     break
                 common &= set(h)
                 prot &= set(pr)
+                rb &= set(r)
             guard = max(common & prot, default=None)
-            out = b"" if failed is not None else msgpack.packb([sorted(common)[-self.config.keep:], guard])
+            out = b"" if failed is not None else \
+                msgpack.packb([sorted(common)[-self.config.keep:], guard, sorted(rb)[-16:]])
             c.set(f"{prefix}/common", out)
         else:
             try:
@@ -436,8 +451,8 @@ class CheckpointEngine:
         if not out:
             raise CommitError(f"recovery: the processes did not agree on the steps they hold within {timeout:g}s "
                               f"(job {self.config.job_id!r}, process {self.process_index})")
-        steps, guard = msgpack.unpackb(out)
-        return [int(s) for s in steps], (None if guard is None else int(guard))
+        steps, guard, rebuildable = msgpack.unpackb(out)
+        return [int(s) for s in steps], None if guard is None else int(guard), [int(s) for s in rebuildable]
 
     # -------------------------------------------------------------------------------------------- restore
     def resolve_step(self, step: int | None) -> int:

@@ -69,6 +69,7 @@ class Protector:
         self._encoded: dict[int, bytes] = {}
         self._steps: dict[int, tuple[ProtectionPlan, Future | None]] = {}
         self._protected: list[int] = []
+        self._fallbacks: list[int] = []  # rebuildable-only steps held at start-up (see adopt)
         self._pending: set[int] = set()  # saved, not yet protected nor failed
         self._queued: set[int] = set()  # committed, waiting for the worker
         self._recent: list[int] = []  # the newest Config.keep committed steps: what retention keeps
@@ -315,6 +316,9 @@ class Protector:
             self._store = store_cls(self.config, process_index=PROTECT_BASE + self.p, process_count=self.n)
         meta = encode_meta(self._encoded[id(plan)], manifests)
         header, size, writes = build_slot(step, self.p, meta, blocks)
+        if step in self._store.steps():  # an earlier incarnation's protection of this step number: stale now
+            log.info("step %d: replacing the protection slot an earlier run of process %d left", step, self.p)
+            self._store.delete(step)
         slot = self._store.reserve(step, size)
         try:
             buf = parity.as_bytes(np.frombuffer(slot.buffer, np.uint8)) if size else None
@@ -361,14 +365,22 @@ class Protector:
             self.engine.hold(step)
             if newest is not None:
                 self.engine.release(newest)
+            with self._cond:
+                fallbacks, self._fallbacks = self._fallbacks, []
+            for s in fallbacks:
+                self.engine.release(s)
         if done:
             log.info("step %d is protected (%s)", step, self.config.protection)
 
-    def adopt(self, step: int) -> None:
+    def adopt(self, step: int, *, complete: bool = True) -> None:
         """Take ``step`` as the newest protected one (found at start-up; the engine holds it): the next step
-        protected releases it, as :meth:`_announce` does."""
+        protected releases it, as :meth:`_announce` does. ``complete=False``: a step that can only be rebuilt (a
+        node of it was lost), held as the fallback all the same but not reported protected."""
         with self._cond:
-            self._protected = sorted(set(self._protected) | {step})
+            if complete:
+                self._protected = sorted(set(self._protected) | {step})
+            else:
+                self._fallbacks.append(step)
 
     # ----------------------------------------------------------------------------------------------- API
     def protected_steps(self) -> list[int]:

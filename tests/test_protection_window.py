@@ -110,3 +110,48 @@ def test_a_node_lost_while_the_newest_step_is_unprotected_restores_the_protected
                            env=ENV, timeout=180))
     assert [r["latest"] for r in out] == [1, 1], out
     assert out[1]["report"]["bytes_by_kind"].get("rebuild", 0) > 0, out[1]["report"]
+
+
+def save_more_job(base: str, job: str, step: int):
+    """Restore what is there (a lost node's part rebuilt), then save ``step`` (its protection refused)."""
+    import jax
+    import jaxckpt
+
+    sh = _shardings()
+    target = {k: jax.ShapeDtypeStruct(h.shape, h.dtype, sharding=sh[k]) for k, h in host_state(0).items()}
+    with jaxckpt.Checkpointer(_config(base, job, f"{HERE}:RefusingProtectionStore")) as ck:
+        restored = ck.latest_step()
+        ck.restore(target)
+        ck.save(step, {k: jax.make_array_from_callback(h.shape, sh[k], lambda i, h=h: h[i])
+                       for k, h in host_state(step).items()})
+        ck.wait()
+        return {"restored": restored, "latest": ck.latest_step(), "protected": ck.engine.protection.protected_steps()}
+
+
+def _wipe(node_dir: str) -> None:
+    proto.stop_agent(node_dir, timeout_s=20)
+    proto.kill_agent(node_dir, remove_memory=True)  # the whole node: its agent and every byte it held
+    shutil.rmtree(node_dir, ignore_errors=True)
+
+
+def _run(fn, *args):
+    return expect_ok(launch(fn, nodes=NODES, procs_per_node=1, devices_per_proc=2, args=(BASE, *args), env=ENV,
+                            timeout=180))
+
+
+def test_a_step_restored_by_rebuilding_stays_the_fallback_until_a_newer_step_is_protected():
+    """Node 1 is lost after step 1 (protected); the job restores step 1 by rebuilding node 1's part and commits
+    step 3, whose protection fails; a plain restart restores step 3; then node 1 is lost again. Step 1 (which no
+    node holds whole, so it is not "protected") must still be there to rebuild: the restart may not drop it,
+    since nothing newer is protected."""
+    job = "fallback"
+    assert all(r["protected"] == [1] for r in _run(save_job, job)), "step 1 protected, step 2 not"
+    lost = f"{BASE}/{job}-node1"
+    _wipe(lost)
+    out = _run(save_more_job, job, 3)
+    assert [(r["restored"], r["latest"]) for r in out] == [(1, 3), (1, 3)], out
+    assert [r["latest"] for r in _run(restore_job, job)] == [3, 3]  # a plain restart
+    _wipe(lost)
+    out = _run(restore_job, job)
+    assert [r["latest"] for r in out] == [1, 1], out
+    assert out[1]["report"]["bytes_by_kind"].get("rebuild", 0) > 0, out[1]["report"]
