@@ -49,7 +49,7 @@ log = logging.getLogger("jaxckpt.backends.agent")
 EXIT_ALREADY_RUNNING = 3
 MAX_INT = 1 << 62
 MAX_PROCESS = 999_999_999  # process indices name files (agent_protocol.SEG_RE)
-TRAINER_OPS = ("reserve", "commit", "abort", "steps", "open", "unpin", "delete", "held")
+TRAINER_OPS = ("reserve", "commit", "abort", "steps", "open", "unpin", "delete", "held", "lend")
 ANY_OPS = ("status", "manifest", "shutdown")
 READER_OPS = ("index", "open", "unpin")
 # A message must arrive whole within this long of its first byte: a client that stalls mid-message (or
@@ -361,6 +361,8 @@ class Agent:
                 conn.pins[(p, step)] -= 1
                 t.unpin(p, step)
             return {}
+        if op == "lend":
+            return {"lent": t.lend(p, step)}
         t.delete(p, step)  # op == "delete"
         return {}
 

@@ -63,6 +63,7 @@ class SlotEntry:
     doomed: bool = False
     created: float = 0.0
     committed_at: float = 0.0
+    lent: bool = False  # its trainer's restored arrays use the segment's memory: unlinked when freed, never reused
 
 
 @dataclass
@@ -161,6 +162,19 @@ class SlotTable:
             if entry is None or not self._visible(entry):
                 return
             self._delete(entry)
+
+    def lend(self, process: int, step: int) -> bool:
+        """Mark a committed slot's segment as memory the trainer's restored arrays use: once freed it is unlinked,
+        never handed out again (its pages live on in the trainer's mapping). Recorded, so a restarted agent
+        honours it too. False if the step is not held."""
+        with self._lock:
+            entry = self._slots.get((process, step))
+            if entry is None or not self._visible(entry):
+                return False
+            if not entry.lent:
+                entry.lent = True
+                self._write_record(entry)
+            return True
 
     def drop_owner(self, owner: int, process: int | None) -> None:
         """A connection went away: discard its half-written slots, then apply the dead trainer's retention cap."""
@@ -341,7 +355,7 @@ class SlotTable:
         del self._slots[(entry.process, entry.step)]
         if entry.seg is None:
             return
-        if reuse and not self._closed:
+        if reuse and not self._closed and not entry.lent:
             self._pools.setdefault(entry.process, []).append(entry.seg)
         else:
             _unlink(os.path.join(self.dir, entry.seg.name))
@@ -351,7 +365,8 @@ class SlotTable:
         tmp = os.path.join(self.dir, f".{name}.tmp")
         data = msgpack.packb({"v": 1, "process": e.process, "step": e.step, "nbytes": e.nbytes,
                               "seg": e.seg.name if e.seg else None, "size": e.seg.size if e.seg else 0,
-                              "manifest": e.manifest, "committed_at": e.committed_at}, use_bin_type=True)
+                              "manifest": e.manifest, "committed_at": e.committed_at, "lent": e.lent},
+                             use_bin_type=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.fchmod(fd, 0o600)
@@ -393,7 +408,8 @@ class SlotTable:
             if not isinstance(manifest, bytes):
                 raise ProtocolError(f"{path}: manifest is not bytes")
             return SlotEntry(process, step, nbytes, seg, owner=0, state=COMMITTED, manifest=manifest,
-                             created=float(d["committed_at"]), committed_at=float(d["committed_at"]))
+                             created=float(d["committed_at"]), committed_at=float(d["committed_at"]),
+                             lent=d.get("lent") is True)
         except Exception as e:  # noqa: BLE001 - any defect means the record is not adoptable; logged
             log.warning("not adopting %s: %s", name, e)
             return None

@@ -4,7 +4,9 @@ Save path, zero extra copies: ``reserve`` asks the agent for a slot and returns 
 as the Slot's buffer, so the snapshot workers copy device bytes straight into the agent's memory; ``commit``
 hands the agent the manifest. Restore reads the same way: ``open`` pins a committed step at the agent and the
 view's buffer is the mmap of its segment. Segments are reused across steps, and this process keeps each one
-mapped, so after warm-up a save costs two small messages on a Unix socket and nothing else.
+mapped, so after warm-up a save costs two small messages on a Unix socket and nothing else. A restore on CPU
+lends a committed segment to the restored arrays (``_View.lend``): the agent then unlinks it when the step is
+freed instead of reusing it, and its pages live on in this process's mapping as long as the arrays do.
 
 The agent is found through ``Config.shm_dir`` (or the per-job default); if none runs, this store spawns one,
 detached (its lock keeps it to one per directory). If the agent dies, saves are skipped with a logged error and
@@ -48,12 +50,18 @@ class _View(SnapshotView):
         self._store, self._conn = store, conn
         self.step, self.manifest, self.buffer = step, manifest, buffer
         self._closed = False
+        self._lent: bool | None = None
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             self.buffer = memoryview(b"")
             self._store._unpin(self)
+
+    def lend(self) -> bool:
+        if self._lent is None:  # asked once per chunk by the restore's readers; one request is enough
+            self._lent = self._store._lend(self)
+        return self._lent
 
 
 class ShmStore(Store):
@@ -267,6 +275,18 @@ class ShmStore(Store):
                     log.warning("step %d: unpin not delivered: %s", view.step, e)
             if self._closed and not self._views:
                 self._disconnect()
+
+    def _lend(self, view: _View) -> bool:
+        """Ask the agent never to reuse ``view``'s segment (restored arrays keep using its mapping)."""
+        with self._lock:
+            if self._closed or self._conn is None or view._conn != self._conn_id:
+                return False
+            try:
+                return bool(self._call("lend", block=False, retry=False, step=view.step).get("lent"))
+            except StoreUnavailableError as e:
+                log.warning("step %d: the node agent did not take the lend (the restore copies instead): %s",
+                            view.step, e)
+                return False
 
     def delete(self, step: int) -> None:
         with self._lock:

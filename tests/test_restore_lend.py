@@ -85,3 +85,40 @@ def test_a_corrupt_snapshot_is_still_refused_and_stays_listed(mesh):
         with pytest.raises(ChecksumError, match=r"step 1 .*crc32c"):
             ck.restore(_target(state))
         assert ck.latest_step() == 1
+
+
+# ------------------------------------------------------------------------------------ the node agent's memory
+def test_shm_restore_lends_the_agent_segment_which_is_never_reused_and_survives_an_agent_restart(mesh, tmp_path):
+    import os
+    import shutil
+    import uuid
+
+    from jaxckpt.backends import agent_protocol as proto
+    from jaxckpt.testing import remove_agents
+
+    base = f"/dev/shm/jaxckpt-lend-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    os.makedirs(base, mode=0o700)
+    d = f"{base}/node0"
+    cfg = Config(store="shm", shm_dir=d, job_id="lend", keep=1)
+    try:
+        with jaxckpt.Checkpointer(cfg) as ck:
+            ck.save(1, _state(mesh, 1)).result()
+        want = _host(_state(mesh, 1))
+        with jaxckpt.Checkpointer(cfg) as ck:  # a restarted trainer
+            first = ck.restore(_target(_state(mesh, 1)))
+            _equal(first, want)
+            seg = next(n for n in os.listdir(d) if n.startswith("seg-p0-"))
+            assert ck.last_restore_report.to_dict()["bytes_by_kind"].get("local", 0) > 0
+            proto.kill_agent(d)  # an agent restart must honour the lend (it is in the step's record)
+            stepped = jax.jit(lambda t: jax.tree.map(lambda x: x + 1, t), donate_argnums=0)(
+                ck.restore(_target(_state(mesh, 1))))
+            for k in range(2, 6):  # step 1 retired: its segment must not be handed out for these
+                ck.save(k, _state(mesh, k)).result()
+            _equal(first, want)
+            np.testing.assert_array_equal(np.asarray(stepped["r"]), want["r"] + 1)
+            assert seg not in os.listdir(d)  # unlinked once freed, not pooled
+            _equal(ck.restore(_target(_state(mesh, 5))), _host(_state(mesh, 5)))
+        _equal(first, want)  # the store is closed; the arrays keep their mapping
+    finally:
+        remove_agents(base)
+        shutil.rmtree(base, ignore_errors=True)

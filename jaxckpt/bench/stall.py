@@ -116,6 +116,13 @@ def run_process(spec: dict) -> dict:
                 idle.append(h.snapshot_seconds)
                 nbytes = h.nbytes
             ck.close()
+            if mode.endswith("-shm"):  # free the agent's memory before the next mode: 1 GB states need it back
+                from jax.experimental import multihost_utils
+
+                from jaxckpt.backends import agent_protocol as proto
+                multihost_utils.sync_global_devices(f"stall {spec['size']} {mode} closed")
+                if proc == 0:
+                    proto.stop_agent(agent_dir(spec, mode), job_id(spec, mode), timeout_s=60)
             out["modes"][mode] = {"step_s": summarize(step_times), "save_call_s": summarize(call_times),
                                   "idle_snapshot_s": summarize(idle), "bytes_this_process": nbytes}
             if snap_times:
