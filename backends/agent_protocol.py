@@ -262,6 +262,16 @@ def read_pid_file(directory: str) -> tuple[int, str] | None:
         return None
 
 
+def agent_status(directory: str, job: str | None = None, *, timeout_s: float = 30.0) -> dict:
+    """The status reply of the agent of ``directory`` (slots, pools, bytes, trainers: what ``jaxckpt ls`` shows)."""
+    conn = AgentConnection(directory, timeout_s=timeout_s)
+    try:
+        conn.call("hello", job=job, role="client")
+        return conn.call("status")
+    finally:
+        conn.close()
+
+
 def stop_agent(directory: str, job: str | None = None, *, timeout_s: float = 30.0) -> bool:
     """Ask the agent of ``directory`` to shut down (it frees its memory) and wait until it has; False if none ran."""
     try:

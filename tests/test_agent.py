@@ -56,13 +56,7 @@ def _json(out: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def _status(d: str, job: str) -> dict:
-    conn = proto.AgentConnection(d)
-    try:
-        conn.call("hello", job=job, role="client")
-        return conn.call("status")
-    finally:
-        conn.close()
+_status = proto.agent_status
 
 
 def _settled_status(d: str, job: str) -> dict:

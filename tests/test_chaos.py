@@ -83,13 +83,7 @@ def _agent(d: str, job: str) -> subprocess.Popen:
     return p
 
 
-def _status(d: str, job: str) -> dict:
-    conn = proto.AgentConnection(d)
-    try:
-        conn.call("hello", job=job, role="client")
-        return conn.call("status")
-    finally:
-        conn.close()
+_status = proto.agent_status
 
 
 def _held(d: str, job: str, process: int) -> list[int]:

@@ -75,13 +75,16 @@ def _raw(d: str) -> socket.socket:
     return s
 
 
-def _status(d: str, job: str) -> dict:
-    conn = proto.AgentConnection(d, timeout_s=60)
+def _stop(d: str, job: str) -> None:
+    proto.stop_agent(d, job, timeout_s=20)
     try:
-        conn.call("hello", job=job, role="client")
-        return conn.call("status")
-    finally:
-        conn.close()
+        os.unlink(proto.default_log_path(d))
+    except FileNotFoundError:
+        pass
+
+
+def _status(d: str, job: str) -> dict:
+    return proto.agent_status(d, job, timeout_s=60)
 
 
 def _log_has(log: str, text: str) -> bool:
@@ -197,11 +200,7 @@ def test_out_of_range_steps_raise_step_error_naming_the_steps_held(store):
             np.testing.assert_array_equal(ck.restore(step=3)["w"], np.arange(4, dtype=np.float32))
     finally:
         if store == "shm":
-            proto.stop_agent(d, cfg.job_id, timeout_s=20)
-            try:
-                os.unlink(proto.default_log_path(d))
-            except FileNotFoundError:
-                pass
+            _stop(d, cfg.job_id)
 
 
 # --------------------------------------------------------------------------------------------- dtypes
@@ -246,11 +245,7 @@ def test_string_and_void_numpy_leaves_restore_bit_for_bit(store):
                     np.testing.assert_array_equal(g, w)
     finally:
         if store == "shm":
-            proto.stop_agent(d, cfg.job_id, timeout_s=20)
-            try:
-                os.unlink(proto.default_log_path(d))
-            except FileNotFoundError:
-                pass
+            _stop(d, cfg.job_id)
 
 
 def test_structured_dtypes_are_refused_at_save_naming_the_path():
