@@ -95,23 +95,28 @@ class ShmStore(Store):
             return self._conn
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
+            conn = None
             try:
                 conn = AgentConnection(self.directory)
+                # A SIGKILLed agent's socket can still accept until the process is gone, then reset us: the
+                # hello is part of the handshake that is retried, not a failure of the agent that comes next.
+                hello = conn.call("hello", job=self.config.job_id, role="trainer", process=self.process_index,
+                                  process_count=self.process_count, keep=self.config.keep,
+                                  pending=self.config.max_pending_saves, budget=self.config.memory_budget_bytes,
+                                  pid=os.getpid())
                 break
             except StoreUnavailableError as e:
+                if conn is not None:
+                    conn.close()
                 self._maybe_spawn()
                 if not block or time.monotonic() > deadline:
                     raise StoreUnavailableError(f"{e} (job {self.config.job_id!r}, process {self.process_index}; "
                                                 f"agent log: {default_log_path(self.directory)})") from None
                 time.sleep(0.02)
-        try:
-            hello = conn.call("hello", job=self.config.job_id, role="trainer", process=self.process_index,
-                              process_count=self.process_count, keep=self.config.keep,
-                              pending=self.config.max_pending_saves, budget=self.config.memory_budget_bytes,
-                              pid=os.getpid())
-        except BaseException:
-            conn.close()
-            raise
+            except BaseException:
+                if conn is not None:
+                    conn.close()
+                raise
         previous = self.agent.get("generation")
         if previous is not None:
             self.metrics["reconnects"] += 1

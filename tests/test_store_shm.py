@@ -179,6 +179,43 @@ class TestShmStore(StoreTests):
         assert store.steps() == [1, 2, 3, 4]
         assert not [n for n in os.listdir(store.directory) if n.startswith(".rec")]
 
+    def test_an_agent_dying_during_the_handshake_is_retried_not_fatal(self, store: ShmStore) -> None:
+        # A SIGKILLed agent's socket accepts until the kernel has torn the process down, then resets the
+        # connection: the next request must go to the agent started after it (CI once saw this as a failure).
+        import socket
+        import struct
+        import threading
+
+        self.write(store, 1)
+        pid, gen = proto.read_pid_file(store.directory)
+        os.kill(pid, signal.SIGKILL)
+        _wait_dead(pid)
+        path = os.path.join(store.directory, proto.SOCKET_NAME)
+        os.unlink(path)
+        dying = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        dying.bind(path)
+        os.chmod(path, 0o600)
+        dying.listen(4)
+        resets = []
+
+        def accept_and_reset() -> None:
+            conn, _ = dying.accept()
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+            dying.close()  # and then the process is gone: connections are refused until the next agent listens
+            resets.append(1)
+
+        t = threading.Thread(target=accept_and_reset, daemon=True)
+        t.start()
+        try:
+            with store.open(1) as view:  # the old connection is dead, the next one is reset, the third serves
+                self.assert_snapshot(view, 1)
+        finally:
+            dying.close()
+            t.join(10)
+        assert resets == [1]
+        assert proto.read_pid_file(store.directory)[1] != gen
+
     def test_lost_agent_memory_is_named_on_open(self, store: ShmStore) -> None:
         self.write(store, 1)
         pid, _ = proto.read_pid_file(store.directory)
