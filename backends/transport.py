@@ -44,10 +44,17 @@ MAX_REQUEST_BYTES = 4096
 DEFAULT_FRAME_BYTES = 16 << 20
 _HEADER_SLACK = 4096  # a reply header is far below this
 OPS = ("steps", "manifest", "read", "held")
+# A request waits at most this long for a connection to exist: a restarted agent listens on a new port, and
+# ZeroMQ would otherwise queue requests for the dead one's address until the whole peer time-out ran out.
+CONNECT_TIMEOUT_S = 2.0
 
 
 class PeerTimeoutError(PeerError):
     """The peer did not answer in time (it may be dead), as opposed to answering with a refusal."""
+
+
+class PeerUnreachableError(PeerTimeoutError):
+    """Nothing accepted a connection at the peer's address (a dead agent's stale address, most likely)."""
 
 
 class SnapshotSource(abc.ABC):
@@ -365,16 +372,24 @@ class ZmqClient(PeerClient):
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, frame_bytes + _HEADER_SLACK)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a live connection: see _send
         self._sock.connect(address)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._closed = False
 
-    def _send(self, op: str, **fields: int | None) -> int:
+    def _send(self, op: str, what: str, **fields: int | None) -> int:
         rid = next(self._ids)
         fields = {k: v for k, v in fields.items() if v is not None}
-        self._sock.send(msgpack.packb({"v": VERSION, "id": rid, "token": self._token, "op": op, **fields},
-                                      use_bin_type=True))
+        wait = min(self._timeout, CONNECT_TIMEOUT_S)
+        try:
+            if not self._sock.poll(max(1, int(wait * 1000)), zmq.POLLOUT):
+                raise zmq.Again()
+            self._sock.send(msgpack.packb({"v": VERSION, "id": rid, "token": self._token, "op": op, **fields},
+                                          use_bin_type=True), zmq.NOBLOCK)
+        except zmq.Again:
+            raise PeerUnreachableError(f"peer {self.address}: no reply to {what} within {wait:g}s: nothing accepted "
+                                       f"a connection at that address") from None
         return rid
 
     def _recv(self, want: set[int], deadline: float, what: str) -> tuple[int, dict, zmq.Frame | None]:
@@ -402,7 +417,7 @@ class ZmqClient(PeerClient):
     def _call(self, op: str, what: str, **fields: int | None) -> tuple[dict, zmq.Frame | None]:
         with self._lock:
             self._check_open()
-            rid = self._send(op, **fields)
+            rid = self._send(op, what, **fields)
             _, header, payload = self._recv({rid}, time.monotonic() + self._timeout, what)
             return header, payload
 
@@ -448,7 +463,7 @@ class ZmqClient(PeerClient):
                     nxt = next(todo, None)
                     if nxt is None:
                         break
-                    pending[self._send("read", step=step, offset=nxt[0], nbytes=nxt[1], process=process)] = nxt
+                    pending[self._send("read", what, step=step, offset=nxt[0], nbytes=nxt[1], process=process)] = nxt
                 if not pending:
                     break
                 rid, _, payload = self._recv(set(pending), deadline, what)

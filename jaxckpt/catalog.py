@@ -26,6 +26,14 @@ kept with protection; the own bytes are still read first, each chunk checked aga
 
 A remote agent that does not answer in time (a dead agent's stale address) is not asked again for the rest of the
 operation (a restore, a scan, a protection pull: :meth:`Catalog.begin`), and that is logged once.
+
+Following restarted agents (:meth:`Catalog.begin`, never collective): an agent restarted on the same node and
+directory listens on a new address. At the start of each operation a process re-reads the peer files that
+changed (its own node's, ``Config.agent_dirs``: a stat each otherwise), and publishes its own node's new agent
+under ``agent-of/<process>/<k>`` (set once per restart). After an operation in which an agent did not answer,
+it also reads the keys the other processes published since (O(processes) reads, once per such operation). A
+restarted agent replaces the one of the same node and directory; :meth:`current_generation` maps the old
+generation to the new one (protection names a node's agent by generation).
 """
 from __future__ import annotations
 
@@ -152,6 +160,12 @@ class Catalog:
         self._providers: list[Callable[[], Iterable[Holder]]] = []
         self._lock = threading.Lock()
         self._operation = "catalog scan"  # what a holder that stops answering is skipped for the rest of
+        self.replaced: dict[str, str] = {}  # generation of a restarted agent -> of the one that replaced it
+        self._published: str | None = None  # the generation of our node's agent the other processes know
+        self._own_k = 0  # our next agent-of key
+        self._probe: dict[int, int] = {}  # process -> its next agent-of key to read
+        self._seen: dict[str, tuple] = {}  # agent directory -> its peer file's (inode, mtime, size) last read
+        self._stale = False  # an agent did not answer in the last operation: read the other processes' keys
 
     @property
     def uses_agents(self) -> bool:
@@ -163,7 +177,9 @@ class Catalog:
         self._providers.append(provider)
 
     def begin(self, operation: str) -> None:
-        """Start ``operation`` (a restore, a scan): agents that did not answer in the last one are asked again."""
+        """Start ``operation`` (a restore, a scan): follow restarted agents (see the module docstring); agents
+        that did not answer in the last one are asked again."""
+        self._follow_restarts()
         with self._lock:
             self._operation = operation
             holders = list(self._holders or ())
@@ -173,11 +189,12 @@ class Catalog:
 
     def _unresponsive(self, h: _Guarded, e: Exception) -> None:
         with self._lock:
+            self._stale = True
             if h.dead is not None:
                 return
             h.dead = what = self._operation
-        log.warning("process %d: %s (node %s) did not answer within %gs (%s); not asked again in this %s",
-                    self.process_index, h.name, h.node, self.config.peer_timeout_s, e, what)
+        log.warning("process %d: %s (node %s) did not answer (%s); not asked again in this %s",
+                    self.process_index, h.name, h.node, e, what)
 
     # ------------------------------------------------------------------------------------------ discovery
     def _own_node(self) -> str:
@@ -189,10 +206,10 @@ class Catalog:
         several processes. Without agents (``store="memory"``) there is nothing to find."""
         if not self.uses_agents:
             return
-        from jaxckpt.backends.agent_readers import AgentInfo, expand_dirs, local_agents
+        from jaxckpt.backends.agent_readers import AgentInfo, local_agents
 
-        dirs = [self.agent_dir] + [d for d in expand_dirs(self.config.agent_dirs)
-                                   if os.path.realpath(d) != os.path.realpath(self.agent_dir)]
+        dirs = self._dirs()
+        seen = {d: self._peer_file_state(d) for d in dirs}
         found = [a.to_wire() for a in local_agents(self.config.job_id, dirs)]
         if prefix is not None and self.process_count > 1:
             found = self._exchange(f"{prefix}/agents", found)
@@ -201,10 +218,96 @@ class Catalog:
             a = AgentInfo.from_wire(w)
             agents.setdefault(a.address, a)
         with self._lock:
-            self.agents, self._discovered = agents, True
+            self.agents, self._discovered, self._seen = agents, True, seen
+            self._published = str((getattr(self.store, "agent", None) or {}).get("generation", ""))
             self._close_holders()
         log.info("process %d found %d node agent(s): %s", self.process_index, len(agents),
                  ", ".join(f"{a.node} at {a.address}" for a in agents.values()) or "none")
+
+    def _dirs(self) -> list[str]:
+        from jaxckpt.backends.agent_readers import expand_dirs
+
+        return [self.agent_dir] + [d for d in expand_dirs(self.config.agent_dirs)
+                                   if os.path.realpath(d) != os.path.realpath(self.agent_dir)]
+
+    @staticmethod
+    def _peer_file_state(d: str) -> tuple | None:
+        from jaxckpt.backends.agent_serve import PEER_NAME
+
+        try:
+            st = os.stat(os.path.join(d, PEER_NAME))
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def _follow_restarts(self) -> None:
+        if not self.uses_agents or not self._discovered:
+            return
+        from jaxckpt.backends.agent_readers import AgentInfo, local_agents
+
+        changed = []
+        for d in self._dirs():
+            state = self._peer_file_state(d)
+            if state is not None and self._seen.get(d) != state:
+                self._seen[d] = state
+                changed.append(d)
+        found = local_agents(self.config.job_id, changed) if changed else []
+        own_gen = str((getattr(self.store, "agent", None) or {}).get("generation", ""))
+        prefix = f"jaxckpt/{self.config.job_id}/agent-of"
+        if self.process_count > 1 and own_gen != self._published:
+            own = next((a for a in found + list(self.agents.values()) if a.generation == own_gen), None)
+            if own is not None:  # else the new agent does not serve peers yet: at the next operation
+                try:
+                    self.coord.set(f"{prefix}/{self.process_index}/{self._own_k}",
+                                   msgpack.packb(own.to_wire(), use_bin_type=True))
+                    self._own_k, self._published = self._own_k + 1, own_gen
+                except Exception as e:  # noqa: BLE001 - the others find it after a time-out, or at the next start
+                    log.warning("process %d: could not publish the address of its restarted node agent: %s",
+                                self.process_index, e)
+        if self._stale and self.process_count > 1:
+            self._stale = False
+            for q in range(self.process_count):
+                k = self._probe.get(q, 0)
+                while q != self.process_index:
+                    try:
+                        raw = self.coord.try_get(f"{prefix}/{q}/{k}")
+                        if raw is None:
+                            break
+                        found.append(AgentInfo.from_wire(msgpack.unpackb(raw, raw=False)))
+                    except Exception as e:  # noqa: BLE001 - a bad or unreadable key: the next one may be good
+                        log.warning("process %d: agent address %d of process %d unusable: %s",
+                                    self.process_index, k, q, e)
+                    k += 1
+                self._probe[q] = k
+        if found:
+            self._replace_agents(found)
+
+    def _replace_agents(self, found: list) -> None:
+        gone: set[str] = set()
+        with self._lock:
+            for a in found:
+                cur = self.agents.get(a.address)
+                if cur is not None and cur.generation == a.generation:
+                    continue
+                for old in [x for x in self.agents.values() if (x.node, x.directory) == (a.node, a.directory)]:
+                    del self.agents[old.address]
+                    gone.add(old.address)
+                    if old.generation != a.generation:
+                        self.replaced[old.generation] = a.generation
+                self.agents[a.address] = a
+                gone.discard(a.address)
+                log.info("process %d: the agent of node %s (%s) now listens at %s", self.process_index, a.node,
+                         a.directory, a.address)
+            if gone or found:
+                self._rebuild_holders(gone)
+
+    def current_generation(self, generation: str) -> str:
+        """The generation of the agent serving now where the agent of ``generation`` was (it may have restarted)."""
+        seen = {generation}
+        while generation in self.replaced and self.replaced[generation] not in seen:
+            generation = self.replaced[generation]
+            seen.add(generation)
+        return generation
 
     def _exchange(self, key: str, mine: list) -> list:
         c, timeout = self.coord, self.config.commit_timeout_s
@@ -241,9 +344,24 @@ class Catalog:
             out += list(provider())
         return out
 
-    def _make_holders(self) -> list[Holder]:
+    def _rebuild_holders(self, gone: set[str]) -> None:
+        """(locked) New holders for the agents now known; live ones are kept as they are (another thread may be
+        reading through them), those of replaced agents closed."""
+        if self._holders is None:
+            return
+        keep: dict[str, Holder] = {}
+        for h in self._holders:
+            address = getattr(getattr(h, "info", None), "address", None)
+            if h.kind == "remote" and address in gone:
+                h.close()
+            elif h.kind in ("node", "remote"):
+                keep[address or ""] = h
+        self._holders = self._make_holders(keep)
+
+    def _make_holders(self, reuse: dict[str, Holder] | None = None) -> list[Holder]:
         if not self.uses_agents:
             return []
+        reuse = reuse or {}
         from jaxckpt.backends.agent_readers import NodeAgentHolder, RemoteAgentHolder
         from jaxckpt.backends.transport import PeerTimeoutError
 
@@ -253,13 +371,17 @@ class Catalog:
         label = {a.address: a.node if names.count(a.node) == 1 else f"{a.node}:{os.path.basename(a.directory)}"
                  for a in infos}
         own = next((a for a in infos if a.generation == own_gen), None)
-        out: list[Holder] = [NodeAgentHolder(self.agent_dir, self.config.job_id,
-                                             label[own.address] if own else self._own_node(),
-                                             self.config.peer_timeout_s)]
+        out: list[Holder] = [reuse.get("") or NodeAgentHolder(self.agent_dir, self.config.job_id,
+                                                              label[own.address] if own else self._own_node(),
+                                                              self.config.peer_timeout_s)]
         for a in infos:
             if a is not own:
-                out.append(_Guarded(RemoteAgentHolder(a, label[a.address], self.config.peer_timeout_s,
-                                                      self.config.restore_workers), self, PeerTimeoutError))
+                out.append(reuse.get(a.address) or _Guarded(
+                    RemoteAgentHolder(a, label[a.address], self.config.peer_timeout_s, self.config.restore_workers),
+                    self, PeerTimeoutError))
+        for address, h in reuse.items():
+            if h not in out:
+                h.close()  # e.g. our own restarted agent's old address, known as a remote one until now
         return out
 
     def index(self) -> list[tuple[Holder, HeldEntry]]:

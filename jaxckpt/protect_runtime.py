@@ -389,12 +389,12 @@ class Protector:
             return list(self._protected)
 
     def wait(self, step: int | None = None, timeout: float | None = None) -> bool:
-        """Until ``step`` (default: every step handed to protection so far) is protected, failed or skipped
-        (``Config.keep`` newer steps were committed before its turn)."""
+        """Until ``step`` (default: every step handed to protection so far) is protected, failed, skipped
+        (``Config.keep`` newer steps were committed before its turn) or dropped (not committed by every process:
+        nothing to protect). False if ``timeout`` ran out first."""
         with self._cond:
-            return self._cond.wait_for(
-                lambda: (step in self._protected or step in self._failed or step in self._skipped)
-                if step is not None else not self._pending, timeout)
+            return self._cond.wait_for(lambda: step not in self._pending if step is not None else not self._pending,
+                                       timeout)
 
     def close(self) -> None:
         self._closed = True
@@ -414,7 +414,7 @@ class _ChunkPuller:
         self._chunks: dict[tuple[int, int], np.ndarray] = {}
 
     def _holder(self, q: int):
-        gen = self.prot.generations[self.prot.nodes[q]]
+        gen = self.prot.engine.catalog.current_generation(self.prot.generations[self.prot.nodes[q]])
         own = self.prot.engine.store.agent.get("generation")
         for h in self.prot._agent_holders():
             if (h.kind == "node" and gen == own) or getattr(getattr(h, "info", None), "generation", None) == gen:

@@ -88,7 +88,7 @@ class TransportTests:
         t = self.make_transport()
         nobody = t.connect(f"tcp://127.0.0.1:{free_port()}", token=TOKEN, timeout_s=0.3)
         try:
-            with pytest.raises(PeerError, match=r"no reply to the manifest of step 3 within 0.3s"):
+            with pytest.raises(PeerError, match=r"no reply to the manifest of step 3 within 0.3s: nothing accepted"):
                 nobody.manifest(3)
             with pytest.raises(PeerError, match=r"no reply to step 3 range 0\+20000 within 0.3s"):
                 nobody.read(3, 0, 20_000)
@@ -162,6 +162,6 @@ class TestZmqTransport(TransportTests):
         store, server, data, connect = served
         c = connect()
         # A stale reply (id 1) queued ahead of the real one must not be taken for it.
-        c._send("manifest", step=3)
+        c._send("manifest", "the manifest of step 3", step=3)
         assert c.steps() == [3]
         np.testing.assert_array_equal(np.frombuffer(c.read(3, 0, 9000), dtype=np.uint8), data[:9000])

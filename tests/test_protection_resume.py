@@ -1,0 +1,135 @@
+"""Protection comes back after a node agent is SIGKILLed with its memory while the job trains on (real processes,
+3 simulated nodes x 1 process, node agents; issue 9's kill-agent-wipe fault).
+
+The node's agent restarts (the trainer spawns it) and saves resume; the steps saved after that must become
+protected again, or the next node loss has nothing newer than the last step protected before the wipe to rebuild
+from (the chaos run saw the job go back thousands of steps that way). Then the node is lost for good, and the
+relaunched job restores the newest protected step, bit for bit.
+"""
+import os
+import shutil
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from jaxckpt.backends import agent_protocol as proto
+from jaxckpt.testing import expect_ok, launch, node_info, remove_agents
+import sharded_state
+
+BASE = f"/dev/shm/jaxckpt-pres-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+ENV = {"JAXCKPT_LOG_LEVEL": "WARNING"}
+NODES = 3
+SPECS = {"rep": (), "fsdp": (("data", "model"),)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def base_dir():
+    os.makedirs(BASE, mode=0o700)
+    yield BASE
+    remove_agents(BASE)
+
+
+def _config(base: str, job: str):
+    """``agent_dirs`` names every node's directory (simulated nodes on one host) or, for jobs named "remote-*",
+    nothing: each process sees its own node's agent only, as on separate hosts, and learns of a restarted agent
+    on another node through the coordination service."""
+    import jaxckpt
+
+    node = node_info().node
+    return jaxckpt.Config(store="shm", job_id=job, shm_dir=f"{base}/{job}-node{node}", keep=2, chunk_bytes=256,
+                          agent_dirs="" if job.startswith("remote") else f"{base}/{job}-node*",
+                          commit_timeout_s=60.0, peer_timeout_s=20.0, protection="hybrid")
+
+
+def host_state(step: int) -> dict:
+    rng = np.random.default_rng([29, step])
+    return {"rep": rng.standard_normal((12, 10)).astype(np.float32),
+            "fsdp": rng.standard_normal((36, 6)).astype(np.float32)}
+
+
+def _wait_dead(pid: int, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"agent {pid} still alive")
+
+
+def train_through_a_wipe(base: str, job: str):
+    """Steps 1..3 protected; node 1's agent SIGKILLed with its memory; steps 4.. saved until one is protected."""
+    import jaxckpt
+    from jaxckpt.errors import CommitError
+
+    mesh = sharded_state.node_mesh(NODES)
+    me = node_info().node
+    c = _config(base, job)
+
+    with jaxckpt.Checkpointer(c) as ck:
+        prot = ck.engine.protection
+        for step in (1, 2, 3):
+            ck.save(step, sharded_state.device_state(mesh, host_state(step), SPECS, step))
+            ck.wait()
+            assert prot.wait(step, timeout=120), f"step {step}: protection did not finish"
+        before = prot.protected_steps()
+        kv = ck.engine.coordinator
+        if me == 1:
+            d = f"{base}/{job}-node1"
+            pid = proto.kill_agent(d, remove_memory=True)
+            _wait_dead(pid)
+            proto.kill_agent(d, remove_memory=True)  # what it wrote while dying goes too
+            kv.set(f"test/{job}/wiped", b"1")
+        kv.get(f"test/{job}/wiped", 120)
+        step, resumed, skipped = 3, None, []
+        while step < 400 and resumed is None:  # bounded: the agent is back well within 40 s
+            step += 1
+            time.sleep(0.05)  # a training step: the restarted agent takes a moment to come up
+            ck.save(step, sharded_state.device_state(mesh, host_state(step), SPECS, step))
+            try:
+                ck.wait()
+            except CommitError:  # node 1 skipped its save while its agent was coming back
+                skipped.append(step)
+                continue
+            if prot.wait(step, timeout=120) and step in prot.protected_steps():
+                resumed = step
+        return {"before": before, "resumed": resumed, "latest": ck.latest_step(), "skipped": skipped,
+                "protected": prot.protected_steps(), "failed": {s: str(e)[:300] for s, e in prot._failed.items()}}
+
+
+def restore_job(base: str, job: str):
+    import jax
+    import jaxckpt
+
+    mesh = sharded_state.node_mesh(NODES)
+    target = {k: jax.ShapeDtypeStruct(h.shape, h.dtype, sharding=sharded_state.sharding(mesh, SPECS[k]))
+              for k, h in host_state(0).items()} | {"step": 0}
+    with jaxckpt.Checkpointer(_config(base, job)) as ck:
+        latest = ck.latest_step()
+        got = ck.restore(target)
+        sharded_state.check_bitwise(got, host_state(latest), latest)
+        return {"latest": latest, "report": ck.last_restore_report.to_dict()}
+
+
+@pytest.mark.parametrize("job", ["local", "remote"])
+def test_protection_resumes_after_an_agent_is_killed_with_its_memory_and_a_later_node_loss_uses_it(job):
+    out = expect_ok(launch(train_through_a_wipe, nodes=NODES, procs_per_node=1, devices_per_proc=2,
+                           args=(BASE, job), env=ENV, timeout=300))
+    for r in out:
+        assert r["before"] and max(r["before"]) == 3, r
+        assert r["resumed"] is not None, r  # a step saved after the wipe is protected on every node
+    resumed = out[0]["resumed"]
+    assert all(r["resumed"] == resumed for r in out), out
+    lost = f"{BASE}/{job}-node2"  # now lose another node for good: the newest protected step must come back
+    proto.stop_agent(lost, timeout_s=20)
+    proto.kill_agent(lost, remove_memory=True)
+    shutil.rmtree(lost, ignore_errors=True)
+    out = expect_ok(launch(restore_job, nodes=NODES, procs_per_node=1, devices_per_proc=2, args=(BASE, job),
+                           env=ENV, timeout=300))
+    assert all(r["latest"] >= resumed for r in out), (resumed, out)
+    assert out[2]["report"]["bytes_by_kind"].get("rebuild", 0) > 0, out[2]["report"]
