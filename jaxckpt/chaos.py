@@ -16,7 +16,9 @@ is one incarnation of the job:
      trainers, agent and memory at once), bits of stored chunks or of commit records flipped, the node's memory
      budget filled, one node's peer traffic delayed or dropped by a proxy (jaxckpt/chaos_proxy.py). The job
      recovers (agents restarted; that saves resume is checked). With ``--protection``, losing a node's memory
-     must keep the newest step reported protected before the loss;
+     must keep the newest step reported protected before the loss, by this incarnation or an earlier one since
+     the last fault that destroyed data. The failure model is one failure at a time: a fault that takes a
+     node's memory strikes once a step of the running incarnation is protected (a bounded wait, then anyway);
   2) the job is stopped (SIGKILL, at a random point too); the next trial's restore checks what the fault left.
 A fault at the restore is checked within its own trial (after a clean incarnation checked the previous one).
 Every wait has a time-out; one that expires is a **hang** (everything is killed and the run goes on). Steps of
@@ -50,7 +52,7 @@ from typing import Any, Callable
 
 from jaxckpt.backends import agent_protocol as proto
 from jaxckpt.backends.agent import EXIT_ALREADY_RUNNING
-from jaxckpt.chaos_faults import DESTRUCTIVE, FAULTS, JAX_KINDS, NODE_LOSS, end_trial
+from jaxckpt.chaos_faults import DESTRUCTIVE, FAULTS, JAX_KINDS, NODE_LOSS, end_trial, wait_protected
 from jaxckpt.errors import JaxckptError
 from jaxckpt.testing import chaos_trainer as ct
 
@@ -207,6 +209,9 @@ class ChaosRun:
         self.fired: list[dict] = []  # phase faults that went off in an incarnation that was then relaunched
         self.results: list[TrialResult] = []
         self.trained_max = 0  # the newest step any incarnation of the current job trained
+        # The newest step reported protected since the last fault that destroyed data: it has its full redundancy,
+        # so one node's memory lost later must not take it, whichever incarnation protected it.
+        self.safe_protected = 0
         self.unattributed = Counter()  # wrong restores and hangs of the first incarnation (no fault before it)
         self.budget = self._node_budget()
         self.peer_proxy = None  # (proxy, node dir, its peer info, node) while a peer fault's trial runs
@@ -363,6 +368,7 @@ class ChaosRun:
         """SIGKILL the incarnation (the job is stopped at a random point too) and note how far it trained."""
         inc.stop()
         self.trained_max = max(self.trained_max, inc.last("trained"))
+        self.safe_protected = max(self.safe_protected, inc.last("protected"))
 
     def warm_up(self, inc: Incarnation, res: TrialResult) -> bool:
         """Let the job commit a random 1..3 more snapshots; False if it ended, or stalled (a hang)."""
@@ -399,11 +405,13 @@ class ChaosRun:
                 # Its own restore is what this fault hits: check the previous fault on a clean incarnation first.
                 inc = self.launch(prev, mode)
                 if inc is not None:
-                    self.warm_up(inc, res)
+                    if self.warm_up(inc, res) and fault["action"] == "kill-agent-wipe":
+                        wait_protected(self, inc)
                     self.stop(inc)
                     res.trained, res.committed = inc.last("trained"), inc.last("committed")
                     res.protected = inc.last("protected")  # what a memory wipe in the restore must not take
                 prev = res
+            floor = self.safe_protected
             inc = self.launch(prev, mode, fault, target)
             if inc is not None and res is not None:
                 try:
@@ -417,6 +425,10 @@ class ChaosRun:
                 self.stop(inc)
             elif res is not None:
                 res.detail += " (no incarnation could restore before it)"
+            if res is not None and kind in NODE_LOSS:
+                res.protected = max(res.protected, floor)
+            if kind in DESTRUCTIVE:  # what was protected before may have lost a part: only newer steps count
+                self.safe_protected = 0
             end_trial(self)
             if res is not None:
                 res.seconds = round(time.monotonic() - t0, 2)

@@ -106,10 +106,20 @@ def respawn_and_resume(run: "ChaosRun", inc: "Incarnation", res: "TrialResult", 
         res.hang = True
 
 
+def wait_protected(run: "ChaosRun", inc: "Incarnation") -> None:
+    """One failure at a time: before a node's memory goes, let the newest committed step be protected (bounded:
+    a quarter of the driver's time-out; the fault strikes then anyway)."""
+    if run.profile.protection != "none":
+        mark = inc.last("committed")
+        inc.wait(lambda: inc.last("protected") >= mark or inc.exited(), run.profile.timeout_s / 4)
+
+
 def _kill_agent(wipe: bool) -> Callable:
     def inject(run: "ChaosRun", inc: "Incarnation", res: "TrialResult") -> None:
         if not run.warm_up(inc, res):
             return
+        if wipe:
+            wait_protected(run, inc)
         time.sleep(run.rng.uniform(0, 2 * run.profile.step_time_s))
         res.protected = inc.last("protected")
         node = run.rng.randrange(run.profile.nodes) if res.mode == "numpy" else 0
@@ -125,9 +135,7 @@ def _lose_node(run: "ChaosRun", inc: "Incarnation", res: "TrialResult") -> None:
     job is torn down; a replacement node starts empty). With protection, the newest protected step survives."""
     if not run.warm_up(inc, res):
         return
-    if run.profile.protection != "none":  # let a step be protected, or there is nothing to keep
-        mark = inc.last("committed")
-        inc.wait(lambda: inc.last("protected") >= mark or inc.exited(), run.profile.timeout_s / 4)
+    wait_protected(run, inc)
     time.sleep(run.rng.uniform(0, 2 * run.profile.step_time_s))
     node = run.rng.randrange(run.profile.nodes)
     res.protected = inc.last("protected")

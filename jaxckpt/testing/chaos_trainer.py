@@ -120,6 +120,10 @@ class Trainer:
         f = self.fault
         if not f or f.get("phase") != phase or (phase != "restore" and self.step < f.get("step", 1 << 62)):
             return
+        if f["action"] == "kill-agent-wipe" and phase != "restore" and self.spec.get("protection", "none") != "none" \
+                and getattr(self, "_protected", 0) < getattr(self, "first", 0) and \
+                self.step < f["step"] + 50 * self.spec["interval"]:
+            return  # one failure at a time: a step saved by this incarnation is protected first (bounded wait)
         self.fault = {}
         self.emit("phase-fault", phase=phase, step=self.step, action=f["action"])
         if f["action"] == "kill-self":
@@ -152,7 +156,7 @@ class Trainer:
                 eng.store.delete(restored[1])
             self.emit("restart", reason=verdict)
             return RESTART
-        first = (restored or 0) + 1
+        first = self.first = (restored or 0) + 1
         if "after" in self.fault:  # the after-th snapshot step from here on
             saves = [s for s in range(first, first + 100 * self.spec["interval"]) if s % self.spec["interval"] == 0]
             self.fault["step"] = saves[self.fault["after"] - 1]
