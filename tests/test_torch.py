@@ -98,6 +98,31 @@ def test_numpy_leaves_and_values():
         assert back["a"] is zero["a"] and zero["a"][1, 2] == 5
 
 
+def test_numpy_big_endian_and_fixed_width_text_leaves_and_structured_refused():
+    be = np.arange(6, dtype=">f4").reshape(2, 3)
+    be.reshape(-1)[1] = np.array(0x7FC00001, ">u4").view(">f4")  # a NaN payload survives the byte swap
+    state = {"be": be, "u": np.array(["ab", "c"]), "b": np.array([b"xy", b"z"]), "sc": np.dtype(">f8").type(2.5)}
+
+    def zeros():
+        return {"be": np.zeros((2, 3), ">f4"), "u": np.zeros(2, "<U2"), "b": np.zeros(2, "S2"), "sc": np.float64(0)}
+    with Checkpointer() as ck:
+        ck.save(1, state)
+        ck.wait()
+        out = ck.restore(zeros())
+        assert out["be"].dtype == np.dtype(">f4") and out["be"].tobytes() == be.tobytes()  # the target's byte order
+        assert out["u"].tolist() == ["ab", "c"] and out["b"].tolist() == [b"xy", b"z"] and out["sc"] == 2.5
+        plain = ck.restore(None)  # untargeted: native order, same values
+        assert plain["be"].dtype == np.float32 and plain["be"].view(np.uint32).tolist() == \
+            be.astype("<f4").view(np.uint32).tolist()
+        into = zeros()
+        ck.restore(into, in_place=True)
+        assert into["be"].tobytes() == be.tobytes() and into["u"].tolist() == ["ab", "c"]
+        with pytest.raises(UnsupportedLeafError, match=r"s: numpy structured or sub-array dtype"):
+            ck.save(2, {"s": np.zeros(2, dtype=[("a", "<i4"), ("f", "<f4")])})
+        with pytest.raises(TargetMismatchError, match=r"u: saved numpy array str\[2\]\[2\], target is ndarray <U1"):
+            ck.restore({**zeros(), "u": np.zeros(2, "<U1")})
+        assert ck.latest_step() == 1
+
 # ----------------------------------------------------------------------------------- models and optimizers
 def make_model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)

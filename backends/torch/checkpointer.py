@@ -161,6 +161,8 @@ class Checkpointer:
         elif kind in ("numpy", "numpy_scalar"):
             # Copied at save(): wait_for_reads() cannot know when numpy arrays are written in place.
             arr = np.array(v, copy=True)
+            if not arr.dtype.isnative:  # the manifest names the native dtype (jaxckpt.dtypes): save its bytes
+                arr = arr.astype(arr.dtype.newbyteorder("="))
             shape, name, meta_kind, attrs = tuple(arr.shape), np_dtype_name(arr.dtype), kind, {}
             sharding = "replicated" if n > 1 else "host"
             sources = lambda devs: {me: ((lambda: arr), None)}

@@ -153,15 +153,18 @@ def _restore_leaf(ctx: _Ctx, leaf: Leaf, values: dict) -> Any:
         return _rows(ctx, path, meta, t.tensor, t.tensor if ctx.in_place and t.tensor.device.type != "meta" else None)
     if kind in ("numpy", "numpy_scalar"):
         shape, dtype = np.shape(t), np.asarray(t).dtype
-        if meta.kind in ROW_KINDS or tuple(meta.shape) != shape or dtype_from_name(meta.dtype) != dtype:
+        # Saved in native byte order (as from JAX): a big-endian target gets its values in its own order.
+        if meta.kind in ROW_KINDS or tuple(meta.shape) != shape or \
+                dtype_from_name(meta.dtype) != dtype.newbyteorder("="):
             raise TargetMismatchError(f"{path}: saved {_saved(meta)}, target is {_describe(t)}")
-        host = numpy_view(ctx.host(meta, Box.full(meta.shape), torch_dtype(meta.dtype, path)))
+        (a,) = plan_restore(meta, {Box.full(meta.shape): [HOST]}, step=ctx.step, prefer_process=ctx.process)
+        host = assemble(a, dtype_from_name(meta.dtype), ctx.reader).reshape(shape)  # numpy: str/bytes too
         if kind == "numpy_scalar":
-            return host[()]
+            return host.astype(dtype)[()]
         if ctx.in_place:
             np.copyto(t, host)
             return t
-        return host
+        return host.astype(dtype, copy=True)
     if meta.kind == "numpy_scalar" and meta.shape == ():  # a numpy scalar saved from JAX, target a Python number
         return ctx.host(meta, Box.full(()), torch_dtype(meta.dtype, path)).item()
     raise TargetMismatchError(f"{path}: saved {_saved(meta)}, target is {_describe(t)}")
