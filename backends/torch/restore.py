@@ -21,7 +21,7 @@ from jaxckpt.manifest import ArrayMeta, Manifest, check_target_paths, merge_chun
 from jaxckpt.plan import HOST, plan_restore
 
 from jaxckpt.backends.torch import dtensor as dt
-from jaxckpt.backends.torch.dtypes import dtype_name, from_numpy, numpy_view, torch_dtype
+from jaxckpt.backends.torch.dtypes import dtype_name, from_numpy, torch_dtype
 from jaxckpt.backends.torch.tree import Leaf, flatten, nested, rebuild
 
 log = logging.getLogger("jaxckpt.backends.torch.restore")
