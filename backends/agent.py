@@ -6,7 +6,8 @@ directory committed, listens on a Unix socket (mode 0600) and serves each connec
   trainers   ``hello`` as process P of the job, then reserve/commit/abort/steps/open/unpin/delete/held on their
              own slots only (agent_table.py holds the state machine); a second live connection claiming P is
              refused, a dead one's claim is taken over. A dropped connection discards its half-written slots
-             and releases its pins.
+             and releases its pins. ``pull`` fills a slot being written with protection blocks built from
+             this node's and other nodes' chunks (protect_pull.py).
   tools      ``hello`` as a client: status (``jaxckpt ls``), manifest (``jaxckpt inspect``), shutdown.
   readers    ``hello`` as a reader of the job (a restoring process of this node): index, and open/unpin of any
              process's committed slot, which the reader maps read-only (zero-copy); its pins go with it.
@@ -40,7 +41,8 @@ from typing import Any
 import msgpack
 
 from jaxckpt.backends.agent_protocol import (LOCK_NAME, PID_NAME, SOCKET_NAME, VERSION, ProtocolError, agent_dir,
-                                             default_log_path, ensure_private_dir, recv_msg, send_msg)
+                                             default_log_path, ensure_private_dir, open_segment, recv_msg,
+                                             send_msg)
 from jaxckpt.backends.agent_table import Limits, Refused, SlotTable
 from jaxckpt.config import Config
 
@@ -49,7 +51,7 @@ log = logging.getLogger("jaxckpt.backends.agent")
 EXIT_ALREADY_RUNNING = 3
 MAX_INT = 1 << 62
 MAX_PROCESS = 999_999_999  # process indices name files (agent_protocol.SEG_RE)
-TRAINER_OPS = ("reserve", "commit", "abort", "steps", "open", "unpin", "delete", "held", "lend")
+TRAINER_OPS = ("reserve", "commit", "abort", "steps", "open", "unpin", "delete", "held", "lend", "pull")
 ANY_OPS = ("status", "manifest", "shutdown")
 READER_OPS = ("index", "open", "unpin")
 # A message must arrive whole within this long of its first byte: a client that stalls mid-message (or
@@ -90,6 +92,7 @@ class Agent:
         self.message_timeout_s = message_timeout_s
         self.peer_server = None
         self.snapshots = None  # agent_serve.AgentSnapshots once serving
+        self.pulled_bytes = 0  # protection blocks' bytes this agent pulled from other nodes (protect_pull.py)
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def acquire(self) -> bool:
@@ -363,8 +366,35 @@ class Agent:
             return {}
         if op == "lend":
             return {"lent": t.lend(p, step)}
+        if op == "pull":
+            return self._pull(conn, p, step, msg)
         t.delete(p, step)  # op == "delete"
         return {}
+
+    def _pull(self, conn: _Conn, p: int, step: int, msg: dict) -> dict:
+        """Build protection blocks into the slot this connection is writing (protect_pull.py)."""
+        from jaxckpt.backends.protect_pull import pull_into
+        from jaxckpt.errors import JaxckptError
+
+        entry = self.table.writing(p, step, conn.id)
+        if entry.seg is None:
+            raise Refused("bad", f"step {step} of process {p}: an empty slot has nothing to fill")
+        from jaxckpt.backends import agent_serve
+
+        local = self.snapshots or agent_serve.AgentSnapshots(self.table, self.dir)
+        m = open_segment(self.dir, entry.seg.name, entry.seg.size)
+        try:
+            crcs, pulled, account = pull_into(memoryview(m)[:entry.nbytes], msg, step, local)
+        except JaxckptError as e:  # a peer that failed, a bad chunk: the trainer's protection of the step fails
+            raise Refused("pull", f"step {step}: {type(e).__name__}: {e}") from None
+        finally:
+            try:
+                m.close()
+            except BufferError:  # a failed pull's traceback still holds a view: the mapping goes with it
+                pass
+        with self._lock:
+            self.pulled_bytes += pulled
+        return {"crcs": crcs, "pulled": pulled, "bandwidth": account}
 
     def _tool_op(self, conn: _Conn, op: str, msg: dict) -> tuple[dict, Any]:
         if op == "status":
@@ -374,6 +404,7 @@ class Agent:
                     "generation": self.generation, "started": self.started, "now": time.time(),
                     "trainers": trainers, "adoption": self.adoption,
                     "peer_address": self.peer_server.address if self.peer_server else None,
+                    "pulled_bytes": self.pulled_bytes,
                     **self.table.status()}, None
         if op == "manifest":
             m = self.table.manifest(_int(msg, "process", MAX_PROCESS), _int(msg, "step"))

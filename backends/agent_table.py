@@ -125,6 +125,11 @@ class SlotTable:
             entry.state = COMMITTED
             log.debug("process %d step %d: committed", process, step)
 
+    def writing(self, process: int, step: int, owner: int) -> SlotEntry:
+        """The slot of ``step`` that connection ``owner`` is writing (Refused if it is not): the agent fills it."""
+        with self._lock:
+            return self._writing(process, step, owner, "fill")
+
     def abort(self, process: int, step: int, owner: int) -> None:
         with self._lock:
             entry = self._slots.get((process, step))

@@ -70,17 +70,27 @@ def _aligned(n: int) -> int:
 def build_slot(step: int, process: int, meta: bytes, blocks: Iterable[tuple[str, int, np.ndarray]]
                ) -> tuple[bytes, int, list[tuple[int, Any]]]:
     """(header, buffer size, [(offset, bytes)]) of a protection slot holding ``meta`` and ``blocks``."""
-    writes: list[tuple[int, Any]] = [(0, meta)]
-    refs, pos = [], _aligned(len(meta))
-    for kind, bid, data in blocks:
-        b = parity.as_bytes(data)
-        refs.append([kind, int(bid), pos, int(b.size), crc32c(b)])
-        writes.append((pos, b))
-        pos = _aligned(pos + b.size)
-    header = msgpack.packb([FORMAT, VERSION, {"step": step, "process": process,
-                                              "meta": [0, len(meta), crc32c(meta)], "blocks": refs}],
-                           use_bin_type=True)
-    return header, pos, writes
+    datas = [(kind, bid, parity.as_bytes(data)) for kind, bid, data in blocks]
+    offsets, size = slot_layout(len(meta), [b.size for _, _, b in datas])
+    writes: list[tuple[int, Any]] = [(0, meta)] + [(o, b) for o, (_, _, b) in zip(offsets, datas)]
+    refs = [[kind, int(bid), o, int(b.size), crc32c(b)] for o, (kind, bid, b) in zip(offsets, datas)]
+    return slot_header(step, process, meta, refs), size, writes
+
+
+def slot_layout(meta_bytes: int, sizes: Iterable[int]) -> tuple[list[int], int]:
+    """The offset of each block after a meta of ``meta_bytes`` bytes, and the slot's size."""
+    offsets, pos = [], _aligned(meta_bytes)
+    for n in sizes:
+        offsets.append(pos)
+        pos = _aligned(pos + int(n))
+    return offsets, pos
+
+
+def slot_header(step: int, process: int, meta: bytes, refs: list[list]) -> bytes:
+    """The header of a slot holding ``meta`` at 0 and blocks ``refs`` ([kind, id, offset, nbytes, crc32c])."""
+    return msgpack.packb([FORMAT, VERSION, {"step": step, "process": process,
+                                            "meta": [0, len(meta), crc32c(meta)], "blocks": refs}],
+                         use_bin_type=True)
 
 
 def decode_header(data: bytes, *, source: str) -> SlotHeader:

@@ -226,6 +226,16 @@ class ShmStore(Store):
             del self._writing[slot.step]
             self._known[slot.step] = tok.generation
 
+    def pull(self, slot: Slot, **fields: Any) -> dict:
+        """Have the agent build protection blocks into ``slot`` (backends/protect_pull.py); its reply (one crc32c
+        per block). AgentError if it could not (a peer failed, a chunk was bad): the slot stays being written."""
+        with self._lock:
+            self._check_open()
+            if self._writing.get(slot.step) is not slot or self._conn is None or slot.token.conn != self._conn_id:
+                raise StoreUnavailableError(f"step {slot.step}: the slot is not being written on a live connection "
+                                            f"to the node agent at {self.directory}")
+            return self._call("pull", block=False, retry=False, step=slot.step, **fields)
+
     def abort(self, slot: Slot) -> None:
         with self._lock:
             if self._writing.get(slot.step) is not slot:

@@ -187,6 +187,12 @@ class Catalog:
             if isinstance(h, _Guarded):
                 h.dead = None
 
+    def suspect(self) -> None:
+        """An agent may have restarted elsewhere (someone else could not reach it): at the next operation, read
+        the addresses the other processes published."""
+        with self._lock:
+            self._stale = True
+
     def _unresponsive(self, h: _Guarded, e: Exception) -> None:
         with self._lock:
             self._stale = True

@@ -16,16 +16,19 @@ commit hook when the step is decided):
      all. Process 0 publishes a skip as soon as retention lets a queued step go; the other processes hold
      every queued step (``engine.hold``, past ``Config.keep``) until that decision says skip, so none drops the
      bytes of a step process 0 still protects. The step being protected is held until every node has pulled
-     its bytes. For a protected step the worker: waits for its parity, pulls what this node holds for other
-     nodes (``xor-group`` units XORed into parity, ``replica`` copy blocks; each block is fetched by one
-     process of the holding node, through the agents' peer transport, verified by checksum, at most
-     ``Config.protection_bandwidth`` bytes per second per process: :class:`TokenBucket`) and the manifests
-     of the processes of the ``copies`` preceding nodes, and commits all of it with the encoded plan to its
-     node's agent as the slot of pseudo process ``PROTECT_BASE + p`` (``jaxckpt.backends.protect``);
+     its bytes. For a protected step the worker: waits for its parity, reads the manifests of the processes
+     of the ``copies`` preceding nodes (small), reserves the slot of pseudo process ``PROTECT_BASE + p`` in its
+     node's agent (``jaxckpt.backends.protect``), writes the plan, the manifests and its parity stripes into
+     it, and has the agent build there what this node holds for other nodes (``xor-group`` units XORed into
+     parity, ``replica`` copy blocks; each block by one process of the holding node): the agent pulls the
+     chunks from the other nodes' agents itself, verifies each by checksum, at most
+     ``Config.protection_bandwidth`` bytes per second per request (``jaxckpt.backends.protect_pull``), and
+     replies with the blocks' checksums; the worker then commits the slot. The bytes never pass through the
+     trainer process. (A store without agents builds the blocks in this thread instead.)
   3) it sets ``protect/<step>/done/<p>``; process 0 reads the N keys and publishes ``protect/<step>/ok``; every
      other process reads that one key. The step is then *protected* (:meth:`protected_steps`).
 The pull replaces a push: the bytes cross the network once either way, the agent needs no write path from peers,
-and a node that is being filled decides its own pace (one worker, one block at a time).
+and a node that is being filled decides its own pace (one request per protecting process, one chunk at a time).
 """
 from __future__ import annotations
 
@@ -40,7 +43,8 @@ import numpy as np
 
 from jaxckpt import manifest as mf
 from jaxckpt import parity
-from jaxckpt.errors import ChecksumError, CommitError, PeerError
+from jaxckpt.checksum import crc32c
+from jaxckpt.errors import AgentError, ChecksumError, CommitError, PeerError
 from jaxckpt.plan import ArrayLayout, SavePlan
 from jaxckpt.protection import (ProtectionPlan, SavedChunk, copy_block, encode_plan, plan_for_config,
                                 segment_from_copy, stripe_parity)
@@ -82,6 +86,7 @@ class Protector:
         self._parity_pool = ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-parity")
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-protect")
         self._closed = False
+        self.last_pull: dict = {}  # the node agent's reply to the newest pull (crcs, bytes, bandwidth account)
         rate = engine.config.protection_bandwidth
         self.bandwidth = TokenBucket(rate) if rate else None  # Config.protection_bandwidth, for every pull
         self.holder = RebuildHolder(self._agent_holders, workers=max(1, engine.config.workers))
@@ -279,22 +284,29 @@ class Protector:
             blocks = list(fut.result()) if fut is not None else []
             me = self.nodes[self.p]
             local = [q for q in range(self.n) if self.nodes[q] == me]
+            stripes = [s for s in plan.stripes
+                       if s.kind == "xor-group" and s.node == me and local[s.id % len(local)] == self.p]
+            copies = [b for b in plan.copy_blocks if b.node == me and local[b.id % len(local)] == self.p]
             self.engine.catalog.begin(f"protection of step {step}")
             reader = _ChunkPuller(self, step)
+            store = self._slot_store()
+            tasks, sources = [], {}
             try:
-                for s in plan.stripes:
-                    if s.kind == "xor-group" and s.node == me and local[s.id % len(local)] == self.p:
-                        blocks.append(("stripe", s.id, stripe_parity(plan, s, reader.read)))
-                for b in plan.copy_blocks:
-                    if b.node == me and local[b.id % len(local)] == self.p:
-                        blocks.append(("copy", b.id, copy_block(plan, b, reader.read)))
                 ids = plan.node_ids
                 at = ids.index(me)
                 prev = {ids[(at - k) % len(ids)] for k in range(1, max(1, plan.copies) + 1)} - {me}
                 manifests = {q: reader.manifest(q) for q in range(self.n) if self.nodes[q] in prev}
+                if hasattr(store, "pull"):  # the node agent pulls and builds the blocks (backends/protect_pull.py)
+                    tasks = [("stripe", s.id, s.nbytes) for s in stripes] + [("copy", b.id, b.nbytes) for b in copies]
+                    read = {plan.chunks[g.chunk].process for s in stripes for u in s.units for g in u.segments}
+                    read |= {plan.chunks[i].process for b in copies for i in b.chunks}
+                    sources = {q: reader.address(q) for q in sorted(read)}
+                else:
+                    blocks += [("stripe", s.id, stripe_parity(plan, s, reader.read)) for s in stripes]
+                    blocks += [("copy", b.id, copy_block(plan, b, reader.read)) for b in copies]
             finally:
                 reader.close()
-            self._write(step, plan, manifests, blocks)
+            self._write(step, plan, manifests, blocks, tasks, sources)
             self._announce(step, True)
         except BaseException as e:  # noqa: BLE001 - the step stays unprotected; training goes on
             log.error("step %d: protection failed on process %d: %s", step, self.p, e)
@@ -308,26 +320,52 @@ class Protector:
             if held:
                 self.engine.release(step)
 
-    def _write(self, step: int, plan: ProtectionPlan, manifests: dict[int, bytes], blocks) -> None:
-        from jaxckpt.backends.protect import PROTECT_BASE, build_slot, encode_meta
+    def _slot_store(self):
+        from jaxckpt.backends.protect import PROTECT_BASE
 
         if self._store is None:  # the configured store class (a subclass of ShmStore, say), as the engine's
             store_cls = get_store_class(self.config.store)
             self._store = store_cls(self.config, process_index=PROTECT_BASE + self.p, process_count=self.n)
+        return self._store
+
+    def _write(self, step: int, plan: ProtectionPlan, manifests: dict[int, bytes], blocks, tasks=(),
+               sources=None) -> None:
+        """Commit the step's protection slot: ``blocks`` computed here, ``tasks`` ((kind, id, nbytes)) built into
+        the slot by the node agent from ``sources`` ({process: [address, token] | None})."""
+        from jaxckpt.backends.protect import encode_meta, slot_header, slot_layout
+
         meta = encode_meta(self._encoded[id(plan)], manifests)
-        header, size, writes = build_slot(step, self.p, meta, blocks)
-        if step in self._store.steps():  # an earlier incarnation's protection of this step number: stale now
+        datas = [(kind, bid, parity.as_bytes(data)) for kind, bid, data in blocks]
+        offsets, size = slot_layout(len(meta), [b.size for _, _, b in datas] + [n for _, _, n in tasks])
+        refs = [[kind, int(bid), o, int(b.size), crc32c(b)] for o, (kind, bid, b) in zip(offsets, datas)]
+        store = self._slot_store()
+        if step in store.steps():  # an earlier incarnation's protection of this step number: stale now
             log.info("step %d: replacing the protection slot an earlier run of process %d left", step, self.p)
-            self._store.delete(step)
-        slot = self._store.reserve(step, size)
+            store.delete(step)
+        slot = store.reserve(step, size)
         try:
             buf = parity.as_bytes(np.frombuffer(slot.buffer, np.uint8)) if size else None
-            for off, data in writes:
-                d = parity.as_bytes(data) if not isinstance(data, bytes) else np.frombuffer(data, np.uint8)
-                buf[off:off + d.size] = d
-            self._store.commit(slot, header)
+            if size:
+                buf[:len(meta)] = np.frombuffer(meta, np.uint8)
+            for o, (_, _, b) in zip(offsets, datas):
+                buf[o:o + b.size] = b
+            if tasks:
+                at = offsets[len(datas):]
+                try:
+                    reply = store.pull(slot, plan=self._encoded[id(plan)],
+                                       tasks=[[kind, int(bid), o] for o, (kind, bid, _) in zip(at, tasks)],
+                                       sources={str(q): v for q, v in (sources or {}).items()},
+                                       rate=int(self.config.protection_bandwidth or 0),
+                                       timeout=float(self.config.peer_timeout_s))
+                except AgentError:  # a peer the agent could not reach may have restarted elsewhere: look again
+                    self.engine.catalog.suspect()
+                    raise
+                refs += [[kind, int(bid), o, int(n), int(crc)]
+                         for o, (kind, bid, n), crc in zip(at, tasks, reply["crcs"])]
+                self.last_pull = reply
+            store.commit(slot, slot_header(step, self.p, meta, refs))
         except BaseException:
-            self._store.abort(slot)
+            store.abort(slot)
             raise
         keep = set(self.engine.store.steps()) | {step}  # committed, pending and held (the newest protected) steps
         for s in self._store.steps():
@@ -433,6 +471,12 @@ class _ChunkPuller:
 
     def manifest(self, q: int) -> bytes:
         return bytes(self._open(q).manifest)
+
+    def address(self, q: int) -> list | None:
+        """Where the node agent finds process ``q``'s chunks: None (its own node) or [peer address, token]."""
+        h = self._holder(q)
+        info = getattr(h, "info", None) if h.kind != "node" else None
+        return None if info is None else [info.address, bytes(info.token)]
 
     def read(self, c: SavedChunk, lo: int, hi: int) -> np.ndarray:
         if c.key not in self._chunks:

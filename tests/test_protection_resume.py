@@ -1,5 +1,6 @@
 """Protection comes back after a node agent is SIGKILLed with its memory while the job trains on (real processes,
-3 simulated nodes x 1 process, node agents; issue 9's kill-agent-wipe fault).
+3 simulated nodes x 1 process, node agents; issue 9's kill-agent-wipe fault), and its bytes are moved by the
+node agents (backends/protect_pull.py).
 
 The node's agent restarts (the trainer spawns it) and saves resume; the steps saved after that must become
 protected again, or the next node loss has nothing newer than the last step protected before the wipe to rebuild
@@ -99,6 +100,7 @@ def train_through_a_wipe(base: str, job: str):
             if prot.wait(step, timeout=120) and step in prot.protected_steps():
                 resumed = step
         return {"before": before, "resumed": resumed, "latest": ck.latest_step(), "skipped": skipped,
+                "pulled": prot.last_pull.get("pulled", 0),
                 "protected": prot.protected_steps(), "failed": {s: str(e)[:300] for s, e in prot._failed.items()}}
 
 
@@ -125,6 +127,10 @@ def test_protection_resumes_after_an_agent_is_killed_with_its_memory_and_a_later
         assert r["resumed"] is not None, r  # a step saved after the wipe is protected on every node
     resumed = out[0]["resumed"]
     assert all(r["resumed"] == resumed for r in out), out
+    # The node agents moved the protection bytes (backends/protect_pull.py), not the trainers.
+    assert all(r["pulled"] > 0 for r in out), out
+    for node in range(NODES):
+        assert proto.agent_status(f"{BASE}/{job}-node{node}")["pulled_bytes"] > 0
     lost = f"{BASE}/{job}-node2"  # now lose another node for good: the newest protected step must come back
     proto.stop_agent(lost, timeout_s=20)
     proto.kill_agent(lost, remove_memory=True)

@@ -433,3 +433,30 @@ def test_checkpointer_skips_saves_while_the_agent_is_gone_and_saves_on(configs):
             np.testing.assert_array_equal(_bits(got[k]), _bits(want[k]))
         # The respawned agent adopted step 1 from its predecessor; the engine's retention dropped it.
         assert ck.all_steps() == [step] and ck.store.steps() == [step]
+
+
+def test_pull_requests_that_are_malformed_are_refused_and_the_slot_stays_usable(configs):
+    """``pull`` (protection blocks built by the agent, backends/protect_pull.py) with bad fields: a clean
+    AgentError naming the step, the agent serves on, and the slot can still be committed."""
+    from jaxckpt.errors import AgentError
+
+    c = fresh_config()
+    configs.append(c)
+    store = ShmStore(c)
+    try:
+        slot = store.reserve(5, N)
+        cases = [({"plan": b"not a plan", "tasks": [], "sources": {}}, r"step 5.*protection plan"),
+                 ({"plan": b"", "tasks": "x", "sources": {}}, r"step 5"),
+                 ({"plan": b"", "tasks": [], "sources": {"1": ["ipc:///tmp/x", b"t"]}}, r"tcp address"),
+                 ({"plan": b"", "tasks": [], "sources": []}, r"sources must be a map")]
+        for fields, match in cases:
+            with pytest.raises(AgentError, match=match):
+                store.pull(slot, **fields)
+        np.frombuffer(slot.buffer, dtype=np.uint8)[:] = pattern(5)
+        store.commit(slot, manifest_of(5))
+        with store.open(5) as view:
+            np.testing.assert_array_equal(np.frombuffer(view.buffer, dtype=np.uint8), pattern(5))
+        with pytest.raises(StoreUnavailableError, match="not being written"):
+            store.pull(slot, plan=b"", tasks=[], sources={})
+    finally:
+        store.close()
