@@ -20,7 +20,9 @@ per protecting trainer connection, one chunk at a time).
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -30,73 +32,136 @@ from jaxckpt import parity
 from jaxckpt.checksum import crc32c
 from jaxckpt.errors import ChecksumError, PeerError
 from jaxckpt.protect_runtime import TokenBucket
-from jaxckpt.protection import SavedChunk, copy_block, decode_plan, stripe_parity
+from jaxckpt.protection import SavedChunk, decode_plan, stripe_parity
 
 log = logging.getLogger("jaxckpt.backends.protect_pull")
 
 MAX_TASKS = 1 << 16
 
 
+_clients: dict[tuple[str, bytes], Any] = {}  # one client per peer agent, kept across requests (connections)
+_clients_lock = threading.Lock()
+MAX_CLIENTS = 64
+FETCH_THREADS = 4
+
+
+def _client(address: str, token: bytes, timeout_s: float):
+    from jaxckpt.backends.transport import get_transport
+
+    with _clients_lock:
+        c = _clients.get((address, token))
+        if c is None:
+            if len(_clients) >= MAX_CLIENTS:  # the oldest goes: a job's peers are few, stale ones pile up
+                _clients.pop(next(iter(_clients))).close()
+            c = _clients[(address, token)] = get_transport().connect(address, token=token, timeout_s=timeout_s)
+        return c
+
+
+def _forget(address: str, token: bytes, client) -> None:
+    with _clients_lock:
+        if _clients.get((address, token)) is client:
+            del _clients[(address, token)]
+    client.close()
+
+
 class _Sources:
-    """Verified whole chunks of one step, from this node's memory or from the agents of other nodes."""
+    """Verified whole chunks of one step, from this node's memory or from the agents of other nodes: the chunks
+    of each source fetched by one thread, the sources in parallel, before the blocks are built."""
 
     def __init__(self, local, sources: dict[int, Any], step: int, timeout_s: float, rate: float) -> None:
         self.local, self.sources, self.step, self.timeout = local, sources, step, timeout_s
         self.bucket = TokenBucket(rate) if rate > 0 else None
         self.pulled = 0
         self._views: dict[int, Any] = {}
-        self._clients: dict[int, Any] = {}
         self._crcs: dict[tuple[int, int], int] = {}
         self._chunks: dict[tuple[int, int], np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def _remote(self, q: int):
+        where = self.sources[q]
+        return where[0], where[1], _client(where[0], where[1], self.timeout)
 
     def _manifest(self, q: int) -> None:
-        if q in self._views or q in self._clients:
-            return
         if q not in self.sources:
             raise PeerError(f"step {self.step}: no source named for process {q}")
-        where = self.sources[q]
-        if where is None:
+        if self.sources[q] is None:
             view = self.local.open(q, self.step) if self.local is not None else None
             if view is None:
                 raise PeerError(f"step {self.step} of process {q} is not held by this node's agent")
-            self._views[q], raw = view, bytes(view.manifest)
+            with self._lock:
+                self._views[q] = view
+            raw = bytes(view.manifest)
         else:
-            from jaxckpt.backends.transport import get_transport
-
-            client = get_transport().connect(where[0], token=where[1], timeout_s=self.timeout)
-            self._clients[q] = client
-            raw = client.manifest(self.step, q)
+            address, token, client = self._remote(q)
+            try:
+                raw = client.manifest(self.step, q)
+            except PeerError:
+                _forget(address, token, client)
+                raise
         m = mf.decode(raw, source=f"step {self.step} manifest of process {q}")
-        for a in m.arrays:
-            for c in a.chunks:
-                self._crcs[(c.process, c.offset)] = c.crc32c
+        with self._lock:
+            for a in m.arrays:
+                for c in a.chunks:
+                    self._crcs[(c.process, c.offset)] = c.crc32c
 
-    def read(self, c: SavedChunk, lo: int, hi: int) -> np.ndarray:
-        if c.key not in self._chunks:
-            self._manifest(c.process)
-            if c.process in self._views:
-                buf = self._views[c.process].buffer[c.offset:c.offset + c.nbytes]
-                data = np.frombuffer(buf, np.uint8)
+    def _fetch(self, q: int, chunks: list[SavedChunk]) -> None:
+        self._manifest(q)
+        for c in chunks:
+            if q in self._views:
+                data = np.frombuffer(self._views[q].buffer[c.offset:c.offset + c.nbytes], np.uint8)
             else:
                 if self.bucket is not None:  # the network's share: this node's own chunks are not pulled
                     self.bucket.take(c.nbytes)
-                data = np.frombuffer(bytes(self._clients[c.process].read(self.step, c.offset, c.nbytes, c.process)),
-                                     np.uint8)
-                self.pulled += c.nbytes
+                address, token, client = self._remote(q)
+                try:
+                    data = np.frombuffer(client.read(self.step, c.offset, c.nbytes, q), np.uint8)
+                except PeerError:
+                    _forget(address, token, client)
+                    raise
+                with self._lock:
+                    self.pulled += c.nbytes
             crc = self._crcs.get(c.key)
             if crc is None:
-                raise ChecksumError(f"{c.path}: step {self.step} has no chunk at offset {c.offset} of process "
-                                    f"{c.process}")
-            parity.check(data, crc, f"{c.path}: step {self.step} chunk of process {c.process}")
-            self._chunks[c.key] = data
+                raise ChecksumError(f"{c.path}: step {self.step} has no chunk at offset {c.offset} of process {q}")
+            parity.check(data, crc, f"{c.path}: step {self.step} chunk of process {q}")
+            with self._lock:
+                self._chunks[c.key] = data
+
+    def prefetch(self, chunks: list[SavedChunk]) -> None:
+        """Fetch and verify ``chunks``, each source's by one thread, the sources in parallel."""
+        by: dict[int, list[SavedChunk]] = {}
+        for c in chunks:
+            by.setdefault(c.process, []).append(c)
+        if len(by) <= 1:
+            for q, cs in by.items():
+                self._fetch(q, cs)
+            return
+        with ThreadPoolExecutor(min(FETCH_THREADS, len(by)), thread_name_prefix="jaxckpt-pull") as ex:
+            for f in [ex.submit(self._fetch, q, cs) for q, cs in by.items()]:
+                f.result()
+
+    def read(self, c: SavedChunk, lo: int, hi: int) -> np.ndarray:
+        if c.key not in self._chunks:
+            self._fetch(c.process, [c])
         return self._chunks[c.key][lo:hi]
 
     def close(self) -> None:
         self._chunks.clear()
         for v in self._views.values():
             v.close()
-        for c in self._clients.values():
-            c.close()
+
+
+def _copy_into(plan, block, read, region: np.ndarray) -> None:
+    """``copy_block`` written straight into ``region``: its chunks at their positions, zeros between."""
+    at = 0
+    for i, pos in sorted(zip(block.chunks, block.positions), key=lambda t: t[1]):
+        c = plan.chunks[i]
+        if pos > at:
+            region[at:pos] = 0
+        region[pos:pos + c.nbytes] = parity.as_bytes(read(c, 0, c.nbytes))
+        at = max(at, pos + c.nbytes)
+    if at < region.size:
+        region[at:] = 0
 
 
 def pull_into(buffer: memoryview, msg: dict, step: int, local) -> tuple[list[int], int, dict]:
@@ -124,18 +189,29 @@ def pull_into(buffer: memoryview, msg: dict, step: int, local) -> tuple[list[int
     src = _Sources(local, sources, step, timeout, rate)
     crcs = []
     try:
+        need: dict[tuple[int, int], SavedChunk] = {}
+        for kind, bid, _ in tasks:
+            if kind == "stripe" and bid in stripes:
+                idx = [g.chunk for u in stripes[bid].units for g in u.segments]
+            else:
+                idx = list(blocks[bid].chunks) if kind == "copy" and bid in blocks else []
+            need.update((plan.chunks[i].key, plan.chunks[i]) for i in idx)
+        src.prefetch(list(need.values()))
         for kind, bid, offset in tasks:
             if kind == "stripe" and bid in stripes:
-                data = stripe_parity(plan, stripes[bid], src.read)
+                n = stripes[bid].nbytes
             elif kind == "copy" and bid in blocks:
-                data = copy_block(plan, blocks[bid], src.read)
+                n = blocks[bid].nbytes
             else:
-                raise ValueError(f"no {kind!r} block {bid!r} in the plan")
-            b = parity.as_bytes(data)
-            if not 0 <= int(offset) <= out.size - b.size:
-                raise ValueError(f"{kind} block {bid} of {b.size} bytes does not fit the slot at {offset}")
-            out[int(offset):int(offset) + b.size] = b
-            crcs.append(crc32c(b))
+                raise ValueError(f"step {step}: no {kind!r} block {bid!r} in the plan")
+            if not 0 <= int(offset) <= out.size - n:
+                raise ValueError(f"step {step}: {kind} block {bid} of {n} bytes does not fit the slot at {offset}")
+            region = out[int(offset):int(offset) + n]  # built in place: no block-sized temporary
+            if kind == "stripe":
+                stripe_parity(plan, stripes[bid], src.read, out=region)
+            else:
+                _copy_into(plan, blocks[bid], src.read, region)
+            crcs.append(crc32c(region))
     finally:
         src.close()
     b = src.bucket
