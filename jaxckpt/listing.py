@@ -138,7 +138,8 @@ def format_status(st: dict) -> str:
     head = (f"job {st['job']}  node {st['node']}  agent pid {st['pid']} (up {human_age(st['now'] - st['started'])})"
             f"  {st['dir']}\nheld {human_bytes(st['held_bytes'])} (+ {human_bytes(st['metadata_bytes'])} "
             f"metadata), node budget {human_bytes(st['node_budget']) if st['node_budget'] else 'none'}, "
-            f"trainers connected: {_trainers(st)}")
+            f"trainers connected: {_trainers(st)}, protection bytes pulled from other nodes: "
+            f"{human_bytes(st.get('pulled_bytes', 0))}")
     mark_protected(st)
     rows = [[_process_label(s["process"]), s["step"], s["state"], human_bytes(s["nbytes"]), human_age(s["age_s"]),
              s["pins"], s["protected"]] for s in st["slots"]]

@@ -8,6 +8,7 @@ from (the chaos run saw the job go back thousands of steps that way). Then the n
 relaunched job restores the newest protected step, bit for bit.
 """
 import os
+import re
 import shutil
 import time
 import uuid
@@ -15,6 +16,7 @@ import uuid
 import numpy as np
 import pytest
 
+from jaxckpt import cli
 from jaxckpt.backends import agent_protocol as proto
 from jaxckpt.testing import expect_ok, launch, node_info, remove_agents
 import sharded_state
@@ -119,7 +121,7 @@ def restore_job(base: str, job: str):
 
 
 @pytest.mark.parametrize("job", ["local", "remote"])
-def test_protection_resumes_after_an_agent_is_killed_with_its_memory_and_a_later_node_loss_uses_it(job):
+def test_protection_resumes_after_an_agent_is_killed_with_its_memory_and_a_later_node_loss_uses_it(job, capsys):
     out = expect_ok(launch(train_through_a_wipe, nodes=NODES, procs_per_node=1, devices_per_proc=2,
                            args=(BASE, job), env=ENV, timeout=300))
     for r in out:
@@ -131,6 +133,8 @@ def test_protection_resumes_after_an_agent_is_killed_with_its_memory_and_a_later
     assert all(r["pulled"] > 0 for r in out), out
     for node in range(NODES):
         assert proto.agent_status(f"{BASE}/{job}-node{node}")["pulled_bytes"] > 0
+    assert cli.main(["ls", "--job", job, "--dir", f"{BASE}/{job}-node0"]) == 0
+    assert re.search(r"protection bytes pulled from other nodes: [1-9]", capsys.readouterr().out)
     lost = f"{BASE}/{job}-node2"  # now lose another node for good: the newest protected step must come back
     proto.stop_agent(lost, timeout_s=20)
     proto.kill_agent(lost, remove_memory=True)

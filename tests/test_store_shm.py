@@ -323,8 +323,10 @@ class TestShmStore(StoreTests):
         assert cli.main(["ls", *args]) == 0
         out = capsys.readouterr().out
         assert "committed" in out and "64 B" in out and f"job {store.config.job_id}" in out
+        assert "protection bytes pulled from other nodes: 0 B" in out  # this agent pulled nothing
         assert cli.main(["ls", *args, "--json"]) == 0
         (st,) = json.loads(capsys.readouterr().out)
+        assert st["pulled_bytes"] == 0
         assert [(s["process"], s["step"], s["state"], s["nbytes"]) for s in st["slots"]] == [(0, 7, "committed", 64)]
         assert cli.main(["inspect", "7", *args]) == 0
         out = capsys.readouterr().out
