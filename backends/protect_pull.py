@@ -43,6 +43,7 @@ _clients: dict[tuple[str, bytes], Any] = {}  # one client per peer agent, kept a
 _clients_lock = threading.Lock()
 MAX_CLIENTS = 64
 FETCH_THREADS = 4
+PARALLEL_BYTES = 8 << 20  # below this a pull fetches its sources one after another
 
 
 def _client(address: str, token: bytes, timeout_s: float):
@@ -132,8 +133,8 @@ class _Sources:
         by: dict[int, list[SavedChunk]] = {}
         for c in chunks:
             by.setdefault(c.process, []).append(c)
-        if len(by) <= 1:
-            for q, cs in by.items():
+        if len(by) <= 1 or sum(c.nbytes for c in chunks) < PARALLEL_BYTES:
+            for q, cs in by.items():  # small: threads would cost more than they save
                 self._fetch(q, cs)
             return
         with ThreadPoolExecutor(min(FETCH_THREADS, len(by)), thread_name_prefix="jaxckpt-pull") as ex:
