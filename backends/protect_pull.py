@@ -31,8 +31,7 @@ from jaxckpt import manifest as mf
 from jaxckpt import parity
 from jaxckpt.checksum import crc32c
 from jaxckpt.errors import ChecksumError, PeerError
-from jaxckpt.protect_runtime import TokenBucket
-from jaxckpt.protection import SavedChunk, decode_plan, stripe_parity
+from jaxckpt.protection import SavedChunk, copy_block, decode_plan, stripe_parity
 
 log = logging.getLogger("jaxckpt.backends.protect_pull")
 
@@ -152,19 +151,6 @@ class _Sources:
             v.close()
 
 
-def _copy_into(plan, block, read, region: np.ndarray) -> None:
-    """``copy_block`` written straight into ``region``: its chunks at their positions, zeros between."""
-    at = 0
-    for i, pos in sorted(zip(block.chunks, block.positions), key=lambda t: t[1]):
-        c = plan.chunks[i]
-        if pos > at:
-            region[at:pos] = 0
-        region[pos:pos + c.nbytes] = parity.as_bytes(read(c, 0, c.nbytes))
-        at = max(at, pos + c.nbytes)
-    if at < region.size:
-        region[at:] = 0
-
-
 def pull_into(buffer: memoryview, msg: dict, step: int, local) -> tuple[list[int], int, dict]:
     """Build the blocks ``msg`` asks for (see the module docstring) into ``buffer``, the writing slot of ``step``;
     returns the crc32c of each block in task order, the bytes pulled from other nodes, and the bandwidth
@@ -211,7 +197,7 @@ def pull_into(buffer: memoryview, msg: dict, step: int, local) -> tuple[list[int
             if kind == "stripe":
                 stripe_parity(plan, stripes[bid], src.read, out=region)
             else:
-                _copy_into(plan, blocks[bid], src.read, region)
+                copy_block(plan, blocks[bid], src.read, out=region)
             crcs.append(crc32c(region))
     finally:
         src.close()
@@ -220,3 +206,39 @@ def pull_into(buffer: memoryview, msg: dict, step: int, local) -> tuple[list[int
         "rate": b.rate, "burst": b.burst, "admitted": b.admitted, "slept": b.slept,
         "span": time.monotonic() - b.started}
     return crcs, src.pulled, account
+
+
+class TokenBucket:
+    """``rate`` bytes per second with a burst of ``burst`` bytes (default: a tenth of a second's worth).
+
+    :meth:`take` admits its bytes at once and then sleeps off any debt, outside the lock: over any span from
+    the first take, at most ``burst + rate * span`` bytes are admitted. ``admitted`` and ``slept`` (the total
+    sleep asked for) account for it.
+    """
+
+    def __init__(self, rate: int, burst: int | None = None) -> None:
+        if rate <= 0:
+            raise ValueError(f"rate must be positive, got {rate!r}")
+        self.rate = float(rate)
+        self.burst = float(burst if burst is not None else max(1.0, rate / 10))
+        self.admitted = 0
+        self.slept = 0.0
+        self.started: float | None = None  # time.monotonic() of the first take
+        self._tokens = self.burst
+        self._t = 0.0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> float:
+        """Admit ``nbytes``; sleep until the bucket is out of debt. Returns the seconds slept."""
+        with self._lock:
+            now = time.monotonic()
+            if self.started is None:
+                self.started = self._t = now
+            self._tokens = min(self.burst, self._tokens + (now - self._t) * self.rate) - nbytes
+            self._t = now
+            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
+            self.admitted += nbytes
+            self.slept += wait
+        if wait > 0:
+            time.sleep(wait)
+        return wait

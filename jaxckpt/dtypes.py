@@ -5,7 +5,7 @@ import re
 
 import numpy as np
 
-from jaxckpt.errors import ManifestError
+from jaxckpt.errors import ManifestError, UnsupportedLeafError
 
 try:  # ml_dtypes ships with jax; torch users without jax still get the standard numpy dtypes.
     import ml_dtypes as _ml
@@ -49,3 +49,11 @@ def dtype_from_name(name: str) -> np.dtype:
     if dt is None or dt.hasobject or dt.subdtype is not None or dt.names is not None:
         raise ManifestError(f"unknown dtype {name!r} in manifest")
     return dt
+
+
+def check_plain(dtype: np.dtype, path: str) -> None:
+    """UnsupportedLeafError naming ``path`` for a structured or sub-array dtype: manifests name element types
+    only, so such an array could be committed but never restored."""
+    if dtype.names is not None or dtype.subdtype is not None:
+        raise UnsupportedLeafError(f"{path}: numpy structured or sub-array dtype {dtype} cannot be snapshotted "
+                                   f"(save each field as its own array)")

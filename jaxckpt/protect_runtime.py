@@ -41,12 +41,11 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from jaxckpt import manifest as mf
 from jaxckpt import parity
 from jaxckpt.checksum import crc32c
-from jaxckpt.errors import AgentError, ChecksumError, CommitError, PeerError
+from jaxckpt.errors import AgentError, CommitError, PeerError
 from jaxckpt.plan import ArrayLayout, SavePlan
-from jaxckpt.protection import (ProtectionPlan, SavedChunk, copy_block, encode_plan, plan_for_config,
+from jaxckpt.protection import (ProtectionPlan, SavedChunk, encode_plan, plan_for_config,
                                 segment_from_copy, stripe_parity)
 from jaxckpt.registry import get_store_class
 
@@ -87,8 +86,6 @@ class Protector:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-protect")
         self._closed = False
         self.last_pull: dict = {}  # the node agent's reply to the newest pull (crcs, bytes, bandwidth account)
-        rate = engine.config.protection_bandwidth
-        self.bandwidth = TokenBucket(rate) if rate else None  # Config.protection_bandwidth, for every pull
         self.holder = RebuildHolder(self._agent_holders, workers=max(1, engine.config.workers))
         engine.catalog.add_holders(lambda: [self.holder])
         engine.add_commit_hook(self._on_commit)
@@ -288,7 +285,7 @@ class Protector:
                        if s.kind == "xor-group" and s.node == me and local[s.id % len(local)] == self.p]
             copies = [b for b in plan.copy_blocks if b.node == me and local[b.id % len(local)] == self.p]
             self.engine.catalog.begin(f"protection of step {step}")
-            reader = _ChunkPuller(self, step)
+            reader = _Sources(self, step)
             store = self._slot_store()
             tasks, sources = [], {}
             try:
@@ -296,14 +293,11 @@ class Protector:
                 at = ids.index(me)
                 prev = {ids[(at - k) % len(ids)] for k in range(1, max(1, plan.copies) + 1)} - {me}
                 manifests = {q: reader.manifest(q) for q in range(self.n) if self.nodes[q] in prev}
-                if hasattr(store, "pull"):  # the node agent pulls and builds the blocks (backends/protect_pull.py)
-                    tasks = [("stripe", s.id, s.nbytes) for s in stripes] + [("copy", b.id, b.nbytes) for b in copies]
-                    read = {plan.chunks[g.chunk].process for s in stripes for u in s.units for g in u.segments}
-                    read |= {plan.chunks[i].process for b in copies for i in b.chunks}
-                    sources = {q: reader.address(q) for q in sorted(read)}
-                else:
-                    blocks += [("stripe", s.id, stripe_parity(plan, s, reader.read)) for s in stripes]
-                    blocks += [("copy", b.id, copy_block(plan, b, reader.read)) for b in copies]
+                # the node agent pulls and builds these blocks (backends/protect_pull.py)
+                tasks = [("stripe", s.id, s.nbytes) for s in stripes] + [("copy", b.id, b.nbytes) for b in copies]
+                read = {plan.chunks[g.chunk].process for s in stripes for u in s.units for g in u.segments}
+                read |= {plan.chunks[i].process for b in copies for i in b.chunks}
+                sources = {q: reader.address(q) for q in sorted(read)}
             finally:
                 reader.close()
             self._write(step, plan, manifests, blocks, tasks, sources)
@@ -442,14 +436,12 @@ class Protector:
             self._store.close()
 
 
-class _ChunkPuller:
-    """Verified whole chunks and manifests of ``step`` from the agents of the nodes that saved them."""
+class _Sources:
+    """The manifests of ``step`` and where the node agent finds each process's chunks (its pulls verify them)."""
 
     def __init__(self, prot: Protector, step: int) -> None:
         self.prot, self.step = prot, step
         self._opened: dict[int, Any] = {}
-        self._crcs: dict[tuple[int, int], int] = {}
-        self._chunks: dict[tuple[int, int], np.ndarray] = {}
 
     def _holder(self, q: int):
         gen = self.prot.engine.catalog.current_generation(self.prot.generations[self.prot.nodes[q]])
@@ -463,10 +455,6 @@ class _ChunkPuller:
         o = self._opened.get(q)
         if o is None:
             o = self._opened[q] = self._holder(q).open(q, self.step)
-            m = mf.decode(o.manifest, source=f"step {self.step} manifest of process {q}")
-            for a in m.arrays:
-                for c in a.chunks:
-                    self._crcs[(c.process, c.offset)] = c.crc32c
         return o
 
     def manifest(self, q: int) -> bytes:
@@ -478,59 +466,9 @@ class _ChunkPuller:
         info = getattr(h, "info", None) if h.kind != "node" else None
         return None if info is None else [info.address, bytes(info.token)]
 
-    def read(self, c: SavedChunk, lo: int, hi: int) -> np.ndarray:
-        if c.key not in self._chunks:
-            o = self._open(c.process)
-            if self.prot.bandwidth is not None:
-                self.prot.bandwidth.take(c.nbytes)  # sleeps, if it must, outside any lock
-            data = np.frombuffer(bytes(o.read(c.offset, c.nbytes)), np.uint8)
-            crc = self._crcs.get(c.key)
-            if crc is None:
-                raise ChecksumError(f"{c.path}: step {self.step} has no chunk at offset {c.offset} of process "
-                                    f"{c.process}")
-            parity.check(data, crc, f"{c.path}: step {self.step} chunk of process {c.process}")
-            self._chunks[c.key] = data
-        return self._chunks[c.key][lo:hi]
-
     def close(self) -> None:
         for o in self._opened.values():
             try:
                 o.close()
             except Exception as e:  # noqa: BLE001
                 log.warning("step %d: could not close a source: %s", self.step, e)
-
-
-class TokenBucket:
-    """``rate`` bytes per second with a burst of ``burst`` bytes (default: a tenth of a second's worth).
-
-    :meth:`take` admits its bytes at once and then sleeps off any debt, outside the lock: over any span from
-    the first take, at most ``burst + rate * span`` bytes are admitted. ``admitted`` and ``slept`` (the total
-    sleep asked for) account for it.
-    """
-
-    def __init__(self, rate: int, burst: int | None = None) -> None:
-        if rate <= 0:
-            raise ValueError(f"rate must be positive, got {rate!r}")
-        self.rate = float(rate)
-        self.burst = float(burst if burst is not None else max(1.0, rate / 10))
-        self.admitted = 0
-        self.slept = 0.0
-        self.started: float | None = None  # time.monotonic() of the first take
-        self._tokens = self.burst
-        self._t = 0.0
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> float:
-        """Admit ``nbytes``; sleep until the bucket is out of debt. Returns the seconds slept."""
-        with self._lock:
-            now = time.monotonic()
-            if self.started is None:
-                self.started = self._t = now
-            self._tokens = min(self.burst, self._tokens + (now - self._t) * self.rate) - nbytes
-            self._t = now
-            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
-            self.admitted += nbytes
-            self.slept += wait
-        if wait > 0:
-            time.sleep(wait)
-        return wait

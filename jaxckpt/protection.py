@@ -443,13 +443,19 @@ def stripe_parity(plan: ProtectionPlan, stripe: Stripe, read: SegmentReader, out
                          workers=workers)
 
 
-def copy_block(plan: ProtectionPlan, block: CopyBlock, read: SegmentReader) -> np.ndarray:
-    """The bytes of ``block``: its chunks at their positions, zeros between."""
-    out = np.zeros(block.nbytes, dtype=np.uint8)
-    for i, pos in zip(block.chunks, block.positions):
+def copy_block(plan: ProtectionPlan, block: CopyBlock, read: SegmentReader, out: np.ndarray | None = None
+               ) -> np.ndarray:
+    """The bytes of ``block``: its chunks at their positions, zeros between; written into ``out`` (a uint8
+    buffer of ``block.nbytes``, e.g. a slot's region) when given."""
+    res = np.empty(block.nbytes, dtype=np.uint8) if out is None else parity.as_bytes(out)[:block.nbytes]
+    at = 0
+    for i, pos in sorted(zip(block.chunks, block.positions), key=lambda t: t[1]):
         c = plan.chunks[i]
-        out[pos:pos + c.nbytes] = parity.as_bytes(read(c, 0, c.nbytes))
-    return out
+        res[at:pos] = 0
+        res[pos:pos + c.nbytes] = parity.as_bytes(read(c, 0, c.nbytes))
+        at = max(at, pos + c.nbytes)
+    res[at:] = 0
+    return res
 
 
 def segment_from_copy(chunk: SavedChunk, lo: int, hi: int, shard: np.ndarray, shard_box: Box) -> np.ndarray:

@@ -18,6 +18,7 @@ import pytest
 
 from jaxckpt import cli
 from jaxckpt.backends import agent_protocol as proto
+from jaxckpt.testing import chaos_trainer as ct
 from jaxckpt.testing import expect_ok, launch, node_info, remove_agents
 import sharded_state
 
@@ -52,19 +53,6 @@ def host_state(step: int) -> dict:
             "fsdp": rng.standard_normal((36, 6)).astype(np.float32)}
 
 
-def _wait_dead(pid: int, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    return
-        except FileNotFoundError:
-            return
-        time.sleep(0.01)
-    raise TimeoutError(f"agent {pid} still alive")
-
-
 def train_through_a_wipe(base: str, job: str):
     """Steps 1..3 protected; node 1's agent SIGKILLed with its memory; steps 4.. saved until one is protected."""
     import jaxckpt
@@ -84,9 +72,7 @@ def train_through_a_wipe(base: str, job: str):
         kv = ck.engine.coordinator
         if me == 1:
             d = f"{base}/{job}-node1"
-            pid = proto.kill_agent(d, remove_memory=True)
-            _wait_dead(pid)
-            proto.kill_agent(d, remove_memory=True)  # what it wrote while dying goes too
+            ct.kill_agent(d, wipe=True)  # SIGKILL, wait until it is dead, then its memory goes
             kv.set(f"test/{job}/wiped", b"1")
         kv.get(f"test/{job}/wiped", 120)
         step, resumed, skipped = 3, None, []

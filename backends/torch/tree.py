@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
+from jaxckpt.dtypes import check_plain
 from jaxckpt.errors import UnsupportedLeafError
 from jaxckpt.manifest import KeyEntry
 
@@ -70,10 +71,7 @@ def classify(value: Any, path: str) -> str:
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
             raise UnsupportedLeafError(f"{path}: numpy arrays of dtype object cannot be snapshotted")
-        if value.dtype.names is not None or value.dtype.subdtype is not None:
-            # Manifests name element types only (jaxckpt.dtypes): fields and sub-arrays could not be restored.
-            raise UnsupportedLeafError(f"{path}: numpy structured or sub-array dtype {value.dtype} cannot be "
-                                       f"snapshotted (save each field as its own array)")
+        check_plain(value.dtype, path)
         return "numpy"
     if isinstance(value, np.generic):
         return "numpy_scalar"

@@ -7,6 +7,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxckpt.dtypes import check_plain
 from jaxckpt.errors import UnsupportedLeafError
 from jaxckpt.manifest import KeyEntry
 
@@ -52,10 +53,10 @@ def classify(value: Any, path: str) -> str:
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
             raise UnsupportedLeafError(f"{path}: numpy arrays of dtype object cannot be snapshotted")
-        _check_plain(value.dtype, path)
+        check_plain(value.dtype, path)
         return "numpy"
     if isinstance(value, np.generic):
-        _check_plain(value.dtype, path)
+        check_plain(value.dtype, path)
         return "numpy_scalar"
     if isinstance(value, VALUE_TYPES):
         if isinstance(value, int) and not isinstance(value, bool) and not -(1 << 63) <= value < (1 << 64):
@@ -63,13 +64,6 @@ def classify(value: Any, path: str) -> str:
         return "value"
     raise UnsupportedLeafError(f"{path}: leaf of type {type(value).__module__}.{type(value).__qualname__} "
                                f"is not supported (arrays, numpy, int/float/bool/str/bytes/None are)")
-
-
-def _check_plain(dtype: np.dtype, path: str) -> None:
-    # Manifests name element types only (jaxckpt.dtypes): fields and sub-arrays could not be restored.
-    if dtype.names is not None or dtype.subdtype is not None:
-        raise UnsupportedLeafError(f"{path}: numpy structured or sub-array dtype {dtype} cannot be snapshotted "
-                                   f"(save each field as its own array)")
 
 
 _paths_by_treedef: dict[Any, tuple[tuple[str, tuple[KeyEntry, ...]], ...]] = {}
