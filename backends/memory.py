@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxckpt import hostbuf
+from jaxckpt.core import hostbuf
 from jaxckpt.config import Config
 from jaxckpt.errors import BudgetExceededError, ClosedError, StepError
-from jaxckpt.store import Slot, SnapshotView, Store
+from jaxckpt.core.store import Slot, SnapshotView, Store
 
 log = logging.getLogger("jaxckpt.backends.memory")
 

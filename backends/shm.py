@@ -26,11 +26,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from jaxckpt.backends.agent_protocol import (AgentConnection, agent_dir, default_log_path, ensure_private_dir,
+from jaxckpt.backends.agent.protocol import (AgentConnection, agent_dir, default_log_path, ensure_private_dir,
                                              open_segment, spawn_agent)
 from jaxckpt.config import Config
 from jaxckpt.errors import ClosedError, StepError, StepNotFoundError, StoreUnavailableError
-from jaxckpt.store import Slot, SnapshotView, Store
+from jaxckpt.core.store import Slot, SnapshotView, Store
 
 log = logging.getLogger("jaxckpt.backends.shm")
 
@@ -142,7 +142,7 @@ class ShmStore(Store):
             return
         ensure_private_dir(self.directory, create=True)
         if self.config.peer_token:
-            from jaxckpt.backends.agent_serve import read_token, write_token
+            from jaxckpt.backends.agent.serve import read_token, write_token
             if read_token(self.directory) is None:  # the agent serves peers with the job's token
                 write_token(self.directory, self.config.peer_token.encode())
         self._last_spawn = time.monotonic()
@@ -227,7 +227,7 @@ class ShmStore(Store):
             self._known[slot.step] = tok.generation
 
     def pull(self, slot: Slot, **fields: Any) -> dict:
-        """Have the agent build protection blocks into ``slot`` (backends/protect_pull.py); its reply (one crc32c
+        """Have the agent build protection blocks into ``slot`` (backends/agent/protection_pull.py); its reply (one crc32c
         per block). AgentError if it could not (a peer failed, a chunk was bad): the slot stays being written."""
         with self._lock:
             self._check_open()

@@ -10,7 +10,7 @@ never pickle):
   reply (two frames)   {"v": 1, "id": n, "ok": bool, "code": "", "error": "", "steps": [...], "size", "held"}, payload
 A manifest is paged: each reply carries at most one frame from ``offset`` and the manifest's total ``size``.
 ``process`` (optional) names the saving process whose snapshot is meant; without it, a store's server means its
-own process. ``held`` lists every (process, step) the source holds as ``jaxckpt.sources.HeldEntry`` wire lists.
+own process. ``held`` lists every (process, step) the source holds as ``jaxckpt.core.sources.HeldEntry`` wire lists.
 
 Every request carries the job's shared token, compared with ``hmac.compare_digest``; a request with a wrong
 or missing token is refused (logged, nothing served). Requests are at most ``MAX_REQUEST_BYTES``; a read
@@ -34,8 +34,8 @@ import numpy as np
 import zmq
 
 from jaxckpt.errors import PeerError, StepNotFoundError
-from jaxckpt.manifest import MAX_MANIFEST_BYTES
-from jaxckpt.store import SnapshotView, Store
+from jaxckpt.core.manifest import MAX_MANIFEST_BYTES
+from jaxckpt.core.store import SnapshotView, Store
 
 log = logging.getLogger("jaxckpt.backends.transport")
 
@@ -90,9 +90,9 @@ class StoreSource(SnapshotSource):
         return self.store.open(step) if process in (None, self.store.process_index) else None
 
     def held(self) -> list[list]:
-        from jaxckpt.checksum import crc32c
+        from jaxckpt.core.checksum import crc32c
         from jaxckpt.errors import ManifestError
-        from jaxckpt.sources import held_entry
+        from jaxckpt.core.sources import held_entry
 
         out = []
         for step in self.store.steps():

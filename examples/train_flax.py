@@ -30,7 +30,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np  # noqa: E402
 
 import jaxckpt  # noqa: E402
-from jaxckpt.bench import gpt  # noqa: E402
+from jaxckpt.tools.bench import gpt  # noqa: E402
 
 # A snapshot's zero-copy views keep the next step from reusing those buffers (jaxckpt relies on that for
 # consistency); JAX reports each skipped donation, which is expected here and not worth a line per step.

@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _setup(opts: dict):
     import warnings
 
-    from jaxckpt.bench import gpt
+    from jaxckpt.tools.bench import gpt
 
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
     cfg = gpt.GPTConfig(vocab=opts["vocab"], seq_len=opts["seq_len"], d_model=opts["d_model"],
@@ -178,7 +178,7 @@ def _kill_node_one(job, timeout: float) -> None:
 
 def _lose_node_memory(node_dir: str) -> None:
     """Node 1 is gone for good: its agent SIGKILLed, its segments, records and directory removed."""
-    from jaxckpt.backends import agent_protocol as proto
+    from jaxckpt.backends.agent import protocol as proto
 
     pid = proto.kill_agent(node_dir, remove_memory=True)
     shutil.rmtree(node_dir, ignore_errors=True)
@@ -187,7 +187,7 @@ def _lose_node_memory(node_dir: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxckpt.backends import agent_protocol as proto
+    from jaxckpt.backends.agent import protocol as proto
     from jaxckpt.testing import expect_ok, launch, start
 
     args = parse_args(argv)

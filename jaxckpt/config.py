@@ -29,15 +29,15 @@ class Config:
     holds (0 = unlimited); ``inflight_bytes`` bounds device-to-host bytes in flight; ``workers`` host copy
     threads; ``max_pending_saves`` saves may be in flight before ``save()`` waits for the oldest.
     ``persistent_dir``: committed steps that are multiples of ``persistent_interval`` (0 = never) are also written
-    there in the standard Orbax format, ``persistent_keep`` newest kept (see ``jaxckpt.persist``).
+    there in the standard Orbax format, ``persistent_keep`` newest kept (see ``jaxckpt.orbax.persist``).
     ``protection_bandwidth``: bytes per second the protection pulls of one process may take (0 = unlimited;
-    a token bucket with a burst of a tenth of a second, see ``jaxckpt.protect_runtime``).
+    a token bucket with a burst of a tenth of a second, see ``jaxckpt.protection.runtime``).
     """
 
     store: str = "memory"
     protection: str = "none"
     # Copies on other nodes for "replica" (and for data that "parity"/"hybrid" find on one node only); nodes per
-    # group for "xor-group" (extra memory 1/(group-1)). See jaxckpt.protection.
+    # group for "xor-group" (extra memory 1/(group-1)). See jaxckpt.protection.plan.
     protection_copies: int = 1
     protection_group: int = 4
     protection_bandwidth: int = 0
@@ -61,7 +61,7 @@ class Config:
     # store="shm": the node agent's directory (socket, lock, shared-memory segments); "" = a per-job directory
     # under /dev/shm. Simulated nodes on one machine each get their own (JAXCKPT_SHM_DIR).
     shm_dir: str = ""
-    # Restore from node agents (jaxckpt.catalog): agent directories of the saving job's nodes that this process
+    # Restore from node agents (jaxckpt.core.catalog): agent directories of the saving job's nodes that this process
     # can read (comma-separated, glob patterns allowed, e.g. "/dev/shm/jaxckpt-sim/node*"); this process's own
     # node agent is always used, and the processes of a job share what they found through the coordination
     # service. ``restore_workers`` chunk fetches run in parallel per process.
@@ -73,7 +73,7 @@ class Config:
             _check_type(f.name, getattr(self, f.name), _field_types()[f.name])
         if self.store not in STORES and ":" not in self.store:
             # Third-party stores register under other names; the registry reports those at use time.
-            from jaxckpt.registry import registered_stores
+            from jaxckpt.core.registry import registered_stores
             if self.store not in registered_stores():
                 raise ConfigError(f"Config.store={self.store!r}: unknown store (known: {', '.join(registered_stores())})")
         if self.protection not in PROTECTIONS:
@@ -158,7 +158,7 @@ class Config:
 
 # Variables in our namespace that configure other things than Config (the CLI, the launcher).
 _ENV_NOT_FIELDS = frozenset({"JAXCKPT_LOG_LEVEL", "JAXCKPT_LAUNCH_SPEC",
-                             # set by jaxckpt.testing's launcher (jaxckpt/testing/node.py) in each process
+                             # set by jaxckpt.testing's launcher (jaxckpt/tools/node.py) in each process
                              "JAXCKPT_COORDINATOR", "JAXCKPT_PROCESS_ID", "JAXCKPT_PROCESS_COUNT",
                              "JAXCKPT_DEVICES_PER_PROC", "JAXCKPT_NODE", "JAXCKPT_NODE_COUNT", "JAXCKPT_LOCAL_RANK",
                              "JAXCKPT_PROCS_PER_NODE", "JAXCKPT_LAUNCH_DIR"})

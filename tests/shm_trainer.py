@@ -27,17 +27,17 @@ import time
 
 import numpy as np
 
-from jaxckpt import manifest as mf
-from jaxckpt.backends import agent_protocol as proto
+from jaxckpt.core import manifest as mf
+from jaxckpt.backends.agent import protocol as proto
 from jaxckpt.backends.shm import ShmStore
-from jaxckpt.box import Box
+from jaxckpt.core.box import Box
 from jaxckpt.config import Config
-from jaxckpt.coordination import LocalCoordinator
-from jaxckpt.dtypes import dtype_from_name, dtype_name
-from jaxckpt.engine import ArrayRecord, CheckpointEngine
+from jaxckpt.core.coordination import LocalCoordinator
+from jaxckpt.core.dtypes import dtype_from_name, dtype_name
+from jaxckpt.core.engine import ArrayRecord, CheckpointEngine
 from jaxckpt.errors import StepNotFoundError
-from jaxckpt.plan import HOST, ArrayLayout, Placement
-from jaxckpt.registry import register_store
+from jaxckpt.core.plan import HOST, ArrayLayout, Placement
+from jaxckpt.core.registry import register_store
 from jaxckpt.testing.agents import agent_processes  # noqa: F401 - the agent tests import it from here
 
 DIE = {"phase": None, "step": -1}

@@ -21,7 +21,7 @@ import uuid
 import numpy as np
 import pytest
 
-from jaxckpt.backends import agent_protocol as proto
+from jaxckpt.backends.agent import protocol as proto
 from jaxckpt.backends.shm import ShmStore
 from jaxckpt.config import Config
 from jaxckpt.errors import AgentError

@@ -36,11 +36,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import Config
-from jaxckpt import manifest as mf
-from jaxckpt.backends import agent_protocol as proto
+from jaxckpt.core import manifest as mf
+from jaxckpt.backends.agent import protocol as proto
 from jaxckpt.backends.memory import MemoryStore
 from jaxckpt.backends.transport import MAX_REQUEST_BYTES, VERSION, ZmqTransport
-from jaxckpt.checksum import crc32c
+from jaxckpt.core.checksum import crc32c
 from jaxckpt.errors import (ConfigError, JaxckptError, ManifestError, NoCheckpointError, StepNotFoundError,
                             TargetMismatchError)
 
@@ -473,8 +473,8 @@ FUZZ_PROCESS = 7  # the fuzzer speaks as this process; the real trainer is proce
 def _shm_engine(directory: str):
     from shm_trainer import records, state  # noqa: F401 - the numpy trainer of tests/test_agent.py
 
-    from jaxckpt.coordination import LocalCoordinator
-    from jaxckpt.engine import CheckpointEngine
+    from jaxckpt.core.coordination import LocalCoordinator
+    from jaxckpt.core.engine import CheckpointEngine
 
     cfg = Config(store="shm", job_id=AGENT_JOB, shm_dir=directory, keep=2, workers=1, chunk_bytes=8192,
                  commit_timeout_s=30.0)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from jaxckpt import cli
-from jaxckpt.bench import report
-from jaxckpt.bench.save import parse_size
+from jaxckpt.tools.bench import report
+from jaxckpt.tools.bench.save import parse_size
 
 STATS = {"median", "min", "max", "p10", "p90", "n"}
 JAXCKPT_KEYS = {"save_call_s", "snapshot_s", "snapshot_worker_s", "restore_s", "snapshot_gbps", "snapshot_vs_memcpy"}
@@ -108,7 +108,7 @@ def test_from_json_rerenders_without_measuring(quick, tmp_path, capsys):
 
 
 def test_cli_in_a_process_that_imported_jax_measures_in_a_subprocess(tmp_path):
-    # This pytest process has jax imported (conftest), so the CLI must hand over to `python -m jaxckpt.bench.save`.
+    # This pytest process has jax imported (conftest), so the CLI must hand over to `python -m jaxckpt.tools.bench.save`.
     assert "jax" in sys.modules
     out = tmp_path / "one.json"
     assert cli.main(["bench", "save", "--quick", "--sizes", "256K", "--repeats", "1", "--json", str(out)]) == 0
@@ -141,7 +141,7 @@ def test_render_rejects_unknown_bench():
 
 
 def test_bad_options_are_refused_before_measuring(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "jaxckpt.bench.save", "--quick", "--warmup", "0"],
+    proc = subprocess.run([sys.executable, "-m", "jaxckpt.tools.bench.save", "--quick", "--warmup", "0"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--warmup >= 1" in proc.stderr and "warmup 0" in proc.stderr

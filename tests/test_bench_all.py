@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from jaxckpt import cli
-from jaxckpt.bench import all as bench_all
-from jaxckpt.bench import plots, report
+from jaxckpt.tools.bench import all as bench_all
+from jaxckpt.tools.bench import plots, report
 
 STATS = {"median", "min", "max", "p10", "p90", "n"}
 # Figures that are legitimately zero: a process index, an exit code, protection bytes of a policy that keeps or

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from jaxckpt.bench import cluster, cluster_report, plots, report
+from jaxckpt.tools.bench import cluster, cluster_report, plots, report
 from test_bench_all import _check_numbers, _check_stats
 
 PROSE = "# Benchmarks\n\nbefore\n\n<!-- bench:cluster:begin -->\nold\n<!-- bench:cluster:end -->\n\nafter\n"

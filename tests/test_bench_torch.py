@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from jaxckpt import cli
-from jaxckpt.bench import report, torch_dcp
+from jaxckpt.tools.bench import report, torch_dcp
 
 STATS = {"median", "min", "max", "p10", "p90", "n"}
 JAXCKPT_KEYS = {"save_call_s", "snapshot_s", "deferred_save_call_s", "deferred_wait_for_reads_s",
@@ -133,7 +133,7 @@ def test_from_json_rerenders_without_measuring(quick, tmp_path, capsys):
 
 
 def test_bad_options_are_refused_before_measuring():
-    proc = subprocess.run([sys.executable, "-m", "jaxckpt.bench.torch_dcp", "--quick", "--repeats", "0"],
+    proc = subprocess.run([sys.executable, "-m", "jaxckpt.tools.bench.torch_dcp", "--quick", "--repeats", "0"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--repeats >= 1" in proc.stderr and "repeats 0" in proc.stderr

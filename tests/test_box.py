@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxckpt.box import Box, covers, disjoint
+from jaxckpt.core.box import Box, covers, disjoint
 from jaxckpt.errors import PlanError
 
 

@@ -22,8 +22,8 @@ import uuid
 
 import pytest
 
-from jaxckpt import chaos
-from jaxckpt.backends import agent_protocol as proto
+from jaxckpt.tools.chaos import run as chaos
+from jaxckpt.backends.agent import protocol as proto
 from jaxckpt.cli import build_parser
 from shm_trainer import agent_processes
 
@@ -39,7 +39,7 @@ def test_quick_profile_recovers_from_every_fault_with_no_wrong_restore_and_no_ha
     available = {k for k, f in chaos.FAULTS.items() if f.inject is not None}
     assert {k.removesuffix(" (jax)") for k in rep["faults"]} == available, table  # every kind was exercised
     assert rep["saves_not_resumed"] == 0, table  # saving came back after every agent and budget fault
-    assert rep["unavailable"] == {}  # peer-delay and peer-drop run through jaxckpt/chaos_proxy.py
+    assert rep["unavailable"] == {}  # peer-delay and peer-drop run through jaxckpt/tools/chaos/proxy.py
     assert chaos.ok(rep)
     for r in rep["results"]:
         assert r["checks"] >= 1 and r["restored"] is None or r["restored"] <= r["trained"], r
@@ -93,9 +93,9 @@ def _held(d: str, job: str, process: int) -> list[int]:
 AHEAD = """
 import json, sys, time
 from jaxckpt.config import Config
-from jaxckpt.engine import CheckpointEngine
-from jaxckpt.testing import chaos_trainer as ct
-from jaxckpt.testing.filecoord import FileCoordinator
+from jaxckpt.core.engine import CheckpointEngine
+from jaxckpt.tools.chaos import trainer as ct
+from jaxckpt.tools.filecoord import FileCoordinator
 p, job, d, coord = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 cfg = Config(store="shm", job_id=job, shm_dir=d, keep=1, max_pending_saves=1, workers=1, commit_timeout_s=30.0,
              peer_timeout_s=30.0)

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import jaxckpt
 from jaxckpt import Config
-from jaxckpt import manifest as mf
+from jaxckpt.core import manifest as mf
 from jaxckpt.backends.memory import MemoryStore
 from jaxckpt.errors import (BudgetExceededError, ChecksumError, ClosedError, NoCheckpointError, StepError,
                             StepNotFoundError, TargetMismatchError, UnsupportedLeafError)

@@ -22,15 +22,15 @@ import uuid
 import numpy as np
 import pytest
 
-from jaxckpt.backends import agent_protocol as proto
-from jaxckpt.backends.agent_serve import PEER_NAME, TOKEN_NAME, read_peer_info
+from jaxckpt.backends.agent import protocol as proto
+from jaxckpt.backends.agent.serve import PEER_NAME, TOKEN_NAME, read_peer_info
 from jaxckpt.backends.transport import ZmqTransport
-from jaxckpt.box import Box
-from jaxckpt.checksum import crc32c
+from jaxckpt.core.box import Box
+from jaxckpt.core.checksum import crc32c
 from jaxckpt.errors import AgentError, ChecksumError, PeerError, StepNotFoundError
-from jaxckpt.fetch import ChunkReader
-from jaxckpt.manifest import ChunkMeta
-from jaxckpt.sources import HeldEntry, RestoreReport, Source, Version, choose_version, complete_steps, \
+from jaxckpt.core.fetch import ChunkReader
+from jaxckpt.core.manifest import ChunkMeta
+from jaxckpt.core.sources import HeldEntry, RestoreReport, Source, Version, choose_version, complete_steps, \
     missing_processes, newest_common
 from jaxckpt.testing import expect_ok, launch, node_info, remove_agents, start
 
@@ -384,7 +384,7 @@ def test_restore_4_to_8_processes_on_4_nodes_other_mesh(saved):
 
 def test_corrupt_agent_memory_is_routed_around_or_named(saved):
     import msgpack
-    from jaxckpt import manifest as mf
+    from jaxckpt.core import manifest as mf
 
     node1 = node_dir(JOB, 1)
     mirror = os.path.join(BASE, f"{JOB}-mirror1")  # a copy of node 1's memory, clean, served by another agent

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt.bench import gpt
+from jaxckpt.tools.bench import gpt
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = gpt.GPTConfig(vocab=64, seq_len=16, d_model=32, layers=2, heads=2)

@@ -29,14 +29,14 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt.backends import agent_protocol as proto
-from jaxckpt.box import Box
-from jaxckpt.checksum import crc32c
-from jaxckpt.dtypes import dtype_from_name, dtype_name
-from jaxckpt.engine import MAX_STEP
+from jaxckpt.backends.agent import protocol as proto
+from jaxckpt.core.box import Box
+from jaxckpt.core.checksum import crc32c
+from jaxckpt.core.dtypes import dtype_from_name, dtype_name
+from jaxckpt.core.engine import MAX_STEP
 from jaxckpt.errors import ChecksumError, ManifestError, StepError, UnsupportedLeafError
-from jaxckpt.fetch import ChunkReader, buffer_source
-from jaxckpt.manifest import ChunkMeta
+from jaxckpt.core.fetch import ChunkReader, buffer_source
+from jaxckpt.core.manifest import ChunkMeta
 
 BASE = f"/dev/shm/jaxckpt-hard-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
@@ -266,7 +266,7 @@ def test_peer_proxy_delays_and_drops_real_transport_traffic_without_wrong_bytes(
     from jaxckpt import Config
     from jaxckpt.backends.memory import MemoryStore
     from jaxckpt.backends.transport import ZmqTransport
-    from jaxckpt.chaos_proxy import PeerProxy
+    from jaxckpt.tools.chaos.proxy import PeerProxy
     from jaxckpt.errors import PeerError
 
     token = b"proxy-test-token"

@@ -3,7 +3,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxckpt import hostbuf
+from jaxckpt.core import hostbuf
 
 
 @pytest.mark.parametrize("shape,dtype", [((0,), np.float32), ((3, 5), np.int8), ((1 << 20,), np.float32),

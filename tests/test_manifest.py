@@ -3,9 +3,9 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from jaxckpt import manifest as mf
-from jaxckpt.box import Box
-from jaxckpt.checksum import crc32c
+from jaxckpt.core import manifest as mf
+from jaxckpt.core.box import Box
+from jaxckpt.core.checksum import crc32c
 from jaxckpt.errors import ManifestError
 
 

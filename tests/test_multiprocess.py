@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from jaxckpt.box import Box, disjoint
+from jaxckpt.core.box import Box, disjoint
 from jaxckpt.testing import expect_ok, launch, node_info
 
 N_STEPS = 4
@@ -103,7 +103,7 @@ def scenario(mesh_shape, job_id):
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     import jaxckpt
-    from jaxckpt.manifest import merge_chunks
+    from jaxckpt.core.manifest import merge_chunks
 
     info = node_info()
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxckpt import parity
-from jaxckpt.checksum import crc32c
+from jaxckpt.protection import parity
+from jaxckpt.core.checksum import crc32c
 from jaxckpt.errors import ChecksumError
 
 
@@ -112,8 +112,8 @@ def test_bench_parity_quick_json_and_markdown(tmp_path, capsys):
     import sys
 
     from jaxckpt import cli
-    from jaxckpt.bench import parity as bench
-    from jaxckpt.bench import report
+    from jaxckpt.tools.bench import parity as bench
+    from jaxckpt.tools.bench import report
 
     md = tmp_path / "BENCHMARKS.md"
     md.write_text("# Benchmarks\n\nprose\n\n<!-- bench:parity:begin -->\nold\n<!-- bench:parity:end -->\n\nafter\n")

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxckpt
 from jaxckpt.errors import StepNotFoundError, TargetMismatchError, UnsupportedLeafError
-from jaxckpt.persist import TMP_SUFFIX, persisted_steps
+from jaxckpt.orbax.persist import TMP_SUFFIX, persisted_steps
 from jaxckpt.testing import expect_ok, launch, start
 
 AUTO = jax.sharding.AxisType.Auto
@@ -109,7 +109,7 @@ def test_restore_falls_back_to_persisted_steps(tmp_path, caplog):
         # held in memory: memory serves it
         assert ck._restore(other, None).source == "memory"
         # evicted from memory (keep=1): the persistent tier serves it, bit for bit onto another sharding
-        with caplog.at_level(logging.INFO, logger="jaxckpt.persist"):
+        with caplog.at_level(logging.INFO, logger="jaxckpt.orbax.persist"):
             r = ck._restore(other, 4)
         assert r.source == "persistent" and r.step == 4
         _assert_state(r.state, 4, other)

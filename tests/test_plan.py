@@ -4,10 +4,10 @@ import dataclasses
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxckpt.box import Box, covers, disjoint
+from jaxckpt.core.box import Box, covers, disjoint
 from jaxckpt.errors import PlanError
-from jaxckpt.manifest import ArrayMeta, ChunkMeta
-from jaxckpt.plan import (ALIGN, HOST, ArrayLayout, Assembly, ChunkPlan, Placement, Read, SavePlan, layout_digest,
+from jaxckpt.core.manifest import ArrayMeta, ChunkMeta
+from jaxckpt.core.plan import (ALIGN, HOST, ArrayLayout, Assembly, ChunkPlan, Placement, Read, SavePlan, layout_digest,
                           plan_restore, plan_save, restore_bytes_by_process, validate_save_plan)
 
 

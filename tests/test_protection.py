@@ -9,14 +9,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxckpt import protection as pr
-from jaxckpt import recovery as rc
-from jaxckpt.box import Box, covers
-from jaxckpt.checksum import crc32c
+from jaxckpt.protection import plan as pr
+from jaxckpt.protection import rebuild as rc
+from jaxckpt.core.box import Box, covers
+from jaxckpt.core.checksum import crc32c
 from jaxckpt.errors import ChecksumError, DataLossError, ManifestError, PeerError, PlanError, StepNotFoundError
-from jaxckpt.fetch import ChunkReader
-from jaxckpt.manifest import ChunkMeta
-from jaxckpt.plan import ArrayLayout, Placement, plan_save
+from jaxckpt.core.fetch import ChunkReader
+from jaxckpt.core.manifest import ChunkMeta
+from jaxckpt.core.plan import ArrayLayout, Placement, plan_save
 
 STEP = 42
 PROTECTING = ("replica", "parity", "xor-group", "hybrid")

@@ -23,9 +23,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from jaxckpt.backends import agent_protocol as proto
+from jaxckpt.backends.agent import protocol as proto
 from jaxckpt.backends.memory import MemoryStore
-from jaxckpt.backends.protect import PROTECT_BASE
+from jaxckpt.backends.agent.protection_slot import PROTECT_BASE
 from jaxckpt.backends.shm import ShmStore
 from jaxckpt.testing import expect_ok, launch, node_info, remove_agents
 import sharded_state

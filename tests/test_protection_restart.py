@@ -18,8 +18,8 @@ import uuid
 import numpy as np
 import pytest
 
-from jaxckpt.backends import agent_protocol as proto
-from jaxckpt.backends.protect import PROTECT_BASE
+from jaxckpt.backends.agent import protocol as proto
+from jaxckpt.backends.agent.protection_slot import PROTECT_BASE
 from jaxckpt.backends.shm import ShmStore
 from jaxckpt.errors import StoreUnavailableError
 from jaxckpt.testing import expect_ok, launch, node_info, remove_agents

@@ -1,6 +1,6 @@
 """Protection comes back after a node agent is SIGKILLed with its memory while the job trains on (real processes,
 3 simulated nodes x 1 process, node agents; issue 9's kill-agent-wipe fault), and its bytes are moved by the
-node agents (backends/protect_pull.py).
+node agents (backends/agent/protection_pull.py).
 
 The node's agent restarts (the trainer spawns it) and saves resume; the steps saved after that must become
 protected again, or the next node loss has nothing newer than the last step protected before the wipe to rebuild
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from jaxckpt import cli
-from jaxckpt.backends import agent_protocol as proto
-from jaxckpt.testing import chaos_trainer as ct
+from jaxckpt.backends.agent import protocol as proto
+from jaxckpt.tools.chaos import trainer as ct
 from jaxckpt.testing import expect_ok, launch, node_info, remove_agents
 import sharded_state
 
@@ -115,7 +115,7 @@ def test_protection_resumes_after_an_agent_is_killed_with_its_memory_and_a_later
         assert r["resumed"] is not None, r  # a step saved after the wipe is protected on every node
     resumed = out[0]["resumed"]
     assert all(r["resumed"] == resumed for r in out), out
-    # The node agents moved the protection bytes (backends/protect_pull.py), not the trainers.
+    # The node agents moved the protection bytes (backends/agent/protection_pull.py), not the trainers.
     assert all(r["pulled"] > 0 for r in out), out
     for node in range(NODES):
         assert proto.agent_status(f"{BASE}/{job}-node{node}")["pulled_bytes"] > 0

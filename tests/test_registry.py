@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from jaxckpt import registry
+from jaxckpt.core import registry
 from jaxckpt.backends.memory import MemoryStore
 from jaxckpt.errors import BackendNotFoundError
 
@@ -30,7 +30,7 @@ def test_lookup_is_lazy():
         import sys
         import jaxckpt
         from jaxckpt import Config
-        from jaxckpt.registry import get_store_class, registered_stores
+        from jaxckpt.core.registry import get_store_class, registered_stores
         Config(store="memory")
         registered_stores()
         assert "jaxckpt.backends.memory" not in sys.modules, "imported before use"

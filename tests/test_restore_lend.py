@@ -93,7 +93,7 @@ def test_shm_restore_lends_the_agent_segment_which_is_never_reused_and_survives_
     import shutil
     import uuid
 
-    from jaxckpt.backends import agent_protocol as proto
+    from jaxckpt.backends.agent import protocol as proto
     from jaxckpt.testing import remove_agents
 
     base = f"/dev/shm/jaxckpt-lend-{os.getpid()}-{uuid.uuid4().hex[:6]}"

@@ -35,11 +35,11 @@ import zmq
 
 import jaxckpt
 from jaxckpt import Config
-from jaxckpt.backends import agent_protocol as proto
+from jaxckpt.backends.agent import protocol as proto
 from jaxckpt.backends.memory import MemoryStore
 from jaxckpt.backends.shm import ShmStore
 from jaxckpt.backends.transport import VERSION, ZmqTransport
-from jaxckpt.coordination import LocalCoordinator
+from jaxckpt.core.coordination import LocalCoordinator
 from jaxckpt.errors import AgentError, ConfigError, JaxckptError, PeerError, StepError
 from jaxckpt.testing.store import manifest_of, pattern
 
@@ -194,7 +194,7 @@ def test_a_wrong_token_gets_nothing(server):
 def test_a_server_without_a_token_is_refused_and_job_tokens_are_strong():
     with pytest.raises(PeerError, match="non-empty token"):
         ZmqTransport().serve(MemoryStore(Config()), token=b"")
-    from jaxckpt.peers import Peers
+    from jaxckpt.backends.peers import Peers
 
     coord = LocalCoordinator()
     store = MemoryStore(Config(job_id="sec"))
@@ -223,7 +223,7 @@ def test_servers_bind_loopback_unless_configured():
     store = MemoryStore(Config())
     srv = ZmqTransport().serve(store, token=TOKEN)
     coord = LocalCoordinator()
-    from jaxckpt.peers import Peers
+    from jaxckpt.backends.peers import Peers
 
     peers = Peers(Config(job_id="loop"), coord, store)  # the default config of a multi-process job
     try:
@@ -419,7 +419,7 @@ def test_job_ids_that_could_name_paths_are_refused(job):
 
 @pytest.mark.parametrize("step", ["../x", "/etc", "..", "1/../../x", "5\x00", "9" * 5000, -1, 2.0, True, None])
 def test_step_numbers_cannot_name_paths_of_the_persistent_tier(tmp_path, step):
-    from jaxckpt import persist
+    from jaxckpt.orbax import persist
 
     directory = tmp_path / "persist"
     directory.mkdir()

@@ -5,9 +5,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxckpt.checksum import crc32c
-from jaxckpt.snapshot import BLOCK_BYTES, CopyTask, SnapshotEngine, copy_and_checksum
-from jaxckpt.store import Slot
+from jaxckpt.core.checksum import crc32c
+from jaxckpt.core.copier import BLOCK_BYTES, CopyTask, Copier, copy_and_checksum
+from jaxckpt.core.store import Slot
 
 
 @pytest.mark.parametrize("src", [
@@ -47,7 +47,7 @@ def test_inflight_budget_is_respected_and_every_chunk_lands():
             return srcs[i]
         return get
 
-    eng = SnapshotEngine(workers=2, inflight_bytes=budget)
+    eng = Copier(workers=2, inflight_bytes=budget)
     try:
         tasks = [CopyTask(fetch=fetch(i), offset=i * chunk, nbytes=chunk, start=start(i)) for i in range(n)]
         res = eng.submit(Slot(0, len(buf), memoryview(buf)), tasks).result(timeout=30)
@@ -60,7 +60,7 @@ def test_inflight_budget_is_respected_and_every_chunk_lands():
 
 
 def test_a_failing_fetch_fails_the_snapshot_future():
-    eng = SnapshotEngine(workers=2)
+    eng = Copier(workers=2)
     buf = bytearray(16)
 
     def boom():

@@ -3,8 +3,8 @@ import numpy as np
 
 from jaxckpt.backends.memory import MemoryStore
 from jaxckpt.config import Config
-from jaxckpt.registry import get_store_class
-from jaxckpt.store import Store
+from jaxckpt.core.registry import get_store_class
+from jaxckpt.core.store import Store
 from jaxckpt.testing.store import N, StoreTests
 
 

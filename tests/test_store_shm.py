@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 from jaxckpt import cli
-from jaxckpt.backends import agent_protocol as proto
+from jaxckpt.backends.agent import protocol as proto
 from jaxckpt.backends.shm import ShmStore
 from jaxckpt.config import Config
 from jaxckpt.errors import AgentError, BudgetExceededError, StepNotFoundError, StoreUnavailableError
-from jaxckpt.registry import get_store_class
-from jaxckpt.store import Store
+from jaxckpt.core.registry import get_store_class
+from jaxckpt.core.store import Store
 from jaxckpt.testing.store import N, StoreTests, manifest_of, pattern
 from shm_trainer import agent_processes
 
@@ -309,8 +309,8 @@ class TestShmStore(StoreTests):
     def test_ls_and_inspect(self, store: ShmStore, capsys) -> None:
         import json
 
-        from jaxckpt import manifest as mf
-        from jaxckpt.box import Box
+        from jaxckpt.core import manifest as mf
+        from jaxckpt.core.box import Box
 
         m = mf.Manifest(step=7, process=0, process_count=1, framework="numpy",
                         arrays=(mf.ArrayMeta("params/w", (("key", "params"), ("key", "w")), (4, 4), "float32",
@@ -438,7 +438,7 @@ def test_checkpointer_skips_saves_while_the_agent_is_gone_and_saves_on(configs):
 
 
 def test_pull_requests_that_are_malformed_are_refused_and_the_slot_stays_usable(configs):
-    """``pull`` (protection blocks built by the agent, backends/protect_pull.py) with bad fields: a clean
+    """``pull`` (protection blocks built by the agent, backends/agent/protection_pull.py) with bad fields: a clean
     AgentError naming the step, the agent serves on, and the slot can still be committed."""
     from jaxckpt.errors import AgentError
 

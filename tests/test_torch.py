@@ -430,7 +430,7 @@ def two_rank_worker(job_id: str) -> dict:
     from torch.distributed.tensor import DTensor, distribute_tensor, init_device_mesh
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from jaxckpt.testing.node import node_info
+    from jaxckpt.tools.node import node_info
 
     info = node_info()
     rank, world = info.process_id, info.process_count
@@ -507,7 +507,7 @@ def two_rank_worker(job_id: str) -> dict:
 
 
 def test_two_ranks_dtensor_save_restore_and_reshard():
-    from jaxckpt.testing.launcher import expect_ok, launch
+    from jaxckpt.tools.launcher import expect_ok, launch
 
     results = launch(two_rank_worker, nodes=1, procs_per_node=2, distributed=False, args=["torch-2r"], timeout=120)
     values = expect_ok(results)
@@ -521,7 +521,7 @@ def four_to_two_worker(job_id: str) -> dict:
     from torch.distributed.tensor import DeviceMesh, distribute_tensor, init_device_mesh
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from jaxckpt.testing.node import node_info
+    from jaxckpt.tools.node import node_info
 
     info = node_info()
     rank, world = info.process_id, info.process_count
@@ -555,7 +555,7 @@ def four_to_two_worker(job_id: str) -> dict:
 
 
 def test_four_ranks_save_two_rank_mesh_restores_resharded():
-    from jaxckpt.testing.launcher import expect_ok, launch
+    from jaxckpt.tools.launcher import expect_ok, launch
 
     values = expect_ok(launch(four_to_two_worker, nodes=2, procs_per_node=2, distributed=False, args=["torch-4to2"],
                               timeout=150))

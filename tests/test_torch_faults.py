@@ -25,7 +25,7 @@ import uuid
 import numpy as np
 import pytest
 
-from jaxckpt.backends import agent_protocol as proto
+from jaxckpt.backends.agent import protocol as proto
 from jaxckpt.testing import expect_ok, launch, node_info, remove_agents, start
 
 BASE = f"/dev/shm/jaxckpt-tfault-{os.getpid()}-{uuid.uuid4().hex[:8]}"

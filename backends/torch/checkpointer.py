@@ -16,7 +16,7 @@ shard of each tensor):
   ``(process_count, *shape)`` array and restores its own row.
 
 On restore each process assembles the boxes its target needs; bytes held by another process of the job come
-through the core's peer transport (``jaxckpt.peers``), so a 2-rank job can restore onto other placements and a
+through the core's peer transport (``jaxckpt.backends.peers``), so a 2-rank job can restore onto other placements and a
 sub-mesh can restore what a larger mesh saved.
 """
 from __future__ import annotations
@@ -29,15 +29,15 @@ import numpy as np
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from jaxckpt import manifest as mf
-from jaxckpt.box import Box
+from jaxckpt.core import manifest as mf
+from jaxckpt.core.box import Box
 from jaxckpt.config import Config
-from jaxckpt.dtypes import dtype_from_name
-from jaxckpt.dtypes import dtype_name as np_dtype_name
-from jaxckpt.coordination import Coordinator, LocalCoordinator
-from jaxckpt.engine import ArrayRecord, CheckpointEngine, SaveHandle
+from jaxckpt.core.dtypes import dtype_from_name
+from jaxckpt.core.dtypes import dtype_name as np_dtype_name
+from jaxckpt.core.coordination import Coordinator, LocalCoordinator
+from jaxckpt.core.engine import ArrayRecord, CheckpointEngine, SaveHandle
 from jaxckpt.errors import ConfigError
-from jaxckpt.plan import ArrayLayout, Placement
+from jaxckpt.core.plan import ArrayLayout, Placement
 
 from jaxckpt.backends.torch import dtensor as dt
 from jaxckpt.backends.torch.coordination import TorchStoreCoordinator
@@ -161,7 +161,7 @@ class Checkpointer:
         elif kind in ("numpy", "numpy_scalar"):
             # Copied at save(): wait_for_reads() cannot know when numpy arrays are written in place.
             arr = np.array(v, copy=True)
-            if not arr.dtype.isnative:  # the manifest names the native dtype (jaxckpt.dtypes): save its bytes
+            if not arr.dtype.isnative:  # the manifest names the native dtype (jaxckpt.core.dtypes): save its bytes
                 arr = arr.astype(arr.dtype.newbyteorder("="))
             shape, name, meta_kind, attrs = tuple(arr.shape), np_dtype_name(arr.dtype), kind, {}
             sharding = "replicated" if n > 1 else "host"

@@ -14,9 +14,9 @@ import torch
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement as TorchPlacement
 
-from jaxckpt.box import Box
+from jaxckpt.core.box import Box
 from jaxckpt.errors import UnsupportedLeafError
-from jaxckpt.plan import Placement
+from jaxckpt.core.plan import Placement
 
 
 def check_placements(path: str, placements: Sequence[TorchPlacement], spec: object | None = None) -> None:

@@ -4,10 +4,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from jaxckpt.dtypes import dtype_from_name
+from jaxckpt.core.dtypes import dtype_from_name
 from jaxckpt.errors import ManifestError, UnsupportedLeafError
 
-# Names are those jaxckpt.dtypes writes for the same numpy / ml_dtypes dtype, so a JAX snapshot and a torch
+# Names are those jaxckpt.core.dtypes writes for the same numpy / ml_dtypes dtype, so a JAX snapshot and a torch
 # snapshot of the same values carry the same manifest.
 _NAMES: dict[torch.dtype, str] = {
     torch.bool: "bool",

@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from jaxckpt.engine import SaveHandle
+from jaxckpt.core.engine import SaveHandle
 from jaxckpt.errors import CommitError
 
 from jaxckpt.backends.torch.dtypes import numpy_view

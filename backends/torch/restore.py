@@ -13,12 +13,12 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from jaxckpt.box import Box
-from jaxckpt.dtypes import dtype_from_name
+from jaxckpt.core.box import Box
+from jaxckpt.core.dtypes import dtype_from_name
 from jaxckpt.errors import TargetMismatchError
-from jaxckpt.fetch import ChunkReader, assemble
-from jaxckpt.manifest import ArrayMeta, Manifest, check_target_paths, merge_chunks
-from jaxckpt.plan import HOST, plan_restore
+from jaxckpt.core.fetch import ChunkReader, assemble
+from jaxckpt.core.manifest import ArrayMeta, Manifest, check_target_paths, merge_chunks
+from jaxckpt.core.plan import HOST, plan_restore
 
 from jaxckpt.backends.torch import dtensor as dt
 from jaxckpt.backends.torch.dtypes import dtype_name, from_numpy, torch_dtype

@@ -14,9 +14,9 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from jaxckpt.dtypes import check_plain
+from jaxckpt.core.dtypes import check_plain
 from jaxckpt.errors import UnsupportedLeafError
-from jaxckpt.manifest import KeyEntry
+from jaxckpt.core.manifest import KeyEntry
 
 # Plain values stored by value in the manifest (msgpack types), as in the JAX front end.
 VALUE_TYPES = (bool, int, float, str, bytes, type(None))

@@ -12,10 +12,10 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from jaxckpt import manifest as mf
+from jaxckpt.core import manifest as mf
 from jaxckpt.config import Config
-from jaxckpt.coordination import Coordinator, LocalCoordinator
-from jaxckpt.engine import ArrayRecord, CheckpointEngine, SaveHandle
+from jaxckpt.core.coordination import Coordinator, LocalCoordinator
+from jaxckpt.core.engine import ArrayRecord, CheckpointEngine, SaveHandle
 from jaxckpt.jax import shards
 from jaxckpt.jax.fused import wrap_step
 from jaxckpt.jax.restore import restore_tree
@@ -58,9 +58,9 @@ class Checkpointer:
                 coordinator = LocalCoordinator()
         self.engine = CheckpointEngine(config, coordinator, framework="jax")
         self.config = config
-        self.persister = None  # the persistent tier (jaxckpt.persist), with Config.persistent_dir
+        self.persister = None  # the persistent tier (jaxckpt.orbax.persist), with Config.persistent_dir
         if config.persistent_dir:
-            from jaxckpt.persist import Persister  # imports orbax: only jobs with a persistent tier pay for it
+            from jaxckpt.orbax.persist import Persister  # imports orbax: only jobs with a persistent tier pay for it
             try:
                 self.persister = Persister(self.engine, config)
             except BaseException:
@@ -83,14 +83,14 @@ class Checkpointer:
 
     def _save(self, step: int, state: Any, owned: bool, extra: Any = None) -> SaveHandle:
         """``owned``: the arrays are jaxckpt's private copies (the fused path), read lazily by the workers.
-        ``extra``: small JSON-able state saved alongside (``jaxckpt.persist.encode_extra``)."""
+        ``extra``: small JSON-able state saved alongside (``jaxckpt.orbax.persist.encode_extra``)."""
         t0 = time.perf_counter()
         self.engine.check_open()
         leaves, treedef = flatten(state)
         records = [_record(l, owned and l.kind == "jax") for l in leaves if l.kind != "value"]
         values = [mf.LeafMeta(l.path, l.keypath, l.value) for l in leaves if l.kind == "value"]
         if extra is not None:
-            from jaxckpt.persist import extra_leaf
+            from jaxckpt.orbax.persist import extra_leaf
             values.append(extra_leaf(extra))
         persist = self.persister is not None and self.persister.wants(step)
         if persist:  # before save(): a small snapshot can commit before save() returns
@@ -125,7 +125,7 @@ class Checkpointer:
 
     @property
     def last_restore_report(self):
-        """Where the last restore read its bytes (a ``jaxckpt.sources.RestoreReport``: bytes per source kind,
+        """Where the last restore read its bytes (a ``jaxckpt.core.sources.RestoreReport``: bytes per source kind,
         node and source, fallbacks taken), or None before the first restore."""
         return self.engine.last_restore_report
 
@@ -135,7 +135,7 @@ class Checkpointer:
         ``target`` is a pytree of ``jax.ShapeDtypeStruct`` (with shardings), jax or numpy arrays; arrays come
         back with exactly the target's shardings, whatever the saved ones were. Without a target, nested
         dicts of numpy arrays come back. With ``Config.persistent_dir``, a step memory cannot supply (not held, or
-        its chunks gone) comes from the persistent directory (``jaxckpt.persist.restore``); the source is logged.
+        its chunks gone) comes from the persistent directory (``jaxckpt.orbax.persist.restore``); the source is logged.
         """
         if self.persister is not None:
             return self._restore(target, step).state
@@ -147,8 +147,8 @@ class Checkpointer:
         return out
 
     def _restore(self, target: Any, step: int | None):
-        """A ``jaxckpt.persist.Restored``: state, extra state, step and source (memory or persistent)."""
-        from jaxckpt.persist import restore
+        """A ``jaxckpt.orbax.persist.Restored``: state, extra state, step and source (memory or persistent)."""
+        from jaxckpt.orbax.persist import restore
         return restore(self.engine, self.persister, target, step)
 
     def close(self) -> None:

@@ -10,15 +10,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt import hostbuf
-from jaxckpt.box import Box
-from jaxckpt.dtypes import dtype_from_name, dtype_name
+from jaxckpt.core import hostbuf
+from jaxckpt.core.box import Box
+from jaxckpt.core.dtypes import dtype_from_name, dtype_name
 from jaxckpt.errors import ManifestError, PlanError, TargetMismatchError
 from jaxckpt.jax import shards
 from jaxckpt.jax.tree import flatten, nested
-from jaxckpt.fetch import ChunkReader, assemble
-from jaxckpt.manifest import ArrayMeta, Manifest, check_target_paths, merge_chunks
-from jaxckpt.plan import plan_restore
+from jaxckpt.core.fetch import ChunkReader, assemble
+from jaxckpt.core.manifest import ArrayMeta, Manifest, check_target_paths, merge_chunks
+from jaxckpt.core.plan import plan_restore
 
 log = logging.getLogger("jaxckpt.jax.restore")
 

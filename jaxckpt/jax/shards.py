@@ -7,10 +7,10 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jaxckpt import hostbuf
-from jaxckpt.box import Box
-from jaxckpt.dtypes import dtype_name
-from jaxckpt.plan import HOST, ArrayLayout, Placement
+from jaxckpt.core import hostbuf
+from jaxckpt.core.box import Box
+from jaxckpt.core.dtypes import dtype_name
+from jaxckpt.core.plan import HOST, ArrayLayout, Placement
 
 
 @functools.lru_cache(maxsize=4096)

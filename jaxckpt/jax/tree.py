@@ -7,9 +7,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt.dtypes import check_plain
+from jaxckpt.core.dtypes import check_plain
 from jaxckpt.errors import UnsupportedLeafError
-from jaxckpt.manifest import KeyEntry
+from jaxckpt.core.manifest import KeyEntry
 
 # Plain values stored by value in the manifest (msgpack types).
 VALUE_TYPES = (bool, int, float, str, bytes, type(None))

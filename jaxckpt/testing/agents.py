@@ -7,7 +7,7 @@ import shutil
 import time
 from typing import Iterable
 
-from jaxckpt.backends import agent_protocol as proto
+from jaxckpt.backends.agent import protocol as proto
 from jaxckpt.errors import JaxckptError
 
 

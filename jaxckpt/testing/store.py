@@ -10,7 +10,7 @@ and, when the backend is registered under another name or needs fields of its ow
 The class name does not start with ``Test`` so pytest collects only the subclasses. Needs pytest (the
 ``test`` extra); no part of the library imports this module.
 
-What every store must do (jaxckpt/store.py states the state machine): a WRITING slot is never visible to
+What every store must do (jaxckpt/core/store.py states the state machine): a WRITING slot is never visible to
 ``steps()``/``open()``; a committed snapshot's bytes never change while a view of it is open, whatever later
 saves reserve, write, abort or delete; aborted slots vanish; a step is reserved at most once while held;
 a store over its memory budget refuses the new slot and keeps every committed snapshot; after ``close()``
@@ -26,7 +26,7 @@ import pytest
 
 from jaxckpt.config import Config
 from jaxckpt.errors import BudgetExceededError, ClosedError, StepError
-from jaxckpt.store import Slot, SnapshotView, Store
+from jaxckpt.core.store import Slot, SnapshotView, Store
 
 # Page-sized snapshots, so that backends which round to pages (shared memory) meet the same budgets.
 N = 64 << 10
@@ -42,7 +42,7 @@ def manifest_of(step: int) -> bytes:
 
 
 class StoreTests:
-    """Conformance tests for a :class:`~jaxckpt.store.Store`; subclass and implement :meth:`make_store`."""
+    """Conformance tests for a :class:`~jaxckpt.core.store.Store`; subclass and implement :meth:`make_store`."""
 
     # ------------------------------------------------------------------------------------------------ hooks
     def make_store(self, config: Config) -> Store:

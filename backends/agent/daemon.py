@@ -1,0 +1,486 @@
+"""``jaxckpt agent``: the node agent, one per node and job, owning the node's snapshot memory.
+
+It holds the lock of its directory (a second agent exits at once), adopts what an earlier agent of the
+directory committed, listens on a Unix socket (mode 0600) and serves each connection on its own thread:
+
+  trainers   ``hello`` as process P of the job, then reserve/commit/abort/steps/open/unpin/delete/held on their
+             own slots only (agent_table.py holds the state machine); a second live connection claiming P is
+             refused, a dead one's claim is taken over. A dropped connection discards its half-written slots
+             and releases its pins. ``pull`` fills a slot being written with protection blocks built from
+             this node's and other nodes' chunks (protect_pull.py).
+  tools      ``hello`` as a client: status (``jaxckpt ls``), manifest (``jaxckpt inspect``), shutdown.
+  readers    ``hello`` as a reader of the job (a restoring process of this node): index, and open/unpin of any
+             process's committed slot, which the reader maps read-only (zero-copy); its pins go with it.
+
+Peers on other nodes read the same memory over the peer transport (agent_serve.py): the agent serves every
+committed slot of its node, token-authenticated, on ``--peer-bind`` (loopback by default), and publishes its
+address in ``peer.addr`` next to ``peer.token``.
+
+Peers must run as our uid (checked with SO_PEERCRED). On SIGTERM or SIGINT (or ``shutdown``) it stops
+listening, unlinks every segment and record, removes its directory and exits 0. It logs to a file.
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import fcntl
+import itertools
+import logging
+import os
+import sys
+import secrets
+import signal
+import socket
+import struct
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from jaxckpt.backends.agent.protocol import (LOCK_NAME, PID_NAME, SOCKET_NAME, VERSION, ProtocolError, agent_dir,
+                                             default_log_path, ensure_private_dir, open_segment, recv_msg,
+                                             send_msg)
+from jaxckpt.backends.agent.table import Limits, Refused, SlotTable
+from jaxckpt.config import Config
+
+log = logging.getLogger("jaxckpt.backends.agent.daemon")
+
+EXIT_ALREADY_RUNNING = 3
+MAX_INT = 1 << 62
+MAX_PROCESS = 999_999_999  # process indices name files (agent_protocol.SEG_RE)
+TRAINER_OPS = ("reserve", "commit", "abort", "steps", "open", "unpin", "delete", "held", "lend", "pull")
+ANY_OPS = ("status", "manifest", "shutdown")
+READER_OPS = ("index", "open", "unpin")
+# A message must arrive whole within this long of its first byte: a client that stalls mid-message (or
+# announces more bytes than it sends) loses its connection instead of pinning a thread for ever.
+MESSAGE_TIMEOUT_S = 30.0
+
+
+@dataclass(eq=False)
+class _Conn:
+    id: int
+    sock: socket.socket
+    pid: int
+    process: int | None = None  # set by a trainer's hello
+    client: bool = False  # set by a tool's hello
+    reader: bool = False  # set by a reader's hello (with client)
+    pins: Counter = field(default_factory=Counter)
+
+
+class Agent:
+    """The agent of ``job`` in ``directory``; :meth:`run` serves until stopped."""
+
+    def __init__(self, job: str, directory: str, *, node: str = "", node_budget: int = 0,
+                 peer_bind: str | None = "127.0.0.1", message_timeout_s: float = MESSAGE_TIMEOUT_S) -> None:
+        Config(job_id=job)  # validates the job id (it names files)
+        self.job, self.dir = job, os.path.abspath(directory)
+        self.node = node or socket.gethostname()
+        self.generation = secrets.token_hex(8)
+        self.started = time.time()
+        self.table = SlotTable(self.dir, self.generation, node_budget=node_budget)
+        self.adoption: dict = {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._conns: dict[int, _Conn] = {}
+        self._ids = itertools.count(1)
+        self._lock_fd: int | None = None
+        self._listener: socket.socket | None = None
+        self.peer_bind = peer_bind  # None: serve no peers
+        self.message_timeout_s = message_timeout_s
+        self.peer_server = None
+        self.snapshots = None  # agent_serve.AgentSnapshots once serving
+        self.pulled_bytes = 0  # protection blocks' bytes this agent pulled from other nodes (protect_pull.py)
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    def acquire(self) -> bool:
+        """Take the directory's lock; False if another agent holds it."""
+        ensure_private_dir(self.dir, create=True)
+        path = os.path.join(self.dir, LOCK_NAME)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return False
+            try:
+                same = os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:  # not a lock file an exiting agent unlinked after we opened it
+                self._lock_fd = fd
+                return True
+            os.close(fd)
+
+    def run(self) -> int:
+        """Serve until SIGTERM/SIGINT or a shutdown request; free everything; the exit code."""
+        if not self.acquire():
+            log.info("another agent already serves %s; exiting", self.dir)
+            return EXIT_ALREADY_RUNNING
+        try:
+            self.adoption = self.table.adopt()
+            self._write_pid()
+            self._serve_peers()
+            self._listen()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self._stop.set())
+            log.info("agent %s (pid %d) of job %s on node %s serving %s", self.generation, os.getpid(), self.job,
+                     self.node, self.dir)
+            self._accept_loop()
+        finally:
+            self.shutdown()
+        return 0
+
+    def _write_pid(self) -> None:
+        path = os.path.join(self.dir, PID_NAME)
+        tmp = path + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(msgpack.packb({"pid": os.getpid(), "generation": self.generation, "job": self.job,
+                                   "started": self.started}))
+        os.replace(tmp, path)
+
+    def _serve_peers(self) -> None:
+        """Serve the node's committed snapshots to peers and publish the address (agent_serve.py)."""
+        from jaxckpt.backends.agent import serve as agent_serve
+
+        self.snapshots = agent_serve.AgentSnapshots(self.table, self.dir)
+        if self.peer_bind is None:
+            return
+        try:
+            from jaxckpt.backends.transport import get_transport
+
+            token = agent_serve.load_or_make_token(self.dir)
+            self.peer_server = get_transport().serve(self.snapshots, token=token, host=self.peer_bind)
+            agent_serve.write_peer_info(self.dir, {"address": self.peer_server.address, "node": self.node,
+                                                   "job": self.job, "generation": self.generation,
+                                                   "pid": os.getpid(), "directory": self.dir})
+        except Exception:  # noqa: BLE001 - the node's trainers are served without it; restores say what is missing
+            log.exception("agent %s: cannot serve peers on %s", self.generation, self.peer_bind)
+
+    def _listen(self) -> None:
+        path = os.path.join(self.dir, SOCKET_NAME)
+        try:
+            os.unlink(path)  # a socket left by an agent that died: we hold the lock, so it is stale
+        except FileNotFoundError:
+            pass
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket is created 0600: no window in which others could connect
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        sock.listen(64)
+        sock.settimeout(0.2)  # wakes the loop to notice a stop request
+        self._listener = sock
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError as e:
+                if self._stop.is_set():
+                    break  # woken by _request_stop
+                if e.errno in (errno.EINTR, errno.ECONNABORTED):
+                    continue
+                raise
+            sock.settimeout(None)
+            pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                              struct.calcsize("3i")))
+            if uid != os.geteuid():
+                log.warning("refused a connection from pid %d of uid %d", pid, uid)
+                sock.close()
+                continue
+            conn = _Conn(next(self._ids), sock, pid)
+            with self._lock:
+                self._conns[conn.id] = conn
+            threading.Thread(target=self._serve, args=(conn,), name=f"agent-conn-{conn.id}", daemon=True).start()
+
+    def shutdown(self) -> None:
+        """Stop listening, drop every connection, unlink all memory, remove the directory."""
+        self._stop.set()
+        if self._listener is not None:
+            self._listener.close()
+            _unlink(os.path.join(self.dir, SOCKET_NAME))
+            self._listener = None
+        with self._lock:
+            conns = list(self._conns.values())
+        for c in conns:
+            try:
+                c.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self.peer_server is not None:
+            self.peer_server.close()
+            self.peer_server = None
+        if self._lock_fd is None:
+            return
+        from jaxckpt.backends.agent.serve import remove_peer_files
+        remove_peer_files(self.dir)
+        nsegs, nbytes = self.table.close()
+        _unlink(os.path.join(self.dir, PID_NAME))
+        _unlink(os.path.join(self.dir, LOCK_NAME))  # while still locked: a newer agent re-creates it
+        try:
+            os.rmdir(self.dir)
+        except OSError as e:
+            log.warning("could not remove %s: %s", self.dir, e)
+        os.close(self._lock_fd)
+        self._lock_fd = None
+        log.info("agent %s stopped: freed %d segments (%d bytes)", self.generation, nsegs, nbytes)
+
+    # ----------------------------------------------------------------------------------------- connections
+    def _serve(self, conn: _Conn) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    msg = recv_msg(conn.sock, message_timeout_s=self.message_timeout_s)
+                except ProtocolError as e:  # oversized, stalled or garbled: the connection is dropped
+                    log.warning("dropped connection %d (pid %d, process %s): %s", conn.id, conn.pid, conn.process, e)
+                    break
+                if msg is None:
+                    break
+                reply, after = self._handle(conn, msg)
+                send_msg(conn.sock, reply)
+                if after is not None:
+                    after()
+        except (OSError, ProtocolError) as e:
+            if not self._stop.is_set():
+                log.info("connection %d (pid %d, process %s) ended: %s", conn.id, conn.pid, conn.process, e)
+        finally:
+            self._drop(conn)
+
+    def _drop(self, conn: _Conn) -> None:
+        with self._lock:
+            if self._conns.pop(conn.id, None) is None:
+                return
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+        for (p, step), n in conn.pins.items():  # a trainer's or a reader's
+            for _ in range(n):
+                self.table.unpin(p, step)
+        if conn.process is not None:
+            self.table.drop_owner(conn.id, conn.process)
+            log.info("process %d (pid %d) disconnected", conn.process, conn.pid)
+
+    def _handle(self, conn: _Conn, msg: dict) -> tuple[dict, Any]:
+        op = msg.get("op")
+        try:
+            if msg.get("v") != VERSION:
+                raise Refused("version", f"protocol version {msg.get('v')!r} is not {VERSION}")
+            if op == "hello":
+                return self._hello(conn, msg), None
+            if conn.process is None and not conn.client:
+                raise Refused("bad", f"{op!r} before hello")
+            if op in ANY_OPS:
+                return self._tool_op(conn, op, msg)
+            if conn.reader and op in READER_OPS:
+                if op == "index":
+                    return {"ok": True, "held": self.snapshots.held() if self.snapshots else [],
+                            "generation": self.generation, "node": self.node}, None
+                return {"ok": True, **self._trainer_op(conn, _int(msg, "process", MAX_PROCESS), op, msg)}, None
+            if op not in TRAINER_OPS or conn.process is None:
+                raise Refused("bad", f"unknown or not permitted operation {op!r}")
+            return {"ok": True, **self._trainer_op(conn, conn.process, op, msg)}, None
+        except Refused as e:
+            return {"ok": False, "code": e.code, "error": str(e)}, None
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("malformed %r request from pid %d: %s", op, conn.pid, e)
+            return {"ok": False, "code": "bad", "error": f"malformed {op!r} request: {e}"}, None
+        except OSError as e:  # the node's files: reported to the trainer, the agent serves on
+            log.exception("%r request from pid %d failed", op, conn.pid)
+            return {"ok": False, "code": "os", "error": f"node agent at {self.dir}: {op} failed: {e}"}, None
+
+    def _hello(self, conn: _Conn, msg: dict) -> dict:
+        if conn.process is not None or conn.client:
+            raise Refused("bad", "hello was already said on this connection")
+        reader = msg.get("role") == "reader"
+        client = msg.get("role") == "client" or reader
+        if msg["job"] != self.job and not (client and not reader and msg["job"] is None):  # tools may ask any agent
+            raise Refused("job", f"this agent ({self.dir}) serves job {self.job!r}, not {msg['job']!r}")
+        if client:
+            conn.client, conn.reader = True, reader
+        else:
+            process = _int(msg, "process", MAX_PROCESS)
+            limits = Limits(budget=_int(msg, "budget"), keep=max(1, _int(msg, "keep")),
+                            pending=max(1, _int(msg, "pending")))
+            self._claim(conn, process)
+            self.table.declare(process, limits)
+            log.info("process %d (pid %d) connected", process, conn.pid)
+        return {"ok": True, "pid": os.getpid(), "generation": self.generation, "node": self.node, "dir": self.dir,
+                "job": self.job, "started": self.started, "adoption": self.adoption,
+                "steps": self.table.steps(conn.process) if conn.process is not None else []}
+
+    def _claim(self, conn: _Conn, process: int) -> None:
+        with self._lock:
+            other = next((c for c in self._conns.values() if c.process == process and c is not conn), None)
+        if other is not None:
+            if _alive(other.pid) and other.pid != conn.pid:
+                raise Refused("busy", f"process {process} of job {self.job} is already connected (pid {other.pid})")
+            log.warning("process %d: pid %d takes over from connection of pid %d", process, conn.pid, other.pid)
+            try:
+                other.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._drop(other)
+        conn.process = process
+
+    def _trainer_op(self, conn: _Conn, p: int, op: str, msg: dict) -> dict:
+        t = self.table
+        if op == "steps":
+            return {"steps": t.steps(p)}
+        if op == "held":
+            return {"bytes": t.held(p)}
+        step = _int(msg, "step")
+        if op == "reserve":
+            entry, created = t.reserve(p, step, _int(msg, "nbytes"), conn.id)
+            return {"seg": entry.seg.name if entry.seg else None, "size": entry.seg.size if entry.seg else 0,
+                    "created": created, "segs": t.segments(p), "generation": self.generation}
+        if op == "commit":
+            manifest = msg["manifest"]
+            if not isinstance(manifest, bytes):
+                raise TypeError("manifest must be bytes")
+            t.commit(p, step, manifest, conn.id)
+            return {}
+        if op == "abort":
+            t.abort(p, step, conn.id)
+            return {}
+        if op == "open":
+            entry = t.pin(p, step)
+            if entry is None:
+                return {"found": False, "steps": t.steps(p)}
+            conn.pins[(p, step)] += 1
+            return {"found": True, "seg": entry.seg.name if entry.seg else None, "nbytes": entry.nbytes,
+                    "size": entry.seg.size if entry.seg else 0, "manifest": entry.manifest}
+        if op == "unpin":
+            if conn.pins[(p, step)] > 0:
+                conn.pins[(p, step)] -= 1
+                t.unpin(p, step)
+            return {}
+        if op == "lend":
+            return {"lent": t.lend(p, step)}
+        if op == "pull":
+            return self._pull(conn, p, step, msg)
+        t.delete(p, step)  # op == "delete"
+        return {}
+
+    def _pull(self, conn: _Conn, p: int, step: int, msg: dict) -> dict:
+        """Build protection blocks into the slot this connection is writing (protect_pull.py)."""
+        from jaxckpt.backends.agent.protection_pull import pull_into
+        from jaxckpt.errors import JaxckptError
+
+        entry = self.table.writing(p, step, conn.id)
+        if entry.seg is None:
+            raise Refused("bad", f"step {step} of process {p}: an empty slot has nothing to fill")
+        from jaxckpt.backends.agent import serve as agent_serve
+
+        local = self.snapshots or agent_serve.AgentSnapshots(self.table, self.dir)
+        m = open_segment(self.dir, entry.seg.name, entry.seg.size)
+        try:
+            crcs, pulled, account = pull_into(memoryview(m)[:entry.nbytes], msg, step, local)
+        except JaxckptError as e:  # a peer that failed, a bad chunk: the trainer's protection of the step fails
+            raise Refused("pull", f"step {step}: {type(e).__name__}: {e}") from None
+        finally:
+            try:
+                m.close()
+            except BufferError:  # a failed pull's traceback still holds a view: the mapping goes with it
+                pass
+        with self._lock:
+            self.pulled_bytes += pulled
+        return {"crcs": crcs, "pulled": pulled, "bandwidth": account}
+
+    def _tool_op(self, conn: _Conn, op: str, msg: dict) -> tuple[dict, Any]:
+        if op == "status":
+            with self._lock:
+                trainers = {str(c.process): c.pid for c in self._conns.values() if c.process is not None}
+            return {"ok": True, "job": self.job, "node": self.node, "dir": self.dir, "pid": os.getpid(),
+                    "generation": self.generation, "started": self.started, "now": time.time(),
+                    "trainers": trainers, "adoption": self.adoption,
+                    "peer_address": self.peer_server.address if self.peer_server else None,
+                    "pulled_bytes": self.pulled_bytes,
+                    **self.table.status()}, None
+        if op == "manifest":
+            m = self.table.manifest(_int(msg, "process", MAX_PROCESS), _int(msg, "step"))
+            return {"ok": True, "found": m is not None, "manifest": m or b""}, None
+        log.info("shutdown requested by pid %d", conn.pid)
+        return {"ok": True}, self._request_stop  # op == "shutdown": reply first, then stop
+
+    def _request_stop(self) -> None:
+        self._stop.set()
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop now
+            except OSError:
+                pass
+
+
+def _int(msg: dict, key: str, hi: int = MAX_INT) -> int:
+    v = msg[key]
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= hi:
+        raise ValueError(f"{key}={v!r} is not an integer in [0, {hi}]")
+    return v
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+# --------------------------------------------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``jaxckpt agent --job ID [--dir DIR] [--node NAME] [--budget-bytes N] [--log PATH]``."""
+    p.add_argument("--job", required=True, help="job id (Config.job_id) this agent serves")
+    p.add_argument("--dir", default="", help="agent directory (Config.shm_dir; default /dev/shm/jaxckpt-<uid>-<job>)")
+    p.add_argument("--node", default="", help="node name shown by `jaxckpt ls` (default: host name)")
+    p.add_argument("--budget-bytes", type=int, default=0, help="cap on the node's snapshot memory (0: none)")
+    p.add_argument("--log", default="", help="log file (default: in the temp directory, named after --dir)")
+    p.add_argument("--peer-bind", default="127.0.0.1",
+                   help="address peers read this node's snapshots on (default loopback; 'none': do not serve)")
+    p.add_argument("--message-timeout-s", type=float, default=MESSAGE_TIMEOUT_S,
+                   help="a request must arrive whole within this long of its first byte, else the connection is "
+                        f"dropped (default {MESSAGE_TIMEOUT_S:g})")
+    p.set_defaults(run=run_cli)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Run the agent in the foreground until SIGTERM."""
+    directory = agent_dir(Config(job_id=args.job, shm_dir=os.path.abspath(args.dir) if args.dir else ""))
+    log_path = args.log or default_log_path(directory)
+    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+    # O_NOFOLLOW and 0600: the default log path is predictable (under /tmp), so a planted symlink must not
+    # redirect the agent's writes, and the log (names of jobs and steps) is the user's alone.
+    try:
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        os.fchmod(fd, 0o600)
+        handler = logging.StreamHandler(os.fdopen(fd, "a", buffering=1))
+    except OSError as e:  # a symlink (ELOOP) or an unwritable path: log to stderr rather than not start
+        handler = logging.StreamHandler(sys.stderr)
+        print(f"jaxckpt agent: not logging to {log_path} ({e.strerror}); logging to stderr", file=sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s agent[{os.getpid()}] %(levelname)s %(message)s"))
+    logging.getLogger("jaxckpt").addHandler(handler)
+    try:
+        return Agent(args.job, directory, node=args.node, node_budget=args.budget_bytes,
+                     peer_bind=None if args.peer_bind == "none" else args.peer_bind,
+                     message_timeout_s=args.message_timeout_s).run()
+    except Exception:
+        log.exception("agent of job %s in %s failed", args.job, directory)
+        raise

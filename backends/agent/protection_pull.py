@@ -1,0 +1,244 @@
+"""The node agent's part of protection: build a step's ``xor-group`` and ``replica`` blocks into a trainer's slot.
+
+A trainer's protection worker (``jaxckpt.protection.runtime``) decides, coordinates and announces; the bytes move
+here, in the agent, after the local commit: the trainer reserves its protection slot, writes the meta and the
+parity stripes it computed from its own device copies, and sends ``pull`` on that slot with
+
+  plan      the encoded protection plan of the step (``jaxckpt.protection.plan.encode_plan``);
+  tasks     ``[[kind, id, offset], ...]``: the ``xor-group`` stripes and ``replica`` copy blocks this process
+            builds, and where each goes in the slot;
+  sources   ``{process: [address, token] | None}``: where each saving process's chunks are (None: this node);
+  rate      bytes per second the pulls may take (``Config.protection_bandwidth``; 0: unlimited);
+  timeout   seconds a peer may take to answer one request.
+
+The agent reads each needed chunk once (this node's from its own memory, zero-copy; other nodes' through the
+peer transport), checks it against the crc32c of its process's manifest, XORs or copies it into place and
+replies with the crc32c of each block, which the trainer writes into the slot header when it commits. So the
+trainer process never holds the pulled bytes, and a node that is being filled sets its own pace (one request
+per protecting trainer connection, one chunk at a time).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from jaxckpt.core import manifest as mf
+from jaxckpt.protection import parity
+from jaxckpt.core.checksum import crc32c
+from jaxckpt.errors import ChecksumError, PeerError
+from jaxckpt.protection.plan import SavedChunk, copy_block, decode_plan, stripe_parity
+
+log = logging.getLogger("jaxckpt.backends.agent.protection_pull")
+
+MAX_TASKS = 1 << 16
+
+
+_clients: dict[tuple[str, bytes], Any] = {}  # one client per peer agent, kept across requests (connections)
+_clients_lock = threading.Lock()
+MAX_CLIENTS = 64
+FETCH_THREADS = 4
+PARALLEL_BYTES = 8 << 20  # below this a pull fetches its sources one after another
+
+
+def _client(address: str, token: bytes, timeout_s: float):
+    from jaxckpt.backends.transport import get_transport
+
+    with _clients_lock:
+        c = _clients.get((address, token))
+        if c is None:
+            if len(_clients) >= MAX_CLIENTS:  # the oldest goes: a job's peers are few, stale ones pile up
+                _clients.pop(next(iter(_clients))).close()
+            c = _clients[(address, token)] = get_transport().connect(address, token=token, timeout_s=timeout_s)
+        return c
+
+
+def _forget(address: str, token: bytes, client) -> None:
+    with _clients_lock:
+        if _clients.get((address, token)) is client:
+            del _clients[(address, token)]
+    client.close()
+
+
+class _Sources:
+    """Verified whole chunks of one step, from this node's memory or from the agents of other nodes: the chunks
+    of each source fetched by one thread, the sources in parallel, before the blocks are built."""
+
+    def __init__(self, local, sources: dict[int, Any], step: int, timeout_s: float, rate: float) -> None:
+        self.local, self.sources, self.step, self.timeout = local, sources, step, timeout_s
+        self.bucket = TokenBucket(rate) if rate > 0 else None
+        self.pulled = 0
+        self._views: dict[int, Any] = {}
+        self._crcs: dict[tuple[int, int], int] = {}
+        self._chunks: dict[tuple[int, int], np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def _remote(self, q: int):
+        where = self.sources[q]
+        return where[0], where[1], _client(where[0], where[1], self.timeout)
+
+    def _manifest(self, q: int) -> None:
+        if q not in self.sources:
+            raise PeerError(f"step {self.step}: no source named for process {q}")
+        if self.sources[q] is None:
+            view = self.local.open(q, self.step) if self.local is not None else None
+            if view is None:
+                raise PeerError(f"step {self.step} of process {q} is not held by this node's agent")
+            with self._lock:
+                self._views[q] = view
+            raw = bytes(view.manifest)
+        else:
+            address, token, client = self._remote(q)
+            try:
+                raw = client.manifest(self.step, q)
+            except PeerError:
+                _forget(address, token, client)
+                raise
+        m = mf.decode(raw, source=f"step {self.step} manifest of process {q}")
+        with self._lock:
+            for a in m.arrays:
+                for c in a.chunks:
+                    self._crcs[(c.process, c.offset)] = c.crc32c
+
+    def _fetch(self, q: int, chunks: list[SavedChunk]) -> None:
+        self._manifest(q)
+        for c in chunks:
+            if q in self._views:
+                data = np.frombuffer(self._views[q].buffer[c.offset:c.offset + c.nbytes], np.uint8)
+            else:
+                if self.bucket is not None:  # the network's share: this node's own chunks are not pulled
+                    self.bucket.take(c.nbytes)
+                address, token, client = self._remote(q)
+                try:
+                    data = np.frombuffer(client.read(self.step, c.offset, c.nbytes, q), np.uint8)
+                except PeerError:
+                    _forget(address, token, client)
+                    raise
+                with self._lock:
+                    self.pulled += c.nbytes
+            crc = self._crcs.get(c.key)
+            if crc is None:
+                raise ChecksumError(f"{c.path}: step {self.step} has no chunk at offset {c.offset} of process {q}")
+            parity.check(data, crc, f"{c.path}: step {self.step} chunk of process {q}")
+            with self._lock:
+                self._chunks[c.key] = data
+
+    def prefetch(self, chunks: list[SavedChunk]) -> None:
+        """Fetch and verify ``chunks``, each source's by one thread, the sources in parallel."""
+        by: dict[int, list[SavedChunk]] = {}
+        for c in chunks:
+            by.setdefault(c.process, []).append(c)
+        if len(by) <= 1 or sum(c.nbytes for c in chunks) < PARALLEL_BYTES:
+            for q, cs in by.items():  # small: threads would cost more than they save
+                self._fetch(q, cs)
+            return
+        with ThreadPoolExecutor(min(FETCH_THREADS, len(by)), thread_name_prefix="jaxckpt-pull") as ex:
+            for f in [ex.submit(self._fetch, q, cs) for q, cs in by.items()]:
+                f.result()
+
+    def read(self, c: SavedChunk, lo: int, hi: int) -> np.ndarray:
+        if c.key not in self._chunks:
+            self._fetch(c.process, [c])
+        return self._chunks[c.key][lo:hi]
+
+    def close(self) -> None:
+        self._chunks.clear()
+        for v in self._views.values():
+            v.close()
+
+
+def pull_into(buffer: memoryview, msg: dict, step: int, local) -> tuple[list[int], int, dict]:
+    """Build the blocks ``msg`` asks for (see the module docstring) into ``buffer``, the writing slot of ``step``;
+    returns the crc32c of each block in task order, the bytes pulled from other nodes, and the bandwidth
+    account of a limited pull (rate, burst, bytes admitted, seconds slept, span since the first admission)."""
+    tasks = msg["tasks"]
+    if not isinstance(tasks, list) or len(tasks) > MAX_TASKS:
+        raise ValueError(f"step {step}: tasks must be a list of at most {MAX_TASKS} [kind, id, offset]")
+    raw = msg["sources"]
+    if not isinstance(raw, dict):
+        raise TypeError(f"step {step}: sources must be a map")
+    sources: dict[int, Any] = {}
+    for k, v in raw.items():
+        q = int(k)
+        if v is not None and not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)
+                                  and v[0].startswith("tcp://") and isinstance(v[1], bytes) and v[1]):
+            raise TypeError(f"step {step}: the source of process {q} must be [tcp address, token] or nil")
+        sources[q] = v
+    plan = decode_plan(msg["plan"], source=f"step {step} protection plan")
+    timeout, rate = float(msg.get("timeout", 30.0)), float(msg.get("rate", 0) or 0)
+    stripes = {s.id: s for s in plan.stripes}
+    blocks = {b.id: b for b in plan.copy_blocks}
+    out = np.frombuffer(buffer, np.uint8)
+    src = _Sources(local, sources, step, timeout, rate)
+    crcs = []
+    try:
+        need: dict[tuple[int, int], SavedChunk] = {}
+        for kind, bid, _ in tasks:
+            if kind == "stripe" and bid in stripes:
+                idx = [g.chunk for u in stripes[bid].units for g in u.segments]
+            else:
+                idx = list(blocks[bid].chunks) if kind == "copy" and bid in blocks else []
+            need.update((plan.chunks[i].key, plan.chunks[i]) for i in idx)
+        src.prefetch(list(need.values()))
+        for kind, bid, offset in tasks:
+            if kind == "stripe" and bid in stripes:
+                n = stripes[bid].nbytes
+            elif kind == "copy" and bid in blocks:
+                n = blocks[bid].nbytes
+            else:
+                raise ValueError(f"step {step}: no {kind!r} block {bid!r} in the plan")
+            if not 0 <= int(offset) <= out.size - n:
+                raise ValueError(f"step {step}: {kind} block {bid} of {n} bytes does not fit the slot at {offset}")
+            region = out[int(offset):int(offset) + n]  # built in place: no block-sized temporary
+            if kind == "stripe":
+                stripe_parity(plan, stripes[bid], src.read, out=region)
+            else:
+                copy_block(plan, blocks[bid], src.read, out=region)
+            crcs.append(crc32c(region))
+    finally:
+        src.close()
+    b = src.bucket
+    account = {} if b is None or b.started is None else {
+        "rate": b.rate, "burst": b.burst, "admitted": b.admitted, "slept": b.slept,
+        "span": time.monotonic() - b.started}
+    return crcs, src.pulled, account
+
+
+class TokenBucket:
+    """``rate`` bytes per second with a burst of ``burst`` bytes (default: a tenth of a second's worth).
+
+    :meth:`take` admits its bytes at once and then sleeps off any debt, outside the lock: over any span from
+    the first take, at most ``burst + rate * span`` bytes are admitted. ``admitted`` and ``slept`` (the total
+    sleep asked for) account for it.
+    """
+
+    def __init__(self, rate: int, burst: int | None = None) -> None:
+        if rate <= 0:
+            raise ValueError(f"rate must be positive, got {rate!r}")
+        self.rate = float(rate)
+        self.burst = float(burst if burst is not None else max(1.0, rate / 10))
+        self.admitted = 0
+        self.slept = 0.0
+        self.started: float | None = None  # time.monotonic() of the first take
+        self._tokens = self.burst
+        self._t = 0.0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> float:
+        """Admit ``nbytes``; sleep until the bucket is out of debt. Returns the seconds slept."""
+        with self._lock:
+            now = time.monotonic()
+            if self.started is None:
+                self.started = self._t = now
+            self._tokens = min(self.burst, self._tokens + (now - self._t) * self.rate) - nbytes
+            self._t = now
+            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
+            self.admitted += nbytes
+            self.slept += wait
+        if wait > 0:
+            time.sleep(wait)
+        return wait

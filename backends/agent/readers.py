@@ -1,0 +1,219 @@
+"""Node agents' memory as a restoring process reads it: its own node's agent zero-copy, others over the network.
+
+Both classes are ``jaxckpt.core.sources.Holder``:
+
+* :class:`NodeAgentHolder` (kind ``node``) talks to the agent of this node on its Unix socket as a *reader* of
+  the job, pins any process's committed slot there and maps its segment read-only: zero copies, and the pin
+  keeps the agent from freeing or reusing the segment until the restore closes it.
+* :class:`RemoteAgentHolder` (kind ``remote``) reads another node's agent through the peer transport with the
+  agent's token; each reply is pinned at the agent while it is sent. A few clients per agent let the restore's
+  fetch threads read one agent in parallel.
+
+:func:`local_agents` finds the agents whose directories this process can read (its own node's and
+``Config.agent_dirs``) from the ``peer.addr`` / ``peer.token`` files each agent writes (agent_serve.py).
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxckpt.backends.agent.protocol import AgentConnection, open_segment
+from jaxckpt.backends.agent.serve import read_peer_info
+from jaxckpt.errors import AgentError, PeerError, StepNotFoundError, StoreUnavailableError
+from jaxckpt.core.fetch import buffer_source
+from jaxckpt.core.sources import HeldEntry, Holder, Opened
+
+log = logging.getLogger("jaxckpt.backends.agent.readers")
+
+MAX_CLIENTS = 4  # transport clients per remote agent (each serves one request at a time)
+
+
+@dataclass(frozen=True)
+class AgentInfo:
+    """How to reach one node agent's memory: its peer address and token, its node and generation."""
+
+    address: str
+    node: str
+    job: str
+    generation: str
+    directory: str  # the agent's own path of its directory (a path on its host)
+    token: bytes = field(repr=False)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"address": self.address, "node": self.node, "job": self.job, "generation": self.generation,
+                "directory": self.directory, "token": self.token}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "AgentInfo":
+        if not isinstance(d, dict) or not isinstance(d.get("token"), bytes) or not d["token"] or \
+                not all(isinstance(d.get(k), str) for k in ("address", "node", "job", "generation", "directory")):
+            raise PeerError(f"malformed agent info {sorted(d) if isinstance(d, dict) else type(d).__name__}")
+        return cls(d["address"], d["node"], d["job"], d["generation"], d["directory"], d["token"])
+
+
+def expand_dirs(spec: str) -> list[str]:
+    """The directories ``Config.agent_dirs`` names: comma-separated paths or glob patterns, existing ones only."""
+    out: list[str] = []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        for d in sorted(glob.glob(part)) if glob.has_magic(part) else [part]:
+            d = os.path.abspath(d)
+            if os.path.isdir(d) and d not in out:
+                out.append(d)
+    return out
+
+
+def local_agents(job: str, directories: list[str]) -> list[AgentInfo]:
+    """Agents of ``job`` serving peers from ``directories`` (others, and directories without one, are skipped)."""
+    out = []
+    for d in directories:
+        info = read_peer_info(d)
+        if info is None:
+            log.info("no agent serves peers from %s", d)
+            continue
+        if info.get("job") != job:
+            log.warning("agent at %s serves job %r, not %r: not used", d, info.get("job"), job)
+            continue
+        out.append(AgentInfo(info["address"], info["node"], job, info["generation"], info["directory"],
+                             info["token"]))
+    return out
+
+
+def _entries(raw: Any, where: str) -> list[HeldEntry]:
+    if not isinstance(raw, list):
+        raise PeerError(f"{where}: malformed index")
+    out = []
+    for v in raw:
+        try:
+            out.append(HeldEntry.from_wire(v))
+        except Exception:  # noqa: BLE001 - one bad entry is skipped, the others are good
+            log.warning("%s: skipping malformed held entry %r", where, v)
+    return out
+
+
+class NodeAgentHolder(Holder):
+    """This node's agent, read zero-copy through its shared memory (see the module docstring)."""
+
+    kind = "node"
+
+    def __init__(self, directory: str, job: str, node: str, timeout_s: float = 30.0) -> None:
+        self.directory, self.job, self.node = directory, job, node
+        self.name = f"node agent at {directory}"
+        self._timeout = timeout_s
+        self._conn: AgentConnection | None = None
+        self._lock = threading.Lock()
+
+    def _call(self, op: str, **fields: Any) -> dict:
+        with self._lock:
+            try:
+                if self._conn is None:
+                    conn = AgentConnection(self.directory, timeout_s=self._timeout)
+                    try:
+                        conn.call("hello", job=self.job, role="reader")
+                    except BaseException:
+                        conn.close()
+                        raise
+                    self._conn = conn
+                return self._conn.call(op, **fields)
+            except StoreUnavailableError:
+                self._conn = None  # the agent went away; the next call reconnects
+                raise
+            except AgentError as e:
+                raise StoreUnavailableError(f"{self.name} refused {op}: {e}") from None
+
+    def held(self) -> list[HeldEntry]:
+        return _entries(self._call("index").get("held"), self.name)
+
+    def open(self, process: int, step: int) -> Opened:
+        r = self._call("open", process=process, step=step)
+        if not r.get("found"):
+            raise StepNotFoundError(f"step {step} of process {process} is not held by the {self.name} "
+                                    f"(it holds steps {r.get('steps') or 'none'} of that process)")
+        conn = self._conn
+
+        def unpin() -> None:
+            with self._lock:
+                if self._conn is conn and conn is not None:  # pins of a dead connection died with it
+                    try:
+                        conn.call("unpin", process=process, step=step)
+                    except (StoreUnavailableError, AgentError) as e:
+                        log.warning("%s: unpin of step %d of process %d not delivered: %s", self.name, step,
+                                    process, e)
+        try:
+            buf = memoryview(b"")
+            if r["seg"]:
+                buf = memoryview(open_segment(self.directory, r["seg"], r["size"], writable=False))[:r["nbytes"]]
+        except BaseException:
+            unpin()
+            raise
+        return Opened(r["manifest"], buffer_source(buf.toreadonly()), unpin)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
+class RemoteAgentHolder(Holder):
+    """Another node's agent, read over the peer transport (see the module docstring)."""
+
+    kind = "remote"
+
+    def __init__(self, info: AgentInfo, node: str, timeout_s: float, clients: int = MAX_CLIENTS) -> None:
+        from jaxckpt.backends.transport import get_transport
+
+        self.info, self.node = info, node
+        self.name = f"agent of node {info.node} at {info.address}"
+        self._transport, self._timeout = get_transport(), timeout_s
+        self._idle: queue.LifoQueue = queue.LifoQueue()
+        self._made, self._max = 0, max(1, clients)
+        self._all: list = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _client(self):
+        try:
+            return self._idle.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            if self._closed:
+                raise PeerError(f"{self.name}: closed")
+            if self._made < self._max:
+                self._made += 1
+                c = self._transport.connect(self.info.address, token=self.info.token, timeout_s=self._timeout)
+                self._all.append(c)
+                return c
+        try:
+            return self._idle.get(timeout=self._timeout * 2)
+        except queue.Empty:
+            raise PeerError(f"{self.name}: no free client within {self._timeout * 2:g}s") from None
+
+    def _with_client(self, fn):
+        c = self._client()
+        try:
+            return fn(c)
+        finally:
+            self._idle.put(c)
+
+    def held(self) -> list[HeldEntry]:
+        return _entries(self._with_client(lambda c: c.held()), self.name)
+
+    def open(self, process: int, step: int) -> Opened:
+        manifest = self._with_client(lambda c: c.manifest(step, process))
+        return Opened(manifest, lambda offset, nbytes: self._with_client(lambda c: c.read(step, offset, nbytes,
+                                                                                           process)))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            clients, self._all = self._all, []
+        for c in clients:
+            c.close()

@@ -1,0 +1,206 @@
+"""The node agent's memory served to peers: every committed snapshot of the node, zero-copy, pinned while sent.
+
+The agent serves its whole node (every process's committed slots) over the peer transport
+(``jaxckpt.backends.transport``), token-authenticated, bound to ``Config.peer_bind`` (loopback by default). Two
+files in the agent's directory (mode 0600, like everything there) tell restoring processes how to reach it:
+
+  peer.token   the token its server accepts: written by the trainer that spawns the agent when
+               ``Config.peer_token`` is set, else made by the agent (``JAXCKPT_PEER_TOKEN``, or random); an
+               agent restarted on the directory keeps it
+  peer.addr    msgpack map: address, node, job, generation, pid, directory; written once the server listens
+
+A restoring process reads these files for its own node's agent and for ``Config.agent_dirs``, and exchanges
+what it found with the other processes of its job through the coordination service (``jaxckpt.core.catalog``).
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import stat
+import threading
+from typing import Any
+
+import msgpack
+
+from jaxckpt.backends.agent.protocol import SEG_RE, open_segment
+from jaxckpt.backends.agent.table import SlotTable
+from jaxckpt.backends.transport import SnapshotSource
+from jaxckpt.core.checksum import crc32c
+from jaxckpt.errors import AgentError, ManifestError
+from jaxckpt.core.sources import held_entry
+from jaxckpt.core.store import SnapshotView
+
+log = logging.getLogger("jaxckpt.backends.agent.daemon")
+
+PEER_NAME, TOKEN_NAME = "peer.addr", "peer.token"
+TOKEN_ENV = "JAXCKPT_PEER_TOKEN"
+MAX_FILE_BYTES = 64 << 10
+
+
+# ------------------------------------------------------------------------------------------------ the files
+def _write_private(path: str, data: bytes) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _read_private(path: str) -> bytes | None:
+    """The bytes of ``path`` if it is a small private regular file of ours; None if it does not exist."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077 or \
+                st.st_size > MAX_FILE_BYTES:
+            raise AgentError(f"refusing {path}: not a small private regular file of uid {os.geteuid()}")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(MAX_FILE_BYTES)
+    finally:
+        os.close(fd)
+
+
+def write_token(directory: str, token: bytes) -> None:
+    """Store the peer token the agent of ``directory`` will serve with (mode 0600)."""
+    _write_private(os.path.join(directory, TOKEN_NAME), bytes(token))
+
+
+def read_token(directory: str) -> bytes | None:
+    """The peer token of the agent of ``directory``, or None."""
+    return _read_private(os.path.join(directory, TOKEN_NAME)) or None
+
+
+def load_or_make_token(directory: str) -> bytes:
+    """The agent's token: the directory's token file, else ``JAXCKPT_PEER_TOKEN``, else random (then stored)."""
+    token = read_token(directory)
+    if token:
+        return token
+    token = os.environ.get(TOKEN_ENV, "").encode() or secrets.token_hex(32).encode()
+    write_token(directory, token)
+    return token
+
+
+def write_peer_info(directory: str, info: dict[str, Any]) -> None:
+    """Publish the agent's peer address (and node, job, generation) in its directory."""
+    _write_private(os.path.join(directory, PEER_NAME), msgpack.packb(info, use_bin_type=True))
+
+
+def read_peer_info(directory: str) -> dict[str, Any] | None:
+    """The agent's published peer info (with its token under ``"token"``), or None if it serves no peers."""
+    try:
+        raw = _read_private(os.path.join(directory, PEER_NAME))
+        token = read_token(directory)
+    except (AgentError, OSError) as e:
+        log.warning("cannot read the peer info of the agent at %s: %s", directory, e)
+        return None
+    if raw is None or token is None:
+        return None
+    try:
+        info = msgpack.unpackb(raw, raw=False, max_str_len=MAX_FILE_BYTES, max_bin_len=MAX_FILE_BYTES)
+    except Exception as e:  # noqa: BLE001 - msgpack raises several types on garbage
+        log.warning("malformed %s in %s: %s", PEER_NAME, directory, e)
+        return None
+    if not isinstance(info, dict) or not all(isinstance(info.get(k), str) for k in ("address", "node", "generation")):
+        log.warning("malformed %s in %s", PEER_NAME, directory)
+        return None
+    return {**info, "token": token, "directory": directory}
+
+
+def remove_peer_files(directory: str) -> None:
+    """Remove the peer files (the agent shuts down: its directory goes)."""
+    for name in (PEER_NAME, TOKEN_NAME):
+        try:
+            os.unlink(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass
+
+
+# ------------------------------------------------------------------------------------------ the snapshots
+class _View(SnapshotView):
+    def __init__(self, step: int, manifest: bytes, buffer: memoryview, unpin) -> None:
+        self.step, self.manifest, self.buffer = step, manifest, buffer
+        self._unpin = unpin
+
+    def close(self) -> None:
+        if self._unpin is not None:
+            unpin, self._unpin = self._unpin, None
+            self.buffer = memoryview(b"")
+            unpin()
+
+
+class AgentSnapshots(SnapshotSource):
+    """The committed slots of every process of the node, for the peer server: pinned in the slot table while a
+    reply is in flight, their segments mapped read-only once and shared by all replies."""
+
+    def __init__(self, table: SlotTable, directory: str) -> None:
+        self.table, self.dir = table, directory
+        self.label = f"node agent at {directory}"
+        self._maps: dict[str, mmap.mmap] = {}
+        self._entries: dict[tuple[int, int, int], list] = {}
+        self._lock = threading.Lock()
+
+    def steps(self, process: int | None) -> list[int]:
+        if process is None:
+            return sorted({s for _, s, _ in self.table.committed()})
+        return self.table.steps(process)
+
+    def open(self, process: int | None, step: int) -> SnapshotView | None:
+        if process is None:
+            return None  # a node holds many processes: the request must say which
+        entry = self.table.pin(process, step)
+        if entry is None:
+            return None
+        try:
+            buf = self._buffer(entry.seg.name, entry.seg.size, entry.nbytes) if entry.seg else memoryview(b"")
+        except BaseException:
+            self.table.unpin(process, step)
+            raise
+        return _View(step, entry.manifest, buf, lambda: self.table.unpin(process, step))
+
+    def _buffer(self, name: str, size: int, nbytes: int) -> memoryview:
+        with self._lock:
+            m = self._maps.get(name)
+            if m is None:
+                self._prune()
+                m = self._maps[name] = open_segment(self.dir, name, size, writable=False)
+            return memoryview(m)[:nbytes].toreadonly()
+
+    def _prune(self) -> None:
+        # Mappings of segments the table let go (unlinked) would keep their memory allocated: drop them.
+        # Replies still in flight hold their own references to the mapping.
+        procs = {int(SEG_RE.match(n).group(1)) for n in self._maps}
+        live = {n for p in procs for n in self.table.segments(p)}
+        for n in [n for n in self._maps if n not in live]:
+            del self._maps[n]
+
+    def held(self) -> list[list]:
+        out, keys = [], set()
+        for p, s, manifest in self.table.committed():
+            key = (p, s, crc32c(manifest))
+            keys.add(key)
+            with self._lock:
+                e = self._entries.get(key)
+            if e is None:
+                try:
+                    h = held_entry(manifest, source=f"manifest of process {p} step {s} at {self.dir}")
+                    # a record whose manifest names another slot is listed but never counted complete
+                    e = h.to_wire() if (h.process, h.step) == (p, s) else [p, s, 0, "", key[2]]
+                except ManifestError:
+                    e = [p, s, 0, "", key[2]]
+                with self._lock:
+                    self._entries[key] = e
+            out.append(e)
+        with self._lock:
+            for k in [k for k in self._entries if k not in keys]:
+                del self._entries[k]
+        return out

@@ -1,0 +1,586 @@
+"""The catalog: every holder a restoring process can read snapshots from, found once, asked on each restore.
+
+Holders (``jaxckpt.core.sources``), cheapest first: this process's store (``local``); with ``store="shm"`` its node's
+agent (``node``, zero-copy) and the other nodes' agents (``remote``, peer transport); in a multi-process job
+without agents, the job's other processes (``peer``); and any holders registered with :meth:`Catalog.add_holders`
+(protection's rebuild from parity or copies, the persistent directory).
+
+Finding the agents (:meth:`Catalog.discover`, collective when the job has several processes; O(processes) at
+the coordinator, like the commit protocol):
+  0) (every process) reads the peer files of its own node's agent and of ``Config.agent_dirs`` and sets
+     ``<prefix>/agents/<process>`` to what it found (address, token, node, generation);
+  1) (process 0)     reads those N keys and publishes their union under ``<prefix>/agents/all``;
+  2) (every process) reads that one key.
+So a restarted job, even with another number of processes or nodes, finds every agent any of its processes can
+see on its host: a job's node agents find each other without configuration, and ``Config.agent_dirs`` names the
+old job's agents on nodes the new job does not use (simulated nodes on one host: ``<parent>/node*``).
+
+Agreeing on the step to restore (:meth:`Catalog.agree_latest`, collective likewise): each process lists the steps
+whose snapshot is held, at some holder it can reach, for every process of the saving job (from the agents'
+commit records); process 0 publishes the newest step in every process's list; every process reads it.
+
+Opening a step (:meth:`Catalog.open`): for each process of the saving job, its holders in cost order; the first
+that opens gives the manifest, the others stand by as fallbacks and are opened only if a read needs them. A
+corrupt manifest in this process's own store is routed around the same way (another holder's copy, e.g. the one
+kept with protection; the own bytes are still read first, each chunk checked against that copy).
+
+A remote agent that does not answer in time (a dead agent's stale address) is not asked again for the rest of the
+operation (a restore, a scan, a protection pull: :meth:`Catalog.begin`), and that is logged once.
+
+Following restarted agents (:meth:`Catalog.begin`, never collective): an agent restarted on the same node and
+directory listens on a new address. At the start of each operation a process re-reads the peer files that
+changed (its own node's, ``Config.agent_dirs``: a stat each otherwise), and publishes its own node's new agent
+under ``agent-of/<process>/<k>`` (set once per restart). After an operation in which an agent did not answer,
+it also reads the keys the other processes published since (O(processes) reads, once per such operation). A
+restarted agent replaces the one of the same node and directory; :meth:`current_generation` maps the old
+generation to the new one (protection names a node's agent by generation).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Iterator
+
+import msgpack
+
+from jaxckpt.core import manifest as mf
+from jaxckpt.core.checksum import crc32c
+from jaxckpt.config import Config
+from jaxckpt.core.coordination import Coordinator
+from jaxckpt.errors import (AgentError, CommitError, ManifestError, PeerError, StepNotFoundError,
+                            StoreUnavailableError)
+from jaxckpt.core.fetch import buffer_source
+from jaxckpt.core.sources import (HeldEntry, Holder, Opened, Source, Version, check_manifest, choose_version,
+                             complete_steps, missing_processes, newest_common, order_sources)
+from jaxckpt.core.store import Store
+
+log = logging.getLogger("jaxckpt.core.catalog")
+
+HOLDER_ERRORS = (PeerError, StepNotFoundError, StoreUnavailableError, AgentError, ManifestError, OSError)
+
+
+def node_agent_dir(store: Store) -> str | None:
+    """The directory of the node agent holding ``store``'s snapshots, if it is one (``store="shm"``)."""
+    d = getattr(store, "directory", None) if store.survives_process else None
+    return d if isinstance(d, str) else None
+
+
+class _PeerHolder(Holder):
+    """Process ``q`` of this job serving its own store (jobs without node agents)."""
+
+    kind = "peer"
+    node = ""
+
+    def __init__(self, peers, q: int) -> None:
+        self._peers, self._q = peers, q
+        self.name = f"process {q}"
+
+    def held(self) -> list[HeldEntry]:
+        return [HeldEntry.from_wire(v) for v in self._peers.client(self._q).held()]
+
+    def open(self, process: int, step: int) -> Opened:
+        c = self._peers.client(self._q)
+        self.name = f"process {self._q} ({c.address})"
+        return Opened(c.manifest(step), lambda offset, nbytes: c.read(step, offset, nbytes))
+
+
+class _Lazy:
+    """A fallback source: opened at its holder on the first read, checked to hold the same snapshot."""
+
+    def __init__(self, holder: Holder, process: int, step: int, crc: int, opened: list[Opened]) -> None:
+        self._h, self._q, self._step, self._crc, self._opened = holder, process, step, crc, opened
+        self._o: Opened | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, offset: int, nbytes: int) -> memoryview:
+        with self._lock:
+            if self._o is None:
+                try:
+                    o = self._h.open(self._q, self._step)
+                except (AgentError, ManifestError) as e:
+                    raise StoreUnavailableError(f"{self._h.name}: {e}") from None
+                self._opened.append(o)
+                if crc32c(o.manifest) != self._crc:
+                    raise StepNotFoundError(f"{self._h.name} holds another snapshot of step {self._step} of "
+                                            f"process {self._q} (its manifest differs)")
+                self._o = o
+        return self._o.read(offset, nbytes)
+
+
+class _NotAsked(PeerError):
+    """A holder skipped because it did not answer earlier in the same operation."""
+
+
+class _Guarded(Holder):
+    """A remote agent's holder that is not asked again in the current operation (a restore, a scan) once it
+    failed to answer in time: a dead agent's stale address would otherwise cost ``Config.peer_timeout_s`` on
+    every request (each listing, manifest and chunk read) of that operation."""
+
+    def __init__(self, holder: Holder, catalog: "Catalog", timeout_error: type[Exception]) -> None:
+        self._h, self._catalog, self._timeout_error = holder, catalog, timeout_error
+        self.kind, self.name, self.node = holder.kind, holder.name, holder.node
+        self.dead: str | None = None  # the operation in which it did not answer
+
+    def __getattr__(self, name: str):  # e.g. ``info``: protection finds an agent by its generation
+        return getattr(self._h, name)
+
+    def _call(self, fn: Callable, *args):
+        if self.dead is not None:
+            raise _NotAsked(f"{self.name}: not asked, it did not answer earlier in this {self.dead}")
+        try:
+            return fn(*args)
+        except self._timeout_error as e:
+            self._catalog._unresponsive(self, e)
+            raise
+
+    def held(self) -> list[HeldEntry]:
+        return self._call(self._h.held)
+
+    def open(self, process: int, step: int) -> Opened:
+        o = self._call(self._h.open, process, step)
+        return Opened(o.manifest, lambda offset, nbytes: self._call(o.read, offset, nbytes), o.close, o.lend)
+
+    def close(self) -> None:
+        self._h.close()
+
+
+class Catalog:
+    """Holders of this job's (and an earlier job's) snapshots for one process (see the module docstring)."""
+
+    def __init__(self, config: Config, coordinator: Coordinator, store: Store, peers=None) -> None:
+        self.config, self.coord, self.store, self.peers = config, coordinator, store, peers
+        self.process_index, self.process_count = coordinator.process_index, coordinator.process_count
+        self.agent_dir = node_agent_dir(store)
+        self.agents: dict[str, object] = {}  # address -> AgentInfo, once discovered
+        self._discovered = False
+        self._holders: list[Holder] | None = None
+        self._providers: list[Callable[[], Iterable[Holder]]] = []
+        self._lock = threading.Lock()
+        self._operation = "catalog scan"  # what a holder that stops answering is skipped for the rest of
+        self.replaced: dict[str, str] = {}  # generation of a restarted agent -> of the one that replaced it
+        self._published: str | None = None  # the generation of our node's agent the other processes know
+        self._own_k = 0  # our next agent-of key
+        self._probe: dict[int, int] = {}  # process -> its next agent-of key to read
+        self._seen: dict[str, tuple] = {}  # agent directory -> its peer file's (inode, mtime, size) last read
+        self._stale = False  # an agent did not answer in the last operation: read the other processes' keys
+
+    @property
+    def uses_agents(self) -> bool:
+        """True when snapshots live with node agents (``store="shm"``): restores can read any node's memory."""
+        return self.agent_dir is not None
+
+    def add_holders(self, provider: Callable[[], Iterable[Holder]]) -> None:
+        """Also read from the holders ``provider()`` returns (asked on every open; e.g. rebuild, persistent)."""
+        self._providers.append(provider)
+
+    def begin(self, operation: str) -> None:
+        """Start ``operation`` (a restore, a scan): follow restarted agents (see the module docstring); agents
+        that did not answer in the last one are asked again."""
+        self._follow_restarts()
+        with self._lock:
+            self._operation = operation
+            holders = list(self._holders or ())
+        for h in holders:
+            if isinstance(h, _Guarded):
+                h.dead = None
+
+    def suspect(self) -> None:
+        """An agent may have restarted elsewhere (someone else could not reach it): at the next operation, read
+        the addresses the other processes published."""
+        with self._lock:
+            self._stale = True
+
+    def _unresponsive(self, h: _Guarded, e: Exception) -> None:
+        with self._lock:
+            self._stale = True
+            if h.dead is not None:
+                return
+            h.dead = what = self._operation
+        log.warning("process %d: %s (node %s) did not answer (%s); not asked again in this %s",
+                    self.process_index, h.name, h.node, e, what)
+
+    # ------------------------------------------------------------------------------------------ discovery
+    def _own_node(self) -> str:
+        agent = getattr(self.store, "agent", None) or {}
+        return str(agent.get("node", "")) or "this node"
+
+    def discover(self, prefix: str | None = None) -> None:
+        """Find the node agents (see the module docstring); collective when ``prefix`` is given and the job has
+        several processes. Without agents (``store="memory"``) there is nothing to find."""
+        if not self.uses_agents:
+            return
+        from jaxckpt.backends.agent.readers import AgentInfo, local_agents
+
+        dirs = self._dirs()
+        seen = {d: self._peer_file_state(d) for d in dirs}
+        found = [a.to_wire() for a in local_agents(self.config.job_id, dirs)]
+        if prefix is not None and self.process_count > 1:
+            found = self._exchange(f"{prefix}/agents", found)
+        agents = {}
+        for w in found:
+            a = AgentInfo.from_wire(w)
+            agents.setdefault(a.address, a)
+        with self._lock:
+            self.agents, self._discovered, self._seen = agents, True, seen
+            self._published = str((getattr(self.store, "agent", None) or {}).get("generation", ""))
+            self._close_holders()
+        log.info("process %d found %d node agent(s): %s", self.process_index, len(agents),
+                 ", ".join(f"{a.node} at {a.address}" for a in agents.values()) or "none")
+
+    def _dirs(self) -> list[str]:
+        from jaxckpt.backends.agent.readers import expand_dirs
+
+        return [self.agent_dir] + [d for d in expand_dirs(self.config.agent_dirs)
+                                   if os.path.realpath(d) != os.path.realpath(self.agent_dir)]
+
+    @staticmethod
+    def _peer_file_state(d: str) -> tuple | None:
+        from jaxckpt.backends.agent.serve import PEER_NAME
+
+        try:
+            st = os.stat(os.path.join(d, PEER_NAME))
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def _follow_restarts(self) -> None:
+        if not self.uses_agents or not self._discovered:
+            return
+        from jaxckpt.backends.agent.readers import AgentInfo, local_agents
+
+        changed = []
+        for d in self._dirs():
+            state = self._peer_file_state(d)
+            if state is not None and self._seen.get(d) != state:
+                self._seen[d] = state
+                changed.append(d)
+        found = local_agents(self.config.job_id, changed) if changed else []
+        own_gen = str((getattr(self.store, "agent", None) or {}).get("generation", ""))
+        prefix = f"jaxckpt/{self.config.job_id}/agent-of"
+        if self.process_count > 1 and own_gen != self._published:
+            own = next((a for a in found + list(self.agents.values()) if a.generation == own_gen), None)
+            if own is not None:  # else the new agent does not serve peers yet: at the next operation
+                try:
+                    self.coord.set(f"{prefix}/{self.process_index}/{self._own_k}",
+                                   msgpack.packb(own.to_wire(), use_bin_type=True))
+                    self._own_k, self._published = self._own_k + 1, own_gen
+                except Exception as e:  # noqa: BLE001 - the others find it after a time-out, or at the next start
+                    log.warning("process %d: could not publish the address of its restarted node agent: %s",
+                                self.process_index, e)
+        if self._stale and self.process_count > 1:
+            self._stale = False
+            for q in range(self.process_count):
+                k = self._probe.get(q, 0)
+                while q != self.process_index:
+                    try:
+                        raw = self.coord.try_get(f"{prefix}/{q}/{k}")
+                        if raw is None:
+                            break
+                        found.append(AgentInfo.from_wire(msgpack.unpackb(raw, raw=False)))
+                    except Exception as e:  # noqa: BLE001 - a bad or unreadable key: the next one may be good
+                        log.warning("process %d: agent address %d of process %d unusable: %s",
+                                    self.process_index, k, q, e)
+                    k += 1
+                self._probe[q] = k
+        if found:
+            self._replace_agents(found)
+
+    def _replace_agents(self, found: list) -> None:
+        gone: set[str] = set()
+        with self._lock:
+            for a in found:
+                cur = self.agents.get(a.address)
+                if cur is not None and cur.generation == a.generation:
+                    continue
+                for old in [x for x in self.agents.values() if (x.node, x.directory) == (a.node, a.directory)]:
+                    del self.agents[old.address]
+                    gone.add(old.address)
+                    if old.generation != a.generation:
+                        self.replaced[old.generation] = a.generation
+                self.agents[a.address] = a
+                gone.discard(a.address)
+                log.info("process %d: the agent of node %s (%s) now listens at %s", self.process_index, a.node,
+                         a.directory, a.address)
+            if gone or found:
+                self._rebuild_holders(gone)
+
+    def current_generation(self, generation: str) -> str:
+        """The generation of the agent serving now where the agent of ``generation`` was (it may have restarted)."""
+        seen = {generation}
+        while generation in self.replaced and self.replaced[generation] not in seen:
+            generation = self.replaced[generation]
+            seen.add(generation)
+        return generation
+
+    def _exchange(self, key: str, mine: list) -> list:
+        c, timeout = self.coord, self.config.commit_timeout_s
+        c.set(f"{key}/{self.process_index}", msgpack.packb(mine, use_bin_type=True))
+        if self.process_index == 0:
+            union, failed = list(mine), None
+            for q in range(1, self.process_count):
+                try:
+                    union += msgpack.unpackb(c.get(f"{key}/{q}", timeout), raw=False)
+                except TimeoutError:
+                    failed = q
+                    break
+            out = b"" if failed is not None else msgpack.packb(union, use_bin_type=True)
+            c.set(f"{key}/all", out)
+        else:
+            try:
+                out = c.get(f"{key}/all", timeout * 2)
+            except TimeoutError:
+                out = b""
+        if not out:
+            raise CommitError(f"restore: the processes did not share the node agents they found within "
+                              f"{timeout:g}s (job {self.config.job_id!r}, process {self.process_index})")
+        return msgpack.unpackb(out, raw=False)
+
+    def holders(self) -> list[Holder]:
+        """The agents' holders (node first), then the registered ones; built once per discovery."""
+        if self.uses_agents and not self._discovered:
+            self.discover()
+        with self._lock:
+            if self._holders is None:
+                self._holders = self._make_holders()
+            out = list(self._holders)
+        for provider in self._providers:
+            out += list(provider())
+        return out
+
+    def _rebuild_holders(self, gone: set[str]) -> None:
+        """(locked) New holders for the agents now known; live ones are kept as they are (another thread may be
+        reading through them), those of replaced agents closed."""
+        if self._holders is None:
+            return
+        keep: dict[str, Holder] = {}
+        for h in self._holders:
+            address = getattr(getattr(h, "info", None), "address", None)
+            if h.kind == "remote" and address in gone:
+                h.close()
+            elif h.kind in ("node", "remote"):
+                keep[address or ""] = h
+        self._holders = self._make_holders(keep)
+
+    def _make_holders(self, reuse: dict[str, Holder] | None = None) -> list[Holder]:
+        if not self.uses_agents:
+            return []
+        reuse = reuse or {}
+        from jaxckpt.backends.agent.readers import NodeAgentHolder, RemoteAgentHolder
+        from jaxckpt.backends.transport import PeerTimeoutError
+
+        own_gen = (getattr(self.store, "agent", None) or {}).get("generation")
+        infos = list(self.agents.values())
+        names = [a.node for a in infos]
+        label = {a.address: a.node if names.count(a.node) == 1 else f"{a.node}:{os.path.basename(a.directory)}"
+                 for a in infos}
+        own = next((a for a in infos if a.generation == own_gen), None)
+        out: list[Holder] = [reuse.get("") or NodeAgentHolder(self.agent_dir, self.config.job_id,
+                                                              label[own.address] if own else self._own_node(),
+                                                              self.config.peer_timeout_s)]
+        for a in infos:
+            if a is not own:
+                out.append(reuse.get(a.address) or _Guarded(
+                    RemoteAgentHolder(a, label[a.address], self.config.peer_timeout_s, self.config.restore_workers),
+                    self, PeerTimeoutError))
+        for address, h in reuse.items():
+            if h not in out:
+                h.close()  # e.g. our own restarted agent's old address, known as a remote one until now
+        return out
+
+    def index(self) -> list[tuple[Holder, HeldEntry]]:
+        """What every holder holds now; a holder that cannot answer is logged and left out."""
+        holders = self.holders()
+
+        def ask(h: Holder) -> list[tuple[Holder, HeldEntry]]:
+            try:
+                return [(h, e) for e in h.held()]
+            except _NotAsked as e:
+                log.debug("process %d: %s", self.process_index, e)
+                return []
+            except HOLDER_ERRORS as e:
+                log.warning("process %d: %s did not list its snapshots: %s", self.process_index, h.name, e)
+                return []
+
+        def ask_all(hs: list[Holder]) -> list[tuple[Holder, HeldEntry]]:
+            if len(hs) <= 1:
+                return [x for h in hs for x in ask(h)]
+            with ThreadPoolExecutor(max_workers=min(len(hs), self.config.restore_workers)) as ex:
+                return [x for got in ex.map(ask, hs) for x in got]
+        # The agents first: the registered holders (rebuild) ask the same agents again, and then skip one that
+        # did not answer instead of waiting for it a second time.
+        agents = [h for h in holders if h.kind in ("node", "remote", "peer")]
+        return ask_all(agents) + ask_all([h for h in holders if h.kind not in ("node", "remote", "peer")])
+
+    def agree_latest(self, prefix: str) -> int | None:
+        """The newest step whose snapshot every process of this job can obtain, agreed by all (collective)."""
+        self.begin("catalog scan")
+        complete = complete_steps(e for _, e in self.index())
+        if self.process_count == 1:
+            return complete[-1] if complete else None
+        lists = self._exchange(f"{prefix}/complete", [complete])
+        return newest_common(lists)
+
+    # ------------------------------------------------------------------------------------------------ open
+    @contextlib.contextmanager
+    def open(self, step: int) -> Iterator[tuple[list[mf.Manifest], dict[int, list[Source]]]]:
+        """The manifests of every process that saved ``step`` and, per process, its sources cheapest first."""
+        self.begin(f"restore of step {step}")
+        opened: list[Opened] = []
+        try:
+            yield self._open(step, opened)
+        finally:
+            for o in opened:
+                try:
+                    o.close()
+                except Exception as e:  # noqa: BLE001 - closing one must not keep the others pinned
+                    log.warning("step %d: could not close a source: %s", step, e)
+
+    def _open(self, step: int, opened: list[Opened]) -> tuple[list[mf.Manifest], dict[int, list[Source]]]:
+        me = self.process_index
+        own_error: StepNotFoundError | None = None
+        view = None
+        try:
+            view = self.store.open(step)
+        except StepNotFoundError as e:  # e.g. the agent that held it lost its memory: the store says so
+            own_error = e
+        own: tuple[mf.Manifest, HeldEntry] | None = None
+        own_bad: ManifestError | None = None
+        if view is not None:
+            opened.append(Opened(view.manifest, buffer_source(view.buffer), view.close, view.lend))
+            try:
+                m = mf.decode(view.manifest, source=f"step {step} manifest of process {me}")
+            except ManifestError as e:  # routed around like a corrupt chunk: another holder's copy, if any
+                own_bad = ManifestError(f"step {step}: the manifest of process {me} held by {self._own_name()} "
+                                        f"is corrupt and no other holder has a good copy ({e})")
+                log.warning("step %d: the manifest of process %d held by %s is corrupt; looking for another "
+                            "copy (%s)", step, me, self._own_name(), e)
+            else:
+                own = (m, HeldEntry(step, m.process, m.process_count, m.layout, crc32c(view.manifest)))
+        index: list[tuple[Holder, HeldEntry]] = []
+        prefer = Version(step, own[0].process_count, own[0].layout) if own else None
+        if prefer is not None and prefer.process_count == 1 and not self._providers:
+            version = prefer  # everything is in our own memory: ask no one
+        else:
+            if self.uses_agents or self._providers:
+                index = [(h, e) for h, e in self.index() if e.step == step]
+            if not self.uses_agents and prefer is not None and self.peers is not None:
+                # a job without agents: the other processes of the same job serve their own stores
+                index += [(_PeerHolder(self.peers, q), HeldEntry(step, q, prefer.process_count, prefer.layout, 0))
+                          for q in range(prefer.process_count) if q != me]
+            entries = [e for _, e in index] + ([own[1]] if own else [])
+            if not entries:
+                raise own_bad or own_error or self._not_held(step)
+            version = choose_version(entries, step, prefer)
+            if version is None:
+                raise self._missing(step, entries, own_bad or own_error)
+        local = own if own is not None and prefer == version else None
+        manifests, sources = self._gather(step, version, index, local, opened)
+        if own_bad is not None and self.config.verify_on_restore and me in sources:
+            # the bytes in our own memory are still read first: each chunk is checked against the good manifest
+            sources[me].insert(0, Source("local", f"own memory of process {me}", self._local_node(),
+                                         opened[0].read))
+        return manifests, sources
+
+    def _gather(self, step: int, version: Version, index: list[tuple[Holder, HeldEntry]],
+                local: tuple[mf.Manifest, HeldEntry] | None, opened: list[Opened]
+                ) -> tuple[list[mf.Manifest], dict[int, list[Source]]]:
+        by_q: dict[int, list[tuple[Holder, HeldEntry]]] = {}
+        for h, e in index:
+            if (e.process_count, e.layout) == (version.process_count, version.layout) or h.kind == "peer":
+                by_q.setdefault(e.process, []).append((h, e))
+        manifests: dict[int, mf.Manifest] = {}
+        sources: dict[int, list[Source]] = {}
+        if local is not None:
+            m, e = local
+            q = m.process
+            sources[q] = [Source("local", f"own memory of process {self.process_index}", self._local_node(),
+                                 opened[0].read, opened[0].lend)]
+            manifests[q] = m
+            # the node agent holds the same memory as our own store: no fallback there
+            others = [(h, x) for h, x in by_q.get(q, []) if h.kind != "node" and x.crc == e.crc]
+            sources[q] += [Source(h.kind, h.name, h.node, _Lazy(h, q, step, e.crc, opened))
+                           for h in order_sources(others)]
+
+        def first(q: int) -> tuple[int, mf.Manifest, list[Source]]:
+            holders = order_sources(by_q.get(q, []))
+            failures: list[tuple[Holder, Exception]] = []
+            for i, h in enumerate(holders):
+                try:
+                    o = h.open(q, step)
+                except HOLDER_ERRORS as e:
+                    failures.append((h, e))
+                    continue
+                opened.append(o)
+                try:
+                    m = mf.decode(o.manifest, source=f"step {step} manifest of process {q} from {h.name}")
+                    check_manifest(m, version, q, f"step {step} manifest of process {q} from {h.name}")
+                except ManifestError as e:
+                    failures.append((h, e))
+                    continue
+                crc = crc32c(o.manifest)
+                alts = [h2 for h2 in holders[i + 1:]
+                        if h2.kind == "peer" or any(x.crc == crc for hh, x in by_q[q] if hh is h2)]
+                return q, m, [Source(h.kind, h.name, h.node, o.read)] + \
+                    [Source(h2.kind, h2.name, h2.node, _Lazy(h2, q, step, crc, opened)) for h2 in alts]
+            if len(failures) == 1:  # the one holder's own error (a refused token, a gone step), unchanged
+                h, e = failures[0]
+                if isinstance(e, (PeerError, StepNotFoundError, ManifestError)):
+                    raise e
+                raise StepNotFoundError(f"step {step}: the snapshot of process {q} cannot be read from {h.name}: {e}")
+            said = "; ".join(f"{h.kind} {h.name}: {e}" for h, e in failures) or "no holder lists it"
+            raise StepNotFoundError(f"step {step}: the snapshot of process {q} (of {version.process_count}) could "
+                                    f"not be opened at any holder ({said})")
+        todo = [q for q in range(version.process_count) if q not in manifests]
+        if todo:
+            workers = min(len(todo), self.config.restore_workers)
+            if workers <= 1:
+                got = [first(q) for q in todo]
+            else:
+                with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxckpt-manifests") as ex:
+                    got = list(ex.map(first, todo))
+            for q, m, s in got:
+                manifests[q], sources[q] = m, s
+        return [manifests[q] for q in sorted(manifests)], sources
+
+    def _local_node(self) -> str:
+        if not self.uses_agents:
+            return ""
+        with self._lock:
+            node = next((h.node for h in self._holders or () if h.kind == "node"), None)
+        return node or self._own_node()
+
+    def _own_name(self) -> str:
+        return f"the node agent at {self.agent_dir}" if self.agent_dir else f"store {self.config.store!r}"
+
+    def _not_held(self, step: int) -> StepNotFoundError:
+        return StepNotFoundError(f"step {step} is not held by store {self.config.store!r} "
+                                 f"(held: {self.store.steps() or 'none'})")
+
+    def _missing(self, step: int, entries: list[HeldEntry], own_error: Exception | None) -> Exception:
+        gaps = missing_processes(entries, step)
+        if not gaps:
+            if own_error is not None:
+                return own_error
+            asked = ", ".join(h.name for h in self.holders()) or "none"
+            return StepNotFoundError(f"step {step} is not held by store {self.config.store!r} (held: "
+                                     f"{self.store.steps() or 'none'}) nor by any holder this process can reach "
+                                     f"(asked: {asked})")
+        said = "; ".join(f"saved by {v.process_count} processes: no holder has processes {p[:16]}"
+                         f"{' ...' if len(p) > 16 else ''}" for v, p in gaps.items())
+        return StepNotFoundError(f"step {step} cannot be restored from memory: {said}"
+                                 + (f" ({own_error})" if own_error else ""))
+
+    # ----------------------------------------------------------------------------------------------- close
+    def _close_holders(self) -> None:
+        if self._holders:
+            for h in self._holders:
+                h.close()
+        self._holders = None
+
+    def close(self) -> None:
+        """Drop every holder's connections."""
+        with self._lock:
+            self._close_holders()

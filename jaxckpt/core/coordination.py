@@ -1,0 +1,163 @@
+"""Cross-process agreement through a key-value store, one code path for 1 and N processes.
+
+A :class:`Coordinator` is the few key-value primitives jaxckpt needs; the JAX coordination service and
+``torch.distributed``'s store each get a small adapter, and :class:`LocalCoordinator` serves a single process.
+
+Commit protocol for a step (O(processes) at the coordinator, never O(processes^2)):
+  0) (every process) after its chunks are in host memory, sets ``done/<step>/<process>`` to 1 (or 0 on failure);
+  1) (process 0)  reads those N keys, then publishes ``committed/<step>`` as 1 (all done) or 0 (aborted);
+  2) (every process) reads that one key; ``latest_step()`` then moves to the step on every process.
+All of it runs on a background thread; the training thread never waits on the store unless it calls ``wait()``.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable, Protocol
+
+from jaxckpt.errors import CommitError
+
+log = logging.getLogger("jaxckpt.core.coordination")
+
+
+class Coordinator(Protocol):
+    """The key-value primitives jaxckpt needs from a job's coordination service."""
+
+    process_index: int
+    process_count: int
+
+    def set(self, key: str, value: bytes) -> None:
+        """Set ``key`` once (keys are never overwritten)."""
+
+    def get(self, key: str, timeout_s: float) -> bytes:
+        """Block until ``key`` is set, up to ``timeout_s``; raise TimeoutError after that."""
+
+    def try_get(self, key: str) -> bytes | None:
+        """The value of ``key`` now, or None."""
+
+
+class LocalCoordinator:
+    """A single process's coordinator: a dict and a condition variable."""
+
+    def __init__(self) -> None:
+        self.process_index, self.process_count = 0, 1
+        self._kv: dict[str, bytes] = {}
+        self._cv = threading.Condition()
+
+    def set(self, key: str, value: bytes) -> None:
+        with self._cv:
+            self._kv[key] = bytes(value)
+            self._cv.notify_all()
+
+    def get(self, key: str, timeout_s: float) -> bytes:
+        with self._cv:
+            if not self._cv.wait_for(lambda: key in self._kv, timeout=timeout_s):
+                raise TimeoutError(f"key {key!r} not set within {timeout_s}s")
+            return self._kv[key]
+
+    def try_get(self, key: str) -> bytes | None:
+        with self._cv:
+            return self._kv.get(key)
+
+
+class CommitTracker:
+    """Runs the commit protocol above for each locally finished step, in order, on its own thread."""
+
+    def __init__(self, coord: Coordinator, job_id: str, timeout_s: float,
+                 on_commit: Callable[[int, bool], None] | None = None, prefix: str = "jaxckpt") -> None:
+        self._coord = coord
+        self._prefix = f"{prefix}/{job_id}"
+        self._timeout = timeout_s
+        self._on_commit = on_commit
+        self._cv = threading.Condition()
+        self._latest: int | None = None
+        self._outcome: dict[int, bool] = {}
+        self._settled: set[int] = set()  # decided steps whose on_commit hook (retention) has run
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="jaxckpt-commit", daemon=True)
+        self._thread.start()
+
+    def latest(self) -> int | None:
+        with self._cv:
+            return self._latest
+
+    def decided(self, step: int) -> bool:
+        with self._cv:
+            return step in self._settled
+
+    def adopt(self, step: int) -> None:
+        """Take ``step`` as committed by every process (agreed at start-up from the steps a node agent held)."""
+        with self._cv:
+            self._outcome[step] = True
+            self._settled.add(step)
+            if self._latest is None or step > self._latest:
+                self._latest = step
+            self._cv.notify_all()
+
+    def local_done(self, step: int, ok: bool) -> None:
+        """Report this process's outcome for ``step`` (called from a snapshot thread)."""
+        self._queue.put((step, ok))
+
+    def wait(self, step: int, timeout_s: float | None = None) -> bool:
+        """Block until ``step`` is decided; True if it committed. Raises CommitError on time-out."""
+        timeout_s = self._timeout * 2 if timeout_s is None else timeout_s
+        with self._cv:
+            # Settled, not just decided: after wait() the retention of the step is done and visible.
+            if not self._cv.wait_for(lambda: step in self._settled, timeout=timeout_s):
+                raise CommitError(f"step {step}: no commit decision within {timeout_s:.0f}s")
+            return self._outcome[step]
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            step, ok = item
+            try:
+                committed = self._agree(step, ok)
+            except Exception as e:  # noqa: BLE001 - a failed agreement aborts the step, never the job
+                log.error("step %d: commit agreement failed: %s", step, e)
+                committed = False
+            with self._cv:
+                self._outcome[step] = committed
+                if committed and (self._latest is None or step > self._latest):
+                    self._latest = step
+                self._cv.notify_all()
+            if self._on_commit is not None:
+                try:
+                    self._on_commit(step, committed)
+                except Exception:  # noqa: BLE001
+                    log.exception("step %d: post-commit hook failed", step)
+            with self._cv:
+                self._settled.add(step)
+                self._cv.notify_all()
+
+    def _agree(self, step: int, ok: bool) -> bool:
+        c, p = self._coord, self._prefix
+        if c.process_count == 1:
+            return ok
+        c.set(f"{p}/done/{step}/{c.process_index}", b"1" if ok else b"0")
+        if c.process_index == 0:
+            deadline = time.monotonic() + self._timeout
+            all_ok = ok
+            for q in range(1, c.process_count):
+                try:
+                    v = c.get(f"{p}/done/{step}/{q}", max(0.001, deadline - time.monotonic()))
+                except TimeoutError:
+                    log.error("step %d: process %d did not finish its snapshot within %.0fs", step, q, self._timeout)
+                    all_ok = False
+                    break
+                all_ok = all_ok and v == b"1"
+            c.set(f"{p}/committed/{step}", b"1" if all_ok else b"0")
+            return all_ok
+        try:
+            return c.get(f"{p}/committed/{step}", self._timeout * 2) == b"1"
+        except TimeoutError:
+            log.error("step %d: no commit decision from process 0 within %.0fs", step, self._timeout * 2)
+            return False
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=self._timeout * 2 + 5)

@@ -1,0 +1,167 @@
+"""Levels 1 and 2 of a snapshot: device-to-host transfers under a byte budget, then copy + checksum on workers.
+
+The training thread only builds a list of :class:`CopyTask` and calls :meth:`Copier.submit`.
+
+Level 1 (device): a dispatcher thread calls each task's ``start()`` (``copy_to_host_async`` of a device-side
+copy) in plan order while the bytes in flight stay under ``Config.inflight_bytes``. Why this order and bound:
+the device-side copies were all dispatched inside ``save()``, so on the device stream they sit before the next
+step and read the state before any donated update can write it; the transfers to host then run on the copy
+engine alongside that step. Plan order is the pytree's order (parameters, then optimizer moments), which is
+also the order in which the next step's forward pass wants memory bandwidth, so the oldest transfers finish
+first; the budget keeps pinned staging memory and link contention bounded so that the step's own transfers
+(e.g. the input batch) never queue behind a whole state. On CPU there is no transfer: ``start`` is None and
+the workers read zero-copy views taken at ``save()``.
+
+Level 2 (host): worker threads copy each chunk into the store's preallocated slot and checksum it (numpy's
+copy and crc32c both release the GIL on large buffers), dropping their reference to the source as soon as
+their chunk is done.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from jaxckpt.core.checksum import crc32c
+from jaxckpt.core.store import Slot
+
+log = logging.getLogger("jaxckpt.core.copier")
+
+
+@dataclass
+class CopyTask:
+    """One chunk: ``fetch()`` returns its bytes as a host array (may block on a transfer ``start()`` began)."""
+
+    fetch: Callable[[], np.ndarray]
+    offset: int
+    nbytes: int
+    start: Callable[[], None] | None = None
+
+
+@dataclass
+class SnapshotResult:
+    crcs: list[int]
+    seconds: float
+
+
+# Copy and checksum in blocks that stay in the core's cache: the checksum then reads what the copy just wrote
+# from cache instead of from memory (measured here: 12 GB/s against 9 GB/s for copy-then-checksum of 256 MB).
+BLOCK_BYTES = 512 << 10
+
+
+def copy_and_checksum(out: np.ndarray, src: np.ndarray) -> int:
+    """Copy ``src`` into the uint8 buffer ``out`` (exactly its size) and return the crc32c of the bytes written."""
+    if not src.flags.c_contiguous or src.nbytes <= BLOCK_BYTES:
+        np.copyto(out.view(src.dtype).reshape(src.shape), src, casting="no")
+        return crc32c(out)
+    flat = src.reshape(-1).view(np.uint8)
+    crc = 0
+    for off in range(0, out.nbytes, BLOCK_BYTES):
+        block = out[off:off + BLOCK_BYTES]
+        np.copyto(block, flat[off:off + BLOCK_BYTES])
+        crc = crc32c(block, crc)
+    return crc
+
+
+class Copier:
+    """A small pool of copy workers plus one dispatcher enforcing the in-flight byte budget."""
+
+    def __init__(self, workers: int = 2, inflight_bytes: int = 256 << 20) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxckpt-copy")
+        self._budget = inflight_bytes
+        self._inflight = 0
+        self._cv = threading.Condition()
+        self._queue: queue.Queue = queue.Queue()
+        self._closed = False
+        self._dispatcher = threading.Thread(target=self._dispatch, name="jaxckpt-dispatch", daemon=True)
+        self._dispatcher.start()
+
+    def submit(self, slot: Slot, tasks: list[CopyTask], release: Callable[[], None] | None = None) -> Future:
+        """Copy every task into ``slot``; the future resolves to a SnapshotResult (crcs in task order).
+
+        ``release`` runs once all copies are done (or failed): the caller drops its views of the source
+        buffers there, so a donating step can reuse them as early as possible.
+        """
+        fut: Future = Future()
+        self._queue.put((slot, tasks, release, fut))
+        return fut
+
+    def _dispatch(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            slot, tasks, release, fut = item
+            self._run_one(slot, tasks, release, fut)
+
+    def _run_one(self, slot: Slot, tasks: list[CopyTask], release, fut: Future) -> None:
+        t0 = time.perf_counter()
+        dst = np.frombuffer(slot.buffer, dtype=np.uint8)
+        crcs = [0] * len(tasks)
+        pending = [len(tasks)]
+        errors: list[BaseException] = []
+        done = threading.Event()
+
+        def finish() -> None:
+            if release is not None:
+                try:
+                    release()
+                except Exception:  # releasing views must never mask the copy's own outcome
+                    log.exception("releasing source views failed")
+            if errors:
+                fut.set_exception(errors[0])
+            else:
+                fut.set_result(SnapshotResult(crcs, time.perf_counter() - t0))
+            done.set()
+
+        def work(i: int, task: CopyTask) -> None:
+            try:
+                if not errors:
+                    src = task.fetch()
+                    crcs[i] = copy_and_checksum(dst[task.offset:task.offset + task.nbytes], src)
+            except BaseException as e:  # noqa: BLE001 - delivered through the future
+                errors.append(e)
+            finally:
+                # Drop this chunk's reference to its source now: a view released early lets a later donating
+                # step reuse that buffer instead of allocating a fresh one.
+                task.fetch = task.start = None  # type: ignore[assignment]
+                src = None
+                with self._cv:
+                    self._inflight -= task.nbytes
+                    pending[0] -= 1
+                    last = pending[0] == 0
+                    self._cv.notify_all()
+                if last:
+                    finish()
+
+        if not tasks:
+            finish()
+            return
+        for i, task in enumerate(tasks):
+            with self._cv:
+                # One task may exceed the budget alone; it then runs with nothing else in flight.
+                while self._inflight and self._inflight + task.nbytes > self._budget:
+                    self._cv.wait()
+                self._inflight += task.nbytes
+            try:
+                if task.start is not None and not errors:
+                    task.start()
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+            self._pool.submit(work, i, task)
+        done.wait()
+
+    def close(self) -> None:
+        """Finish queued snapshots, then stop the threads."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._dispatcher.join()
+        self._pool.shutdown(wait=True)

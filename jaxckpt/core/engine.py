@@ -1,0 +1,533 @@
+"""The framework-neutral checkpointer core both front ends drive: plan cache, snapshots, commit, retention.
+
+A front end turns its state into :class:`ArrayRecord` (one per array leaf) plus plain values, calls
+:meth:`CheckpointEngine.save`, and on restore asks :meth:`CheckpointEngine.open` for the manifests and a
+:class:`~jaxckpt.core.fetch.ChunkReader` and rebuilds its own arrays from them.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import msgpack
+import numpy as np
+
+from jaxckpt.core import manifest as mf
+from jaxckpt.config import Config
+from jaxckpt.core.coordination import CommitTracker, Coordinator
+from jaxckpt.errors import (ClosedError, CommitError, NoCheckpointError, StepError, StepNotFoundError,
+                            StepOutOfRangeError, StoreUnavailableError)
+from jaxckpt.core.catalog import Catalog, node_agent_dir
+from jaxckpt.core.fetch import ChunkReader
+from jaxckpt.core.plan import ArrayLayout, SavePlan, plan_save
+from jaxckpt.core.registry import get_store_class
+from jaxckpt.core.copier import CopyTask, Copier, SnapshotResult
+
+log = logging.getLogger("jaxckpt.core.engine")
+MAX_STEP = 1 << 62  # the largest step number: agents' records and messages carry steps up to it
+_recoveries = itertools.count()  # recovery rounds of this process; every process of a job counts alike
+
+# device id -> (fetch() returning that device's shard on the host, optional start() of its transfer)
+Sources = dict[int, tuple[Callable[[], np.ndarray], Callable[[], None] | None]]
+
+
+@dataclass
+class ArrayRecord:
+    """A front end's array leaf, neutral: the engine calls ``layout``/``meta`` only when the layout is new."""
+
+    path: str
+    layout_key: tuple  # hashable; equal keys promise equal layout() and meta()
+    layout: Callable[[], ArrayLayout]
+    meta: Callable[[], mf.ArrayMeta]  # chunks left empty
+    sources: Callable[[frozenset[int]], Sources]  # called inside save() for the devices the plan reads from;
+    # it must pin those devices' bytes as they are at the call (views that block donation, or device copies)
+
+
+@dataclass
+class _Prepared:
+    plan: SavePlan
+    metas: list[mf.ArrayMeta]
+    chunk_leaf: list[int]
+    chunk_slices: list[tuple[slice, ...]]
+    devices: list[frozenset[int]]  # per array leaf, the local devices its chunks are read from
+    key: tuple = ()  # the layout key (protection plans are kept per layout)
+
+
+class SaveHandle:
+    """The outcome of one ``save()``: ``done()`` once decided, ``result()`` waits and raises on failure."""
+
+    def __init__(self, step: int, tracker: CommitTracker) -> None:
+        self.step = step
+        self._tracker = tracker
+        self._local = threading.Event()
+        self.error: BaseException | None = None
+        self.snapshot_seconds: float | None = None
+        self.save_call_seconds: float = 0.0
+        self.nbytes = 0
+        self.skipped = False  # the store was unreachable: nothing saved, counted in the store's metrics
+        # Config.protection: the future of this process's parity stripes, which read the saved buffers after the
+        # local copy; a front end whose buffers are written in place (torch) waits for it too.
+        self.parity: Future | None = None
+
+    def local_done(self) -> bool:
+        """True once this process's chunks are in host memory (or the snapshot failed)."""
+        return self._local.is_set()
+
+    def wait_local(self, timeout: float | None = None) -> bool:
+        """Block until this process's chunks are in host memory (or failed); False on time-out."""
+        return self._local.wait(timeout)
+
+    def done(self) -> bool:
+        """True once the step is decided (committed everywhere, or failed)."""
+        return self._local.is_set() and (self.error is not None or self._tracker.decided(self.step))
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait until the step is committed by every process; raise its error if it was not."""
+        if not self._local.wait(timeout):
+            raise CommitError(f"step {self.step}: snapshot not finished within {timeout}s")
+        if self.error is not None:
+            raise self.error
+        if not self._tracker.wait(self.step, timeout):
+            raise CommitError(f"step {self.step}: not committed by every process (a process failed or timed out)")
+
+
+class CheckpointEngine:
+    """Snapshots of neutral array records into a store, committed across processes, kept ``config.keep`` deep."""
+
+    def __init__(self, config: Config, coordinator: Coordinator, framework: str) -> None:
+        self.config = config
+        self.framework = framework
+        self.coordinator = coordinator
+        self.process_index, self.process_count = coordinator.process_index, coordinator.process_count
+        store_cls = get_store_class(config.store)
+        self.store = store_cls(config, process_index=self.process_index, process_count=self.process_count)
+        self._peers = None
+        # Restore needs chunks that other processes hold: node agents serve them (store="shm"), else each process.
+        if self.process_count > 1 and node_agent_dir(self.store) is None:
+            from jaxckpt.backends.peers import Peers
+            try:
+                self._peers = Peers(config, coordinator, self.store)
+            except BaseException:
+                self.store.close()
+                raise
+        self.catalog = Catalog(config, coordinator, self.store, self._peers)  # where restores read from
+        self.last_restore_report = None  # jaxckpt.core.sources.RestoreReport of the last open() (restore)
+        self._snap = Copier(config.workers, config.inflight_bytes)
+        self._tracker = CommitTracker(coordinator, config.job_id, config.commit_timeout_s,
+                                      on_commit=self._after_commit)
+        self._prepared: dict[tuple, _Prepared] = {}
+        self._pending: deque[SaveHandle] = deque()
+        self._committed: list[int] = []
+        self._last_step: int | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        # The persistent tier (jaxckpt.orbax.persist): hooks run on the commit thread before retention, and steps held
+        # for a pending persist outlive ``keep`` until released.
+        self._commit_hooks: list[Callable[[int, bool], None]] = []
+        self._holds: dict[int, int] = {}
+        self._deferred: set[int] = set()
+        # Config.protection (jaxckpt.protection.runtime): needs node agents; registers its rebuild holder before
+        # _recover so that a restarted job counts steps it can rebuild from protection.
+        self.protection = None
+        if config.protection != "none" and node_agent_dir(self.store) is not None:
+            from jaxckpt.protection.runtime import Protector
+            self.protection = Protector(self)
+        elif config.protection != "none":
+            log.warning("Config.protection=%r needs node agents (store='shm'); store %r keeps snapshots unprotected",
+                        config.protection, config.store)
+        if self.store.survives_process:
+            try:
+                self._recover()
+            except BaseException:
+                self.close()
+                raise
+
+    # ----------------------------------------------------------------------------------------------- save
+    def save(self, step: int, records: list[ArrayRecord], values: list[mf.LeafMeta], order: tuple[str, ...],
+             t0: float | None = None) -> SaveHandle:
+        """Start the snapshot of ``records`` (and plain ``values``) as ``step``; returns at once."""
+        t0 = time.perf_counter() if t0 is None else t0
+        self.check_open()
+        if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+            raise StepError(f"step must be a non-negative int, got {step!r}")
+        step = int(step)
+        if step > MAX_STEP:
+            raise StepError(f"step {step} is out of range: steps are at most {MAX_STEP}")
+        if self._last_step is not None and step <= self._last_step:
+            raise StepError(f"step {step} is not newer than the newest saved step {self._last_step}")
+        self._throttle()
+        prep = self._prepare(records)
+        try:
+            slot = self.store.reserve(step, prep.plan.nbytes)
+        except StoreUnavailableError as e:  # logged and counted by the store; training goes on
+            self._tracker.local_done(step, False)
+            self._last_step = step  # the step is decided (aborted) for every process: never reuse it
+            handle = SaveHandle(step, self._tracker)
+            handle.error, handle.skipped = e, True
+            handle._local.set()
+            handle.save_call_seconds = time.perf_counter() - t0
+            return handle
+        except Exception:
+            self._tracker.local_done(step, False)  # the other processes must not wait for us
+            raise
+        sources = [r.sources(devs) if devs else {} for r, devs in zip(records, prep.devices)]
+        tasks = []
+        for c, leaf_i, sl in zip(prep.plan.chunks, prep.chunk_leaf, prep.chunk_slices):
+            fetch, start = sources[leaf_i][c.device]
+            tasks.append(CopyTask(fetch=(lambda f=fetch, s=sl: f()[s]), offset=c.offset, nbytes=c.nbytes,
+                                  start=start))
+        handle = SaveHandle(step, self._tracker)
+        handle.nbytes = prep.plan.nbytes
+        if self.protection is not None:
+            handle.parity = self.protection.on_save(step, prep.key, [r.path for r in records], sources)
+        del sources  # the tasks hold the only references, each dropped as soon as its chunk is copied
+        fut = self._snap.submit(slot, tasks)
+        fut.add_done_callback(lambda f: self._local_finished(f, handle, slot, prep, values, order))
+        self._last_step = step
+        with self._lock:
+            self._pending.append(handle)
+        handle.save_call_seconds = time.perf_counter() - t0
+        return handle
+
+    def _throttle(self) -> None:
+        while True:
+            with self._lock:
+                while self._pending and self._pending[0].done():
+                    self._pending.popleft()
+                # Undecided, not just unfinished: a process must not run ahead of the commit protocol (its node
+                # agent keeps only keep + max_pending_saves steps of a trainer that dies: agent_table.drop_owner).
+                running = [h for h in self._pending if not h.done()]
+                if len(running) < self.config.max_pending_saves:
+                    return
+            running[0]._local.wait()
+            try:
+                running[0]._tracker.wait(running[0].step)
+            except CommitError:  # decided as failed in the end; the loop looks again
+                pass
+
+    def _prepare(self, records: list[ArrayRecord]) -> _Prepared:
+        key = tuple((r.path, r.layout_key) for r in records)
+        prep = self._prepared.get(key)
+        if prep is not None:
+            return prep
+        layouts = [r.layout() for r in records]
+        plans = plan_save(layouts, self.process_count, self.config.chunk_bytes)
+        plan = plans[self.process_index]
+        index = {r.path: i for i, r in enumerate(records)}
+        src_box = {(lay.path, p.device): p.box for lay in layouts for p in lay.placements}
+        devices: list[set[int]] = [set() for _ in records]
+        for c in plan.chunks:
+            devices[index[c.path]].add(c.device)
+        if self.protection is not None:  # the device copies this process's parity stripes are computed from
+            for path, devs in self.protection.prepare(key, layouts, plans).items():
+                devices[index[path]] |= devs
+        prep = _Prepared(plan, [r.meta() for r in records], [index[c.path] for c in plan.chunks],
+                         [src_box[(c.path, c.device)].relative(c.box) for c in plan.chunks],
+                         [frozenset(d) for d in devices], key)
+        self._prepared[key] = prep
+        log.info("planned a new state layout: %d arrays, %d local chunks, %d bytes on process %d",
+                 len(records), len(plan.chunks), plan.nbytes, self.process_index)
+        return prep
+
+    def _local_finished(self, fut, handle: SaveHandle, slot, prep: _Prepared, values, order) -> None:
+        try:
+            res: SnapshotResult = fut.result()
+            chunks: dict[int, list[mf.ChunkMeta]] = {}
+            for c, leaf_i, crc in zip(prep.plan.chunks, prep.chunk_leaf, res.crcs):
+                chunks.setdefault(leaf_i, []).append(mf.ChunkMeta(c.box, c.offset, c.nbytes, crc, self.process_index))
+            arrays = tuple(mf.ArrayMeta(m.path, m.keypath, m.shape, m.dtype, m.kind, m.sharding, m.attrs,
+                                        tuple(chunks.get(i, ()))) for i, m in enumerate(prep.metas))
+            manifest = mf.Manifest(step=handle.step, process=self.process_index, process_count=self.process_count,
+                                   framework=self.framework, arrays=arrays, leaves=tuple(values), order=order,
+                                   nbytes=prep.plan.nbytes, layout=prep.plan.layout)
+            self.store.commit(slot, mf.encode(manifest))
+            handle.snapshot_seconds = res.seconds
+        except BaseException as e:  # noqa: BLE001 - reported through the handle and the commit protocol
+            log.error("step %d: snapshot failed on process %d: %s", handle.step, self.process_index, e,
+                      exc_info=not isinstance(e, StoreUnavailableError))
+            handle.error = e
+            handle.skipped = isinstance(e, StoreUnavailableError)
+            self.store.abort(slot)
+            self._tracker.local_done(handle.step, False)
+        else:
+            self._tracker.local_done(handle.step, True)
+        finally:
+            handle._local.set()
+
+    def _after_commit(self, step: int, committed: bool) -> None:
+        for hook in list(self._commit_hooks):
+            try:
+                hook(step, committed)
+            except Exception:  # noqa: BLE001 - a hook must not stop retention
+                log.exception("step %d: commit hook failed", step)
+        if not committed:
+            log.warning("step %d was not committed by every process; dropping it", step)
+            self.store.delete(step)
+            return
+        with self._lock:
+            self._committed = sorted(self._committed + [step])
+            drop, self._committed = self._committed[:-self.config.keep], self._committed[-self.config.keep:]
+            self._deferred.update(s for s in drop if self._holds.get(s))
+            drop = [s for s in drop if not self._holds.get(s)]
+        for s in drop:
+            self.store.delete(s)
+
+    # ------------------------------------------------------------------------------- persistent tier hooks
+    def add_commit_hook(self, hook: Callable[[int, bool], None]) -> None:
+        """Call ``hook(step, committed)`` on the commit thread for every decided step, before retention."""
+        self._commit_hooks.append(hook)
+
+    def hold(self, step: int) -> None:
+        """Keep ``step`` in the store past ``Config.keep`` until :meth:`release` (call from a commit hook)."""
+        with self._lock:
+            self._holds[step] = self._holds.get(step, 0) + 1
+
+    def release(self, step: int) -> None:
+        """Drop one hold of ``step``; a step retention already let go is freed with its last hold."""
+        with self._lock:
+            n = self._holds.get(step, 0) - 1
+            if n > 0:
+                self._holds[step] = n
+                return
+            self._holds.pop(step, None)
+            free = step in self._deferred
+            self._deferred.discard(step)
+        if free:
+            self.store.delete(step)
+
+    # ----------------------------------------------------------------------------------------------- wait
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every save so far is decided; raise the first failure."""
+        with self._lock:
+            handles = list(self._pending)
+        for h in handles:
+            try:
+                h.result(timeout)
+            except StoreUnavailableError:
+                if not h.skipped:
+                    raise
+                # a skipped save (the store's agent was gone) is logged and counted, not a failure of wait()
+        if self.protection is not None:  # ... and protected (or its protection failed, which is logged)
+            self.protection.wait(timeout=timeout)
+
+    def latest_step(self) -> int | None:
+        """The newest step committed by every process, or None."""
+        return self._tracker.latest()
+
+    def all_steps(self) -> list[int]:
+        """Committed steps still held, ascending."""
+        with self._lock:
+            committed = list(self._committed)
+        held = set(self.store.steps())  # a step deleted from the store directly (e.g. by the Orbax handler)
+        return [s for s in committed if s in held]
+
+    # ------------------------------------------------------------------------------------------- recovery
+    def _recover(self) -> None:
+        """Adopt the steps a store that survives the process (a node agent) kept from an earlier run of it.
+
+        Own steps are the held ones this process saved as the same process of a job of the same size (their
+        manifests say so); the others were saved by another incarnation of the job (say 4 processes, where we
+        are 2) and stay with the agents as restore sources.
+        One process: its newest ``keep`` own steps become committed. Several (O(processes) at process 0, like
+        the commit protocol):
+          0) (every process) sets ``recover/<n>/held/<process>`` to its own held steps;
+          1) (process 0)     reads those N keys and publishes ``recover/<n>/common``: the newest ``keep`` steps
+                             every process holds ("" if a process did not answer in time);
+          2) (every process) reads that one key.
+        With node agents, the catalog also finds every agent and agrees on the newest step whose snapshot every
+        process can obtain from them (jaxckpt.core.catalog), whatever job size saved it: that is ``latest_step()``
+        when it is newer. With protection, the newest step every process holds whose protection is complete
+        (``RebuildHolder.protected_steps``, agreed likewise) is kept and held too, as ``Protector._announce``
+        holds the newest protected step: until a newer step is protected, a node lost now is rebuilt from it.
+        So is a newer step that can only be rebuilt (a node of it was lost, say the one just restored): until a
+        newer step is protected it is the only fallback should the newest step turn out unreadable.
+        Every process then deletes its own held steps outside those (newer ones were not committed everywhere)
+        and any held step newer than the restorable one, and numbers its next save after it.
+        """
+        held = self.store.steps()
+        own = self._own_steps(held)
+        restorable = None
+        if self.catalog.uses_agents:
+            prefix = f"jaxckpt/{self.config.job_id}/catalog/{next(_recoveries)}"
+            self.catalog.discover(prefix)
+            restorable = self.catalog.agree_latest(prefix)  # its scan is the one protected_steps() reads
+        holder = self.protection.holder if self.protection is not None else None
+        protected = holder.protected_steps() if holder is not None else []
+        rebuildable = holder.rebuildable_steps() if holder is not None else []
+        if self.process_count == 1:
+            agreed = own[-self.config.keep:]
+            guard = max(set(own) & set(protected), default=None)
+        else:
+            agreed, guard, rebuildable = self._agree_held(own, protected, rebuildable)
+        if guard is not None and restorable is not None and guard > restorable:
+            guard = None
+        # Fallbacks newer than guard that can be rebuilt though not protected on every node (a node of theirs was
+        # lost): the newest one older than what the job restores now (should that be unreadable), and that one
+        # itself when it is such a step (retention would drop it as soon as the next step commits).
+        newest = max([*agreed, *([restorable] if restorable is not None else [])], default=None)
+        older = max((s for s in rebuildable if (newest is None or s < newest) and (guard is None or s > guard)),
+                    default=None)
+        fallbacks = [s for s in (older, newest) if s is not None and s in rebuildable and s not in protected and
+                     (guard is None or s > guard)]
+        kept = set(agreed) | {s for s in (restorable, guard, *fallbacks) if s is not None}
+        for s in held:
+            if (s in own and s not in kept) or (restorable is not None and s > restorable):
+                self.store.delete(s)
+        for step, complete in ((guard, True), *((s, False) for s in fallbacks)):
+            if step is None:
+                continue
+            with self._lock:
+                self._holds[step] = self._holds.get(step, 0) + 1
+                if step not in agreed:  # freed with its last hold, like a step retention let go
+                    self._deferred.add(step)
+            self.protection.adopt(step, complete=complete)
+            log.info("process %d keeps step %d, the newest %s, until a newer step is protected", self.process_index,
+                     step, "protected one" if complete else "older one that can be rebuilt")
+        if newest is not None:
+            self._committed = list(agreed)
+            self._last_step = newest
+            self._tracker.adopt(newest)
+            log.info("process %d adopted steps %s held by store %r from an earlier run (latest %d%s)",
+                     self.process_index, agreed, self.config.store, newest,
+                     ", restorable from the node agents" if newest not in agreed else "")
+        elif held:
+            log.warning("process %d: steps %s held by store %r are not held by every process; dropped",
+                        self.process_index, held, self.config.store)
+
+    def _own_steps(self, held: list[int]) -> list[int]:
+        """The held steps this process saved as process ``process_index`` of ``process_count`` processes."""
+        out = []
+        for s in held:
+            try:
+                view = self.store.open(s)
+            except StepNotFoundError:
+                continue
+            if view is None:
+                continue
+            with view:
+                try:
+                    m = mf.decode(view.manifest, source=f"step {s} manifest of process {self.process_index}")
+                except mf.ManifestError as e:
+                    log.warning("process %d: held step %d is unreadable (%s); not adopted", self.process_index, s, e)
+                    continue
+            if (m.process, m.process_count) == (self.process_index, self.process_count):
+                out.append(s)
+        return out
+
+    def _agree_held(self, held: list[int], protected: list[int], rebuildable: list[int]
+                    ) -> tuple[list[int], int | None, list[int]]:
+        """(the newest ``keep`` steps every process holds, the newest step every process holds and sees as
+        protected or None, the steps every process sees as rebuildable)."""
+        c, timeout = self.coordinator, self.config.commit_timeout_s
+        prefix = f"jaxckpt/{self.config.job_id}/recover/{next(_recoveries)}"
+        c.set(f"{prefix}/held/{self.process_index}", msgpack.packb([held, protected, rebuildable]))
+        if self.process_index == 0:
+            common, prot, rb, failed = set(held), set(protected), set(rebuildable), None
+            for q in range(1, self.process_count):
+                try:
+                    h, pr, r = msgpack.unpackb(c.get(f"{prefix}/held/{q}", timeout))
+                except (TimeoutError, ValueError):  # ValueError: not three lists, from a process of another version
+                    failed = q
+                    break
+                common &= set(h)
+                prot &= set(pr)
+                rb &= set(r)
+            guard = max(common & prot, default=None)
+            out = b"" if failed is not None else \
+                msgpack.packb([sorted(common)[-self.config.keep:], guard, sorted(rb)[-16:]])
+            c.set(f"{prefix}/common", out)
+        else:
+            try:
+                out = c.get(f"{prefix}/common", timeout * 2)
+            except TimeoutError:
+                out = b""
+        if not out:
+            raise CommitError(f"recovery: the processes did not agree on the steps they hold within {timeout:g}s "
+                              f"(job {self.config.job_id!r}, process {self.process_index})")
+        steps, guard, rebuildable = msgpack.unpackb(out)
+        return [int(s) for s in steps], None if guard is None else int(guard), [int(s) for s in rebuildable]
+
+    # -------------------------------------------------------------------------------------------- restore
+    def resolve_step(self, step: int | None) -> int:
+        if step is not None:
+            if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+                raise StepError(f"step must be a non-negative int, got {step!r}")  # never int(2.5) or "../x"
+            if step > MAX_STEP:  # no store could hold it; stores' wire formats need not represent it
+                raise StepOutOfRangeError(f"step {step} is not held by store {self.config.store!r} (held: "
+                                          f"{self.all_steps() or 'none'}): it is out of range (steps are at most "
+                                          f"{MAX_STEP})")
+            return int(step)
+        latest = self.latest_step()
+        if latest is None and self.protection is not None and self.protection.holder.losses:
+            raise self.protection.holder.losses[max(self.protection.holder.losses)]
+        if latest is None:
+            raise NoCheckpointError(f"nothing has been committed yet (store {self.config.store!r}, "
+                                    f"job {self.config.job_id!r})")
+        return latest
+
+    @contextlib.contextmanager
+    def open(self, step: int | None) -> Iterator[tuple[int, list[mf.Manifest], ChunkReader]]:
+        """Pin ``step`` (default: latest) and yield (step, manifests of every process that saved it, a verified
+        chunk reader over the cheapest sources of each: jaxckpt.core.catalog). The reader's report (bytes per source
+        kind and node, fallbacks) is logged and kept as ``last_restore_report``."""
+        self.check_open()
+        step = self.resolve_step(step)
+        with self.catalog.open(step) as (manifests, sources):
+            reader = ChunkReader(sources, step, self.config.verify_on_restore, workers=self.config.restore_workers,
+                                 process=self.process_index)
+            try:
+                yield step, manifests, reader
+            finally:
+                self.last_restore_report = report = reader.finish()
+                if report.chunks:
+                    log.info("restored %s", report.summary())
+
+    # ---------------------------------------------------------------------------------------------- close
+    def close(self) -> None:
+        """Finish in-flight saves, stop the threads and free the store."""
+        if self._closed:
+            return
+        try:
+            self.wait(timeout=self.config.commit_timeout_s * 2)
+        except Exception as e:  # noqa: BLE001 - closing must not fail because a save did
+            log.warning("close: a pending save did not commit: %s", e)
+        self._closed = True
+        self._snap.close()
+        self._tracker.close()
+        if self.protection is not None:
+            self.protection.close()
+        self.catalog.close()
+        if self._peers is not None:
+            self._close_barrier()
+            self._peers.close()
+        self.store.close()
+
+    def _close_barrier(self) -> None:
+        """Wait (bounded) until every process is closing: until then another may still restore from this one.
+
+        The commit protocol's shape: each process sets one key, process 0 reads them and publishes one key.
+        A process that died is waited for at most ``peer_timeout_s``; then this one closes anyway.
+        """
+        c, prefix, timeout = self.coordinator, f"jaxckpt/{self.config.job_id}/closing", self.config.peer_timeout_s
+        try:
+            c.set(f"{prefix}/{c.process_index}", b"1")
+            if c.process_index == 0:
+                deadline = time.monotonic() + timeout
+                for q in range(1, c.process_count):
+                    c.get(f"{prefix}/{q}", max(0.001, deadline - time.monotonic()))
+                c.set(f"{prefix}/all", b"1")
+            else:
+                c.get(f"{prefix}/all", timeout)
+        except Exception as e:  # noqa: BLE001 - closing must not hang or fail on a dead peer
+            log.warning("close: not every process reached close within %.0fs (%s); closing anyway", timeout, e)
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("checkpointer is closed")

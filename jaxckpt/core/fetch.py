@@ -1,0 +1,233 @@
+"""Reading saved chunks back from the cheapest source that holds them, verified once each, in parallel.
+
+Each saving process's bytes may be held by several sources (``jaxckpt.core.sources``: own memory, the node's agent,
+another node's agent, ...), cheapest first. A chunk is read from the first; a source that fails (unreachable,
+step gone, wrong length) or returns bytes that fail the chunk's crc32c is logged as a fallback and the next
+source is tried. When every source fails, the error names the array path, step, chunk box and saving process,
+and what each source said. Every chunk is fetched at most once per reader (whole chunks: the checksum covers the
+whole chunk); :meth:`ChunkReader.prefetch` fetches a list of chunks on a bounded thread pool.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from jaxckpt.core import hostbuf
+from jaxckpt.core.checksum import crc32c
+from jaxckpt.errors import ChecksumError, DataLossError, PeerError, StepNotFoundError, StoreUnavailableError
+from jaxckpt.core.manifest import ChunkMeta
+from jaxckpt.core.copier import copy_and_checksum
+from jaxckpt.core.plan import Assembly
+from jaxckpt.core.sources import ByteSource, RestoreReport, Source, plan_fetch
+
+log = logging.getLogger("jaxckpt.core.fetch")
+
+__all__ = ["ByteSource", "ChunkReader", "Source", "assemble", "buffer_source"]
+
+# What a failing source raises; anything else is a bug and propagates at once.
+SOURCE_ERRORS = (ChecksumError, PeerError, StepNotFoundError, StoreUnavailableError, OSError)
+
+
+def buffer_source(buf: memoryview) -> ByteSource:
+    """A ByteSource over a local buffer: zero-copy slices, bounds-checked."""
+    def read(offset: int, nbytes: int) -> memoryview:
+        if offset + nbytes > len(buf):
+            raise ChecksumError(f"range {offset}+{nbytes} runs past the end of a {len(buf)}-byte snapshot")
+        return buf[offset:offset + nbytes]
+    return read
+
+
+class ChunkReader:
+    """Host views of saved chunks, fetched from the first healthy source of the process that saved them.
+
+    ``sources`` maps each saving process to its sources, cheapest first (a bare ByteSource is one source of
+    kind ``"process"``). ``workers`` bounds the threads of :meth:`prefetch`.
+    """
+
+    def __init__(self, sources: Mapping[int, ByteSource | Sequence[Source]], step: int, verify: bool = True, *,
+                 workers: int = 1, process: int = 0) -> None:
+        self._sources: dict[int, list[Source]] = {
+            p: list(s) if isinstance(s, (list, tuple)) else [Source("process", f"process {p}", "", s)]
+            for p, s in sources.items()}
+        self._step, self._verify, self._workers = step, verify, max(1, workers)
+        # Keyed by the chunk's whole identity (see _key), never by its place alone: bytes cached for one chunk
+        # must not be handed out for another that happens to sit at the same offset of the same process.
+        self._cache: dict[tuple, memoryview] = {}
+        self._bad: set[tuple] = set()  # (chunk key, source name) that failed
+        self._inflight: dict[tuple, threading.Event] = {}  # a second reader of a chunk waits
+        self._lock = threading.Lock()
+        self._t0 = time.perf_counter()
+        self.report = RestoreReport(step, process)
+        # When the restored arrays need memory of their own anyway (JAX on CPU aliases the host arrays it is
+        # given), each chunk is copied out of its source and checksummed in the same pass; ``take`` then hands
+        # that private copy to one assembly instead of copying it again. A source that can lend its memory
+        # (``Source.lend``: the in-process store, whose snapshot buffers are immutable once committed) is only
+        # verified, and its bytes are handed over as they are.
+        self.private_copies = False
+        self._owned: set[tuple] = set()
+
+    def _key(self, chunk: ChunkMeta) -> tuple[int, int, int, int, int]:
+        """(step, saving process, offset, nbytes, crc32c): which snapshot's bytes, and which bytes of it."""
+        return self._step, chunk.process, chunk.offset, chunk.nbytes, chunk.crc32c
+
+    @property
+    def bytes_by_process(self) -> dict[int, int]:
+        """Bytes fetched so far per saving process."""
+        return self.report.bytes_by_process
+
+    def raw(self, path: str, chunk: ChunkMeta) -> memoryview:
+        """The verified bytes of ``chunk`` (of array ``path``), from the first source that gives them."""
+        key = self._key(chunk)
+        while True:
+            with self._lock:
+                got = self._cache.get(key)
+                if got is not None:
+                    return got
+                busy = self._inflight.get(key)
+                if busy is None:
+                    done = self._inflight[key] = threading.Event()
+                    break
+            busy.wait()  # another thread fetches it; if that failed, this one tries (and fails) on its own
+        try:
+            return self._fetch(path, chunk, key)
+        finally:
+            with self._lock:
+                del self._inflight[key]
+            done.set()
+
+    def _fetch(self, path: str, chunk: ChunkMeta, key: tuple) -> memoryview:
+        sources = self._sources.get(chunk.process)
+        where = f"{path}: step {self._step} chunk {chunk.box.start}..{chunk.box.stop} of process {chunk.process}"
+        if not sources:
+            raise StepNotFoundError(f"{where} is held by process {chunk.process}, which this process cannot reach")
+        failures: list[tuple[Source, Exception]] = []
+        for src in sources:
+            if (key, src.name) in self._bad:
+                continue
+            try:
+                raw = self._read(src, chunk, where)
+            except SOURCE_ERRORS as e:
+                failures.append((src, e))
+                with self._lock:
+                    self._bad.add((key, src.name))
+                continue
+            self._account(key, raw, src, chunk, path, failures)
+            return raw
+        raise self._failed(where, failures)
+
+    def _read(self, src: Source, chunk: ChunkMeta, where: str) -> memoryview:
+        try:
+            raw = src.read(chunk.offset, chunk.nbytes)
+        except DataLossError:
+            raise  # already names the step and the missing boxes, and carries them
+        except (ChecksumError, PeerError, StepNotFoundError) as e:  # name the array the bytes were for, and where
+            raise type(e)(f"{where} from {src.name}: {e}") from None
+        except (StoreUnavailableError, OSError) as e:  # the holder went away: its bytes cannot be had there
+            raise StepNotFoundError(f"{where} from {src.name}: {e}") from None
+        if len(raw) != chunk.nbytes:
+            raise ChecksumError(f"{where} came back from {src.name} with {len(raw)} bytes, expected {chunk.nbytes}")
+        if self.private_copies and src.lend is not None:
+            if self._verify and crc32c(raw) != chunk.crc32c:
+                raise ChecksumError(f"{where} failed its crc32c check (corrupt) at {src.name}")
+            if src.lend():  # memory that is never rewritten while the restored arrays live: no copy needed
+                with self._lock:
+                    self._owned.add(self._key(chunk))
+                return raw
+        if self.private_copies:
+            out = hostbuf.empty(chunk.nbytes, np.uint8)
+            crc = copy_and_checksum(out, np.frombuffer(raw, dtype=np.uint8))
+            if self._verify and crc != chunk.crc32c:
+                raise ChecksumError(f"{where} failed its crc32c check (corrupt) at {src.name}")
+            with self._lock:
+                self._owned.add(self._key(chunk))
+            return memoryview(out)
+        if self._verify and crc32c(raw) != chunk.crc32c:
+            raise ChecksumError(f"{where} failed its crc32c check (corrupt) at {src.name}")
+        return raw
+
+    def _account(self, key: tuple, raw: memoryview, src: Source, chunk: ChunkMeta, path: str,
+                 failures: list[tuple[Source, Exception]]) -> None:
+        r = self.report
+        with self._lock:
+            if key in self._cache:
+                return
+            self._cache[key] = raw
+            r.chunks += 1
+            n = chunk.nbytes
+            r.bytes_by_kind[src.kind] = r.bytes_by_kind.get(src.kind, 0) + n
+            r.bytes_by_node[src.node] = r.bytes_by_node.get(src.node, 0) + n
+            r.bytes_by_source[src.name] = r.bytes_by_source.get(src.name, 0) + n
+            r.bytes_by_process[chunk.process] = r.bytes_by_process.get(chunk.process, 0) + n
+            for bad, e in failures:
+                line = f"{path}: step {self._step} chunk of process {chunk.process}: {bad.kind} source {bad.name} " \
+                       f"failed ({type(e).__name__}: {e}); read from {src.kind} source {src.name}"
+                r.fallbacks.append(line)
+                log.warning("%s", line)
+
+    def _failed(self, where: str, failures: list[tuple[Source, Exception]]) -> Exception:
+        if len(failures) == 1:  # the single source's own error, unchanged
+            return failures[0][1]
+        if not failures:
+            return StepNotFoundError(f"{where}: every source of the process failed earlier in this restore")
+        said = "; ".join(f"{s.kind} {s.name}: {e}" for s, e in failures)
+        corrupt = any(isinstance(e, ChecksumError) for _, e in failures)
+        cls = ChecksumError if corrupt else type(failures[-1][1])
+        return cls(f"{where}: no source gave good bytes ({said})")
+
+    def take(self, chunk: ChunkMeta) -> bool:
+        """True once for a chunk whose fetched bytes are a private copy nobody else was given."""
+        with self._lock:
+            key = self._key(chunk)
+            if key in self._owned:
+                self._owned.discard(key)
+                return True
+            return False
+
+    def array(self, path: str, chunk: ChunkMeta, dtype: np.dtype) -> np.ndarray:
+        raw = self.raw(path, chunk)
+        return np.frombuffer(raw, dtype=dtype, count=chunk.box.size).reshape(chunk.box.shape)
+
+    def prefetch(self, chunks: Iterable[tuple[str, ChunkMeta]]) -> None:
+        """Fetch ``chunks`` (path, chunk) now, each once, ``workers`` at a time; the plan goes to the report and
+        the log. Raises the first failure after every fetch has ended."""
+        todo = plan_fetch(chunks, self._sources, self.report)
+        with self._lock:
+            todo = [(p, c) for p, c in todo if self._key(c) not in self._cache]
+        if not todo:
+            return
+        log.info("step %d: fetching %d chunks (%d bytes) on process %d; planned bytes by source kind %s, by node %s",
+                 self._step, len(todo), sum(c.nbytes for _, c in todo), self.report.process,
+                 self.report.planned_by_kind, self.report.planned_by_node)
+        if self._workers == 1 or len(todo) == 1:
+            for path, c in todo:
+                self.raw(path, c)
+            return
+        with ThreadPoolExecutor(max_workers=min(self._workers, len(todo)), thread_name_prefix="jaxckpt-fetch") as ex:
+            futures = [ex.submit(self.raw, path, c) for path, c in todo]
+        for f in futures:
+            f.result()  # the first failure, in plan order
+
+    def finish(self) -> RestoreReport:
+        """The report, with the time since this reader was made."""
+        self.report.seconds = time.perf_counter() - self._t0
+        return self.report
+
+
+def assemble(a: Assembly, dtype: np.dtype, reader: ChunkReader, private: bool = False) -> np.ndarray:
+    """The host array of one needed box; a view of the saved bytes when one chunk is exactly that box, unless
+    ``private`` asks for memory of its own (a copy)."""
+    if a.whole_chunk:
+        arr = reader.array(a.path, a.reads[0].chunk, dtype)
+        if private and not reader.take(a.reads[0].chunk):
+            return hostbuf.copy(arr)
+        return arr
+    out = hostbuf.empty(a.box.shape, dtype)
+    for r in a.reads:
+        src = reader.array(a.path, r.chunk, dtype)
+        out[a.box.relative(r.part)] = src[r.chunk.box.relative(r.part)]
+    return out

@@ -1,0 +1,272 @@
+"""The snapshot manifest: what one process saved for one step, as plain frozen dataclasses, msgpack on the wire.
+
+A manifest lists every array of the state (path, global shape, dtype, how it was sharded) with the chunks this
+process holds (box, byte offset in its snapshot buffer, crc32c), plus the non-array leaves by value. Restore
+merges the manifests of all processes into one chunk table per array. The encoded form is an envelope
+``[FORMAT, VERSION, crc32c(body), body]`` so a truncated or flipped manifest is refused, never half-read.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import msgpack
+
+from jaxckpt.core.box import Box
+from jaxckpt.core.checksum import crc32c
+from jaxckpt.core.dtypes import dtype_from_name
+from jaxckpt.errors import ManifestError, TargetMismatchError
+
+FORMAT = "jaxckpt-manifest"
+VERSION = 1
+# A manifest is read from other processes and from disk: refuse absurd sizes before decoding.
+MAX_MANIFEST_BYTES = 256 << 20
+
+KeyEntry = tuple[str, Any]  # ("key", dict key) | ("idx", sequence index) | ("attr", attribute name)
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """One saved piece of an array: ``box`` of it lives at ``offset`` in process ``process``'s buffer."""
+
+    box: Box
+    offset: int
+    nbytes: int
+    crc32c: int
+    process: int
+
+
+@dataclass(frozen=True)
+class ArrayMeta:
+    """An array leaf: its global shape and dtype, how it was held, and the chunks this manifest knows of."""
+
+    path: str
+    keypath: tuple[KeyEntry, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str  # "jax" | "numpy" | "numpy_scalar" | "prng_key" | "torch"
+    sharding: str = ""
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+    chunks: tuple[ChunkMeta, ...] = ()
+
+
+@dataclass(frozen=True)
+class LeafMeta:
+    """A non-array leaf (int, float, bool, str, bytes, None), stored by value."""
+
+    path: str
+    keypath: tuple[KeyEntry, ...]
+    value: Any
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything process ``process`` of ``process_count`` saved for ``step``."""
+
+    step: int
+    process: int
+    process_count: int
+    framework: str
+    arrays: tuple[ArrayMeta, ...]
+    leaves: tuple[LeafMeta, ...] = ()
+    order: tuple[str, ...] = ()  # leaf paths in flatten order (arrays and non-array leaves)
+    nbytes: int = 0
+    layout: str = ""
+    created: float = field(default_factory=time.time)
+
+    def array(self, path: str) -> ArrayMeta:
+        for a in self.arrays:
+            if a.path == path:
+                return a
+        raise KeyError(path)
+
+
+def encode(m: Manifest) -> bytes:
+    """The msgpack envelope of a manifest."""
+    body = msgpack.packb(_to_wire(m), use_bin_type=True)
+    return msgpack.packb([FORMAT, VERSION, crc32c(body), body], use_bin_type=True)
+
+
+def decode(data: bytes | memoryview, *, source: str = "manifest") -> Manifest:
+    """Decode and validate an envelope; any defect raises ManifestError naming ``source``."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{source}: {len(data)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit")
+    try:
+        env = msgpack.unpackb(bytes(data), raw=False, use_list=True)
+    except Exception as e:  # msgpack raises several unrelated types for truncated/garbage input
+        raise ManifestError(f"{source}: not a jaxckpt manifest (truncated or corrupt: {e})") from None
+    if not (isinstance(env, list) and len(env) == 4 and env[0] == FORMAT):
+        raise ManifestError(f"{source}: not a jaxckpt manifest envelope")
+    fmt, version, crc, body = env
+    if version != VERSION:
+        raise ManifestError(f"{source}: manifest version {version!r} is not supported (this build reads {VERSION})")
+    if not isinstance(body, bytes) or not isinstance(crc, int):
+        raise ManifestError(f"{source}: malformed manifest envelope")
+    if crc32c(body) != crc:
+        raise ManifestError(f"{source}: manifest checksum mismatch (corrupt)")
+    try:
+        return _from_wire(msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=False))
+    except ManifestError:
+        raise
+    except Exception as e:
+        raise ManifestError(f"{source}: malformed manifest body ({type(e).__name__}: {e})") from None
+
+
+def _keypath_to_wire(kp: Iterable[KeyEntry]) -> list:
+    return [[k, v] for k, v in kp]
+
+
+# What each keypath entry kind may carry (front ends write dict keys as str or int, attributes by name).
+_KEY_TYPES = {"key": (str, int), "idx": int, "attr": str}
+
+
+def _keypath_from_wire(v: Any) -> tuple[KeyEntry, ...]:
+    out = []
+    for entry in _expect(v, list, "keypath"):
+        if len(_expect(entry, list, "keypath entry")) != 2:
+            raise ManifestError(f"keypath entry {entry!r} is not a [kind, key] pair")
+        kind, key = entry
+        if kind not in _KEY_TYPES:
+            raise ManifestError(f"unknown keypath entry kind {kind!r}")
+        _expect(key, _KEY_TYPES[kind], f"keypath {kind}")
+        out.append((kind, key))
+    return tuple(out)
+
+
+def _to_wire(m: Manifest) -> dict:
+    return {
+        "step": m.step, "process": m.process, "process_count": m.process_count, "framework": m.framework,
+        "nbytes": m.nbytes, "layout": m.layout, "created": m.created, "order": list(m.order),
+        "arrays": [{
+            "path": a.path, "keypath": _keypath_to_wire(a.keypath), "shape": list(a.shape), "dtype": a.dtype,
+            "kind": a.kind, "sharding": a.sharding, "attrs": dict(a.attrs),
+            "chunks": [[c.box.to_wire(), c.offset, c.nbytes, c.crc32c, c.process] for c in a.chunks],
+        } for a in m.arrays],
+        "leaves": [{"path": x.path, "keypath": _keypath_to_wire(x.keypath), "value": x.value} for x in m.leaves],
+    }
+
+
+def _expect(v: Any, typ: type | tuple, what: str) -> Any:
+    types = typ if isinstance(typ, tuple) else (typ,)
+    if not isinstance(v, typ) or (isinstance(v, bool) and bool not in types):
+        raise ManifestError(f"manifest field {what!r} has type {type(v).__name__}")
+    return v
+
+
+def _int(v: Any, what: str) -> int:
+    v = _expect(v, int, what)
+    if v < 0:
+        raise ManifestError(f"manifest field {what!r} is negative ({v})")
+    return v
+
+
+def _from_wire(d: Any) -> Manifest:
+    d = _expect(d, dict, "manifest")
+    arrays = []
+    for a in _expect(d["arrays"], list, "arrays"):
+        a = _expect(a, dict, "array")
+        path = _expect(a["path"], str, "path")
+        shape = tuple(_int(s, f"{path}.shape") for s in _expect(a["shape"], list, f"{path}.shape"))
+        chunks = []
+        for c in _expect(a["chunks"], list, f"{path}.chunks"):
+            box_w, off, nb, crc, proc = _expect(c, list, f"{path}.chunk")
+            box = Box.from_wire(box_w)
+            if (box.ndim != len(shape) or any(lo < 0 for lo in box.start)
+                    or any(hi > s for hi, s in zip(box.stop, shape))):
+                raise ManifestError(f"{path}: chunk box {box} out of bounds of shape {shape}")
+            chunks.append(ChunkMeta(box, _int(off, f"{path}.offset"), _int(nb, f"{path}.nbytes"),
+                                    _int(crc, f"{path}.crc32c"), _int(proc, f"{path}.process")))
+        arrays.append(ArrayMeta(path=path, keypath=_keypath_from_wire(a["keypath"]), shape=shape,
+                                dtype=_expect(a["dtype"], str, f"{path}.dtype"),
+                                kind=_expect(a["kind"], str, f"{path}.kind"),
+                                sharding=_expect(a["sharding"], str, f"{path}.sharding"),
+                                attrs=_expect(a["attrs"], dict, f"{path}.attrs"), chunks=tuple(chunks)))
+    leaves = tuple(LeafMeta(_expect(x["path"], str, "leaf.path"), _keypath_from_wire(x["keypath"]),
+                            _expect(x["value"], _VALUE_TYPES, f"{x['path']}.value"))
+                   for x in (_expect(x, dict, "leaf") for x in _expect(d["leaves"], list, "leaves")))
+    m = Manifest(step=_int(d["step"], "step"), process=_int(d["process"], "process"),
+                 process_count=_int(d["process_count"], "process_count"),
+                 framework=_expect(d["framework"], str, "framework"), arrays=tuple(arrays), leaves=leaves,
+                 order=tuple(_expect(p, str, "order") for p in _expect(d["order"], list, "order")),
+                 nbytes=_int(d["nbytes"], "nbytes"), layout=_expect(d["layout"], str, "layout"),
+                 created=_expect(d["created"], (int, float), "created"))
+    _check_consistent(m)
+    return m
+
+
+_VALUE_TYPES = (bool, int, float, str, bytes, type(None))
+
+
+def _check_consistent(m: Manifest) -> None:
+    """Cross-field rules a checksum cannot vouch for (a buggy or hostile writer): restore relies on them."""
+    if m.process >= m.process_count:
+        raise ManifestError(f"manifest of process {m.process} in a job of {m.process_count} processes")
+    paths: set[str] = set()
+    keys: set[tuple] = set()
+    for x in (*m.arrays, *m.leaves):
+        if x.path in paths:
+            raise ManifestError(f"{x.path}: listed twice in the manifest of step {m.step}")
+        paths.add(x.path)
+        k = tuple(key for _, key in x.keypath)
+        if k in keys:
+            raise ManifestError(f"{x.path}: keypath {list(k)} is used twice in the manifest of step {m.step}")
+        keys.add(k)
+    for k in keys:  # a leaf cannot sit inside another leaf
+        for n in range(len(k)):
+            if k[:n] in keys:
+                raise ManifestError(f"keypath {list(k[:n])} is both a leaf and a container in step {m.step}")
+    if len(set(m.order)) != len(m.order) or not paths.issuperset(m.order):
+        raise ManifestError(f"manifest of step {m.step}: leaf order names unknown or repeated paths")
+    ranges: list[tuple[int, int, int, str]] = []
+    for a in m.arrays:
+        itemsize = dtype_from_name(a.dtype).itemsize
+        for c in a.chunks:
+            if c.process >= m.process_count:
+                raise ManifestError(f"{a.path}: chunk of process {c.process} in a job of {m.process_count}")
+            if c.nbytes != c.box.size * itemsize:
+                raise ManifestError(f"{a.path}: chunk {c.box} of {a.dtype} has {c.nbytes} bytes, expected "
+                                    f"{c.box.size * itemsize}")
+            if c.nbytes:
+                ranges.append((c.process, c.offset, c.offset + c.nbytes, a.path))
+        if a.kind == "prng_key":
+            shape, kdtype, impl = a.attrs.get("key_shape"), a.attrs.get("key_dtype"), a.attrs.get("impl")
+            if not (isinstance(shape, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                                    for s in shape)
+                    and isinstance(kdtype, str) and isinstance(impl, str)):
+                raise ManifestError(f"{a.path}: PRNG key array without a valid key_shape/key_dtype/impl")
+    ranges.sort()
+    for (p0, _, end, path0), (p1, start, _, path1) in zip(ranges, ranges[1:]):
+        if p0 == p1 and start < end:  # two chunks sharing bytes: one of them would be read unverified
+            raise ManifestError(f"{path1}: chunk at offset {start} of process {p1} overlaps a chunk of {path0} "
+                                f"in step {m.step}")
+
+
+def merge_chunks(manifests: Iterable[Manifest]) -> dict[str, ArrayMeta]:
+    """One ArrayMeta per path holding the chunks of every given manifest (which must agree on shapes)."""
+    out: dict[str, ArrayMeta] = {}
+    for m in manifests:
+        for a in m.arrays:
+            prev = out.get(a.path)
+            if prev is None:
+                out[a.path] = a
+                continue
+            if prev.shape != a.shape or prev.dtype != a.dtype:
+                raise ManifestError(f"{a.path}: processes disagree on shape/dtype at step {m.step}: "
+                                    f"{prev.shape}/{prev.dtype} vs {a.shape}/{a.dtype}")
+            out[a.path] = ArrayMeta(prev.path, prev.keypath, prev.shape, prev.dtype, prev.kind, prev.sharding,
+                                    prev.attrs, prev.chunks + a.chunks)
+    return out
+
+
+def check_target_paths(paths: Iterable[str], m: Manifest, step: int) -> None:
+    """Raise TargetMismatchError unless a restore target's leaves (by path) are exactly the ones ``m`` saved."""
+    wanted = list(paths)
+    saved = set(m.order)
+    for path in wanted:
+        if path not in saved:
+            raise TargetMismatchError(f"{path}: in the target but not in step {step} (structure differs)")
+    wanted_set = set(wanted)
+    for path in m.order:
+        if path not in wanted_set:
+            raise TargetMismatchError(f"{path}: saved in step {step} but missing from the target (structure differs)")

@@ -1,0 +1,73 @@
+"""Store backends by name, imported lazily on first use (fsspec's registry is the model).
+
+Built-in names map to ``module:Class`` strings so that ``import jaxckpt`` imports no backend. Third-party
+stores register with :func:`register_store` or through the ``jaxckpt.stores`` entry-point group.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from importlib.metadata import entry_points
+from types import MappingProxyType
+from typing import Mapping
+
+from jaxckpt.errors import BackendNotFoundError
+
+log = logging.getLogger("jaxckpt.core.registry")
+
+_known: dict[str, str | type] = {
+    "memory": "jaxckpt.backends.memory:MemoryStore",
+    "shm": "jaxckpt.backends.shm:ShmStore",
+}
+_loaded: dict[str, type] = {}  # classes imported from the string targets above, by name
+_entry_points_loaded = False
+
+
+def register_store(name: str, cls: str | type, *, clobber: bool = False) -> None:
+    """Register a Store class (or a ``"module:Class"`` string) under ``name``; refuses to overwrite unless told."""
+    if name in _known and not clobber and _known[name] != cls:
+        raise BackendNotFoundError(f"store {name!r} is already registered as {_known[name]!r}; pass clobber=True")
+    if _known.get(name) != cls:
+        _loaded.pop(name, None)
+    _known[name] = cls
+
+
+def registered_stores() -> Mapping[str, str | type]:
+    """A read-only view of the registry."""
+    _load_entry_points()
+    return MappingProxyType(_known)
+
+
+def get_store_class(name: str) -> type:
+    """The Store class registered under ``name``, importing its module on first use."""
+    _load_entry_points()
+    if name in _loaded:
+        return _loaded[name]
+    target = _known.get(name)
+    if target is None and ":" in name:
+        target = name  # "module:Class" names a class directly, as Config.store allows
+    if target is None:
+        raise BackendNotFoundError(f"no store named {name!r} (known: {', '.join(sorted(_known))})")
+    if isinstance(target, type):
+        return target
+    module, _, attr = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except ImportError as e:
+        raise BackendNotFoundError(f"store {name!r} needs {e.name!r}, which is not installed "
+                                   f"(pip install 'jaxckpt[{name}]' or install {e.name})") from None
+    except (AttributeError, ValueError):
+        raise BackendNotFoundError(f"store {name!r}: {target!r} names no class (module {module!r}, "
+                                   f"attribute {attr!r})") from None
+    _loaded[name] = cls
+    return cls
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in entry_points(group="jaxckpt.stores"):
+        if ep.name not in _known:
+            _known[ep.name] = ep.value

@@ -1,0 +1,374 @@
+"""Recovery: after nodes are lost, which saved chunks can be rebuilt and from what; then the rebuild itself.
+
+Planning (pure, every process gets the same answer from the step's :class:`~jaxckpt.protection.plan.ProtectionPlan`):
+  1) a chunk must be rebuilt when its process's node is lost or it is known corrupt (``bad_chunks``);
+  2) ``replica``: from any surviving, not known-bad copy block, nearest in the ring first; each copy holds the
+     whole chunk and is checked against the chunk's crc32c, so a corrupt copy is skipped for the next one;
+  3) ``parity`` / ``xor-group``: each segment of the chunk lies at unit bytes [a, b) of one unit of one stripe and
+     is rebuilt as ``parity[a:b] ^ (every other unit)[a:b]`` (shorter units read as zeros) when the stripe's
+     holder survives. Where another unit's bytes in [a, b) are lost too, exactly those bytes are missing: two
+     losses in one stripe lose only the range they overlap in, not the whole stripe;
+  4) what is left is raised as DataLossError naming the step, the lost nodes and the exact missing boxes
+     (the flat byte ranges of each chunk mapped back to boxes of the array).
+Execution: :class:`Rebuilder` reads surviving chunks, parity and copies through a :class:`RecoveryIO` the caller
+provides (local snapshot buffers, peers), verifies the rebuilt chunk against its manifest crc32c, and serves
+rebuilt chunks as a :data:`~jaxckpt.core.fetch.ByteSource`, so the ordinary restore path reads a lost process's
+chunks as if it were still there.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Protocol, Union
+
+import numpy as np
+
+from jaxckpt.protection import parity
+from jaxckpt.core.box import Box
+from jaxckpt.errors import ChecksumError, DataLossError, PeerError, PlanError, StepNotFoundError
+from jaxckpt.core.fetch import ByteSource
+from jaxckpt.protection.plan import CopyBlock, ProtectionPlan, SavedChunk, Stripe, Unit
+
+log = logging.getLogger("jaxckpt.protection.rebuild")
+
+# Arrays, and boxes per array, named in an error message; the exception's ``missing`` holds all of them.
+MAX_LISTED = 16
+MAX_BOXES = 4
+
+
+@dataclass(frozen=True)
+class FromCopy:
+    """The chunk's bytes sit at ``position`` of copy block ``block``."""
+
+    block: int
+    position: int
+
+
+@dataclass(frozen=True)
+class FromStripe:
+    """The part is bytes [unit_lo, unit_lo + len) of unit ``unit`` of ``stripe``: parity ^ the other units."""
+
+    stripe: int
+    unit: int
+    unit_lo: int
+
+
+Source = Union[FromCopy, FromStripe]
+
+
+@dataclass(frozen=True)
+class Part:
+    """Bytes [lo, hi) of a chunk and the ways to rebuild them, best first; none when they are lost."""
+
+    lo: int
+    hi: int
+    sources: tuple[Source, ...]
+
+
+@dataclass(frozen=True)
+class ChunkRebuild:
+    """How to rebuild chunk number ``chunk`` of the protection plan: its parts, in order, covering it."""
+
+    chunk: int
+    parts: tuple[Part, ...]
+
+
+@dataclass(frozen=True)
+class RecoveryPlan:
+    """The chunks of ``step`` lost with ``lost_nodes`` (or corrupt) and how each is rebuilt."""
+
+    step: int
+    lost_nodes: tuple[int, ...]
+    protection: ProtectionPlan
+    rebuilds: tuple[ChunkRebuild, ...]
+
+    def rebuild_of(self, process: int, offset: int) -> ChunkRebuild | None:
+        """The rebuild of the chunk at ``offset`` of ``process``'s buffer, or None when it needs none."""
+        for r in self.rebuilds:
+            c = self.protection.chunks[r.chunk]
+            if c.process == process and c.offset == offset:
+                return r
+        return None
+
+    @property
+    def lost_processes(self) -> tuple[int, ...]:
+        """Processes that ran on the lost nodes."""
+        return tuple(p for p, n in enumerate(self.protection.nodes) if n in self.lost_nodes)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes to rebuild."""
+        return sum(self.protection.chunks[r.chunk].nbytes for r in self.rebuilds)
+
+    def missing(self) -> dict[str, tuple[Box, ...]]:
+        """Array path -> the exact boxes no part can rebuild (empty when everything can be)."""
+        out: dict[str, list[Box]] = {}
+        for r in self.rebuilds:
+            c = self.protection.chunks[r.chunk]
+            for lo, hi in _merge([(p.lo, p.hi) for p in r.parts if not p.sources]):
+                out.setdefault(c.path, []).extend(byte_range_boxes(c, lo, hi))
+        return {k: coalesce(v) for k, v in out.items()}
+
+
+def plan_recovery(protection: ProtectionPlan, lost_nodes: Iterable[int], *, step: int,
+                  bad_chunks: Iterable[tuple[int, int]] = (), bad_blocks: Iterable[tuple[str, int]] = (),
+                  strict: bool = True) -> RecoveryPlan:
+    """How to rebuild what ``lost_nodes`` took (and the ``bad_chunks`` (process, offset) known to be corrupt).
+
+    ``bad_blocks`` are ("stripe", id) or ("copy", id) blocks known to be corrupt. With ``strict`` (default) bytes
+    that cannot be rebuilt raise DataLossError naming ``step`` and the missing boxes; otherwise they are left
+    in the plan with no source (see :meth:`RecoveryPlan.missing`).
+    """
+    lost = frozenset(int(n) for n in lost_nodes)
+    unknown = sorted(lost - set(protection.node_ids))
+    if unknown:
+        raise PlanError(f"step {step}: lost node(s) {unknown} are not nodes of the saving job {protection.node_ids}")
+    bad = frozenset((int(p), int(o)) for p, o in bad_chunks)
+    bad_b = frozenset((str(k), int(i)) for k, i in bad_blocks)
+    chunks = protection.chunks
+    gone = [c.node in lost or c.key in bad for c in chunks]
+    where: dict[int, list[tuple[Stripe, int, int, int, int]]] = {}  # chunk -> (stripe, unit, unit pos, lo, hi)
+    blocked: dict[int, list[list[tuple[int, int]]]] = {}  # stripe -> per unit: lost unit ranges of the others
+    for s in protection.stripes:
+        lost_ranges = []
+        for k, u in enumerate(s.units):
+            pos, mine = 0, []
+            for g in u.segments:
+                if gone[g.chunk]:
+                    where.setdefault(g.chunk, []).append((s, k, pos, g.lo, g.hi))
+                    mine.append((pos, pos + g.nbytes))
+                pos += g.nbytes
+            lost_ranges.append(mine)
+        if any(lost_ranges):
+            blocked[s.id] = [_merge([r for j, rs in enumerate(lost_ranges) if j != k for r in rs])
+                             for k in range(len(s.units))]
+    copies: dict[int, list[FromCopy]] = {}
+    for b in protection.copy_blocks:
+        if b.node not in lost and ("copy", b.id) not in bad_b:
+            for i, pos in zip(b.chunks, b.positions):
+                copies.setdefault(i, []).append(FromCopy(b.id, pos))
+    rebuilds = []
+    for i, c in enumerate(chunks):
+        if not gone[i] or c.nbytes == 0:
+            continue
+        if c.policy in ("parity", "xor-group"):
+            parts = []
+            for s, k, pos, lo, hi in where.get(i, ()):
+                parts += _stripe_parts(s, k, pos, lo, hi, blocked[s.id][k], lost, bad_b)
+            parts.sort(key=lambda p: p.lo)
+        else:
+            parts = [Part(0, c.nbytes, tuple(copies.get(i, ())))]
+        rebuilds.append(ChunkRebuild(i, tuple(parts)))
+    plan = RecoveryPlan(int(step), tuple(sorted(lost)), protection, tuple(rebuilds))
+    missing = plan.missing()
+    if missing and strict:
+        raise data_loss(plan, missing)
+    return plan
+
+
+def _stripe_parts(s: Stripe, k: int, pos: int, lo: int, hi: int, blocked: list[tuple[int, int]],
+                  lost: frozenset[int], bad_b: frozenset[tuple[str, int]]) -> list[Part]:
+    """Parts of chunk bytes [lo, hi), which are bytes [pos, pos + hi - lo) of unit ``k`` of stripe ``s``;
+    ``blocked`` are the (merged, sorted) unit ranges where another unit of the stripe is lost too."""
+    a, b = pos, pos + hi - lo
+    if s.node in lost or ("stripe", s.id) in bad_b:
+        return [Part(lo, hi, ())]
+    parts, at = [], a
+    first = max(bisect.bisect_right(blocked, (a, a)) - 1, 0)
+    for x, y in blocked[first:]:
+        if x >= b:
+            break
+        x, y = max(x, a), min(y, b)
+        if y <= x:
+            continue
+        if x > at:
+            parts.append(Part(lo + at - a, lo + x - a, (FromStripe(s.id, k, at),)))
+        parts.append(Part(lo + x - a, lo + y - a, ()))
+        at = y
+    if at < b:
+        parts.append(Part(lo + at - a, hi, (FromStripe(s.id, k, at),)))
+    return parts
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for x, y in sorted(ranges):
+        if out and x <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], y))
+        else:
+            out.append((x, y))
+    return out
+
+
+def coalesce(boxes: Iterable[Box], limit: int = 256) -> tuple[Box, ...]:
+    """The same index set in fewer boxes: neighbours that differ along one axis only are joined (up to ``limit``)."""
+    out = sorted(set(boxes))
+    joined = True
+    while joined and len(out) <= limit:
+        joined = False
+        for i, j in ((i, j) for i in range(len(out)) for j in range(i + 1, len(out))):
+            m = _join(out[i], out[j])
+            if m is not None:
+                out[i] = m
+                del out[j]
+                joined = True
+                break
+    return tuple(sorted(out))
+
+
+def _join(a: Box, b: Box) -> Box | None:
+    diff = [d for d in range(a.ndim) if (a.start[d], a.stop[d]) != (b.start[d], b.stop[d])]
+    if len(diff) != 1:
+        return None
+    d = diff[0]
+    if a.stop[d] == b.start[d]:
+        return Box(a.start, a.stop[:d] + (b.stop[d],) + a.stop[d + 1:])
+    if b.stop[d] == a.start[d]:
+        return Box(b.start, b.stop[:d] + (a.stop[d],) + b.stop[d + 1:])
+    return None
+
+
+def data_loss(plan: RecoveryPlan, missing: Mapping[str, tuple[Box, ...]]) -> DataLossError:
+    """The error for bytes of ``plan.step`` that nothing can rebuild, naming the step, nodes, arrays and boxes."""
+    paths = sorted(missing)
+    listed = []
+    for path in paths[:MAX_LISTED]:
+        boxes = missing[path]
+        shown = "; ".join(f"{list(b.start)}..{list(b.stop)}" for b in boxes[:MAX_BOXES])
+        extra = len(boxes) - MAX_BOXES
+        listed.append(f"{path} {shown}" + (f" (+{extra} more boxes)" if extra > 0 else ""))
+    more = f"; and {len(paths) - MAX_LISTED} more arrays" if len(paths) > MAX_LISTED else ""
+    n = sum(len(v) for v in missing.values())
+    lost = ", ".join(map(str, plan.lost_nodes)) or "none"
+    return DataLossError(f"step {plan.step}: protection {plan.protection.policy!r} cannot rebuild what was lost "
+                         f"with node(s) {lost}: {n} box(es) of {len(paths)} array(s) missing: "
+                         f"{', '.join(listed)}{more}",
+                         step=plan.step, lost_nodes=plan.lost_nodes, missing=dict(missing))
+
+
+def byte_range_boxes(chunk: SavedChunk, lo: int, hi: int) -> list[Box]:
+    """The boxes of the array elements that bytes [lo, hi) of ``chunk`` (row-major) belong to."""
+    size = chunk.itemsize
+    a, b = lo // size, -(-hi // size)
+    return [Box(s, e) for s, e in _flat_boxes(chunk.box.start, chunk.box.shape, a, b)]
+
+
+def _flat_boxes(start: tuple[int, ...], shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple, tuple]]:
+    """Row-major elements [lo, hi) of the box at ``start`` with ``shape``, as at most 2*ndim-1 boxes."""
+    if lo >= hi:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = int(np.prod(shape[1:], dtype=np.int64))
+    if inner == 0:
+        return []
+    r0, c0 = divmod(lo, inner)
+    r1, c1 = divmod(hi, inner)
+
+    def row(r: int, x: int, y: int) -> list[tuple[tuple, tuple]]:
+        return [((start[0] + r,) + s, (start[0] + r + 1,) + e) for s, e in _flat_boxes(start[1:], shape[1:], x, y)]
+
+    if r0 == r1:
+        return row(r0, c0, c1)
+    out = []
+    if c0:
+        out += row(r0, c0, inner)
+        r0 += 1
+    if r1 > r0:
+        rest = tuple(s + n for s, n in zip(start[1:], shape[1:]))
+        out.append(((start[0] + r0,) + start[1:], (start[0] + r1,) + rest))
+    if c1:
+        out += row(r1, 0, c1)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------- rebuild
+class RecoveryIO(Protocol):
+    """Where a rebuild reads from; each method raises PeerError/StepNotFoundError when unreachable."""
+
+    def chunk(self, chunk: SavedChunk) -> parity.Buffer:
+        """The whole saved ``chunk`` from its (surviving) process, verified (ChecksumError when corrupt)."""
+
+    def parity(self, stripe: Stripe, lo: int, hi: int) -> parity.Buffer:
+        """Bytes [lo, hi) of ``stripe``'s parity block from ``stripe.node`` (verified by its holder)."""
+
+    def copy(self, block: CopyBlock, lo: int, hi: int) -> parity.Buffer:
+        """Bytes [lo, hi) of copy ``block`` from ``block.node``."""
+
+
+_UNAVAILABLE = (ChecksumError, PeerError, StepNotFoundError)
+
+
+class Rebuilder:
+    """Rebuilds the chunks of a RecoveryPlan through ``io``; ``crcs`` maps (process, offset) to the manifest crc32c."""
+
+    def __init__(self, plan: RecoveryPlan, io: RecoveryIO, crcs: Mapping[tuple[int, int], int] | None = None,
+                 *, workers: int = 1) -> None:
+        self.plan, self._io, self._crcs, self._workers = plan, io, dict(crcs or {}), workers
+        self._by_key = {plan.protection.chunks[r.chunk].key: r for r in plan.rebuilds}
+
+    def chunk(self, process: int, offset: int) -> np.ndarray:
+        """The rebuilt bytes of the chunk at ``offset`` of lost ``process``'s buffer, checked against its crc32c."""
+        r = self._by_key.get((process, offset))
+        prot = self.plan.protection
+        if r is None:
+            raise StepNotFoundError(f"step {self.plan.step}: process {process} has no lost chunk at offset {offset}")
+        c = prot.chunks[r.chunk]
+        crc = self._crcs.get(c.key)
+        what = f"{c.path}: step {self.plan.step} chunk {list(c.box.start)}..{list(c.box.stop)} of process {process}"
+        out = np.empty(c.nbytes, dtype=np.uint8)
+        cache: dict[int, np.ndarray] = {}
+        for part in r.parts:
+            errors = []
+            for src in part.sources:
+                try:
+                    if isinstance(src, FromCopy):
+                        b = prot.copy_blocks[src.block]
+                        data = parity.as_bytes(self._io.copy(b, src.position + part.lo, src.position + part.hi))
+                        if crc is not None and (part.lo, part.hi) == (0, c.nbytes):
+                            parity.check(data, crc, f"{what}, copy on node {b.node}")
+                        out[part.lo:part.hi] = data
+                    else:
+                        self._from_stripe(src, part, out, cache)
+                    break
+                except _UNAVAILABLE as e:
+                    log.warning("%s: source %s failed, trying the next: %s", what, src, e)
+                    errors.append(f"{src}: {e}")
+            else:
+                missing = {c.path: tuple(byte_range_boxes(c, part.lo, part.hi))}
+                err = data_loss(self.plan, missing)
+                raise DataLossError(f"{err}" + (f" (sources failed: {'; '.join(errors)})" if errors else ""),
+                                    step=self.plan.step, lost_nodes=self.plan.lost_nodes, missing=missing)
+        if crc is not None:
+            parity.check(out, crc, f"{what}, rebuilt from protection")
+        return out
+
+    def _from_stripe(self, src: FromStripe, part: Part, out: np.ndarray, cache: dict[int, np.ndarray]) -> None:
+        s = self.plan.protection.stripes[src.stripe]
+        a, b = src.unit_lo, src.unit_lo + part.hi - part.lo
+        blocks = [self._io.parity(s, a, b)]
+        blocks += [self._unit_range(u, a, b, cache) for k, u in enumerate(s.units) if k != src.unit]
+        parity.encode(blocks, out[part.lo:part.hi], length=b - a, workers=self._workers)
+
+    def _unit_range(self, u: Unit, a: int, b: int, cache: dict[int, np.ndarray]) -> list[np.ndarray]:
+        """Bytes [a, b) of unit ``u`` (fewer where it ends), from verified whole chunks."""
+        out, pos = [], 0
+        for g in u.segments:
+            x, y = max(a, pos), min(b, pos + g.nbytes)
+            if y > x:
+                if g.chunk not in cache:
+                    cache[g.chunk] = parity.as_bytes(self._io.chunk(self.plan.protection.chunks[g.chunk]))
+                out.append(cache[g.chunk][g.lo + x - pos:g.lo + y - pos])
+            pos += g.nbytes
+        return out
+
+    def source(self, process: int) -> ByteSource:
+        """A ByteSource for lost ``process``: reads of whole chunks come back rebuilt (for ChunkReader)."""
+        def read(offset: int, nbytes: int) -> memoryview:
+            data = self.chunk(process, offset)
+            if data.size != nbytes:
+                raise StepNotFoundError(f"step {self.plan.step}: process {process} chunk at offset {offset} has "
+                                        f"{data.size} bytes, {nbytes} were asked for")
+            return memoryview(data)
+        return read

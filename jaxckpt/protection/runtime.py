@@ -1,0 +1,474 @@
+"""Config.protection at run time, trainer side: build each committed step's redundancy in the background.
+
+Per step (the engine calls :meth:`Protector.prepare` for a new layout, :meth:`on_save` in ``save()``, and the
+commit hook when the step is decided):
+  0) ``prepare`` (once per layout; the first time, collectively) agrees on the node of every process (each
+     process sets one key with its node agent's generation, process 0 publishes the list: O(processes)) and
+     computes the :class:`~jaxckpt.protection.plan.ProtectionPlan`; it asks the engine to also pin the local device
+     shards this process's ``parity`` stripes read;
+  1) ``on_save``: a background thread XORs this process's ``parity`` stripes from those device copies (REFT:
+     zero bytes sent) and drops the views;
+  2) when the step is committed everywhere, one bounded worker thread takes the steps in order; process 0
+     decides for each whether it is protected or skipped (``protect/<step>/go``): a step is skipped when
+     ``Config.keep`` newer steps are committed already (retention lets it go: it can no longer be a restore
+     target), so with a save every step protection trails by at most about ``keep`` steps instead of falling
+     further behind; every process follows that one decision, so a step is protected by all or skipped by
+     all. Process 0 publishes a skip as soon as retention lets a queued step go; the other processes hold
+     every queued step (``engine.hold``, past ``Config.keep``) until that decision says skip, so none drops the
+     bytes of a step process 0 still protects. The step being protected is held until every node has pulled
+     its bytes. For a protected step the worker: waits for its parity, reads the manifests of the processes
+     of the ``copies`` preceding nodes (small), reserves the slot of pseudo process ``PROTECT_BASE + p`` in its
+     node's agent (``jaxckpt.backends.agent.protection_slot``), writes the plan, the manifests and its parity stripes into
+     it, and has the agent build there what this node holds for other nodes (``xor-group`` units XORed into
+     parity, ``replica`` copy blocks; each block by one process of the holding node): the agent pulls the
+     chunks from the other nodes' agents itself, verifies each by checksum, at most
+     ``Config.protection_bandwidth`` bytes per second per request (``jaxckpt.backends.agent.protection_pull``), and
+     replies with the blocks' checksums; the worker then commits the slot. The bytes never pass through the
+     trainer process. (A store without agents builds the blocks in this thread instead.)
+  3) it sets ``protect/<step>/done/<p>``; process 0 reads the N keys and publishes ``protect/<step>/ok``; every
+     other process reads that one key. The step is then *protected* (:meth:`protected_steps`).
+The pull replaces a push: the bytes cross the network once either way, the agent needs no write path from peers,
+and a node that is being filled decides its own pace (one request per protecting process, one chunk at a time).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from jaxckpt.protection import parity
+from jaxckpt.core.checksum import crc32c
+from jaxckpt.errors import AgentError, CommitError, PeerError
+from jaxckpt.core.plan import ArrayLayout, SavePlan
+from jaxckpt.protection.plan import (ProtectionPlan, SavedChunk, encode_plan, plan_for_config,
+                                segment_from_copy, stripe_parity)
+from jaxckpt.core.registry import get_store_class
+
+if TYPE_CHECKING:
+    from jaxckpt.core.engine import CheckpointEngine
+
+log = logging.getLogger("jaxckpt.protection.runtime")
+_rounds = itertools.count()  # node agreements of this process; every process of a job counts alike
+
+
+class Protector:
+    """The trainer side of ``Config.protection`` for one engine (see the module docstring)."""
+
+    def __init__(self, engine: "CheckpointEngine") -> None:
+        from jaxckpt.backends.agent.protection_slot import RebuildHolder
+
+        self.engine, self.config = engine, engine.config
+        self.p, self.n = engine.process_index, engine.process_count
+        self.nodes: tuple[int, ...] | None = None
+        self.generations: list[str] = []  # agent generation of each node id
+        self._plans: dict[tuple, ProtectionPlan] = {}
+        self._devs: dict[tuple, dict] = {}  # layout -> (path, box) -> the local device holding that box
+        self._need: dict[tuple, set] = {}  # layout -> the (path, device) views the parity stripes read
+        self._encoded: dict[int, bytes] = {}
+        self._steps: dict[int, tuple[ProtectionPlan, Future | None]] = {}
+        self._protected: list[int] = []
+        self._fallbacks: list[int] = []  # rebuildable-only steps held at start-up (see adopt)
+        self._pending: set[int] = set()  # saved, not yet protected nor failed
+        self._queued: set[int] = set()  # committed, waiting for the worker
+        self._recent: list[int] = []  # the newest Config.keep committed steps: what retention keeps
+        self._held: set[int] = set()  # steps this runtime holds in the store (engine.hold)
+        self._skipped: set[int] = set()  # committed steps retention let go before their turn (never protected)
+        self._told: set[int] = set()  # process 0: queued steps whose skip it published before their turn
+        self._cond = threading.Condition()
+        self._failed: dict[int, BaseException] = {}
+        self._store = None
+        self._parity_pool = ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-parity")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-protect")
+        self._closed = False
+        self.last_pull: dict = {}  # the node agent's reply to the newest pull (crcs, bytes, bandwidth account)
+        self.holder = RebuildHolder(self._agent_holders, workers=max(1, engine.config.workers))
+        engine.catalog.add_holders(lambda: [self.holder])
+        engine.add_commit_hook(self._on_commit)
+
+    # ------------------------------------------------------------------------------------------- planning
+    def _agent_holders(self):
+        return [h for h in self.engine.catalog.holders() if h.kind in ("node", "remote")]
+
+    def _agree_nodes(self) -> None:
+        c, timeout = self.engine.coordinator, self.config.commit_timeout_s
+        gen = str(self.engine.store.agent.get("generation", ""))
+        if self.n == 1:
+            gens = [gen]
+        else:
+            prefix = f"jaxckpt/{self.config.job_id}/protect/nodes/{next(_rounds)}"
+            c.set(f"{prefix}/{self.p}", gen.encode())
+            if self.p == 0:
+                gens = [gen] + [c.get(f"{prefix}/{q}", timeout).decode() for q in range(1, self.n)]
+                c.set(f"{prefix}/all", ",".join(gens).encode())
+            else:
+                gens = c.get(f"{prefix}/all", timeout * 2).decode().split(",")
+        ids: dict[str, int] = {}
+        self.nodes = tuple(ids.setdefault(g, len(ids)) for g in gens)
+        self.generations = list(ids)
+        log.info("process %d: protection %r over %d node(s): %s", self.p, self.config.protection, len(ids),
+                 self.nodes)
+
+    def prepare(self, key: tuple, layouts: Sequence[ArrayLayout], plans: Sequence[SavePlan]
+                ) -> dict[str, frozenset[int]]:
+        """Plan the protection of a new layout; the local devices whose shards this process's parity reads."""
+        if self.nodes is None:
+            self._agree_nodes()
+        plan = plan_for_config(layouts, plans, self.nodes, self.config)
+        self._plans[key] = plan
+        self._encoded[id(plan)] = encode_plan(plan)
+        mine = {(a.path, pl.box): pl.device for a in layouts for pl in a.placements if pl.process == self.p}
+        self._devs[key] = mine
+        extra: dict[str, set[int]] = {}
+        for s in plan.parity_tasks(self.p):
+            for u in s.units:
+                for g in u.segments:
+                    c = plan.chunks[g.chunk]
+                    extra.setdefault(c.path, set()).add(mine[(c.path, c.source)])
+        self._need[key] = {(path, d) for path, devs in extra.items() for d in devs}
+        return {k: frozenset(v) for k, v in extra.items()}
+
+    # --------------------------------------------------------------------------------------------- saving
+    def on_save(self, step: int, key: tuple, paths: Sequence[str], sources: Sequence[dict]) -> Future | None:
+        """Start this process's parity of ``step`` from the device views ``sources`` (one dict per record); its
+        future (None without parity stripes) is done once the views are no longer read."""
+        plan = self._plans[key]
+        tasks = plan.parity_tasks(self.p)
+        fut = None
+        if tasks:
+            need = self._need[key]  # hold only these views: the others are released as their chunks are copied
+            fetchers = {(path, dev): src[dev][0] for path, src in zip(paths, sources) for dev in src
+                        if (path, dev) in need}
+            fut = self._parity_pool.submit(self._parity, plan, tasks, fetchers, self._devs[key])
+        with self._cond:
+            self._steps[step] = (plan, fut)
+            self._pending.add(step)
+        return fut
+
+    def _parity(self, plan: ProtectionPlan, tasks, fetchers: dict, devs: dict) -> list[tuple[str, int, np.ndarray]]:
+        # one host read of our replica of each source box, then the XOR of each stripe
+        shards: dict[tuple, np.ndarray] = {}
+
+        def read(c: SavedChunk, lo: int, hi: int) -> np.ndarray:
+            k = (c.path, c.source)
+            if k not in shards:
+                shards[k] = np.asarray(fetchers[(c.path, devs[k])]())
+            return segment_from_copy(c, lo, hi, shards[k], c.source)
+        try:
+            return [("stripe", s.id, stripe_parity(plan, s, read)) for s in tasks]
+        finally:
+            fetchers.clear()  # drop the views: the next donating step may reuse the buffers
+
+    # --------------------------------------------------------------------------------------- after commit
+    def _on_commit(self, step: int, committed: bool) -> None:
+        with self._cond:
+            entry = self._steps.pop(step, None) if not committed else self._steps.get(step)
+            if not committed or self._closed:
+                self._pending.discard(step)
+                self._cond.notify_all()
+            if entry is None or not committed or self._closed:
+                return
+            self._recent = sorted(self._recent + [step])[-self.config.keep:]
+            # Queued steps retention now lets go will be skipped: do not keep them in memory. Only process 0's
+            # decision counts, so process 0 publishes it now (staleness only grows: its worker would decide the
+            # same) and the others let a step go only once that decision says skip; until then they hold it,
+            # or process 0 might still protect it after their retention dropped its bytes.
+            stale = [s for s in self._queued if self._stale(s)]
+            tell: list[int] = []
+            if self.p == 0 or self.n == 1:
+                older = [s for s in stale if s in self._held]
+                self._held.difference_update(older)
+                tell = [s for s in stale if s not in self._told] if self.n > 1 else []
+                self._told.update(tell)
+                ask = []
+            else:
+                older, ask = [], [s for s in stale if s in self._held]
+            self._queued.add(step)
+            self._held.add(step)
+        self.engine.hold(step)  # before retention: the nodes pull this step's bytes while protecting it
+        try:
+            self._share_skips(tell, ask, older)
+        finally:
+            for s in older:
+                self.engine.release(s)
+            self._pool.submit(self._protect, step)
+
+    def _share_skips(self, tell: list[int], ask: list[int], older: list[int]) -> None:
+        """Process 0: publish the skip of ``tell``; the others: add to ``older`` the steps of ``ask`` whose skip
+        is published (a step whose decision is not out yet stays held: its worker releases it)."""
+        c = self.engine.coordinator
+        for s in tell:
+            try:
+                c.set(self._go_key(s), b"0")
+            except Exception as e:  # noqa: BLE001 - its worker publishes the decision instead
+                with self._cond:
+                    self._told.discard(s)
+                log.warning("step %d: could not publish its protection skip now: %s", s, e)
+        for s in ask:
+            try:
+                skipped = c.try_get(self._go_key(s)) == b"0"
+            except Exception as e:  # noqa: BLE001 - kept until its worker reads the decision
+                log.warning("step %d: could not read its protection decision now: %s", s, e)
+                continue
+            if skipped:
+                with self._cond:
+                    mine = s in self._held  # the worker may have decided it meanwhile, and released it
+                    self._held.discard(s)
+                if mine:
+                    older.append(s)
+
+    def _go_key(self, step: int) -> str:
+        return f"jaxckpt/{self.config.job_id}/protect/{step}/go"
+
+    def _stale(self, step: int) -> bool:
+        """True when ``Config.keep`` newer steps are committed: retention lets ``step`` go (call locked)."""
+        return len(self._recent) >= self.config.keep and step < self._recent[0]
+
+    def _decide(self, step: int) -> bool | None:
+        """Protect ``step`` (True) or skip it (False), as process 0 decides; None if it did not say in time."""
+        with self._cond:
+            self._queued.discard(step)
+            stale = self._stale(step)
+            told = step in self._told  # its skip is published already (_on_commit)
+            self._told.discard(step)
+        if self.n == 1:
+            return not stale
+        c, timeout = self.engine.coordinator, self.config.commit_timeout_s
+        key = self._go_key(step)
+        if self.p == 0:
+            if not told:
+                c.set(key, b"0" if stale else b"1")
+            return not stale
+        try:
+            return c.get(key, timeout * 2) == b"1"
+        except TimeoutError:
+            return None
+
+    def _skip(self, step: int) -> None:
+        # its parity future runs on (not cancelled: a front end may wait for it before reusing its buffers)
+        with self._cond:
+            self._skipped.add(step)
+            self._pending.discard(step)
+            self._cond.notify_all()
+        log.debug("step %d: protection skipped: %d newer steps are committed", step, self.config.keep)
+
+    def _protect(self, step: int) -> None:
+        try:
+            with self._cond:
+                plan, fut = self._steps.pop(step)
+            go = self._decide(step)
+            if go is False:
+                self._skip(step)
+                return
+            if go is None:  # process 0 is gone or stuck: no one would collect an announcement either
+                e = CommitError(f"step {step}: process 0 did not decide on its protection within "
+                                f"{self.config.commit_timeout_s * 2:g}s")
+                log.error("step %d: protection failed on process %d: %s", step, self.p, e)
+                with self._cond:
+                    self._failed[step] = e
+                    self._pending.discard(step)
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                hold = step not in self._held
+                self._held.add(step)
+            if hold:  # released as probably skipped; keep it now, if retention has not dropped it yet
+                self.engine.hold(step)
+            blocks = list(fut.result()) if fut is not None else []
+            me = self.nodes[self.p]
+            local = [q for q in range(self.n) if self.nodes[q] == me]
+            stripes = [s for s in plan.stripes
+                       if s.kind == "xor-group" and s.node == me and local[s.id % len(local)] == self.p]
+            copies = [b for b in plan.copy_blocks if b.node == me and local[b.id % len(local)] == self.p]
+            self.engine.catalog.begin(f"protection of step {step}")
+            reader = _Sources(self, step)
+            store = self._slot_store()
+            tasks, sources = [], {}
+            try:
+                ids = plan.node_ids
+                at = ids.index(me)
+                prev = {ids[(at - k) % len(ids)] for k in range(1, max(1, plan.copies) + 1)} - {me}
+                manifests = {q: reader.manifest(q) for q in range(self.n) if self.nodes[q] in prev}
+                # the node agent pulls and builds these blocks (backends/agent/protection_pull.py)
+                tasks = [("stripe", s.id, s.nbytes) for s in stripes] + [("copy", b.id, b.nbytes) for b in copies]
+                read = {plan.chunks[g.chunk].process for s in stripes for u in s.units for g in u.segments}
+                read |= {plan.chunks[i].process for b in copies for i in b.chunks}
+                sources = {q: reader.address(q) for q in sorted(read)}
+            finally:
+                reader.close()
+            self._write(step, plan, manifests, blocks, tasks, sources)
+            self._announce(step, True)
+        except BaseException as e:  # noqa: BLE001 - the step stays unprotected; training goes on
+            log.error("step %d: protection failed on process %d: %s", step, self.p, e)
+            with self._cond:
+                self._failed[step] = e
+            self._announce(step, False)
+        finally:
+            with self._cond:
+                held = step in self._held
+                self._held.discard(step)
+            if held:
+                self.engine.release(step)
+
+    def _slot_store(self):
+        from jaxckpt.backends.agent.protection_slot import PROTECT_BASE
+
+        if self._store is None:  # the configured store class (a subclass of ShmStore, say), as the engine's
+            store_cls = get_store_class(self.config.store)
+            self._store = store_cls(self.config, process_index=PROTECT_BASE + self.p, process_count=self.n)
+        return self._store
+
+    def _write(self, step: int, plan: ProtectionPlan, manifests: dict[int, bytes], blocks, tasks=(),
+               sources=None) -> None:
+        """Commit the step's protection slot: ``blocks`` computed here, ``tasks`` ((kind, id, nbytes)) built into
+        the slot by the node agent from ``sources`` ({process: [address, token] | None})."""
+        from jaxckpt.backends.agent.protection_slot import encode_meta, slot_header, slot_layout
+
+        meta = encode_meta(self._encoded[id(plan)], manifests)
+        datas = [(kind, bid, parity.as_bytes(data)) for kind, bid, data in blocks]
+        offsets, size = slot_layout(len(meta), [b.size for _, _, b in datas] + [n for _, _, n in tasks])
+        refs = [[kind, int(bid), o, int(b.size), crc32c(b)] for o, (kind, bid, b) in zip(offsets, datas)]
+        store = self._slot_store()
+        if step in store.steps():  # an earlier incarnation's protection of this step number: stale now
+            log.info("step %d: replacing the protection slot an earlier run of process %d left", step, self.p)
+            store.delete(step)
+        slot = store.reserve(step, size)
+        try:
+            buf = parity.as_bytes(np.frombuffer(slot.buffer, np.uint8)) if size else None
+            if size:
+                buf[:len(meta)] = np.frombuffer(meta, np.uint8)
+            for o, (_, _, b) in zip(offsets, datas):
+                buf[o:o + b.size] = b
+            if tasks:
+                at = offsets[len(datas):]
+                try:
+                    reply = store.pull(slot, plan=self._encoded[id(plan)],
+                                       tasks=[[kind, int(bid), o] for o, (kind, bid, _) in zip(at, tasks)],
+                                       sources={str(q): v for q, v in (sources or {}).items()},
+                                       rate=int(self.config.protection_bandwidth or 0),
+                                       timeout=float(self.config.peer_timeout_s))
+                except AgentError:  # a peer the agent could not reach may have restarted elsewhere: look again
+                    self.engine.catalog.suspect()
+                    raise
+                refs += [[kind, int(bid), o, int(n), int(crc)]
+                         for o, (kind, bid, n), crc in zip(at, tasks, reply["crcs"])]
+                self.last_pull = reply
+            store.commit(slot, slot_header(step, self.p, meta, refs))
+        except BaseException:
+            store.abort(slot)
+            raise
+        keep = set(self.engine.store.steps()) | {step}  # committed, pending and held (the newest protected) steps
+        for s in self._store.steps():
+            if s not in keep and s < step:
+                self._store.delete(s)
+
+    def _announce(self, step: int, ok: bool) -> None:
+        c, timeout = self.engine.coordinator, self.config.commit_timeout_s
+        prefix = f"jaxckpt/{self.config.job_id}/protect/{step}"
+        try:
+            if self.n == 1:
+                done = ok
+            else:
+                c.set(f"{prefix}/done/{self.p}", b"1" if ok else b"0")
+                if self.p == 0:
+                    done = ok
+                    for q in range(1, self.n):
+                        done = c.get(f"{prefix}/done/{q}", timeout) == b"1" and done
+                    c.set(f"{prefix}/ok", b"1" if done else b"0")
+                else:
+                    done = c.get(f"{prefix}/ok", timeout * 2) == b"1"
+        except TimeoutError:
+            done = False
+        with self._cond:
+            self._pending.discard(step)
+            newest = max(self._protected, default=None)
+            if done:
+                self._protected = sorted(set(self._protected) | {step})
+            else:
+                self._failed.setdefault(step, CommitError(f"step {step}: protection not complete on every node"))
+            self._cond.notify_all()
+        if done and (newest is None or step > newest):
+            # Until a newer step is protected, this one is all a lost node can be rebuilt from: its local bytes
+            # stay past Config.keep (its protection slots likewise, in _write) while newer steps are unprotected.
+            self.engine.hold(step)
+            if newest is not None:
+                self.engine.release(newest)
+            with self._cond:
+                fallbacks, self._fallbacks = self._fallbacks, []
+            for s in fallbacks:
+                self.engine.release(s)
+        if done:
+            log.info("step %d is protected (%s)", step, self.config.protection)
+
+    def adopt(self, step: int, *, complete: bool = True) -> None:
+        """Take ``step`` as the newest protected one (found at start-up; the engine holds it): the next step
+        protected releases it, as :meth:`_announce` does. ``complete=False``: a step that can only be rebuilt (a
+        node of it was lost), held as the fallback all the same but not reported protected."""
+        with self._cond:
+            if complete:
+                self._protected = sorted(set(self._protected) | {step})
+            else:
+                self._fallbacks.append(step)
+
+    # ----------------------------------------------------------------------------------------------- API
+    def protected_steps(self) -> list[int]:
+        """Steps whose redundancy is in place on every node, ascending."""
+        with self._cond:
+            return list(self._protected)
+
+    def wait(self, step: int | None = None, timeout: float | None = None) -> bool:
+        """Until ``step`` (default: every step handed to protection so far) is protected, failed, skipped
+        (``Config.keep`` newer steps were committed before its turn) or dropped (not committed by every process:
+        nothing to protect). False if ``timeout`` ran out first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: step not in self._pending if step is not None else not self._pending,
+                                       timeout)
+
+    def close(self) -> None:
+        self._closed = True
+        self._parity_pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
+        if self._store is not None:
+            self._store.close()
+
+
+class _Sources:
+    """The manifests of ``step`` and where the node agent finds each process's chunks (its pulls verify them)."""
+
+    def __init__(self, prot: Protector, step: int) -> None:
+        self.prot, self.step = prot, step
+        self._opened: dict[int, Any] = {}
+
+    def _holder(self, q: int):
+        gen = self.prot.engine.catalog.current_generation(self.prot.generations[self.prot.nodes[q]])
+        own = self.prot.engine.store.agent.get("generation")
+        for h in self.prot._agent_holders():
+            if (h.kind == "node" and gen == own) or getattr(getattr(h, "info", None), "generation", None) == gen:
+                return h
+        raise PeerError(f"step {self.step}: no agent of the node of process {q} (generation {gen}) is known")
+
+    def _open(self, q: int):
+        o = self._opened.get(q)
+        if o is None:
+            o = self._opened[q] = self._holder(q).open(q, self.step)
+        return o
+
+    def manifest(self, q: int) -> bytes:
+        return bytes(self._open(q).manifest)
+
+    def address(self, q: int) -> list | None:
+        """Where the node agent finds process ``q``'s chunks: None (its own node) or [peer address, token]."""
+        h = self._holder(q)
+        info = getattr(h, "info", None) if h.kind != "node" else None
+        return None if info is None else [info.address, bytes(info.token)]
+
+    def close(self) -> None:
+        for o in self._opened.values():
+            try:
+                o.close()
+            except Exception as e:  # noqa: BLE001
+                log.warning("step %d: could not close a source: %s", self.step, e)

@@ -1,0 +1,268 @@
+"""``jaxckpt bench cluster``: the per-process results made into figures, and the BENCHMARKS.md section.
+
+A job's figure for one repeat is its slowest process's (the job goes on when every process has finished); every
+figure is then the median with min-max spread over repeats. Ratios are of medians of this run, pair by pair.
+Nothing here imports jax.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from jaxckpt.tools.bench import report
+
+PATHS = (("local", "jaxckpt, local: all trainers restarted, agents alive"),
+         ("peers", "jaxckpt, via peers: a node lost with its memory (lost chunks rebuilt)"),
+         ("resharded", "jaxckpt, resharded onto another process count and mesh"),
+         ("persistent", "jaxckpt, persistent tier (every agent's memory gone)"),
+         ("orbax_standard", "Orbax StandardRestore, directory on disk, page cache dropped"),
+         ("orbax_emergency", "Orbax emergency CheckpointManager, local checkpoints on RAM disk"),
+         ("orbax_emergency_dp", "Orbax emergency CheckpointManager, the data-parallel half alone"))
+
+
+def _slowest(per_process: Sequence[Sequence[float]]) -> list[float]:
+    """Per repeat, the slowest process's time."""
+    n = min(len(x) for x in per_process)
+    return [max(x[i] for x in per_process) for i in range(n)]
+
+
+def _sum_sources(rows: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in rows:
+        for k, v in r.get("sources", {}).items():
+            out[k] = out.get(k, 0) + int(v)
+    return out
+
+
+def _first_error(rows: Sequence[Mapping[str, Any]]) -> str | None:
+    """The earliest error of a failed collective operation: the cause (the others fail because of it)."""
+    errs = sorted((r.get("t", 0.0), r["error"]) for r in rows if "error" in r)
+    return errs[0][1] if errs else None
+
+
+def _policy_rows(saved: Sequence[Mapping[str, Any]], policies: Sequence[str]) -> list[dict[str, Any]]:
+    s = report.summarize
+    rows = []
+    for policy in policies:
+        per = [r["policies"][policy] for r in saved]
+        row: dict[str, Any] = {"policy": policy}
+        base = [x for p in per for x in p["base_step_s"]]
+        loop = [x for p in per for x in p["save_step_s"]]
+        row["save_call_s"] = s([x for p in per for x in p["save_call_s"]])
+        row["step_s"], row["step_with_saves_s"] = s(base), s(loop)
+        row["step_ratio"] = row["step_with_saves_s"]["median"] / row["step_s"]["median"]
+        pages = [p["pages"] for p in per if "pages" in p]
+        worst = max(pages, key=lambda g: g["data_held_bytes"] + g["protect_held_bytes"])
+        row["held_bytes_per_node"] = worst["data_held_bytes"] + worst["protect_held_bytes"]
+        row["segments_per_node"] = worst["segments"]
+        big = max(pages, key=lambda g: g["data_snapshot_bytes"] + g["protect_snapshot_bytes"])
+        row["snapshot_bytes_per_node"] = big["data_snapshot_bytes"]
+        row["extra_bytes_per_node"] = big["protect_snapshot_bytes"]
+        row["extra_over_data"] = big["protect_snapshot_bytes"] / big["data_snapshot_bytes"]
+        planned = [p["planned"] for p in per if "planned" in p]
+        row["chosen"] = planned[0]["policies"] if planned else ["none"]
+        if policy != "none" and planned:
+            lags = _slowest([p["protect_lag_s"] for p in per])
+            sent = planned[0]["sent_bytes_total"]
+            row["commit_s"] = s(_slowest([p["commit_s"] for p in per]))
+            row["protect_lag_s"] = s(lags)
+            row["sent_bytes_total"] = sent
+            row["replication_gbps"] = s([sent / t / 1e9 for t in lags]) if sent else None
+            big = max(planned, key=lambda p: p["data_bytes"] + p["extra_bytes"])
+            row["planned_data_bytes_per_node"] = big["data_bytes"]
+            row["planned_extra_bytes_per_node"] = big["extra_bytes"]
+            row["planned_extra_over_data"] = big["extra_bytes"] / big["data_bytes"]
+            row["measured_over_planned_extra"] = row["extra_over_data"] / row["planned_extra_over_data"] \
+                if big["extra_bytes"] else None
+            par = [p for p in planned if p["parity_data_bytes"]]
+            if par:
+                row["parity_extra_over_parity_data"] = max(p["parity_extra_bytes"] / p["parity_data_bytes"]
+                                                           for p in par)
+                row["replica_nodes"] = par[0]["replica_nodes"]
+        rows.append(row)
+    return rows
+
+
+def _recovery(results: Mapping[str, Any], recoveries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    s = report.summarize
+    events = []
+    for ev in recoveries:
+        rows = results["recovered"][f"{ev['kind']}{ev['cycle']}"]
+        st = {k: max(r["stamps"][k] for r in rows) for k in ("entry", "created", "opened", "restored", "first_step")}
+        events.append({"kind": ev["kind"], "cycle": ev["cycle"], "lost_node": ev["lost_node"],
+                       "killed_at_step": ev["step"], "restored_step": rows[0]["step"],
+                       "newest_protected_at_kill": ev["newest_protected"],
+                       "newest_persisted_at_kill": ev["newest_persisted"],
+                       "steps_lost": ev["step"] - rows[0]["step"], "recovery_s": st["first_step"] - ev["t_kill"],
+                       "relaunch_s": st["entry"] - ev["t_kill"], "create_s": st["created"] - st["entry"],
+                       "latest_s": st["opened"] - st["created"],
+                       "restore_s": st["restored"] - st["opened"], "first_step_s": st["first_step"] - st["restored"]})
+    out: dict[str, Any] = {"events": events}
+    for kind in ("peers", "persistent"):
+        ev = [e for e in events if e["kind"] == kind]
+        out[kind] = {k: s([e[k] for e in ev]) for k in ("recovery_s", "relaunch_s", "create_s", "latest_s",
+                                                         "restore_s", "first_step_s")}
+    out["persistent_over_peers"] = out["persistent"]["recovery_s"]["median"] / out["peers"]["recovery_s"]["median"]
+    return out
+
+
+def aggregate(results: Mapping[str, Any], recoveries: Sequence[Mapping[str, Any]], spec: Mapping[str, Any]
+              ) -> dict[str, Any]:
+    """The result document's figures from every process's raw samples."""
+    s = report.summarize
+    saved = results["save"]
+    policies = _policy_rows(saved, spec["policies"])
+    restore: dict[str, Any] = {}
+    for name, rows in (("local", results["local"]), ("resharded", results["reshard"])):
+        restore[name] = {"restore_s": s(_slowest([r["restore_s"] for r in rows])), "step": rows[0]["step"],
+                         "sources": _sum_sources(rows), "processes": len(rows)}
+    for kind in ("peers", "persistent"):
+        jobs = [v for k, v in results["recovered"].items() if k.startswith(kind)]
+        restore[kind] = {"restore_s": s([t for rows in jobs for t in _slowest([r["restore_s"] for r in rows])]),
+                         "first_s": s([max(r["restore_s"][0] for r in rows) for rows in jobs]),
+                         "step": jobs[0][0]["step"], "sources": _sum_sources(jobs[0]), "processes": len(jobs[0])}
+    restore["orbax_standard"] = {"restore_s": s(_slowest([r["orbax_standard_restore_s"] for r in results["local"]])),
+                                 "step": spec["orbax_std_step"], "processes": len(results["local"])}
+    for key, rows, step in (("orbax_emergency", results["emergency"], spec["orbax_em_step"]),
+                            ("orbax_emergency_dp", results["emergency_dp"], spec.get("orbax_em_dp_step"))):
+        err = _first_error(rows)
+        if err or len(rows) < len(saved):
+            restore[key] = {"error": err or "no result (the job ended before this restore)", "restore_s": None}
+        else:
+            restore[key] = {"restore_s": s(_slowest([e["restore_s"] for e in rows])), "step": step,
+                            "processes": len(rows)}
+    ratios = {}
+    std = restore["orbax_standard"]["restore_s"]["median"]
+    for name in ("local", "peers", "resharded", "persistent"):
+        ratios[f"orbax_standard_over_{name}"] = std / restore[name]["restore_s"]["median"]
+    if restore["orbax_emergency"]["restore_s"] is not None:
+        ratios["orbax_emergency_over_local"] = (restore["orbax_emergency"]["restore_s"]["median"] /
+                                                restore["local"]["restore_s"]["median"])
+    save = {"orbax_standard": {k: s(_slowest([r["orbax"]["standard"][k] for r in saved]))
+                               for k in ("save_call_s", "total_s")}}
+    for key, item in (("orbax_emergency", "emergency"), ("orbax_emergency_dp", "emergency_dp")):
+        err = _first_error([r["orbax"][item] for r in saved])
+        save[key] = {"error": err} if err else {k: s(_slowest([r["orbax"][item][k] for r in saved]))
+                                                for k in ("save_call_s", "total_s")}
+    keep = next(p for p in policies if p["policy"] == spec["keep_policy"])
+    for k in ("orbax_standard", "orbax_emergency"):
+        if "save_call_s" in save[k]:
+            ratios[f"{k}_save_call_over_{spec['keep_policy']}"] = (save[k]["save_call_s"]["median"] /
+                                                                   keep["save_call_s"]["median"])
+    recovery = _recovery(results, recoveries)
+    ratios["recovery_persistent_over_peers"] = recovery["persistent_over_peers"]
+    return {"policies": policies, "restore": restore, "save": save, "recovery": recovery, "ratios": ratios}
+
+
+# --------------------------------------------------------------------------------------------------- markdown
+def render(result: Mapping[str, Any]) -> str:
+    """The BENCHMARKS.md section of a ``bench cluster`` result (every number from the JSON)."""
+    fm, fn, fs = report.fmt_ms, report.fmt_num, report.fmt_size
+    st = result["setup"]
+    parts = ["### `jaxckpt bench cluster`: protection, restore paths and recovery after a node loss, on simulated "
+             "nodes, vs Orbax", ""]
+    if result.get("mode") == "quick":
+        parts += ["> **Quick run, placeholder until the full run.** A small state and one repeat of each node loss "
+                  "on a shared machine: the shape of the tables, not the performance.", ""]
+    parts += [f"Command: `{result['command']}`", "", report.machine_line(result), "",
+              f"Setup: {st['nodes']} simulated nodes x {st['procs_per_node']} JAX process(es) x "
+              f"{st['devices_per_proc']} CPU device(s), mesh {st['mesh'][0]}x{st['mesh'][1]} ('data' across nodes, "
+              f"'model' within a process), one node agent per node (`store=\"shm\"`; `keep=1`, the training jobs of "
+              f"the restore and recovery phases `keep=2`); state "
+              f"{fs(st['state_bytes'])} in {st['arrays']} float32 arrays, half data-parallel (split over 'model', "
+              f"replicated over the {st['nodes']} nodes) and half fully sharded. Each figure: median (min–max) over "
+              f"{st['repeats']} repeats (step times: {st['steps']} steps per process, all processes pooled); a job's "
+              f"time for one repeat is its slowest process's. Run took {fn(st['wall_seconds'])} s.", ""]
+    rows = []
+    for p in result["policies"]:
+        lag = fm(p["protect_lag_s"]) if p.get("protect_lag_s") else "–"
+        gbps = fn(p["replication_gbps"]["median"]) + f" ({fs(p['sent_bytes_total'])})" \
+            if p.get("replication_gbps") else ("0 B sent" if p.get("protect_lag_s") else "–")
+        planned = (f"{fs(p['planned_extra_bytes_per_node'])} ({fn(p['planned_extra_over_data'] * 100)}%)"
+                   if "planned_extra_bytes_per_node" in p else "–")
+        rows.append([p["policy"], ", ".join(p["chosen"]), fm(p["save_call_s"]), fm(p["step_s"]),
+                     fm(p["step_with_saves_s"]), f"{fn(p['step_ratio'])}x", lag, gbps,
+                     fs(p["snapshot_bytes_per_node"]),
+                     f"{fs(p['extra_bytes_per_node'])} ({fn(p['extra_over_data'] * 100)}%)"
+                     if p["extra_bytes_per_node"] else "0 B", planned,
+                     f"{fs(p['held_bytes_per_node'])} ({p['segments_per_node']})"])
+    parts.append(report.table(["policy", "chosen per chunk", "save() ms", "step ms, no saves",
+                               "step ms, save every step", "step with / without", "commit → protected ms",
+                               "replication GB/s (bytes pulled per step)", "snapshot per node",
+                               "protection per node (of snapshot)", "planned protection (of data)",
+                               "agent tmpfs held per node (segments)"], rows))
+    parts += ["", "Per node, measured: the tmpfs pages of one snapshot's segment and of one protection segment "
+                  "(what the node's agent holds for a step); held: every segment the agent keeps (committed, being "
+                  "written, pooled for reuse by the next saves). Planned: `ProtectionPlan.extra_bytes()` / "
+                  "`data_bytes()` of the plan the run used. Replication: bytes the nodes pulled from each other for "
+                  "one step (`sent_bytes()`) over commit → protected."]
+    par = next((p for p in result["policies"] if p["policy"] == "parity"), None)
+    if par and "parity_extra_over_parity_data" in par:
+        want = 1 / (par["replica_nodes"] - 1)
+        got, meas = par["parity_extra_over_parity_data"], par["measured_over_planned_extra"]
+        tol = st["floors"]["parity_extra_tolerance"]
+        ok = abs(got - want) <= tol * want and abs(meas - 1) <= tol
+        parts += ["", f"Parity floor (issue 5, extra memory within {fn(tol * 100)}% of 1/(R-1)): the data-parallel "
+                      f"arrays' parity stripes are {fn(got * 100)}% of the bytes they protect on each node, for "
+                      f"1/(R-1) = {fn(want * 100)}% with R = {par['replica_nodes']} node replicas, and the protection "
+                      f"pages measured are {fn(meas)}x the planned bytes: {'met' if ok else '**not met**'}. (Under "
+                      f"`parity` the fully sharded half, held once, falls back to a copy on the next node.)"]
+    parts += ["", "Restore (each checked bit for bit once):", ""]
+    rs, q = result["restore"], result["ratios"]
+    rows = []
+    for key, label in PATHS:
+        r = rs[key]
+        if r.get("restore_s") is None:
+            rows.append([label, "–", f"**failed**: see below", "–", "–"])
+            continue
+        src = ", ".join(f"{k} {fs(v)}" for k, v in sorted(r.get("sources", {}).items())) or "–"
+        ratio = q.get(f"orbax_standard_over_{key}")
+        rows.append([label, str(r.get("step", "–")), fm(r["restore_s"]) + (
+            f" (first {fm(r['first_s'])})" if "first_s" in r else ""), src, f"{fn(ratio)}x" if ratio else "–"])
+    parts.append(report.table(["path", "step", "restore ms", "bytes read by source (all processes)",
+                               "Orbax StandardRestore / this"], rows))
+    for key, what in (("orbax_emergency", "the whole state"), ("orbax_emergency_dp", "the data-parallel half")):
+        if rs[key].get("error"):
+            parts += ["", f"Orbax emergency restore of {what} failed: `{_one_line(rs[key]['error'])}`."]
+    if rs["orbax_emergency"].get("error") and not rs["orbax_emergency_dp"].get("error"):
+        parts += ["", "Its restore takes the whole state from one replica slice's local checkpoint and broadcasts "
+                      "it; a slice's local checkpoint holds only that slice's shards of the fully sharded arrays, so "
+                      "the restore of a state with any array sharded over the replica axis fails, while the "
+                      "data-parallel half alone restores (the row above)."]
+    sv = result["save"]
+    keep = next(p for p in result["policies"] if p["policy"] == st["keep_policy"])
+    line = (f"Save, same state: jaxckpt `{st['keep_policy']}` save() {fm(keep['save_call_s'])} ms; Orbax "
+            f"StandardSave to disk save() {fm(sv['orbax_standard']['save_call_s'])} ms, finished "
+            f"{fm(sv['orbax_standard']['total_s'])} ms; ")
+    for key, what in (("orbax_emergency", "Orbax emergency save() of the whole state"),
+                      ("orbax_emergency_dp", "of the data-parallel half")):
+        if "error" in sv[key]:
+            line += f"{what} failed: `{_one_line(sv[key]['error'])}`; "
+        else:
+            line += f"{what} {fm(sv[key]['save_call_s'])} ms, finished {fm(sv[key]['total_s'])} ms; "
+    ratio = q.get(f"orbax_emergency_save_call_over_{st['keep_policy']}")
+    line = line.rstrip("; ") + (f" (Orbax emergency save() / jaxckpt save(): {fn(ratio)}x)." if ratio else ".")
+    parts += ["", line, "", f"Recovery after a node loss ({st['recoveries']} of each), SIGKILL to the end of the first "
+                            f"step trained after the restore, relaunch, JAX start-up and compilation included:", ""]
+    rec = result["recovery"]
+    rows = []
+    for kind, label in (("peers", "jaxckpt, restore from the other nodes' agents"),
+                        ("persistent", f"restart from the persistent tier (every {st['persist_interval']} steps)")):
+        r = rec[kind]
+        lost = sorted(e["steps_lost"] for e in rec["events"] if e["kind"] == kind)
+        rows.append([label, fm(r["recovery_s"]), fm(r["relaunch_s"]), fm(r["create_s"]), fm(r["latest_s"]),
+                     fm(r["restore_s"]), fm(r["first_step_s"]), ", ".join(str(x) for x in lost)])
+    parts.append(report.table(["path", "kill → first step ms", "relaunch (start, JAX init) ms", "Checkpointer() ms",
+                               "latest_step() ms", "restore ms", "first step (with compile) ms", "steps lost"], rows))
+    events = "; ".join(f"{e['kind']}: node {e['lost_node']} lost at step {e['killed_at_step']} (newest protected "
+                       f"{e['newest_protected_at_kill']}, newest persisted {e['newest_persisted_at_kill']}), restored "
+                       f"step {e['restored_step']}" for e in rec["events"])
+    parts += ["", f"Recovery from the persistent tier / from peers: {fn(rec['persistent_over_peers'])}x. Steps lost: "
+                  f"trained before the kill and not restored (a save every step; protection and persists run behind "
+                  f"the training loop and skip steps to keep up). Events: {events}. Ratios are of medians within this "
+                  f"run."]
+    return "\n".join(parts)
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    line = " ".join(text.split())
+    return (line[:limit] + "…") if len(line) > limit else line

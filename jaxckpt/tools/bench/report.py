@@ -1,0 +1,262 @@
+"""Benchmark results: machine facts, summary statistics, JSON files, and BENCHMARKS.md sections rendered from them.
+
+Every number in BENCHMARKS.md comes from a results JSON through ``render``; a section of the file lives between
+``<!-- bench:NAME:begin -->`` and ``<!-- bench:NAME:end -->`` and ``replace_section`` rewrites only that part.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import platform
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+log = logging.getLogger("jaxckpt.tools.bench")
+
+PACKAGES = ("jaxckpt", "jax", "jaxlib", "orbax-checkpoint", "numpy")
+
+
+# ------------------------------------------------------------------------------------------------ facts
+def machine_facts() -> dict[str, Any]:
+    """Cores, memory, CPU model, OS and library versions of this machine, for the header of every table."""
+    versions = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    try:
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        load = "unknown"
+    return {
+        "cpu_model": _cpu_model(),
+        "cores": os.cpu_count() or 1,
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+        "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "os": f"{platform.system()} {platform.release()}",
+        # A string, not a number: a load of 0.00 is a fact, and result numbers are checked to be positive.
+        "loadavg_at_start": load,
+        "versions": versions,
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable of /proc/meminfo (what can be allocated without swapping), or physical memory if unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def fs_type(path: str | os.PathLike) -> str:
+    """The file system type of the mount holding ``path`` (e.g. 'tmpfs', 'ext4'), from /proc/mounts."""
+    target = os.path.realpath(path)
+    best, kind = "", "unknown"
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 3:
+                mnt = parts[1].replace("\\040", " ")
+                inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def now_utc() -> str:
+    """The date and time of a run, ISO 8601 in UTC."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def summarize(samples: Sequence[float]) -> dict[str, float]:
+    """Median and spread (min, max, p10, p90) of timing samples, plus their count."""
+    a = np.asarray(samples, dtype=np.float64)
+    if a.size == 0:
+        raise ValueError("summarize: no samples")
+    return {"median": float(np.median(a)), "min": float(a.min()), "max": float(a.max()),
+            "p10": float(np.percentile(a, 10)), "p90": float(np.percentile(a, 90)), "n": int(a.size)}
+
+
+# ------------------------------------------------------------------------------------------------- JSON
+def write_json(path: str | os.PathLike, result: Mapping[str, Any]) -> Path:
+    """Write ``result`` as indented JSON (refusing NaN/inf, which JSON cannot carry) and return the path."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
+    tmp.replace(p)
+    log.info("wrote %s", p)
+    return p
+
+
+def read_json(path: str | os.PathLike) -> dict[str, Any]:
+    """A results file written by ``write_json``."""
+    return json.loads(Path(path).read_text())
+
+
+def numbers(obj: Any, prefix: str = "") -> list[tuple[str, float]]:
+    """Every (path, number) in a JSON-like object, booleans excluded: what checks of "finite and positive" walk."""
+    out: list[tuple[str, float]] = []
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            out += numbers(v, f"{prefix}/{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out += numbers(v, f"{prefix}/{i}")
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        out.append((prefix, float(obj)))
+    return out
+
+
+# --------------------------------------------------------------------------------------------- markdown
+def fmt_size(nbytes: float) -> str:
+    """Binary units: 16 MiB, 1 GiB, 256 KiB."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            v = nbytes / (1 << shift)
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def fmt_num(v: float) -> str:
+    """About three significant digits without exponents."""
+    if not math.isfinite(v):
+        return str(v)
+    a = abs(v)
+    if a >= 100:
+        return f"{v:.0f}"
+    if a >= 10:
+        return f"{v:.1f}"
+    if a >= 0.1:
+        return f"{v:.2f}"
+    return f"{v:.3f}"
+
+
+def fmt_ms(stats: Mapping[str, float]) -> str:
+    """'median (min-max)' of a seconds summary, in milliseconds."""
+    return f"{fmt_num(stats['median'] * 1e3)} ({fmt_num(stats['min'] * 1e3)}–{fmt_num(stats['max'] * 1e3)})"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A GitHub-flavoured markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def machine_line(result: Mapping[str, Any]) -> str:
+    """One line naming the machine, versions, date and the measured memcpy limit."""
+    m = result["machine"]
+    v = m["versions"]
+    vers = ", ".join(f"{k} {v[k]}" for k in (*PACKAGES, "python") if k in v)
+    line = (f"Machine: {m['cores']} cores ({m['cpu_model']}), {fmt_size(m['memory_bytes'])} memory, {m['os']}, "
+            f"load at start {m['loadavg_at_start']}. ")
+    if "memcpy_gbps" in result:
+        line += f"memcpy {fmt_num(result['memcpy_gbps'])} GB/s (numpy copy, one thread, median). "
+    return line + f"Versions: {vers}. Date: {result['date']}."
+
+
+def render_save(result: Mapping[str, Any]) -> str:
+    """The BENCHMARKS.md section of a ``bench save`` result."""
+    s = result["setup"]
+    parts = [f"### `jaxckpt bench save`: save() call, snapshot and restore time vs state size, against Orbax", ""]
+    if result.get("mode") == "quick":
+        parts += ["> **Quick run, placeholder until the full run.** Tiny states and few repeats on a shared machine: "
+                  "these numbers show the shape of the table, not the performance. Regenerate with the full "
+                  "command on a quiet machine.", ""]
+    parts += [
+        f"Command: `{result['command']}`", "",
+        machine_line(result), "",
+        f"State: {s['arrays']} float32 arrays on a {s['mesh']} mesh of {s['devices']} CPU devices "
+        f"(shardings {', '.join(s['specs'])}). jaxckpt: {s['jaxckpt_config']}; level-1 path: {s['jaxckpt_path']}. "
+        f"Orbax: {s['orbax']}. Each figure: median (min–max) of {s['repeats']} repeats after {s['warmup']} "
+        f"warm-up round(s) (jaxckpt: {s['jaxckpt_warmup_saves']} warm-up saves, so both slots of its double buffer "
+        f"are reused); restores are checked bit for bit against the saved state.", "",
+    ]
+    rows = []
+    for r in result["results"]:
+        j, o, q = r["jaxckpt"], r["orbax"], r["ratios"]
+        rows.append([
+            fmt_size(r["size_bytes"]), fmt_ms(j["save_call_s"]), fmt_ms(j["snapshot_s"]),
+            f"{fmt_num(j['snapshot_gbps'])} ({fmt_num(j['snapshot_vs_memcpy'] * 100)}%)",
+            fmt_ms(j["restore_s"]), fmt_ms(o["save_call_s"]), fmt_ms(o["total_s"]), fmt_ms(o["restore_s"]),
+            f"{fmt_num(q['save_call_orbax_over_jaxckpt'])}x", f"{fmt_num(q['restore_orbax_over_jaxckpt'])}x",
+        ])
+    parts.append(table(["state", "jaxckpt save() ms", "jaxckpt snapshot ms", "snapshot GB/s (% of memcpy)",
+                        "jaxckpt restore ms", "Orbax save() ms", "Orbax total ms", "Orbax restore ms",
+                        "save() Orbax/jaxckpt", "restore Orbax/jaxckpt"], rows))
+    parts += ["", "save(): time the call blocks the caller. snapshot: from the save() call until `wait()` returns "
+              "(the step is committed in host memory); Orbax total: until `wait_until_finished()` returns. "
+              "GB/s = 1e9 bytes per second of snapshot time; ratios are of medians within this run."]
+    return "\n".join(parts)
+
+
+def _render_torch(result: Mapping[str, Any]) -> str:
+    from jaxckpt.tools.bench.torch_dcp import render_torch  # imported here: that module imports this one
+    return render_torch(result)
+
+
+RENDERERS: dict[str, Callable[[Mapping[str, Any]], str]] = {"save": render_save, "torch": _render_torch}
+
+
+def render(result: Mapping[str, Any]) -> str:
+    """The markdown section of any benchmark result, chosen by its ``bench`` field."""
+    try:
+        renderer = RENDERERS[result["bench"]]
+    except KeyError:
+        raise ValueError(f"no markdown renderer for bench {result.get('bench')!r} "
+                         f"(known: {', '.join(RENDERERS)})") from None
+    return renderer(result)
+
+
+def markers(name: str) -> tuple[str, str]:
+    """The begin and end markers of section ``name`` in BENCHMARKS.md."""
+    return f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->"
+
+
+def replace_section(path: str | os.PathLike, name: str, body: str) -> Path:
+    """Put ``body`` between the markers of section ``name`` in ``path``, appending the section if absent.
+
+    Text outside the markers is kept as it is. A file with only one of the two markers is refused (ValueError)
+    rather than guessed at.
+    """
+    p = Path(path)
+    begin, end = markers(name)
+    block = f"{begin}\n{body.rstrip()}\n{end}"
+    text = p.read_text() if p.exists() else ""
+    nb, ne = text.count(begin), text.count(end)
+    if (nb, ne) == (0, 0):
+        text = (text.rstrip() + "\n\n" if text.strip() else "") + block + "\n"
+    elif (nb, ne) == (1, 1) and text.index(begin) < text.index(end):
+        i, k = text.index(begin), text.index(end) + len(end)
+        text = text[:i] + block + text[k:]
+    else:
+        raise ValueError(f"{p}: section {name!r} needs exactly one {begin} followed by one {end} "
+                         f"(found {nb} begin, {ne} end)")
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(p)
+    log.info("updated section %r of %s", name, p)
+    return p

@@ -1,0 +1,276 @@
+"""``jaxckpt bench stall``: what a snapshot every step costs a real training loop, jaxckpt vs Orbax.
+
+A Flax GPT (AdamW, donated state, data x model mesh) trains in ``--procs`` JAX processes started by the
+project's launcher. In one run, for each state size, every process measures these modes one after another on
+a fresh state with the same compiled step:
+
+- ``none``:          no checkpointing (the baseline step time);
+- ``jaxckpt``:       ``ckpt.save(step, state)`` after every step (views + background copy; the default);
+- ``jaxckpt-fused``: ``ckpt.wrap_step``: the step program itself copies its incoming state to pinned host;
+- ``jaxckpt-shm``, ``jaxckpt-fused-shm``: the same two with ``store="shm"`` (the slots are the node agent's
+  shared memory, issue 4);
+- ``orbax``:         ``ocp.AsyncCheckpointer(StandardCheckpointHandler)`` saving every step to tmpfs.
+
+and then the idle snapshot throughput (save + wait with no training), compared with the machine's memcpy
+bandwidth measured in the same run. Step time is measured to the completion of each step's loss.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import shutil
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from jaxckpt.tools.bench.report import machine_facts, now_utc, summarize
+
+log = logging.getLogger("jaxckpt.tools.bench")
+
+MODES = ("none", "jaxckpt", "jaxckpt-fused", "jaxckpt-shm", "jaxckpt-fused-shm", "orbax")
+# Presets: (d_model, layers). State bytes ~ 12 bytes/param (param + 2 AdamW moments, float32).
+SIZES = {"tiny": (64, 2), "0.2G": (512, 6), "1G": (1024, 7)}
+
+
+def gpt_config(size: str, seq_len: int) -> dict:
+    d, layers = SIZES[size]
+    return {"d_model": d, "layers": layers, "heads": 8 if d >= 256 else 4, "seq_len": seq_len, "vocab": 256}
+
+
+def job_id(spec: dict, mode: str) -> str:
+    """The job id of one mode's checkpointer (each mode its own job, and its own agent with ``-shm``)."""
+    return f"stall-{spec['size']}-{mode}"
+
+
+def agent_dir(spec: dict, mode: str) -> str:
+    """The node agent's directory of a ``-shm`` mode, inside the run's private temporary directory."""
+    return os.path.join(spec["orbax_dir"], f"agent-{mode}")
+
+
+def run_process(spec: dict) -> dict:
+    """One launched process: every mode for one model size. Returns JSON-ready measurements."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    import jaxckpt
+    from jaxckpt.tools.bench import gpt
+
+    cfg = gpt.GPTConfig(**spec["gpt"])
+    mesh = gpt.make_mesh()
+    step_fn = gpt.make_train_step(cfg, mesh)
+    n = spec["warmup"] + spec["steps"]
+    data = [b for _, b in gpt.batches(cfg, mesh, spec["batch"], seed=0, stop=n)]
+    proc = jax.process_index()
+    out: dict[str, Any] = {"process": proc, "state_bytes": None, "modes": {}}
+
+    for mode in spec["modes"]:
+        state = gpt.init_state(cfg, mesh, seed=0)
+        out["state_bytes"] = gpt.state_bytes(state)
+        step_times, call_times, snap_times, nbytes = [], [], [], 0
+        ck = tmp = ckptr = fused = None
+        if mode.startswith("jaxckpt"):
+            shm = {"store": "shm", "shm_dir": agent_dir(spec, mode)} if mode.endswith("-shm") else {}
+            ck = jaxckpt.Checkpointer(jaxckpt.Config(job_id=job_id(spec, mode), keep=1, **shm))
+            if mode.startswith("jaxckpt-fused"):
+                fused = ck.wrap_step(step_fn)
+        elif mode == "orbax":
+            tmp = spec["orbax_dir"]
+            ckptr = ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler())
+        handles = []
+        for i, batch in enumerate(data):
+            t0 = time.perf_counter()
+            if fused is not None:
+                state, loss = fused(state, batch, save_step=i)
+                call = time.perf_counter() - t0  # dispatch + save() of the host copy
+            else:
+                state, loss = step_fn(state, batch)
+                # A training loop that logs its loss waits for the step here; saving after that measures what
+                # save() itself costs the training thread (on CPU a view of an unfinished array would wait too).
+                loss.block_until_ready()
+                tc = time.perf_counter()
+                if ck is not None:
+                    handles.append(ck.save(i, state))
+                elif mode == "orbax":
+                    ckptr.save(os.path.join(tmp, f"{mode}-{i}"), args=ocp.args.StandardSave(state))
+                    if proc == 0 and i >= 2:  # keep tmpfs bounded; save i waited for save i-1, so i-2 is final
+                        shutil.rmtree(os.path.join(tmp, f"{mode}-{i - 2}"), ignore_errors=True)
+                call = time.perf_counter() - tc
+            loss.block_until_ready()
+            if i >= spec["warmup"]:
+                step_times.append(time.perf_counter() - t0)
+                call_times.append(call)
+        if ck is not None:
+            ck.wait()
+            if fused is None:
+                snap_times = [h.snapshot_seconds for h in handles[spec["warmup"]:]]
+                nbytes = handles[-1].nbytes
+            # Idle throughput: save and wait with nothing else running, slots already warm.
+            idle = []
+            for k in range(spec["idle_repeats"]):
+                h = ck.save(n + k, state)
+                h.result()
+                idle.append(h.snapshot_seconds)
+                nbytes = h.nbytes
+            ck.close()
+            if mode.endswith("-shm"):  # free the agent's memory before the next mode: 1 GB states need it back
+                from jax.experimental import multihost_utils
+
+                from jaxckpt.backends.agent import protocol as proto
+                multihost_utils.sync_global_devices(f"stall {spec['size']} {mode} closed")
+                if proc == 0:
+                    proto.stop_agent(agent_dir(spec, mode), job_id(spec, mode), timeout_s=60)
+            out["modes"][mode] = {"step_s": summarize(step_times), "save_call_s": summarize(call_times),
+                                  "idle_snapshot_s": summarize(idle), "bytes_this_process": nbytes}
+            if snap_times:
+                out["modes"][mode]["snapshot_s"] = summarize(snap_times)
+        else:
+            if ckptr is not None:
+                ckptr.wait_until_finished()
+                ckptr.close()
+            entry = {"step_s": summarize(step_times)}
+            if mode == "orbax":
+                entry["save_call_s"] = summarize(call_times)
+            out["modes"][mode] = entry
+        del state
+        log.info("process %d size %s mode %s: median step %.3fs", proc, spec["size"], mode,
+                 float(np.median(step_times)))
+    return out
+
+
+def _merge(size: str, per_proc: list[dict], memcpy: dict) -> dict:
+    """One result row per size: the slowest process's medians (the step waits for the slowest)."""
+    def worst(mode: str, key: str) -> float | None:
+        vals = [p["modes"][mode][key]["median"] for p in per_proc if key in p["modes"].get(mode, {})]
+        return max(vals) if vals else None
+
+    row: dict[str, Any] = {"size": size, "state_bytes": per_proc[0]["state_bytes"], "processes": per_proc}
+    base = worst("none", "step_s")
+    summary: dict[str, Any] = {"step_s_none": base}
+    for mode in MODES[1:]:
+        if mode not in per_proc[0]["modes"]:
+            continue
+        st = worst(mode, "step_s")
+        summary[f"step_s_{mode}"] = st
+        summary[f"overhead_pct_{mode}"] = 100.0 * (st - base) / base
+        summary[f"save_call_s_{mode}"] = worst(mode, "save_call_s")
+    for mode in MODES:
+        if mode.startswith("jaxckpt") and mode in per_proc[0]["modes"]:
+            gbps = min(p["modes"][mode]["bytes_this_process"] / p["modes"][mode]["idle_snapshot_s"]["median"] / 1e9
+                       for p in per_proc)
+            summary[f"idle_snapshot_gbps_{mode}"] = gbps
+            summary[f"idle_snapshot_vs_memcpy_{mode}"] = gbps / memcpy["median"]
+    if "orbax" in per_proc[0]["modes"] and "jaxckpt" in per_proc[0]["modes"]:
+        summary["save_call_ratio_orbax_over_jaxckpt"] = summary["save_call_s_orbax"] / summary["save_call_s_jaxckpt"]
+    row["summary"] = summary
+    return row
+
+
+def run(args: argparse.Namespace) -> int:
+    """Drive the benchmark: memcpy first, then each size in ``--procs`` launched processes."""
+    from jaxckpt.backends.agent import protocol as proto
+    from jaxckpt.tools.bench.memcpy import memcpy_gbps
+    from jaxckpt.tools.bench.report import write_json
+    from jaxckpt.tools.launcher import expect_ok, launch
+
+    sizes = ["tiny"] if args.quick else args.sizes.split(",")
+    steps, warmup = (3, 1) if args.quick else (args.steps, args.warmup)
+    memcpy = summarize(memcpy_gbps(64 << 20 if args.quick else 256 << 20, 5 if args.quick else 10))
+    result: dict[str, Any] = {"bench": "stall", "mode": "quick" if args.quick else "full", "date": now_utc(),
+                              "machine": machine_facts(), "command": command(args),
+                              "memcpy_gbps": memcpy, "procs": args.procs, "steps": steps, "warmup": warmup,
+                              "results": []}
+    for size in sizes:
+        tmp = tempfile.mkdtemp(prefix="jaxckpt-stall-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        spec = {"size": size, "gpt": gpt_config(size, args.seq_len), "batch": args.batch, "steps": steps,
+                "warmup": warmup, "modes": list(MODES), "orbax_dir": tmp, "idle_repeats": 2 if args.quick else 5}
+        try:
+            log.info("bench stall: size %s on %d processes", size, args.procs)
+            per_proc = expect_ok(launch(run_process, nodes=1, procs_per_node=args.procs,
+                                        devices_per_proc=8 // args.procs, args=(spec,), timeout=args.timeout))
+            result["results"].append(_merge(size, per_proc, memcpy))
+        finally:
+            for mode in MODES:
+                if mode.endswith("-shm"):  # the agents the trainers spawned: free their memory before the next size
+                    proto.stop_agent(agent_dir(spec, mode), job_id(spec, mode), timeout_s=60)
+                    proto.kill_agent(agent_dir(spec, mode), remove_memory=True)  # only if it did not stop
+            shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        write_json(args.json, result)
+    if args.update_md:
+        from jaxckpt.tools.bench.report import replace_section
+        replace_section(args.update_md, "stall", render_stall(result))
+    for row in result["results"]:
+        log.info("size %s: %s", row["size"], {k: round(v, 4) for k, v in row["summary"].items() if v is not None})
+    return 0
+
+
+def command(args: argparse.Namespace) -> str:
+    """The command line that repeats this run (built from the options, not from sys.argv: the CLI may be
+    reached through ``python -m jaxckpt.cli --log-level ...`` or ``jaxckpt bench all``)."""
+    words = ["jaxckpt", "bench", "stall"]
+    if args.quick:
+        words.append("--quick")
+    else:
+        words += ["--sizes", args.sizes, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    words += ["--procs", str(args.procs)]
+    for flag, value in (("--json", args.json), ("--update-md", args.update_md)):
+        if value:
+            words += [flag, value]
+    return shlex.join(words)
+
+
+def render_stall(result: dict) -> str:
+    """The BENCHMARKS.md section of a stall result (every number from the JSON)."""
+    from jaxckpt.tools.bench.report import machine_line, table
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1e3:.2f}"
+
+    lines = ["### `jaxckpt bench stall`: step time with a snapshot every step, against Orbax", ""]
+    if result.get("mode") == "quick":
+        lines += ["> **Quick run, placeholder until the full run.** A tiny model and 3 steps on a shared machine: "
+                  "these numbers show the shape of the table, not the performance.", ""]
+    lines += [f"`{result['command']}` on {result['procs']} processes, {result['date']}; "
+             f"medians over {result['steps']} steps after {result['warmup']} warm-up steps.", "",
+             # memcpy_gbps is a summary here (a number in the other benches): its own line below.
+             machine_line({k: v for k, v in result.items() if k != "memcpy_gbps"}), "",
+             f"memcpy (one thread, same run): median {result['memcpy_gbps']['median']:.2f} GB/s", ""]
+    rows = []
+    for row in result["results"]:
+        s = row["summary"]
+        for mode in MODES:
+            if mode == "none":
+                rows.append([row["size"], f"{row['state_bytes'] / 1e9:.2f}", mode, ms(s["step_s_none"]), "-", "-", "-"])
+                continue
+            if f"step_s_{mode}" not in s:
+                continue
+            gbps = s.get(f"idle_snapshot_gbps_{mode}")
+            rows.append([row["size"], f"{row['state_bytes'] / 1e9:.2f}", mode, ms(s[f"step_s_{mode}"]),
+                         f"{s[f'overhead_pct_{mode}']:+.1f}%", ms(s[f"save_call_s_{mode}"]),
+                         "-" if gbps is None else f"{gbps:.2f} ({100 * s[f'idle_snapshot_vs_memcpy_{mode}']:.0f}%)"])
+    lines.append(table(["size", "state GB", "mode", "step ms", "overhead", "save() call ms",
+                        "idle snapshot GB/s per process (vs memcpy)"], rows))
+    ratios = [f"{row['size']}: {row['summary']['save_call_ratio_orbax_over_jaxckpt']:.0f}x"
+              for row in result["results"] if "save_call_ratio_orbax_over_jaxckpt" in row["summary"]]
+    if ratios:
+        lines += ["", "Orbax save-call time / jaxckpt save-call time: " + ", ".join(ratios)]
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Register ``jaxckpt bench stall``'s flags."""
+    p.add_argument("--sizes", default="0.2G,1G", help=f"comma-separated presets from {sorted(SIZES)}")
+    p.add_argument("--steps", type=int, default=20, help="measured steps per mode (after warm-up)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--procs", type=int, default=2, help="JAX processes (8 CPU devices split between them)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--quick", action="store_true", help="tiny model, 3 steps: checks the machinery, not speed")
+    p.add_argument("--json", default="", help="write results here")
+    p.add_argument("--update-md", default="", help="regenerate this BENCHMARKS.md's stall section")
+    p.set_defaults(run=run)

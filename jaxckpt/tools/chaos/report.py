@@ -1,0 +1,84 @@
+"""The RELIABILITY section of BENCHMARKS.md, rendered from a ``jaxckpt chaos`` report (jaxckpt/tools/chaos/run.py).
+
+``jaxckpt chaos ... --update-md BENCHMARKS.md`` writes it between ``<!-- bench:chaos:begin -->`` and
+``<!-- bench:chaos:end -->`` (jaxckpt.tools.bench.report.replace_section): the machine, date and command, then per
+fault kind the trials, recoveries, wrong restores, hangs, relaunches and the steps of work lost per fault
+(median and max, against the snapshot interval).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Any, Mapping
+
+from jaxckpt.tools.bench.report import machine_facts, machine_line, now_utc, replace_section, table
+
+SECTION = "chaos"
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The ``jaxckpt chaos`` command that reproduces a run of ``args`` (without output options)."""
+    parts = ["jaxckpt chaos", f"--profile {args.profile}", f"--seed {args.seed}"]
+    for flag, value in (("--trials", args.trials), ("--jax-trials", args.jax_trials),
+                        ("--faults", args.faults or None), ("--protection", args.protection)):
+        if value is not None:
+            parts.append(f"{flag} {value}")
+    return " ".join(parts)
+
+
+def _lost(values: list[int]) -> tuple[str, str]:
+    if not values:
+        return "-", "-"
+    return f"{statistics.median(values):g}", str(max(values))
+
+
+def render(rep: Mapping[str, Any], command: str, machine: Mapping[str, Any] | None = None,
+           date: str | None = None) -> str:
+    """The markdown section of a finished run's report (``ChaosRun.run()``)."""
+    p = rep["profile"]
+    interval = p["interval"]
+    by_kind: dict[str, list[Mapping[str, Any]]] = {}
+    for r in rep["results"]:
+        by_kind.setdefault(r["kind"] + (" (jax)" if r["mode"] == "jax" else ""), []).append(r)
+    rows = []
+    for kind, rs in sorted(by_kind.items()):
+        med, mx = _lost([r["lost"] for r in rs])
+        rows.append([f"`{kind}`", str(len(rs)), str(sum(r["recovered"] for r in rs)), str(sum(r["wrong"] for r in rs)),
+                     str(sum(r["hang"] for r in rs)), str(sum(r["relaunches"] for r in rs)), med, mx,
+                     str(sum(r["lost"] > interval for r in rs)), str(sum(r["unexpected_loss"] for r in rs))])
+    everything = rep["results"]
+    med, mx = _lost([r["lost"] for r in everything])
+    over = sum(r["lost"] > interval for r in everything)
+    rows.append(["**all**", str(rep["trials"]), str(rep["recoveries"]), str(rep["wrong_restores"]), str(rep["hangs"]),
+                 str(rep["relaunches"]), med, mx, str(over), str(rep["unexpected_losses"])])
+    ok = not (rep["wrong_restores"] or rep["hangs"] or rep["unexpected_losses"]) and rep["recoveries"] == rep["trials"]
+    result = {"machine": machine or machine_facts(), "date": date or now_utc()}
+    parts = [
+        f"### `jaxckpt chaos`: {rep['trials']} seeded faults over a multi-process job on simulated nodes", "",
+        f"Command: `{command}`", "",
+        machine_line(result), "",
+        f"Job: {p['nodes']} simulated nodes x {p['procs_per_node']} numpy trainer process(es), each node with its "
+        f"own agent (`store=\"shm\"`, node memory budget), protection `{p['protection']}`, a snapshot every "
+        f"{interval} step(s) of {p['step_time_s'] * 1000:g} ms, peer time-out {p['peer_timeout_s']:g} s, every "
+        f"driver wait {p['timeout_s']:g} s; plus {rep['jax_trials']} trials of a `jaxckpt.Checkpointer` trainer "
+        f"restoring onto another mesh each time. Seed {rep['seed']}; the run took {rep['seconds'] / 60:.1f} min.", "",
+        f"Result: **{rep['recoveries']} of {rep['trials']} faults recovered from, {rep['wrong_restores']} wrong "
+        f"restores, {rep['hangs']} hangs, {rep['unexpected_losses']} unexpected losses**; work lost per fault: "
+        f"median {med} step(s), max {mx} (snapshot interval {interval}; {over} fault(s) lost more than the "
+        f"interval). " + ("Every check passed." if ok else "**Not every check passed** (see the table)."), "",
+        table(["fault", "trials", "recovered", "wrong restores", "hangs", "relaunches", "work lost median",
+               "work lost max", f"lost > interval ({interval})", "unexpected loss"], rows), "",
+        "Work lost = the newest step any process had trained when the job was stopped minus the step the next "
+        "incarnation restored (the job is stopped at a random point, so this includes the steps trained since the "
+        "last committed snapshot). Relaunches: incarnations that could not restore (a step dropped for bad bytes, "
+        "a process killed in its restore) and were started again. A wrong restore is a digest that differs from the "
+        "state recomputed outside the system, or processes that restored different steps; a hang is any wait "
+        "that ran past its time-out; an unexpected loss is a committed step (or, after a node's memory was lost, a "
+        "protected step) that the restore did not get back although the fault did not destroy it.",
+    ]
+    return "\n".join(parts)
+
+
+def update_md(path: str, rep: Mapping[str, Any], command: str) -> None:
+    """Write the run's section into ``path`` (only between its markers)."""
+    replace_section(path, SECTION, render(rep, command))

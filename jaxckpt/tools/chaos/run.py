@@ -1,0 +1,551 @@
+"""``jaxckpt chaos``: a seeded fault injector over a real multi-process training job on simulated nodes.
+
+Each simulated node has a node agent (``store="shm"``, started and restarted by this driver as a launcher
+would, with a node memory budget) and runs trainer processes (:mod:`jaxckpt.tools.chaos.trainer`). A trial
+is one incarnation of the job:
+
+  0) start every trainer: the engine agrees on the steps the processes hold, each process restores the newest
+     one whole (other processes' chunks through the peer transport) and reports a digest, checked here against
+     the state recomputed outside the system from (seed, step). A wrong digest, or processes that restored
+     different steps, is a **wrong restore**; a committed step lost although no fault destroyed data is an
+     **unexpected loss**. An incarnation that cannot restore (a step failed its integrity checks and was
+     dropped, a process died) is stopped and relaunched, at most MAX_RELAUNCH times;
+  1) train, a snapshot every ``interval`` steps, until one fault of a seeded random kind strikes at a random
+     point of a save, a commit or the restore (jaxckpt/tools/chaos/faults.py): trainers SIGKILLed by a timer or by
+     themselves at an exact phase, agents SIGKILLed with or without their memory, a whole node lost (its
+     trainers, agent and memory at once), bits of stored chunks or of commit records flipped, the node's memory
+     budget filled, one node's peer traffic delayed or dropped by a proxy (jaxckpt/tools/chaos/proxy.py). The job
+     recovers (agents restarted; that saves resume is checked). With ``--protection``, losing a node's memory
+     must keep the newest step reported protected before the loss, by this incarnation or an earlier one since
+     the last fault that destroyed data. The failure model is one failure at a time: a fault that takes a
+     node's memory strikes once a step of the running incarnation is protected (a bounded wait, then anyway);
+  2) the job is stopped (SIGKILL, at a random point too); the next trial's restore checks what the fault left.
+A fault at the restore is checked within its own trial (after a clean incarnation checked the previous one).
+Every wait has a time-out; one that expires is a **hang** (everything is killed and the run goes on). Steps of
+work lost = steps trained before the job was stopped minus the step restored. A few trials use a JAX trainer
+(``jaxckpt.Checkpointer``, every restore onto another mesh).
+
+    jaxckpt chaos --profile quick [--seed 0] [--json]      # 50 trials + 2 JAX trials (tests/test_chaos.py)
+    jaxckpt chaos --profile long --seed 1 --update-md BENCHMARKS.md   # 500 + 20: the RELIABILITY section
+    jaxckpt chaos --protection none [--faults corrupt-chunk,kill-agent-wipe]   # without protection
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+from jaxckpt.backends.agent import protocol as proto
+from jaxckpt.backends.agent.daemon import EXIT_ALREADY_RUNNING
+from jaxckpt.tools.chaos.faults import DESTRUCTIVE, FAULTS, JAX_KINDS, NODE_LOSS, end_trial, wait_protected
+from jaxckpt.errors import JaxckptError
+from jaxckpt.tools.chaos import trainer as ct
+
+log = logging.getLogger("jaxckpt.tools.chaos.run")
+
+MAX_RELAUNCH = 3
+
+
+@dataclass(frozen=True)
+class Profile:
+    trials: int
+    jax_trials: int
+    nodes: int
+    procs_per_node: int
+    interval: int = 1  # a snapshot every this many steps
+    step_time_s: float = 0.01
+    protection: str = "none"  # Config.protection of the numpy trainers (then node loss must keep protected steps)
+    timeout_s: float = 60.0  # every wait of the driver, and the trainers' commit time-out
+    peer_timeout_s: float = 5.0  # the trainers' Config.peer_timeout_s (a dead agent costs this much per request)
+
+
+PROFILES = {"quick": Profile(trials=50, jax_trials=2, nodes=2, procs_per_node=1, protection="hybrid"),
+            "long": Profile(trials=500, jax_trials=20, nodes=3, procs_per_node=1, interval=2, protection="hybrid")}
+
+
+class _AlreadyServed(Exception):
+    """Another agent holds the directory's lock."""
+
+
+@dataclass
+class TrialResult:
+    """One fault, and what the restores after it made of it."""
+
+    trial: int
+    kind: str
+    mode: str = "numpy"
+    detail: str = ""
+    trained: int = 0  # newest step trained by any process before the job was stopped
+    committed: int = 0  # newest step reported committed
+    protected: int = 0  # newest step reported protected before the fault (node-loss faults must keep it)
+    restored: int | None = None  # the step the next incarnation restored
+    checks: int = 0  # restores that checked this fault's aftermath
+    recovered: bool = False  # an incarnation restored after the fault, with no wrong restore
+    lost: int = 0  # steps of work lost: trained - restored (the most of any check)
+    wrong: int = 0
+    unexpected_loss: bool = False
+    hang: bool = False
+    relaunches: int = 0
+    saves_resumed: bool | None = None  # agent and budget faults: a save committed after the fault was over
+    seconds: float = 0.0  # wall time of the trial, from its incarnation's launch to the job's stop
+
+
+# ------------------------------------------------------------------------------------------- processes
+def _die_with_parent() -> None:
+    os.setsid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the driver
+    except (OSError, AttributeError):
+        pass
+
+
+class Incarnation:
+    """The trainer processes of one run of the job, their events (JSON lines); ``stop()`` SIGKILLs them all."""
+
+    def __init__(self, run: "ChaosRun", specs: list[dict]) -> None:
+        self.events: list[dict] = []
+        self._cv = threading.Condition()
+        self.procs: list[subprocess.Popen] = []
+        self._threads: list[threading.Thread] = []
+        env = {**os.environ, "JAXCKPT_LOG_LEVEL": os.environ.get("JAXCKPT_CHAOS_TRAINER_LOG", "WARNING")}
+        for spec in specs:
+            path = os.path.join(run.tmp, f"spec-{run.epoch}-{spec['process']}.json")
+            with open(path, "w") as f:
+                json.dump(spec, f)
+            with open(os.path.join(run.tmp, f"trainer-{spec['process']}.log"), "ab") as err:
+                p = subprocess.Popen([sys.executable, "-m", "jaxckpt.tools.chaos.trainer", path],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
+                                     preexec_fn=_die_with_parent, env=env)
+            self.procs.append(p)
+            t = threading.Thread(target=self._read, args=(p,), daemon=True, name="jaxckpt-chaos-events")
+            t.start()
+            self._threads.append(t)
+
+    def _read(self, p: subprocess.Popen) -> None:
+        for line in p.stdout:
+            try:
+                ev = json.loads(line)
+            except ValueError:  # a line cut short by SIGKILL
+                continue
+            with self._cv:
+                self.events.append(ev)
+                self._cv.notify_all()
+        with self._cv:
+            self._cv.notify_all()
+
+    def wait(self, pred: Callable[[], Any], timeout: float) -> bool:
+        """Until ``pred()`` holds or every process has exited (then: ``pred()``); False on time-out."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while not pred():
+                if all(p.poll() is not None for p in self.procs) and not any(t.is_alive() for t in self._threads):
+                    return bool(pred())
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(min(left, 0.05))
+            return True
+
+    def of(self, ev: str, p: int | None = None) -> list[dict]:
+        return [e for e in self.events if e["ev"] == ev and (p is None or e["p"] == p)]
+
+    def last(self, ev: str) -> int:
+        return max((e["step"] for e in self.of(ev)), default=0)
+
+    def exited(self) -> bool:
+        return any(p.poll() is not None for p in self.procs)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in self.procs:
+            p.wait()
+        for t in self._threads:  # they end at the end of the pipes, with every event read
+            t.join(timeout=10)
+        for p in self.procs:
+            p.stdout.close()
+
+
+# ------------------------------------------------------------------------------------------------ the run
+class ChaosRun:
+    """A seeded sequence of trials over one job on ``profile.nodes`` simulated nodes (see the module doc)."""
+
+    def __init__(self, profile: Profile, seed: int, trials: int | None = None, jax_trials: int | None = None,
+                 faults: list[str] | None = None) -> None:
+        unknown = sorted(set(faults or ()) - set(FAULTS))
+        if unknown:
+            raise ValueError(f"unknown fault kind(s) {unknown}; known: {sorted(FAULTS)}")
+        self.profile, self.seed = profile, seed
+        self.trials = profile.trials if trials is None else trials
+        self.jax_trials = profile.jax_trials if jax_trials is None else jax_trials
+        self.rng = random.Random(seed)
+        self.kinds = [k for k in (faults or FAULTS) if FAULTS[k].inject is not None]
+        self.job = f"chaos-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.base = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(), self.job)
+        self.tmp = tempfile.mkdtemp(prefix="jaxckpt-chaos-")
+        self.n = profile.nodes * profile.procs_per_node
+        self.node_dirs = [os.path.join(self.base, f"node{k}") for k in range(profile.nodes)]
+        self.jax_dir = os.path.join(self.base, "jax")
+        self.agents: dict[str, subprocess.Popen] = {}
+        self.epoch = 0
+        self.fired: list[dict] = []  # phase faults that went off in an incarnation that was then relaunched
+        self.results: list[TrialResult] = []
+        self.trained_max = 0  # the newest step any incarnation of the current job trained
+        # The newest step reported protected since the last fault that destroyed data: it has its full redundancy,
+        # so one node's memory lost later must not take it, whichever incarnation protected it.
+        self.safe_protected = 0
+        self.unattributed = Counter()  # wrong restores and hangs of the first incarnation (no fault before it)
+        self.budget = self._node_budget()
+        self.peer_proxy = None  # (proxy, node dir, its peer info, node) while a peer fault's trial runs
+
+    def _node_budget(self) -> int:
+        """Room for keep + pending + three spare snapshots of every process of a node: ample unless filled."""
+        from jaxckpt.core.plan import ArrayLayout, plan_save
+
+        arrays, _ = ct.state(0, 1, self.n)
+        layouts = [ArrayLayout(p, a.shape, a.dtype.name, a.dtype.itemsize, ct.placements(p, a.shape, self.n))
+                   for p, a in arrays.items()]
+        biggest = max(pl.nbytes for pl in plan_save(layouts, self.n, ct.CHUNK_BYTES))
+        slots = 6 * (2 if self.profile.protection != "none" else 1)  # a protection slot per step too
+        return slots * proto.round_to_pages(biggest) * self.profile.procs_per_node
+
+    # ----------------------------------------------------------------------------------------- agents
+    def start_agent(self, d: str) -> None:
+        """Start (or restart) the agent of node directory ``d`` with the node budget; wait until it listens.
+
+        An agent a trainer's store started meanwhile (protection's store spawns one when ours is down) is
+        replaced: SIGKILLed, its memory kept for ours to adopt, so that the node keeps its budget."""
+        deadline = time.monotonic() + self.profile.timeout_s
+        while True:
+            try:
+                return self._start_agent(d)
+            except _AlreadyServed:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"another agent kept serving {d} for {self.profile.timeout_s:.0f} s") from None
+                self._kill_server(d, deadline)
+
+    @staticmethod
+    def _kill_server(d: str, deadline: float) -> None:
+        """SIGKILL the agent that holds ``d``'s lock. It takes the lock before it writes its pid file, so the
+        file may still name the dead agent it replaces: wait until it names a live process."""
+        while time.monotonic() < deadline:
+            info = proto.read_pid_file(d)
+            if info is not None and ct.proc_state(info[0]) not in ("Z", "X"):
+                ct.kill_agent(d, wipe=False)
+                return
+            time.sleep(0.005)
+
+    def _start_agent(self, d: str) -> None:
+        old = self.agents.pop(d, None)
+        if old is not None:
+            if old.poll() is None:
+                ct.kill_agent(d, wipe=False)
+            old.wait()
+        proto.ensure_private_dir(d, create=True)
+        job = self.job + "-jax" if d == self.jax_dir else self.job
+        log_path = os.path.join(self.tmp, f"agent-{os.path.basename(d)}.log")
+        p = self.agents[d] = subprocess.Popen(
+            [sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d, "--log", log_path,
+             "--budget-bytes", str(self.budget), "--node", os.path.basename(d)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent)
+        # Listening means its pid file and peer file are written (in that order, before the socket); the socket
+        # file of the agent it replaces may still be there, so only a connection tells.
+        deadline = time.monotonic() + self.profile.timeout_s
+        while not self._listening(d, p.pid):
+            if p.poll() == EXIT_ALREADY_RUNNING:
+                raise _AlreadyServed(d)
+            if p.poll() is not None or time.monotonic() > deadline:
+                try:
+                    with open(log_path, "rb") as f:
+                        tail = f.read()[-2000:].decode(errors="replace")
+                except OSError:
+                    tail = ""
+                raise RuntimeError(f"the agent of {d} did not start (exit code {p.poll()}); its log ends:\n{tail}")
+            time.sleep(0.005)
+
+    @staticmethod
+    def _listening(d: str, pid: int) -> bool:
+        if (proto.read_pid_file(d) or (None,))[0] != pid:
+            return False
+        try:
+            proto.AgentConnection(d, timeout_s=5).close()
+            return True
+        except JaxckptError:
+            return False
+
+    # ----------------------------------------------------------------------------------------- trainers
+    def specs(self, mode: str, fault: dict | None, target: int) -> list[dict]:
+        self.epoch += 1
+        base = {"job": self.job, "seed": self.seed, "steps": 10**6, "interval": self.profile.interval,
+                "step_time_s": self.profile.step_time_s, "timeout_s": self.profile.timeout_s,
+                "coord_dir": os.path.join(self.tmp, f"coord-{self.epoch}"), "process_count": self.n, "mode": mode,
+                "protection": self.profile.protection, "agent_dirs": os.path.join(self.base, "node*"),
+                "peer_timeout_s": self.profile.peer_timeout_s}
+        if mode == "jax":  # every incarnation restores onto another mesh than the last one saved from
+            return [{**base, "job": self.job + "-jax", "node_dir": self.jax_dir, "process": 0, "process_count": 1,
+                     "devices": (4, 2)[self.epoch % 2], "fault": fault}]
+        return [{**base, "process": q, "node_dir": self.node_dirs[q // self.profile.procs_per_node],
+                 "fault": fault if q == target else None} for q in range(self.n)]
+
+    def reference(self, step: int, mode: str) -> str:
+        """The digest of the state at ``step``, recomputed here: the system under test never touches it."""
+        return ct.digest(*(ct.jax_host(self.seed, step) if mode == "jax" else ct.state(self.seed, step, self.n)))
+
+    def launch(self, prev: TrialResult | None, mode: str, fault: dict | None = None,
+               target: int = -1) -> Incarnation | None:
+        """Start an incarnation whose restore checks ``prev``'s fault; relaunch while it cannot restore. ``fault``
+        goes to each attempt until it has gone off."""
+        for _ in range(MAX_RELAUNCH + 1):
+            for d, p in list(self.agents.items()):
+                if p.poll() is not None:  # killed earlier: restart it first, as a launcher would
+                    self.start_agent(d)
+            specs = self.specs(mode, None if self.fired else fault, target)
+            inc = Incarnation(self, specs)
+            ids = [s["process"] for s in specs]
+            trained = lambda: all(inc.of("trained", q) for q in ids)  # noqa: E731 - restored (or fresh) and on
+            if not inc.wait(lambda: trained() or inc.of("restart") or inc.exited(), self.profile.timeout_s * 3):
+                if prev is not None:
+                    prev.hang = True
+                else:
+                    self.unattributed["hangs"] += 1
+                log.error("incarnation %d did not get through its restore in time", self.epoch)
+            elif trained():
+                self._check(inc, prev, mode)
+                return inc
+            elif inc.of("restart") and all(p.poll() in (None, ct.RESTART) for p in inc.procs):
+                # A restart agreed by all: each process ends on its own, after dropping steps with bad bytes.
+                inc.wait(lambda: all(p.poll() is not None for p in inc.procs), min(10.0, self.profile.timeout_s))
+            self.stop(inc)
+            self.fired += inc.of("phase-fault")
+            if prev is not None:
+                prev.relaunches += 1
+        return None
+
+    def _check(self, inc: Incarnation, prev: TrialResult | None, mode: str) -> None:
+        restored = {e["step"] for e in inc.of("restored")}
+        wrong = [e for e in inc.of("restored") if e["digest"] != self.reference(e["step"], mode)]
+        if len(restored) > 1:  # processes that restored different steps: a torn job
+            wrong.append({"steps": sorted(restored)})
+        step = max(restored) if restored else None
+        if step is not None and step > self.trained_max:
+            wrong.append({"never trained": step})
+        if wrong:
+            log.error("WRONG restore after %s: %s", prev and prev.kind, wrong)
+        if prev is None:
+            self.unattributed["wrong"] += len(wrong)
+            return
+        prev.restored, prev.checks = step, prev.checks + 1
+        prev.wrong += len(wrong)
+        prev.recovered = prev.checks > 0 and prev.wrong == 0
+        prev.lost = max(prev.lost, prev.trained - (step or 0))
+        # What no fault of this kind may take: the committed step, or (data destroyed) the protected one.
+        floor = prev.committed if prev.kind not in DESTRUCTIVE else \
+            prev.protected if prev.kind in NODE_LOSS and self.profile.protection != "none" else 0
+        if (step or 0) < floor:
+            prev.unexpected_loss = True
+            log.error("trial %d (%s): step %d lost, restored %s", prev.trial, prev.kind, floor, step)
+
+    def stop(self, inc: Incarnation) -> None:
+        """SIGKILL the incarnation (the job is stopped at a random point too) and note how far it trained."""
+        inc.stop()
+        self.trained_max = max(self.trained_max, inc.last("trained"))
+        self.safe_protected = max(self.safe_protected, inc.last("protected"))
+
+    def warm_up(self, inc: Incarnation, res: TrialResult) -> bool:
+        """Let the job commit a random 1..3 more snapshots; False if it ended, or stalled (a hang)."""
+        want = inc.last("committed") + self.rng.randint(1, 3) * self.profile.interval
+        ok = inc.wait(lambda: inc.last("committed") >= want or inc.exited(), self.profile.timeout_s)
+        res.hang |= not ok
+        return ok and not inc.exited()
+
+    # --------------------------------------------------------------------------------------------- trials
+    def run(self) -> dict:
+        """Every trial, then the report; agents, processes and directories are gone afterwards."""
+        t0 = time.monotonic()
+        try:
+            for d in self.node_dirs:
+                self.start_agent(d)
+            self._trials("numpy", self.trials)
+            kinds = [k for k in JAX_KINDS if k in self.kinds]
+            if self.jax_trials and kinds:
+                self.start_agent(self.jax_dir)
+                self._trials("jax", self.jax_trials, kinds)
+        finally:
+            self.close()
+        return report(self, time.monotonic() - t0)
+
+    def _trials(self, mode: str, count: int, kinds: list[str] | None = None) -> None:
+        prev, self.trained_max = None, 0
+        for i in range(count + 1):  # the last incarnation only checks the last fault
+            t0 = time.monotonic()
+            kind = self.rng.choice(kinds or self.kinds) if i < count else None
+            res = TrialResult(len(self.results), kind, mode) if kind else None
+            fault, target = FAULTS[kind].prepare(self, res) if kind else (None, -1)
+            self.fired = []
+            if fault is not None and fault["phase"] == "restore":
+                # Its own restore is what this fault hits: check the previous fault on a clean incarnation first.
+                inc = self.launch(prev, mode)
+                if inc is not None:
+                    if self.warm_up(inc, res) and fault["action"] == "kill-agent-wipe":
+                        wait_protected(self, inc)
+                    self.stop(inc)
+                    res.trained, res.committed = inc.last("trained"), inc.last("committed")
+                    res.protected = inc.last("protected")  # what a memory wipe in the restore must not take
+                prev = res
+            floor = self.safe_protected
+            inc = self.launch(prev, mode, fault, target)
+            if inc is not None and res is not None:
+                try:
+                    FAULTS[kind].inject(self, inc, res)
+                finally:
+                    self.stop(inc)
+                res.trained, res.committed = max(res.trained, inc.last("trained")), inc.last("committed")
+                if FAULTS[kind].after is not None:
+                    FAULTS[kind].after(self, res)
+            elif inc is not None:
+                self.stop(inc)
+            elif res is not None:
+                res.detail += " (no incarnation could restore before it)"
+            if res is not None and kind in NODE_LOSS:
+                res.protected = max(res.protected, floor)
+            if kind in DESTRUCTIVE:  # what was protected before may have lost a part: only newer steps count
+                self.safe_protected = 0
+            end_trial(self)
+            if res is not None:
+                res.seconds = round(time.monotonic() - t0, 2)
+                self.results.append(res)
+            prev = res
+
+    def close(self) -> None:
+        end_trial(self)
+        for d, p in list(self.agents.items()):
+            try:
+                proto.stop_agent(d, self.job + "-jax" if d == self.jax_dir else self.job, timeout_s=30)
+            except Exception:  # noqa: BLE001 - a wrecked directory: killed and removed below
+                pass
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for d in [*self.node_dirs, self.jax_dir]:
+            proto.kill_agent(d)
+            try:  # the log of an agent a JAX trainer's store started itself while ours was down
+                os.unlink(proto.default_log_path(d))
+            except FileNotFoundError:
+                pass
+        shutil.rmtree(self.base, ignore_errors=True)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------- report
+def report(run: ChaosRun, seconds: float) -> dict:
+    """Totals and per-kind rows of a finished run: what ``--json`` prints."""
+    rows: dict[str, Counter] = {}
+    for r in run.results:
+        row = rows.setdefault(r.kind + (" (jax)" if r.mode == "jax" else ""), Counter())
+        row.update({k: int(v) for k, v in dict(
+            trials=1, recovered=r.recovered, wrong=r.wrong, hangs=r.hang, unexpected_loss=r.unexpected_loss,
+            lost=r.lost, relaunches=r.relaunches, saves_not_resumed=r.saves_resumed is False,
+            jax=r.mode == "jax").items()})
+        row["max_lost"] = max(row["max_lost"], r.lost)
+    total = Counter()
+    for row in rows.values():
+        total.update({k: v for k, v in row.items() if k != "max_lost"})
+        total["max_lost"] = max(total["max_lost"], row["max_lost"])
+    wrong, hangs = total["wrong"] + run.unattributed["wrong"], total["hangs"] + run.unattributed["hangs"]
+    return {"profile": asdict(run.profile), "seed": run.seed, "seconds": round(seconds, 1),
+            "trials": len(run.results), "jax_trials": total["jax"],
+            "faults": {k: dict(v) for k, v in sorted(rows.items())},
+            "recoveries": total["recovered"], "wrong_restores": wrong, "hangs": hangs,
+            "unexpected_losses": total["unexpected_loss"], "steps_lost": total["lost"],
+            "max_steps_lost": total["max_lost"], "relaunches": total["relaunches"],
+            "saves_not_resumed": total["saves_not_resumed"],
+            "unavailable": {k: f.unavailable for k, f in FAULTS.items() if f.inject is None},
+            "results": [asdict(r) for r in run.results]}
+
+
+def format_table(rep: dict) -> str:
+    """The report as a fixed-width table (the RELIABILITY table of BENCHMARKS.md)."""
+    p = rep["profile"]
+    head = (f"jaxckpt chaos: seed {rep['seed']}, {rep['trials']} trials ({rep['jax_trials']} with a JAX trainer) "
+            f"on {p['nodes']} nodes x {p['procs_per_node']} trainer(s), a snapshot every {p['interval']} "
+            f"step(s), protection {p['protection']}, {rep['seconds']} s")
+    cols = ("fault", "trials", "recovered", "wrong", "hangs", "relaunches", "lost mean/max", "unexpected loss")
+    total = {"trials": rep["trials"], "recovered": rep["recoveries"], "wrong": rep["wrong_restores"],
+             "hangs": rep["hangs"], "relaunches": rep["relaunches"], "lost": rep["steps_lost"],
+             "max_lost": rep["max_steps_lost"], "unexpected_loss": rep["unexpected_losses"]}
+    rows = [(kind, r["trials"], r.get("recovered", 0), r.get("wrong", 0), r.get("hangs", 0), r.get("relaunches", 0),
+             f"{r.get('lost', 0) / max(1, r['trials']):.1f}/{r.get('max_lost', 0)}", r.get("unexpected_loss", 0))
+            for kind, r in [*rep["faults"].items(), ("total", total)]]
+    widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
+
+    def fmt(row: tuple) -> str:
+        return "  ".join(str(x).ljust(w) if i == 0 else str(x).rjust(w) for i, (x, w) in enumerate(zip(row, widths)))
+    lines = [head, fmt(cols), *map(fmt, rows)]
+    lines += [f"  (not run: {kind}: {why})" for kind, why in rep["unavailable"].items()]
+    return "\n".join(lines)
+
+
+def run_chaos(profile: str = "quick", seed: int = 0, **kw: Any) -> dict:
+    """Run the trials of ``profile`` (``trials=``, ``jax_trials=``, ``faults=`` override it); the report."""
+    return ChaosRun(PROFILES[profile], seed, **kw).run()
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``jaxckpt chaos [--profile quick|long] [--seed N] [--trials N] [--jax-trials N] [--faults K,..] [--json]``."""
+    p.add_argument("--profile", choices=sorted(PROFILES), default="quick",
+                   help="quick: 50 trials + 2 JAX trials on 2 nodes (CI); long: 500 + 20 on 3 nodes; both with "
+                        "protection hybrid")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trials", type=int, default=None, help="numpy-trainer trials (default: the profile's)")
+    p.add_argument("--jax-trials", type=int, default=None, help="JAX-trainer trials (default: the profile's)")
+    p.add_argument("--faults", default="", help=f"comma-separated fault kinds (default: all of {sorted(FAULTS)})")
+    p.add_argument("--protection", default=None, choices=("none", "replica", "parity", "xor-group", "hybrid"),
+                   help="Config.protection of the numpy trainers (default: the profile's, hybrid): losing a node's "
+                        "memory must keep the newest protected step; with none, it may lose every step")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--update-md", default="", metavar="PATH",
+                   help="write the result table into PATH's chaos section, e.g. BENCHMARKS.md "
+                        "(jaxckpt/tools/chaos/report.py)")
+    p.set_defaults(run=run_cli)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Exit 0 when every fault was recovered from, with no wrong restore, no hang and no unexpected loss."""
+    faults = [f for f in args.faults.split(",") if f] or None
+    profile = PROFILES[args.profile]
+    if args.protection is not None:
+        profile = dataclasses.replace(profile, protection=args.protection)
+    rep = ChaosRun(profile, args.seed, trials=args.trials, jax_trials=args.jax_trials, faults=faults).run()
+    print(json.dumps(rep, indent=1) if args.json else format_table(rep))
+    if args.update_md:
+        from jaxckpt.tools.chaos import report as chaos_report
+
+        chaos_report.update_md(args.update_md, rep, chaos_report.command_line(args))
+        print(f"wrote the chaos section of {args.update_md}", file=sys.stderr)
+    return 0 if ok(rep) else 1
+
+
+def ok(rep: dict) -> bool:
+    """No wrong restore, no hang, no unexpected loss, every fault recovered from."""
+    return not (rep["wrong_restores"] or rep["hangs"] or rep["unexpected_losses"]) and \
+        rep["recoveries"] == rep["trials"]

@@ -1,0 +1,405 @@
+"""One trainer process of a ``jaxckpt chaos`` job: ``python -m jaxckpt.tools.chaos.trainer SPEC.json``.
+
+Numpy trainers (the default) drive the core engine with ``store="shm"`` across real processes: the commit,
+recovery and peer protocols run for real (coordination through :class:`~jaxckpt.tools.filecoord.FileCoordinator`),
+and so do the node agents. The training state is a pure function of (seed, step) (:func:`state`), replicated,
+sharded and single-owner arrays across the job's processes, NaN payloads included; the chaos driver computes the
+same function to check every restore bit for bit, outside the system under test.
+
+Call order of one incarnation (every process):
+  0) recovery: the engine agrees with the other processes on the steps every process still holds;
+  1) restore the newest agreed step: every array whole (other processes' chunks through the peer transport),
+     reported as a digest; the processes check that they all restored the same step. A step that fails its
+     integrity checks (checksum, manifest, plan) is deleted once every process is done reading, and the
+     incarnation ends with exit code RESTART; so does any other failure. The driver starts a new one, which
+     agrees on what is left (so it falls back past a corrupt step);
+  2) train: step after step, a snapshot every ``interval`` steps, until killed.
+Events go to stdout as JSON lines. ``fault`` makes the process act at a phase of a save or of the restore
+(SIGKILL itself, or SIGKILL its node's agent, with or without its memory): points no outside timer can hit.
+``mode="jax"`` runs a single-process ``jaxckpt.Checkpointer`` trainer instead (restore onto another mesh).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from jaxckpt.core import manifest as mf
+from jaxckpt.backends.agent import protocol as proto
+from jaxckpt.backends.shm import ShmStore
+from jaxckpt.core.box import Box
+from jaxckpt.config import Config
+from jaxckpt.core.dtypes import dtype_from_name, dtype_name
+from jaxckpt.errors import ChecksumError, JaxckptError, ManifestError, PlanError
+from jaxckpt.core.plan import ArrayLayout, Placement
+from jaxckpt.core.registry import register_store
+
+RESTART = 3  # exit code: this incarnation cannot go on; start a new one
+INTEGRITY = (ChecksumError, ManifestError, PlanError)  # the step's bytes are bad: never use it again
+SHARD = 1024  # rows of the sharded array per process
+CHUNK_BYTES = 16 << 10  # small chunks: several per array, so a kill "mid-copy" lands between two of them
+
+
+# ------------------------------------------------------------------------------------------------ the state
+def state(seed: int, step: int, processes: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The global training state at ``step``: arrays (global shapes) and plain values."""
+    rng = np.random.default_rng([seed, step])
+    w = rng.standard_normal((128, 256)).astype(np.float32)
+    w.reshape(-1)[[3, 999, 4097]] = np.array([0x7FC00001, 0xFFA00002, 0x7F800000], np.uint32).view(np.float32)
+    arrays = {"w": w, "b": rng.standard_normal(500),
+              "s": rng.integers(-2**31, 2**31 - 1, processes * SHARD, dtype=np.int32),
+              "h": rng.integers(0, 2**16, (7, 33), dtype=np.uint16), "c": np.array(step, dtype=np.int64)}
+    return arrays, {"lr": 0.125 * step, "tag": f"step-{step}"}
+
+
+def placements(path: str, shape: tuple[int, ...], processes: int) -> tuple[Placement, ...]:
+    """Where each process holds ``path``: replicated everywhere, sharded by rows (``s``), or on process 0 (``h``).
+    Device id = process index (one "device" per process; ids must be unique across the job)."""
+    if path == "s":
+        return tuple(Placement(Box((q * SHARD,), ((q + 1) * SHARD,)), q, q) for q in range(processes))
+    if path == "h":
+        return (Placement(Box.full(shape), 0, 0),)
+    return tuple(Placement(Box.full(shape), q, q) for q in range(processes))
+
+
+def digest(arrays: dict[str, np.ndarray], values: dict[str, Any]) -> str:
+    """Bit-exact fingerprint of a state (dtype, shape and every byte of every array, and the values)."""
+    h = hashlib.sha256()
+    for path in sorted(arrays):
+        a = np.ascontiguousarray(arrays[path])
+        h.update(f"{path}|{dtype_name(a.dtype)}|{a.shape}|".encode())
+        h.update(a.view(np.uint8).reshape(-1).tobytes())
+    for path in sorted(values):
+        h.update(f"{path}={values[path]!r}|{type(values[path]).__name__}".encode())
+    return h.hexdigest()
+
+
+def records(arrays: dict[str, np.ndarray], process: int, processes: int, hook) -> list:
+    """The engine's ArrayRecords of this process's part of ``arrays``."""
+    from jaxckpt.core.engine import ArrayRecord
+
+    out = []
+    for k, (path, arr) in enumerate(arrays.items()):
+        places = placements(path, arr.shape, processes)
+        layout = ArrayLayout(path, arr.shape, dtype_name(arr.dtype), arr.dtype.itemsize, places)
+        meta = mf.ArrayMeta(path, (("key", path),), arr.shape, dtype_name(arr.dtype), "numpy")
+        mine = next((p.box for p in places if p.process == process), None)
+        local = arr[tuple(slice(lo, hi) for lo, hi in zip(mine.start, mine.stop))] if mine is not None else None
+
+        def fetch(local=local, k=k):
+            if k == 2:
+                hook("copy")  # earlier arrays' chunks are copied by now, later ones not yet
+            return local
+        out.append(ArrayRecord(path, ("chaos", path, arr.shape, arr.dtype.str), lambda lay=layout: lay,
+                               lambda m=meta: m, lambda devs, f=fetch: {process: (f, None)} if devs else {}))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- the trainer
+class Trainer:
+    """One numpy trainer process (see the module docstring)."""
+
+    def __init__(self, spec: dict) -> None:
+        self.spec = spec
+        self.p, self.n = spec["process"], spec["process_count"]
+        self.step = 0
+        self.fault = dict(spec.get("fault") or {})
+
+    def emit(self, ev: str, **fields: Any) -> None:
+        sys.stdout.write(json.dumps({"ev": ev, "p": self.p, **fields}) + "\n")
+        sys.stdout.flush()
+
+    def hook(self, phase: str) -> None:
+        """Act on ``fault`` when the process reaches ``phase`` of the save of its step (or of the restore)."""
+        f = self.fault
+        if not f or f.get("phase") != phase or (phase != "restore" and self.step < f.get("step", 1 << 62)):
+            return
+        if f["action"] == "kill-agent-wipe" and phase != "restore" and self.spec.get("protection", "none") != "none" \
+                and getattr(self, "_protected", 0) < getattr(self, "first", 0) and \
+                self.step < f["step"] + 50 * self.spec["interval"]:
+            return  # one failure at a time: a step saved by this incarnation is protected first (bounded wait)
+        self.fault = {}
+        self.emit("phase-fault", phase=phase, step=self.step, action=f["action"])
+        if f["action"] == "kill-self":
+            os.kill(os.getpid(), signal.SIGKILL)
+        kill_agent(self.spec["node_dir"], wipe=f["action"] == "kill-agent-wipe")
+
+    def config(self) -> Config:
+        s = self.spec
+        return Config(store="shm-chaos", job_id=s["job"], shm_dir=s["node_dir"], keep=s.get("keep", 2),
+                      max_pending_saves=1, workers=1, chunk_bytes=CHUNK_BYTES, commit_timeout_s=s["timeout_s"],
+                      peer_timeout_s=s.get("peer_timeout_s", s["timeout_s"]), peer_token=s.get("token", ""),
+                      protection=s.get("protection", "none"), agent_dirs=s.get("agent_dirs", ""))
+
+    def run(self) -> int:
+        from jaxckpt.core.engine import CheckpointEngine
+        from jaxckpt.tools.filecoord import FileCoordinator
+
+        _ChaosStore.trainer = self
+        coord = FileCoordinator(self.spec["coord_dir"], self.p, self.n)
+        try:
+            eng = CheckpointEngine(self.config(), coord, framework="numpy")
+        except JaxckptError as e:
+            self.emit("restart", reason=f"recovery: {type(e).__name__}: {e}")
+            return RESTART
+        self.emit("held", steps=eng.all_steps())
+        restored = self.restore(eng)
+        verdict = self.agree(coord, restored)
+        if verdict != "ok":
+            if isinstance(restored, tuple):  # bad bytes: every process is done reading, the step goes for good
+                eng.store.delete(restored[1])
+            self.emit("restart", reason=verdict)
+            return RESTART
+        first = self.first = (restored or 0) + 1
+        if "after" in self.fault:  # the after-th snapshot step from here on
+            saves = [s for s in range(first, first + 100 * self.spec["interval"]) if s % self.spec["interval"] == 0]
+            self.fault["step"] = saves[self.fault["after"] - 1]
+        self.train(eng, first)
+        eng.close()
+        return 0
+
+    def restore(self, eng) -> int | None | str | tuple:
+        """The newest agreed step, restored; None if there is none; ("integrity", step) if that step's bytes are
+        bad (deleted after the agreement, so that the next incarnation falls back past it); "failed" otherwise."""
+        step = eng.latest_step()
+        if step is None:
+            self.emit("fresh")
+            return None
+        try:
+            arrays, values = self.read(eng, step)
+        except INTEGRITY as e:
+            self.emit("restore-failed", step=step, error=f"{type(e).__name__}: {e}", integrity=True)
+            return ("integrity", step)
+        except JaxckptError as e:  # unreachable peer or agent: try again in a new incarnation
+            self.emit("restore-failed", step=step, error=f"{type(e).__name__}: {e}", integrity=False)
+            return "failed"
+        self.emit("restored", step=step, digest=digest(arrays, values))
+        return step
+
+    def read(self, eng, step: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        with eng.open(step) as (step, manifests, reader):
+            own = next(m for m in manifests if m.process == self.p)
+            arrays = {}
+            for i, (path, a) in enumerate(sorted(mf.merge_chunks(manifests).items())):
+                arr = np.empty(a.shape, dtype=dtype_from_name(a.dtype))
+                for c in a.chunks:
+                    arr[tuple(slice(lo, hi) for lo, hi in zip(c.box.start, c.box.stop))] = \
+                        reader.array(path, c, arr.dtype)
+                arrays[path] = arr
+                if i == 1:
+                    self.hook("restore")
+            return arrays, {v.path: v.value for v in own.leaves}
+
+    def agree(self, coord, restored) -> str:
+        """Every process restored the same step (process 0 decides; O(processes) keys)."""
+        if self.n == 1:
+            return "ok" if restored is None or isinstance(restored, int) else f"restored {restored}"
+        timeout = self.spec["timeout_s"]
+        coord.set(f"chaos/restored/{self.p}", json.dumps(restored).encode())
+        if self.p == 0:
+            try:
+                got = [json.loads(coord.get(f"chaos/restored/{q}", timeout)) for q in range(self.n)]
+                same = len(set(map(str, got))) == 1 and (got[0] is None or isinstance(got[0], int))
+                verdict = "ok" if same else f"restored {got}"
+            except TimeoutError:
+                verdict = "a process did not report its restore"
+            coord.set("chaos/verdict", verdict.encode())
+            return verdict
+        try:
+            return coord.get("chaos/verdict", timeout * 2).decode()
+        except TimeoutError:
+            return "no verdict from process 0"
+
+    def train(self, eng, first: int) -> None:
+        s = self.spec
+        pending = []
+        for step in range(first, s["steps"] + 1):
+            self.step = step
+            arrays, values = state(s["seed"], step, self.n)  # the step's work
+            time.sleep(s["step_time_s"])
+            self.emit("trained", step=step)
+            if step % s["interval"] == 0:
+                leaves = [mf.LeafMeta(k, (("key", k),), v) for k, v in values.items()]
+                try:
+                    pending.append(eng.save(step, records(arrays, self.p, self.n, self.hook), leaves,
+                                            tuple(sorted(arrays)) + tuple(sorted(values))))
+                except JaxckptError as e:  # over budget: the committed steps are kept, training goes on
+                    self.emit("save-failed", step=step, error=f"{type(e).__name__}: {e}")
+            pending = self.drain(pending)
+            self.report_protected(eng)
+            self.hook("idle")
+        for h in pending:
+            h.wait_local(s["timeout_s"])
+        self.drain(pending, wait=True)
+        self.emit("done", step=self.step)
+
+    def report_protected(self, eng) -> None:
+        """Emit the newest step whose redundancy is in place on every node, when it changes."""
+        done = eng.protection.protected_steps() if eng.protection is not None else []
+        if done and done[-1] != getattr(self, "_protected", None):
+            self._protected = done[-1]
+            self.emit("protected", step=done[-1])
+
+    def drain(self, pending: list, wait: bool = False) -> list:
+        left = []
+        for h in pending:
+            if not wait and not h.done():
+                left.append(h)
+                continue
+            try:
+                h.result(self.spec["timeout_s"] * 2 if wait else 0)
+                self.emit("committed", step=h.step)
+            except JaxckptError as e:
+                self.emit("save-failed", step=h.step, error=f"{type(e).__name__}: {e}")
+        return left
+
+
+class _ChaosStore(ShmStore):
+    """The real shm store, with the trainer's fault hook at each phase of a save."""
+
+    trainer: Trainer | None = None
+
+    def _maybe_spawn(self) -> None:
+        """Never: the chaos driver supervises the node agents (with the node's memory budget), as a launcher
+        would; a trainer waits for the agent to come back (test_agent.py covers self-spawning)."""
+
+    def _hook(self, phase: str) -> None:
+        if self.trainer is not None:
+            self.trainer.hook(phase)
+
+    def reserve(self, step, nbytes):
+        self._hook("reserve")
+        slot = super().reserve(step, nbytes)
+        self._hook("reserved")
+        return slot
+
+    def commit(self, slot, manifest):
+        self._hook("commit")
+        super().commit(slot, manifest)
+        self._hook("committed")
+
+    def delete(self, step):
+        self._hook("delete")
+        super().delete(step)
+
+
+register_store("shm-chaos", _ChaosStore)
+
+
+def kill_agent(directory: str, *, wipe: bool) -> int | None:
+    """SIGKILL the agent of ``directory`` and wait until it is dead; with ``wipe`` its memory goes too."""
+    pid = proto.kill_agent(directory)
+    if pid is not None:
+        deadline = time.monotonic() + 10
+        while proc_state(pid) not in ("Z", "X") and time.monotonic() < deadline:
+            time.sleep(0.002)
+    if wipe:
+        proto.kill_agent(directory, remove_memory=True)
+    return pid
+
+
+def proc_state(pid: int) -> str:
+    """The state letter /proc gives process ``pid`` ("R", "S", ...); "X" when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return "X"
+
+
+# ------------------------------------------------------------------------------------------ the JAX trainer
+def jax_host(seed: int, step: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The JAX trainer's state as host arrays (the reference): sharded, replicated, bf16, key data, NaNs."""
+    import ml_dtypes
+
+    rng = np.random.default_rng([seed, step, 7])
+    w = rng.standard_normal((16, 24)).astype(np.float32)
+    w.reshape(-1)[[1, 100]] = np.array([0x7FC00001, 0xFFA00002], np.uint32).view(np.float32)
+    return ({"w": w, "b": rng.standard_normal(40).astype(np.float32),
+             "e": rng.standard_normal((8, 8)).astype(ml_dtypes.bfloat16),
+             "key": rng.integers(0, 2**32, 2, dtype=np.uint32)},
+            {"count": step, "lr": 0.5})
+
+
+def jax_run(spec: dict) -> int:
+    """Restore the newest step onto ``devices`` devices (other shardings than it was saved with), then train."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", spec["devices"])
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jaxckpt
+
+    emit = Trainer(spec).emit
+    devs = np.array(jax.devices())
+    mesh = jax.sharding.Mesh(devs, ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    flip = spec["devices"] % 4 == 0  # one mesh saves rows-sharded, the other restores columns-sharded
+    specs = {"w": P("x", None) if flip else P(None, "x"), "b": P(), "e": P(None, "x") if flip else P("x", None)}
+
+    def on_mesh(host):
+        arrays, values = host
+        st = {k: jax.device_put(arrays[k], NamedSharding(mesh, specs[k])) for k in specs}
+        st["key"] = jax.random.wrap_key_data(arrays["key"])
+        return {**st, **values}
+
+    def to_host(st):
+        arrays = {k: np.asarray(st[k]) for k in specs}
+        arrays["key"] = np.asarray(jax.random.key_data(st["key"]))
+        return arrays, {k: st[k] for k in ("count", "lr")}
+
+    cfg = Config(store="shm", job_id=spec["job"], shm_dir=spec["node_dir"], keep=2,
+                 commit_timeout_s=spec["timeout_s"])
+    ckpt = jaxckpt.Checkpointer(cfg)
+    step = ckpt.latest_step()
+    first = 1
+    if step is not None:
+        target = on_mesh(jax_host(spec["seed"], step))
+        target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) if k in specs else v
+                  for k, v in target.items()}
+        try:
+            got = ckpt.restore(target, step=step)
+        except JaxckptError as e:
+            emit("restore-failed", step=step, error=f"{type(e).__name__}: {e}", integrity=isinstance(e, INTEGRITY))
+            if isinstance(e, INTEGRITY):
+                ckpt.store.delete(step)  # bad bytes: the next incarnation falls back past this step
+            return RESTART
+        ok = all(got[k].sharding == target[k].sharding for k in specs)
+        emit("restored", step=step, digest=digest(*to_host(got)) if ok else "wrong shardings")
+        first = step + 1
+    else:
+        emit("fresh")
+    for step in range(first, spec["steps"] + 1):
+        st = on_mesh(jax_host(spec["seed"], step))
+        time.sleep(spec["step_time_s"])
+        emit("trained", step=step)
+        h = ckpt.save(step, st)
+        try:
+            h.result(spec["timeout_s"])
+            emit("committed", step=step)
+        except JaxckptError as e:
+            emit("save-failed", step=step, error=f"{type(e).__name__}: {e}")
+    ckpt.close()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    import logging
+
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    logging.basicConfig(level=os.environ.get("JAXCKPT_LOG_LEVEL", "WARNING").upper(),
+                        format=f"%(asctime)s trainer {spec['process']} (pid {os.getpid()}) %(name)s %(levelname)s "
+                               f"%(message)s")
+    if spec.get("mode") == "jax":
+        return jax_run(spec)
+    return Trainer(spec).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
