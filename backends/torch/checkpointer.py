@@ -52,7 +52,7 @@ __all__ = ["Checkpointer", "SaveHandle"]
 
 
 class Checkpointer:
-    """In-memory asynchronous checkpointing of torch state dicts (DESIGN.md states the guarantees).
+    """In-memory asynchronous checkpointing of torch state dicts (docs/design.md states the guarantees).
 
     ``defer_reads=False`` (default): ``save()`` returns once the snapshot no longer reads live tensors, so the
     caller may update them in place right away. On CPU that means it waits for the host copy (done by the

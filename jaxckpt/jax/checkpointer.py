@@ -46,7 +46,7 @@ def _record(leaf: Leaf, owned: bool = False) -> ArrayRecord:
 
 
 class Checkpointer:
-    """In-memory asynchronous checkpointing of JAX pytrees (DESIGN.md states the guarantees)."""
+    """In-memory asynchronous checkpointing of JAX pytrees (docs/design.md states the guarantees)."""
 
     def __init__(self, config: Config | None = None, *, coordinator: Coordinator | None = None) -> None:
         config = (config or Config()).with_env()
