@@ -74,6 +74,9 @@ def selected(args: argparse.Namespace) -> list[str]:
     if "torch" in names and importlib.util.find_spec("torch") is None:
         log.warning("bench all: torch is not installed (pip install 'jaxckpt[torch]'): skipping bench torch")
         names.remove("torch")
+    if "stall" in names and not all(importlib.util.find_spec(m) for m in ("flax", "optax")):
+        log.warning("bench all: flax/optax are not installed (pip install 'jaxckpt[bench]'): skipping bench stall")
+        names.remove("stall")
     return names
 
 

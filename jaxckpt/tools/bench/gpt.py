@@ -26,13 +26,17 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+try:  # not dependencies of jaxckpt: only this benchmark model and the examples need them
+    import flax.linen as nn
+    import optax
+    from flax.training import train_state
+except ImportError as e:
+    raise ImportError(f"the benchmark GPT needs flax and optax ({e}): pip install 'jaxckpt[bench]'") from e
 
 __all__ = ["GPTConfig", "GPT", "TrainState", "make_mesh", "make_model", "make_optimizer", "state_shardings",
            "init_state", "abstract_state", "make_train_step", "batch_at", "device_batch", "batches", "batch_sharding",

@@ -171,6 +171,11 @@ def _merge(size: str, per_proc: list[dict], memcpy: dict) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     """Drive the benchmark: memcpy first, then each size in ``--procs`` launched processes."""
+    import importlib.util
+
+    if not all(importlib.util.find_spec(m) for m in ("flax", "optax")):
+        log.error("bench stall trains a Flax GPT: pip install 'jaxckpt[bench]' (flax and optax)")
+        return 2
     from jaxckpt.backends.agent import protocol as proto
     from jaxckpt.tools.bench.memcpy import memcpy_gbps
     from jaxckpt.tools.bench.report import write_json
