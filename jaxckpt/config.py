@@ -13,7 +13,7 @@ from jaxckpt.errors import ConfigError
 
 log = logging.getLogger("jaxckpt.config")
 
-STORES = ("memory", "shm", "peer")
+STORES = ("memory", "shm")  # built into jaxckpt.core.registry; other names must be registered there
 PROTECTIONS = ("none", "replica", "parity", "xor-group", "hybrid")
 ENV_PREFIX = "JAXCKPT_"
 MAX_JOB_ID = 128
@@ -71,11 +71,13 @@ class Config:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), _field_types()[f.name])
-        if self.store not in STORES and ":" not in self.store:
-            # Third-party stores register under other names; the registry reports those at use time.
-            from jaxckpt.core.registry import registered_stores
-            if self.store not in registered_stores():
-                raise ConfigError(f"Config.store={self.store!r}: unknown store (known: {', '.join(registered_stores())})")
+        if self.store not in STORES and ":" not in self.store:  # "module:Class" is imported at use time
+            from jaxckpt.core.registry import registered_stores  # names only: imports no backend
+
+            known = registered_stores()
+            if self.store not in known:
+                raise ConfigError(f"Config.store={self.store!r}: unknown store (known: {', '.join(sorted(known))}; "
+                                  f"or 'module:Class'){_PEER_NOTE if self.store == 'peer' else ''}")
         if self.protection not in PROTECTIONS:
             raise ConfigError(f"Config.protection={self.protection!r}: expected one of {', '.join(PROTECTIONS)}")
         if self.protection_copies < 1:
@@ -162,6 +164,9 @@ _ENV_NOT_FIELDS = frozenset({"JAXCKPT_LOG_LEVEL", "JAXCKPT_LAUNCH_SPEC",
                              "JAXCKPT_COORDINATOR", "JAXCKPT_PROCESS_ID", "JAXCKPT_PROCESS_COUNT",
                              "JAXCKPT_DEVICES_PER_PROC", "JAXCKPT_NODE", "JAXCKPT_NODE_COUNT", "JAXCKPT_LOCAL_RANK",
                              "JAXCKPT_PROCS_PER_NODE", "JAXCKPT_LAUNCH_DIR"})
+# The design card once listed "peer" as a store; it never was one.
+_PEER_NOTE = ("; peers are not a store: every multi-process job serves its snapshots to the other processes "
+              "over the peer transport, whichever store holds them")
 _JOB_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 
 

@@ -55,6 +55,35 @@ def test_bad_values_name_the_field(changes, key):
         Config(**changes)
 
 
+def _known_stores(message: str) -> list[str]:
+    return message.split("(known: ", 1)[1].split(";", 1)[0].split(", ")
+
+
+@pytest.mark.parametrize("name", ["peer", "s3"])
+def test_a_store_no_one_registered_is_refused_at_config_time(name):
+    """Not at first use with BackendNotFoundError: Config() itself says what is wrong and what exists."""
+    with pytest.raises(ConfigError) as e:
+        Config(store=name)
+    msg = str(e.value)
+    assert type(e.value) is ConfigError and msg.startswith(f"Config.store={name!r}: unknown store (known: "), msg
+    known = _known_stores(msg)
+    assert {"memory", "shm"} <= set(known) and name not in known, msg
+    assert ("peers are not a store" in msg) == (name == "peer"), msg
+    with pytest.raises(ConfigError, match=rf"environment: Config.store={name!r}: unknown store"):
+        Config().with_env({"JAXCKPT_STORE": name})
+
+
+def test_registered_and_module_class_stores_pass_validation():
+    from jaxckpt.core.registry import register_store
+
+    register_store("test-config-store", "jaxckpt.backends.memory:MemoryStore", clobber=True)
+    assert Config(store="test-config-store").store == "test-config-store"
+    assert Config(store="jaxckpt.backends.memory:MemoryStore").store == "jaxckpt.backends.memory:MemoryStore"
+    with pytest.raises(ConfigError) as e:
+        Config(store="peer")
+    assert "test-config-store" in _known_stores(str(e.value))
+
+
 def test_float_field_accepts_an_int():
     assert Config(commit_timeout_s=5).commit_timeout_s == 5
 
