@@ -31,7 +31,8 @@ class Config:
     ``persistent_dir``: committed steps that are multiples of ``persistent_interval`` (0 = never) are also written
     there in the standard Orbax format, ``persistent_keep`` newest kept (see ``jaxckpt.orbax.persist``).
     ``protection_bandwidth``: bytes per second the protection pulls of one process may take (0 = unlimited;
-    a token bucket with a burst of a tenth of a second, see ``jaxckpt.protection.runtime``).
+    one token bucket per process, kept by its node agent across pulls, with a burst of a tenth of a second,
+    see ``jaxckpt.backends.agent.protection_pull``).
     """
 
     store: str = "memory"

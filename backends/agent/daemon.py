@@ -93,6 +93,7 @@ class Agent:
         self.peer_server = None
         self.snapshots = None  # agent_serve.AgentSnapshots once serving
         self.pulled_bytes = 0  # protection blocks' bytes this agent pulled from other nodes (protect_pull.py)
+        self._pull_buckets = None  # protection_pull.Buckets, made at the first pull: each process's bandwidth cap
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def acquire(self) -> bool:
@@ -373,7 +374,7 @@ class Agent:
 
     def _pull(self, conn: _Conn, p: int, step: int, msg: dict) -> dict:
         """Build protection blocks into the slot this connection is writing (protect_pull.py)."""
-        from jaxckpt.backends.agent.protection_pull import pull_into
+        from jaxckpt.backends.agent.protection_pull import Buckets, pull_into
         from jaxckpt.errors import JaxckptError
 
         entry = self.table.writing(p, step, conn.id)
@@ -384,7 +385,11 @@ class Agent:
         local = self.snapshots or agent_serve.AgentSnapshots(self.table, self.dir)
         m = open_segment(self.dir, entry.seg.name, entry.seg.size)
         try:
-            crcs, pulled, account = pull_into(memoryview(m)[:entry.nbytes], msg, step, local)
+            with self._lock:
+                if self._pull_buckets is None:
+                    self._pull_buckets = Buckets()
+            crcs, pulled, account = pull_into(memoryview(m)[:entry.nbytes], msg, step, local,
+                                              buckets=self._pull_buckets, owner=p)
         except JaxckptError as e:  # a peer that failed, a bad chunk: the trainer's protection of the step fails
             raise Refused("pull", f"step {step}: {type(e).__name__}: {e}") from None
         finally:

@@ -8,7 +8,10 @@ parity stripes it computed from its own device copies, and sends ``pull`` on tha
   tasks     ``[[kind, id, offset], ...]``: the ``xor-group`` stripes and ``replica`` copy blocks this process
             builds, and where each goes in the slot;
   sources   ``{process: [address, token] | None}``: where each saving process's chunks are (None: this node);
-  rate      bytes per second the pulls may take (``Config.protection_bandwidth``; 0: unlimited);
+  rate      bytes per second the pulls of this slot's owner may take (``Config.protection_bandwidth``;
+            0: unlimited), through one token bucket per owner that the agent keeps across pulls
+            (:class:`Buckets`): a bucket per pull would start each one with a full burst, so frequent small
+            pulls would never be held to the rate;
   timeout   seconds a peer may take to answer one request.
 
 The agent reads each needed chunk once (this node's from its own memory, zero-copy; other nodes' through the
@@ -68,10 +71,12 @@ class _Sources:
     """Verified whole chunks of one step, from this node's memory or from the agents of other nodes: the chunks
     of each source fetched by one thread, the sources in parallel, before the blocks are built."""
 
-    def __init__(self, local, sources: dict[int, Any], step: int, timeout_s: float, rate: float) -> None:
+    def __init__(self, local, sources: dict[int, Any], step: int, timeout_s: float,
+                 bucket: "TokenBucket | None") -> None:
         self.local, self.sources, self.step, self.timeout = local, sources, step, timeout_s
-        self.bucket = TokenBucket(rate) if rate > 0 else None
+        self.bucket = bucket
         self.pulled = 0
+        self.slept = 0.0  # this pull's share of the bucket's sleep
         self._views: dict[int, Any] = {}
         self._crcs: dict[tuple[int, int], int] = {}
         self._chunks: dict[tuple[int, int], np.ndarray] = {}
@@ -111,7 +116,9 @@ class _Sources:
                 data = np.frombuffer(self._views[q].buffer[c.offset:c.offset + c.nbytes], np.uint8)
             else:
                 if self.bucket is not None:  # the network's share: this node's own chunks are not pulled
-                    self.bucket.take(c.nbytes)
+                    wait = self.bucket.take(c.nbytes)
+                    with self._lock:
+                        self.slept += wait
                 address, token, client = self._remote(q)
                 try:
                     data = np.frombuffer(client.read(self.step, c.offset, c.nbytes, q), np.uint8)
@@ -151,10 +158,13 @@ class _Sources:
             v.close()
 
 
-def pull_into(buffer: memoryview, msg: dict, step: int, local) -> tuple[list[int], int, dict]:
-    """Build the blocks ``msg`` asks for (see the module docstring) into ``buffer``, the writing slot of ``step``;
+def pull_into(buffer: memoryview, msg: dict, step: int, local, *, buckets: "Buckets", owner: int
+              ) -> tuple[list[int], int, dict]:
+    """Build the blocks ``msg`` asks for (see the module docstring) into ``buffer``, the writing slot of ``step``
+    that process ``owner`` writes, its pulls from other nodes paced by ``owner``'s bucket in ``buckets``;
     returns the crc32c of each block in task order, the bytes pulled from other nodes, and the bandwidth
-    account of a limited pull (rate, burst, bytes admitted, seconds slept, span since the first admission)."""
+    account of a limited pull: the owner's bucket since its first admission (rate, burst, bytes admitted,
+    seconds of sleep asked for, span) and this pull's share (``pull_bytes``, ``pull_slept``)."""
     tasks = msg["tasks"]
     if not isinstance(tasks, list) or len(tasks) > MAX_TASKS:
         raise ValueError(f"step {step}: tasks must be a list of at most {MAX_TASKS} [kind, id, offset]")
@@ -173,7 +183,7 @@ def pull_into(buffer: memoryview, msg: dict, step: int, local) -> tuple[list[int
     stripes = {s.id: s for s in plan.stripes}
     blocks = {b.id: b for b in plan.copy_blocks}
     out = np.frombuffer(buffer, np.uint8)
-    src = _Sources(local, sources, step, timeout, rate)
+    src = _Sources(local, sources, step, timeout, buckets.get(owner, rate))
     crcs = []
     try:
         need: dict[tuple[int, int], SavedChunk] = {}
@@ -204,8 +214,28 @@ def pull_into(buffer: memoryview, msg: dict, step: int, local) -> tuple[list[int
     b = src.bucket
     account = {} if b is None or b.started is None else {
         "rate": b.rate, "burst": b.burst, "admitted": b.admitted, "slept": b.slept,
-        "span": time.monotonic() - b.started}
+        "span": time.monotonic() - b.started, "pull_bytes": src.pulled, "pull_slept": src.slept}
     return crcs, src.pulled, account
+
+
+class Buckets:
+    """The node agent's token bucket of each slot owner (a trainer process), kept across that owner's pulls so
+    that ``Config.protection_bandwidth`` holds per process over time, not per pull. A changed rate (a trainer
+    restarted with another config) starts a new bucket; the owners of a node are few, so none is dropped."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[int, TokenBucket] = {}
+        self._lock = threading.Lock()
+
+    def get(self, owner: int, rate: float) -> "TokenBucket | None":
+        """``owner``'s bucket at ``rate`` bytes per second (None: unlimited)."""
+        if rate <= 0:
+            return None
+        with self._lock:
+            b = self._buckets.get(owner)
+            if b is None or b.rate != float(rate):
+                b = self._buckets[owner] = TokenBucket(rate)
+            return b
 
 
 class TokenBucket:
