@@ -202,8 +202,10 @@ def test_cli_timeout_reaps(tmp_path):
 
 
 PARENT = textwrap.dedent("""
-    import os, sys, time
+    import os, signal, sys, time
     from jaxckpt.testing import launch, node_info
+    # A process started from a shell's background job inherits SIGINT ignored; a ctrl-c'd launcher has it default.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def hang(folder):
         open(os.path.join(folder, f"pid-{node_info().process_id}"), "w").write(str(os.getpid()))
@@ -229,3 +231,34 @@ def test_a_dying_launcher_takes_its_processes_along(tmp_path, sig):
         parent.kill()
         parent.wait()
     assert _wait_gone(pids) == []
+
+
+DEATHSIG_PARENT = textwrap.dedent("""
+    import subprocess, sys
+    from jaxckpt.tools import deathsig
+    child = subprocess.Popen(deathsig.command(["sleep", "600"]), start_new_session=True)
+    open(sys.argv[1], "w").write(str(child.pid))
+    child.wait()
+""")
+
+
+def test_a_process_started_through_deathsig_dies_with_its_parent_without_preexec_fn(tmp_path):
+    # What the chaos driver uses instead of preexec_fn (Python code in a child forked from a multithreaded parent).
+    script, pidfile = tmp_path / "parent.py", tmp_path / "child.pid"
+    script.write_text(DEATHSIG_PARENT)
+    parent = subprocess.Popen([sys.executable, str(script), str(pidfile)])
+    try:
+        _wait_files([pidfile])
+        child = int(pidfile.read_text())
+        deadline = time.monotonic() + 60
+        while not open(f"/proc/{child}/cmdline", "rb").read().startswith(b"sleep") and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the shim has armed the signal and exec'd the command (same pid)
+        assert open(f"/proc/{child}/cmdline", "rb").read().startswith(b"sleep"), "shim did not exec the command"
+        parent.kill()
+        parent.wait(timeout=60)
+    finally:
+        parent.kill()
+        parent.wait()
+    assert _wait_gone([child]) == [], f"child {child} outlived its SIGKILLed parent"
+    r = subprocess.run([sys.executable, "-m", "jaxckpt.tools.deathsig", "1", "--", "true"], timeout=60)
+    assert r.returncode == 3  # pid 1 is not our parent: refuse instead of running unprotected

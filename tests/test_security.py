@@ -268,7 +268,7 @@ def agent_dir():
 def _start_agent(job: str, d: str, *extra: str, umask: int = 0) -> subprocess.Popen:
     p = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d, *extra],
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         preexec_fn=lambda: os.umask(umask))
+                         umask=umask)
     deadline = time.monotonic() + 60
     while not os.path.exists(os.path.join(d, proto.SOCKET_NAME)):
         assert p.poll() is None and time.monotonic() < deadline, "the agent did not start"
@@ -472,7 +472,7 @@ def test_the_agent_log_is_private_and_never_follows_a_symlink(agent_dir, tmp_pat
     os.symlink(victim, log_path)
     p = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", "seclog", "--dir", agent_dir,
                           "--log", str(log_path)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, preexec_fn=lambda: os.umask(0))
+                         stderr=subprocess.DEVNULL, umask=0)
     deadline = time.monotonic() + 60
     while p.poll() is None and not os.path.exists(os.path.join(agent_dir, proto.SOCKET_NAME)):
         assert time.monotonic() < deadline, "the agent neither started nor refused to"

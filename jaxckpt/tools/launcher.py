@@ -41,6 +41,7 @@ from jaxckpt.tools.node import PIDS_FILE, launch_env
 log = logging.getLogger("jaxckpt.testing")
 
 OUTPUT_TAIL = 8000  # characters of each process's output kept in its ProcResult
+REAP_TIMEOUT_S = 60.0  # a SIGKILLed process is gone within this even on a loaded machine
 
 
 @dataclass
@@ -89,6 +90,10 @@ class Job:
         self.fail_fast_grace = fail_fast_grace
         self._owns_dir = owns_dir
         self._procs: list[subprocess.Popen] = []
+        # One reaper thread per process does the only blocking wait on it. The thread that called the launcher
+        # then never holds a Popen's internal lock when a signal (ctrl-c) interrupts it: a KeyboardInterrupt
+        # landing inside Popen.poll() can leave that lock taken, and a later Popen.wait() then blocks forever.
+        self._reaped: list[threading.Event] = []
         self._logs: list[Any] = []
         self._threads: list[threading.Thread] = []
         self._reason: dict[int, str] = {}  # process id -> why the launcher (or kill_node) killed it
@@ -114,6 +119,10 @@ class Job:
                     p = subprocess.Popen(list(cmd), env=env, stdin=subprocess.DEVNULL, stdout=out,
                                          stderr=subprocess.STDOUT, start_new_session=True)
                 self._procs.append(p)
+                self._reaped.append(threading.Event())
+                r = threading.Thread(target=self._reap, args=(p, self._reaped[-1]), daemon=True,
+                                     name=f"jaxckpt-launch-reap{i}")
+                r.start()
             pids = {i: [p.pid, i // procs_per_node] for i, p in enumerate(self._procs)}
             tmp = os.path.join(launch_dir, PIDS_FILE + ".tmp")
             with open(tmp, "w") as f:
@@ -135,7 +144,12 @@ class Job:
 
     def poll(self) -> list[int | None]:
         """Each process's exit code, None while it runs."""
-        return [p.poll() for p in self._procs]
+        return [p.returncode if done.is_set() else None for p, done in zip(self._procs, self._reaped)]
+
+    @staticmethod
+    def _reap(p: subprocess.Popen, done: threading.Event) -> None:
+        p.wait()
+        done.set()
 
     # ---------------------------------------------------------------------------------------------- kill
     def kill_process(self, process_id: int, sig: int = signal.SIGKILL, reason: str = "killed by kill_process") -> None:
@@ -204,23 +218,21 @@ class Job:
             return
         self._closed = True
         try:
-            running = [p for p in self._procs if p.poll() is None]
-            for p in running:
-                i = self._procs.index(p)
+            running = [i for i, c in enumerate(self.poll()) if c is None]
+            for i in running:
                 self._reason.setdefault(i, "killed when the launcher closed")
-                _signal_group(p.pid, signal.SIGTERM)
+                _signal_group(self._procs[i].pid, signal.SIGTERM)
             deadline = time.monotonic() + grace
-            for p in running:
-                try:
-                    p.wait(max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
+            for i in running:
+                self._reaped[i].wait(max(0.0, deadline - time.monotonic()))
         finally:
             # Always SIGKILL every group, even of leaders that exited: children they left behind die too.
             for p in self._procs:
                 _signal_group(p.pid, signal.SIGKILL)
-            for p in self._procs:
-                p.wait()
+            for i, done in enumerate(self._reaped):
+                if not done.wait(REAP_TIMEOUT_S):
+                    log.error("process %d (pid %d) not reaped %gs after SIGKILL", i, self._procs[i].pid,
+                              REAP_TIMEOUT_S)
             for t in self._threads:
                 t.join(timeout=5)
             for f in self._logs:
@@ -253,7 +265,7 @@ class Job:
         self._note_marked_kills()
         out = []
         for i, p in enumerate(self._procs):
-            r = ProcResult(i, i // self.procs_per_node, i % self.procs_per_node, returncode=p.poll())
+            r = ProcResult(i, i // self.procs_per_node, i % self.procs_per_node, returncode=p.returncode)
             r.killed = i in self._reason
             r.timed_out = self._timed_out and r.killed and self._reason[i].startswith("timed out")
             try:

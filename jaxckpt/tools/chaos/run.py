@@ -32,7 +32,6 @@ work lost = steps trained before the job was stopped minus the step restored. A 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import json
 import logging
@@ -54,6 +53,7 @@ from jaxckpt.backends.agent import protocol as proto
 from jaxckpt.backends.agent.daemon import EXIT_ALREADY_RUNNING
 from jaxckpt.tools.chaos.faults import DESTRUCTIVE, FAULTS, JAX_KINDS, NODE_LOSS, end_trial, wait_protected
 from jaxckpt.errors import JaxckptError
+from jaxckpt.tools import deathsig
 from jaxckpt.tools.chaos import trainer as ct
 
 log = logging.getLogger("jaxckpt.tools.chaos.run")
@@ -106,14 +106,6 @@ class TrialResult:
 
 
 # ------------------------------------------------------------------------------------------- processes
-def _die_with_parent() -> None:
-    os.setsid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the driver
-    except (OSError, AttributeError):
-        pass
-
-
 class Incarnation:
     """The trainer processes of one run of the job, their events (JSON lines); ``stop()`` SIGKILLs them all."""
 
@@ -128,9 +120,9 @@ class Incarnation:
             with open(path, "w") as f:
                 json.dump(spec, f)
             with open(os.path.join(run.tmp, f"trainer-{spec['process']}.log"), "ab") as err:
-                p = subprocess.Popen([sys.executable, "-m", "jaxckpt.tools.chaos.trainer", path],
+                p = subprocess.Popen(deathsig.command([sys.executable, "-m", "jaxckpt.tools.chaos.trainer", path]),
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
-                                     preexec_fn=_die_with_parent, env=env)
+                                     start_new_session=True, env=env)
             self.procs.append(p)
             t = threading.Thread(target=self._read, args=(p,), daemon=True, name="jaxckpt-chaos-events")
             t.start()
@@ -263,10 +255,9 @@ class ChaosRun:
         job = self.job + "-jax" if d == self.jax_dir else self.job
         log_path = os.path.join(self.tmp, f"agent-{os.path.basename(d)}.log")
         p = self.agents[d] = subprocess.Popen(
-            [sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d, "--log", log_path,
-             "--budget-bytes", str(self.budget), "--node", os.path.basename(d)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent)
+            deathsig.command([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d, "--log",
+                              log_path, "--budget-bytes", str(self.budget), "--node", os.path.basename(d)]),
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         # Listening means its pid file and peer file are written (in that order, before the socket); the socket
         # file of the agent it replaces may still be there, so only a connection tells.
         deadline = time.monotonic() + self.profile.timeout_s
