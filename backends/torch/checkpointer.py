@@ -44,6 +44,7 @@ from jaxckpt.backends.torch.coordination import TorchStoreCoordinator
 from jaxckpt.backends.torch.dtypes import dtype_name
 from jaxckpt.backends.torch.host import HostCopies, Reads
 from jaxckpt.backends.torch.restore import restore_state
+from jaxckpt.core.restore import restore_step
 from jaxckpt.backends.torch.tree import Leaf, flatten
 
 log = logging.getLogger("jaxckpt.backends.torch")
@@ -221,6 +222,12 @@ class Checkpointer:
         return self.engine.all_steps()
 
     # --------------------------------------------------------------------------------------------- restore
+    @property
+    def last_restore_report(self):
+        """Where the last restore read its bytes and where its time went (a ``jaxckpt.core.sources.RestoreReport``
+        with its per-phase ``timeline``), or None before the first restore."""
+        return self.engine.last_restore_report
+
     def restore(self, target: Any = None, step: int | None = None, *, in_place: bool = False) -> Any:
         """The state saved at ``step`` (default: the latest committed), shaped like ``target``.
 
@@ -232,13 +239,8 @@ class Checkpointer:
         A mismatch in structure, shape or dtype raises TargetMismatchError naming the path. Without a target,
         nested dicts/lists of CPU tensors come back (optimizer ``state`` keys stay ints).
         """
-        t0 = time.perf_counter()
-        with self.engine.open(step) as (step, manifests, reader):
-            out = restore_state(target, manifests, reader, step=step, process=self.engine.process_index,
-                                in_place=in_place)
-        log.info("restored step %d in %.3fs (bytes by source process: %s)", step, time.perf_counter() - t0,
-                 reader.bytes_by_process)
-        return out
+        return restore_step(self.engine, step, lambda step, manifests, reader: restore_state(
+            target, manifests, reader, step=step, process=self.engine.process_index, in_place=in_place))
 
     def close(self) -> None:
         """Finish in-flight saves, stop the threads and free the store (unless the engine was passed in)."""

@@ -1,13 +1,15 @@
 """Fill a torch state dict from an opened snapshot, onto the target's dtypes, devices and DTensor placements.
 
 Works on any snapshot the core can open, whichever front end saved it: a JAX snapshot restores into torch
-tensors and a torch one into ``jax.Array``s through the same manifests and the same planner.
+tensors and a torch one into ``jax.Array``s through the same manifests and the same restore driver
+(``jaxckpt.core.restore``): each target leaf becomes an ``ArrayRequest`` (the box this rank needs, and how to make
+its tensor from the host box) or a ready value.
 """
 from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -15,45 +17,18 @@ from torch.distributed.tensor import DTensor
 
 from jaxckpt.core.box import Box
 from jaxckpt.core.dtypes import dtype_from_name
-from jaxckpt.errors import TargetMismatchError
-from jaxckpt.core.fetch import ChunkReader, assemble
+from jaxckpt.core.fetch import ChunkReader
 from jaxckpt.core.manifest import ArrayMeta, Manifest, check_target_paths, merge_chunks
-from jaxckpt.core.plan import HOST, plan_restore
+from jaxckpt.core.restore import ArrayRequest, restore_leaves
+from jaxckpt.errors import TargetMismatchError
 
 from jaxckpt.backends.torch import dtensor as dt
-from jaxckpt.backends.torch.dtypes import dtype_name, from_numpy, torch_dtype
+from jaxckpt.backends.torch.dtypes import dtype_name, from_numpy, numpy_view, torch_dtype
 from jaxckpt.backends.torch.tree import Leaf, flatten, nested, rebuild
 
 log = logging.getLogger("jaxckpt.backends.torch.restore")
 
 ROW_KINDS = ("torch_rng", "per_rank")  # saved as (process_count, *shape): one row per process
-
-
-class _Ctx:
-    def __init__(self, arrays: dict[str, ArrayMeta], reader: ChunkReader, step: int, process: int,
-                 in_place: bool) -> None:
-        self.arrays, self.reader, self.step, self.process, self.in_place = arrays, reader, step, process, in_place
-
-    def fill(self, meta: ArrayMeta, box: Box, dest: torch.Tensor) -> None:
-        """Copy ``box`` of the saved array ``meta`` into ``dest`` (a tensor of the box's shape, any device)."""
-        dtype = dtype_from_name(meta.dtype)
-        (a,) = plan_restore(meta, {box: [HOST]}, step=self.step, prefer_process=self.process)
-        with torch.no_grad():
-            for r in a.reads:
-                src = self.reader.array(meta.path, r.chunk, dtype)[r.chunk.box.relative(r.part) + (Ellipsis,)]
-                dest[a.box.relative(r.part) + (Ellipsis,)].copy_(from_numpy(src, dest.dtype))
-
-    def host(self, meta: ArrayMeta, box: Box, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.empty(box.shape, dtype=dtype)
-        self.fill(meta, box, out)
-        return out
-
-    def row(self, path: str, meta: ArrayMeta) -> Box:
-        """The box of this process's row of a per-process array."""
-        if self.process >= meta.shape[0]:
-            raise TargetMismatchError(f"{path}: step {self.step} holds per-process values of {meta.shape[0]} "
-                                      f"processes; this is process {self.process}")
-        return Box((self.process,) + (0,) * (len(meta.shape) - 1), (self.process + 1,) + tuple(meta.shape[1:]))
 
 
 def _describe(x: Any) -> str:
@@ -81,107 +56,162 @@ def _check(path: str, meta: ArrayMeta, shape: tuple[int, ...], dtype: torch.dtyp
         raise TargetMismatchError(f"{path}: saved dtype {meta.dtype}, target dtype {name}")
 
 
-def _tensor(ctx: _Ctx, path: str, meta: ArrayMeta, t: torch.Tensor) -> torch.Tensor:
+def _row(path: str, meta: ArrayMeta, step: int, process: int) -> Box:
+    """The box of this process's row of a per-process array."""
+    if process >= meta.shape[0]:
+        raise TargetMismatchError(f"{path}: step {step} holds per-process values of {meta.shape[0]} "
+                                  f"processes; this is process {process}")
+    return Box((process,) + (0,) * (len(meta.shape) - 1), (process + 1,) + tuple(meta.shape[1:]))
+
+
+def _into(meta: ArrayMeta, dest: torch.Tensor, then: Any, box: Box | None = None) -> ArrayRequest:
+    """Copy ``box`` (default: the whole array) into ``dest`` (any device) and return ``then``. A contiguous CPU
+    tensor is assembled into directly (one copy, however many saved chunks make the box); others get the host
+    box copied in."""
+    if dest.device.type == "cpu" and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg():
+        return ArrayRequest.whole(meta, lambda _: then, box=box, out=numpy_view(dest))
+
+    def copy(host: np.ndarray) -> Any:
+        with torch.no_grad():
+            dest.copy_(from_numpy(host, dest.dtype))
+        return then
+    return ArrayRequest.whole(meta, copy, box=box)
+
+
+def _host(meta: ArrayMeta, dtype: torch.dtype, device: torch.device, then: Callable[[torch.Tensor], Any],
+          box: Box | None = None, shape: tuple[int, ...] | None = None) -> ArrayRequest:
+    """A new tensor of ``box`` (default: the whole array) on ``device`` (meta: CPU), reshaped to ``shape``.
+
+    On CPU the tensor is the private host box itself; for another device the host box may be a view of the
+    saved bytes, copied once by the transfer."""
+    on_cpu = device.type in ("cpu", "meta")
+
+    def make(host: np.ndarray) -> Any:
+        t = from_numpy(host, dtype)
+        t = t.reshape(shape) if shape is not None else t
+        return then(t if on_cpu else t.to(device))
+    return ArrayRequest.whole(meta, make, private=on_cpu, box=box)
+
+
+def _tensor(path: str, meta: ArrayMeta, t: torch.Tensor, in_place: bool) -> ArrayRequest:
     _check(path, meta, tuple(t.shape), t.dtype, t)
-    whole = Box.full(meta.shape)
-    if ctx.in_place and t.device.type != "meta":
-        ctx.fill(meta, whole, t)
-        return t
-    out = ctx.host(meta, whole, t.dtype)
-    if t.device.type not in ("cpu", "meta"):
-        out = out.to(t.device)
-    if isinstance(t, torch.nn.Parameter):
-        out = torch.nn.Parameter(out, requires_grad=t.requires_grad)
-    return out
+    if in_place and t.device.type != "meta":
+        return _into(meta, t, t)
+
+    def wrap(out: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, torch.nn.Parameter):
+            return torch.nn.Parameter(out, requires_grad=t.requires_grad)
+        return out
+    return _host(meta, t.dtype, t.device, wrap)
 
 
-def _dtensor(ctx: _Ctx, path: str, meta: ArrayMeta, t: DTensor) -> DTensor:
+def _dtensor(path: str, meta: ArrayMeta, t: DTensor, in_place: bool) -> Any:
     _check(path, meta, tuple(t.shape), t.dtype, t)
     box, local = dt.local_tensor(path, t)
     if box is None:  # this rank is not in the target's mesh: nothing to hold
         return t
-    if ctx.in_place:
-        ctx.fill(meta, box, local)
-        return t
-    host = ctx.host(meta, box, t.dtype)
-    return dt.make(host.to(local.device) if local.device.type != "cpu" else host, t)
+    if in_place:
+        return _into(meta, local, t, box)
+    return _host(meta, t.dtype, local.device, lambda host: dt.make(host, t), box=box)
 
 
-def _rows(ctx: _Ctx, path: str, meta: ArrayMeta, like: torch.Tensor, dest: torch.Tensor | None) -> torch.Tensor:
+def _rows(path: str, meta: ArrayMeta, like: torch.Tensor, dest: torch.Tensor | None, step: int, process: int,
+          then: Callable[[torch.Tensor], Any] = lambda x: x) -> ArrayRequest:
     """This process's row of a per-process array (or a whole 1-d uint8 state) into a tensor shaped like ``like``."""
     if meta.kind in ROW_KINDS:
-        box = ctx.row(path, meta)
+        box = _row(path, meta, step, process)
         shape = tuple(meta.shape[1:])
     else:
         box, shape = Box.full(meta.shape), tuple(meta.shape)
     if shape != tuple(like.shape) or meta.dtype != dtype_name(like.dtype, path):
         raise TargetMismatchError(f"{path}: saved {_saved(meta)} (rows of {meta.dtype}{list(shape)}), target is "
                                   f"{_describe(like)}")
-    host = ctx.host(meta, box, like.dtype).reshape(shape)
-    if dest is not None:
+    if dest is None:
+        return _host(meta, like.dtype, like.device, then, box=box, shape=shape)
+
+    def copy(host: np.ndarray) -> Any:
         with torch.no_grad():
-            dest.copy_(host)
-        return dest
-    return host.to(like.device) if like.device.type not in ("cpu", "meta") else host
+            dest.copy_(from_numpy(host, like.dtype).reshape(shape))
+        return then(dest)
+    return ArrayRequest.whole(meta, copy, box=box)
 
 
-def _restore_leaf(ctx: _Ctx, leaf: Leaf, values: dict) -> Any:
-    path, t, kind = leaf.path, leaf.value, leaf.kind
-    meta = ctx.arrays.get(path)
-    if meta is None:
-        value = values[path].value
-        if kind == "value":
-            return value
-        if kind == "tensor" and t.dim() == 0 and isinstance(value, (bool, int, float)):
-            if ctx.in_place and t.device.type != "meta":
-                with torch.no_grad():
-                    t.fill_(value)
-                return t
-            return torch.tensor(value, dtype=t.dtype, device="cpu" if t.device.type == "meta" else t.device)
-        if kind in ("numpy", "numpy_scalar") and np.shape(t) == () and isinstance(value, (bool, int, float)):
-            return np.asarray(value, dtype=t.dtype) if kind == "numpy" else t.dtype.type(value)
-        raise TargetMismatchError(f"{path}: saved the value {value!r}, target is {_describe(t)}")
-    if kind == "tensor":
-        return _tensor(ctx, path, meta, t)
-    if kind == "dtensor":
-        return _dtensor(ctx, path, meta, t)
-    if kind == "generator":
-        state = t.get_state()
-        t.set_state(_rows(ctx, path, meta, state, None))
-        return t
-    if kind == "per_rank":
-        return _rows(ctx, path, meta, t.tensor, t.tensor if ctx.in_place and t.tensor.device.type != "meta" else None)
-    if kind in ("numpy", "numpy_scalar"):
-        shape, dtype = np.shape(t), np.asarray(t).dtype
-        # Saved in native byte order (as from JAX): a big-endian target gets its values in its own order.
-        if meta.kind in ROW_KINDS or tuple(meta.shape) != shape or \
-                dtype_from_name(meta.dtype) != dtype.newbyteorder("="):
-            raise TargetMismatchError(f"{path}: saved {_saved(meta)}, target is {_describe(t)}")
-        (a,) = plan_restore(meta, {Box.full(meta.shape): [HOST]}, step=ctx.step, prefer_process=ctx.process)
-        host = assemble(a, dtype_from_name(meta.dtype), ctx.reader).reshape(shape)  # numpy: str/bytes too
+def _generator(path: str, meta: ArrayMeta, g: torch.Generator, step: int, process: int) -> ArrayRequest:
+    def set_state(state: torch.Tensor) -> torch.Generator:
+        g.set_state(state)
+        return g
+    return _rows(path, meta, g.get_state(), None, step, process, set_state)
+
+
+def _numpy(path: str, meta: ArrayMeta, t: Any, kind: str, in_place: bool) -> ArrayRequest:
+    shape, dtype = np.shape(t), np.asarray(t).dtype
+    # Saved in native byte order (as from JAX): a big-endian target gets its values in its own order.
+    if meta.kind in ROW_KINDS or tuple(meta.shape) != shape or dtype_from_name(meta.dtype) != dtype.newbyteorder("="):
+        raise TargetMismatchError(f"{path}: saved {_saved(meta)}, target is {_describe(t)}")
+
+    def make(host: np.ndarray) -> Any:  # numpy: str/bytes too
+        host = host.reshape(shape)
         if kind == "numpy_scalar":
             return host.astype(dtype)[()]
-        if ctx.in_place:
+        if in_place:
             np.copyto(t, host)
             return t
         return host.astype(dtype, copy=True)
+    return ArrayRequest.whole(meta, make)
+
+
+def _value(path: str, value: Any, t: Any, kind: str, in_place: bool) -> Any:
+    """A leaf saved by value (no bytes), as target leaf ``t`` asks for it."""
+    if kind == "value":
+        return value
+    if kind == "tensor" and t.dim() == 0 and isinstance(value, (bool, int, float)):
+        if in_place and t.device.type != "meta":
+            with torch.no_grad():
+                t.fill_(value)
+            return t
+        return torch.tensor(value, dtype=t.dtype, device="cpu" if t.device.type == "meta" else t.device)
+    if kind in ("numpy", "numpy_scalar") and np.shape(t) == () and isinstance(value, (bool, int, float)):
+        return np.asarray(value, dtype=t.dtype) if kind == "numpy" else t.dtype.type(value)
+    raise TargetMismatchError(f"{path}: saved the value {value!r}, target is {_describe(t)}")
+
+
+def _request(leaf: Leaf, arrays: dict[str, ArrayMeta], values: dict, step: int, process: int,
+             in_place: bool) -> Any:
+    path, t, kind = leaf.path, leaf.value, leaf.kind
+    meta = arrays.get(path)
+    if meta is None:
+        return _value(path, values[path].value, t, kind, in_place)
+    if kind == "tensor":
+        return _tensor(path, meta, t, in_place)
+    if kind == "dtensor":
+        return _dtensor(path, meta, t, in_place)
+    if kind == "generator":
+        return _generator(path, meta, t, step, process)
+    if kind == "per_rank":
+        dest = t.tensor if in_place and t.tensor.device.type != "meta" else None
+        return _rows(path, meta, t.tensor, dest, step, process)
+    if kind in ("numpy", "numpy_scalar"):
+        return _numpy(path, meta, t, kind, in_place)
     if meta.kind == "numpy_scalar" and meta.shape == ():  # a numpy scalar saved from JAX, target a Python number
-        return ctx.host(meta, Box.full(()), torch_dtype(meta.dtype, path)).item()
+        return _host(meta, torch_dtype(meta.dtype, path), torch.device("cpu"), lambda x: x.item())
     raise TargetMismatchError(f"{path}: saved {_saved(meta)}, target is {_describe(t)}")
 
 
-def _untargeted(ctx: _Ctx, meta: ArrayMeta) -> Any:
-    box = ctx.row(meta.path, meta) if meta.kind in ROW_KINDS else Box.full(meta.shape)
+def _untargeted(meta: ArrayMeta, step: int, process: int) -> ArrayRequest:
+    box = _row(meta.path, meta, step, process) if meta.kind in ROW_KINDS else None
     shape = tuple(meta.shape[1:]) if meta.kind in ROW_KINDS else tuple(meta.shape)
     try:
         dtype = torch_dtype(meta.dtype, meta.path)
     except Exception:  # a dtype torch lacks (int4, float8_e3m4, ...): numpy keeps it
         dtype = None
     if dtype is None or meta.kind in ("numpy", "numpy_scalar"):
-        (a,) = plan_restore(meta, {box: [HOST]}, step=ctx.step, prefer_process=ctx.process)
-        host = assemble(a, dtype_from_name(meta.dtype), ctx.reader).copy().reshape(shape)
-        return host[()] if meta.kind == "numpy_scalar" else host
-    return ctx.host(meta, box, dtype).reshape(shape)
+        scalar = meta.kind == "numpy_scalar"
+
+        def make(host: np.ndarray) -> Any:
+            host = host.copy().reshape(shape)
+            return host[()] if scalar else host
+        return ArrayRequest.whole(meta, make, box=box)
+    return _host(meta, dtype, torch.device("cpu"), lambda x: x, box=box, shape=shape)
 
 
 def restore_state(target: Any, manifests: list[Manifest], reader: ChunkReader, *, step: int, process: int,
@@ -190,19 +220,16 @@ def restore_state(target: Any, manifests: list[Manifest], reader: ChunkReader, *
     own = next((m for m in manifests if m.process == process), manifests[0])
     arrays = merge_chunks(manifests)
     values = {v.path: v for v in own.leaves}
-    ctx = _Ctx(arrays, reader, step, process, in_place)
     with warnings.catch_warnings():
         # Saved chunks are read-only views of the store; torch warns about wrapping them, but we only read.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         if target is None:
-            items = []
-            for path in own.order:
-                if path in arrays:
-                    items.append((arrays[path].keypath, _untargeted(ctx, arrays[path])))
-                else:
-                    items.append((values[path].keypath, values[path].value))
-            return nested(items)
+            out = restore_leaves((_untargeted(arrays[p], step, process) if p in arrays else values[p].value
+                                  for p in own.order), reader, step=step, process=process)
+            keypaths = [arrays[p].keypath if p in arrays else values[p].keypath for p in own.order]
+            return nested(list(zip(keypaths, out)))
         leaves = flatten(target)
         check_target_paths((leaf.path for leaf in leaves), own, step)
-        out = iter([_restore_leaf(ctx, leaf, values) for leaf in leaves])
+        out = iter(restore_leaves((_request(leaf, arrays, values, step, process, in_place) for leaf in leaves),
+                                  reader, step=step, process=process))
         return rebuild(target, lambda _: next(out))

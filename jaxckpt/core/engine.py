@@ -478,10 +478,12 @@ class CheckpointEngine:
         chunk reader over the cheapest sources of each: jaxckpt.core.catalog). The reader's report (bytes per source
         kind and node, fallbacks) is logged and kept as ``last_restore_report``."""
         self.check_open()
+        t0 = time.perf_counter()
         step = self.resolve_step(step)
         with self.catalog.open(step) as (manifests, sources):
             reader = ChunkReader(sources, step, self.config.verify_on_restore, workers=self.config.restore_workers,
                                  process=self.process_index)
+            reader.report.timeline.record("discover", t0, time.perf_counter())
             try:
                 yield step, manifests, reader
             finally:

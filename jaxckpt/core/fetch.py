@@ -106,16 +106,20 @@ class ChunkReader:
         if not sources:
             raise StepNotFoundError(f"{where} is held by process {chunk.process}, which this process cannot reach")
         failures: list[tuple[Source, Exception]] = []
+        timeline = self.report.timeline
         for src in sources:
             if (key, src.name) in self._bad:
                 continue
+            t0 = time.perf_counter()
             try:
                 raw = self._read(src, chunk, where)
             except SOURCE_ERRORS as e:
                 failures.append((src, e))
                 with self._lock:
                     self._bad.add((key, src.name))
+                timeline.read(src.kind, t0, time.perf_counter(), 0, 0)  # its time counts, not its bytes
                 continue
+            timeline.read(src.kind, t0, time.perf_counter(), chunk.nbytes)
             self._account(key, raw, src, chunk, path, failures)
             return raw
         raise self._failed(where, failures)
@@ -218,15 +222,18 @@ class ChunkReader:
         return self.report
 
 
-def assemble(a: Assembly, dtype: np.dtype, reader: ChunkReader, private: bool = False) -> np.ndarray:
+def assemble(a: Assembly, dtype: np.dtype, reader: ChunkReader, private: bool = False,
+             out: np.ndarray | None = None) -> np.ndarray:
     """The host array of one needed box; a view of the saved bytes when one chunk is exactly that box, unless
-    ``private`` asks for memory of its own (a copy)."""
-    if a.whole_chunk:
+    ``private`` asks for memory of its own (a copy). With ``out`` (an array of the box's shape, e.g. a view of
+    the target's memory), the box is written into it and ``out`` is returned."""
+    if a.whole_chunk and out is None:
         arr = reader.array(a.path, a.reads[0].chunk, dtype)
         if private and not reader.take(a.reads[0].chunk):
             return hostbuf.copy(arr)
         return arr
-    out = hostbuf.empty(a.box.shape, dtype)
+    if out is None:
+        out = hostbuf.empty(a.box.shape, dtype)
     for r in a.reads:
         src = reader.array(a.path, r.chunk, dtype)
         out[a.box.relative(r.part)] = src[r.chunk.box.relative(r.part)]

@@ -26,6 +26,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.errors import ManifestError
 from jaxckpt.core.manifest import ChunkMeta, Manifest, decode
+from jaxckpt.core.timeline import RestoreTimeline
 
 KINDS = ("local", "node", "remote", "peer", "rebuild", "persistent")
 RANK = {k: i for i, k in enumerate(KINDS)}
@@ -188,6 +189,8 @@ class RestoreReport:
     bytes_by_process: dict[int, int] = field(default_factory=dict)  # by saving process
     fallbacks: list[str] = field(default_factory=list)  # one line per failed read that another source replaced
     seconds: float = 0.0
+    # Bytes and seconds per phase (discover, plan, reads by source kind, rebuild, device put, ...).
+    timeline: RestoreTimeline = field(default_factory=RestoreTimeline, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -199,7 +202,8 @@ class RestoreReport:
         nodes = ", ".join(f"{k} {v}" for k, v in sorted(self.bytes_by_node.items()))
         fb = f"; {len(self.fallbacks)} fallback(s): {self.fallbacks[0]}" if self.fallbacks else ""
         return (f"step {self.step} on process {self.process}: {self.chunks} chunks, {self.nbytes} bytes in "
-                f"{self.seconds:.3f}s; by source kind: {kinds or 'none'}; by node: {nodes or 'none'}{fb}")
+                f"{self.seconds:.3f}s; by source kind: {kinds or 'none'}; by node: {nodes or 'none'}; phases: "
+                f"{self.timeline.summary()}{fb}")
 
     def to_dict(self) -> dict:
         """A JSON-able form (tests and tools)."""
@@ -208,7 +212,7 @@ class RestoreReport:
                 "bytes_by_kind": dict(self.bytes_by_kind), "bytes_by_node": dict(self.bytes_by_node),
                 "bytes_by_source": dict(self.bytes_by_source),
                 "bytes_by_process": {str(k): v for k, v in self.bytes_by_process.items()},
-                "fallbacks": list(self.fallbacks), "seconds": self.seconds}
+                "fallbacks": list(self.fallbacks), "seconds": self.seconds, "timeline": self.timeline.to_dict()}
 
 
 def plan_fetch(chunks: Iterable[tuple[str, ChunkMeta]], sources: Mapping[int, Sequence[Source]],

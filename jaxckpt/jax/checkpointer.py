@@ -18,6 +18,7 @@ from jaxckpt.core.coordination import Coordinator, LocalCoordinator
 from jaxckpt.core.engine import ArrayRecord, CheckpointEngine, SaveHandle
 from jaxckpt.jax import shards
 from jaxckpt.jax.fused import wrap_step
+from jaxckpt.core.restore import restore_step
 from jaxckpt.jax.restore import restore_tree
 from jaxckpt.jax.tree import Leaf, flatten
 
@@ -139,12 +140,8 @@ class Checkpointer:
         """
         if self.persister is not None:
             return self._restore(target, step).state
-        t0 = time.perf_counter()
-        with self.engine.open(step) as (step, manifests, reader):
-            out = restore_tree(target, manifests, reader, step=step, process=self.engine.process_index)
-        log.info("restored step %d in %.3fs (bytes by source process: %s)", step, time.perf_counter() - t0,
-                 reader.bytes_by_process)
-        return out
+        return restore_step(self.engine, step, lambda step, manifests, reader: restore_tree(
+            target, manifests, reader, step=step, process=self.engine.process_index))
 
     def _restore(self, target: Any, step: int | None):
         """A ``jaxckpt.orbax.persist.Restored``: state, extra state, step and source (memory or persistent)."""

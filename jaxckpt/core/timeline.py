@@ -1,0 +1,92 @@
+"""A restore's timeline: bytes and seconds per phase, as ``last_restore_report.timeline`` carries them.
+
+Phases, in the order a restore meets them (numpy only, no I/O):
+
+  ``discover``          pin the step: find its manifests and the sources of every saving process (engine.open)
+  ``plan``              for every array, the saved chunks that cover the boxes this process needs (once each)
+  ``local_reads``       chunk bytes read from this process's store or this node's agent (source kinds
+                        ``local``, ``node``), verified
+  ``collective``        bytes moved by the framework's collectives (none yet: kept so reports keep one shape)
+  ``peer_fetches``      chunk bytes fetched from another node's agent or another process (``remote``, ``peer``)
+  ``rebuild``           chunk bytes rebuilt from parity or copies on surviving nodes (``rebuild``)
+  ``persistent_reads``  chunk bytes read from the persistent tier through a chunk reader (``persistent``)
+  ``assemble``          host boxes cut and copied out of the fetched chunks
+  ``device_put``        the front end's arrays made from the host boxes (transfer to devices, wrapping)
+
+Reads run on several threads at once, so phases overlap: ``seconds`` is the wall-clock span from a phase's
+first operation's start to its last one's end, ``busy_s`` the operations' durations summed (it may exceed
+``seconds``). A failed read that another source replaced counts its time, not its bytes, in its own phase.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+PHASES = ("discover", "plan", "local_reads", "collective", "peer_fetches", "rebuild", "persistent_reads",
+          "assemble", "device_put")
+# The phase a source kind's reads count under (jaxckpt.core.sources.KINDS); a kind not listed gets a phase of
+# its own name, so its bytes are never silently lost from the sum.
+KIND_PHASE = {"local": "local_reads", "node": "local_reads", "remote": "peer_fetches", "peer": "peer_fetches",
+              "rebuild": "rebuild", "persistent": "persistent_reads"}
+READ_PHASES = ("local_reads", "collective", "peer_fetches", "rebuild", "persistent_reads")
+
+
+@dataclass
+class Phase:
+    """One phase: wall-clock span, summed durations, bytes and operations (chunks, arrays or boxes)."""
+
+    seconds: float = 0.0
+    busy_s: float = 0.0
+    nbytes: int = 0
+    count: int = 0
+    _first: float | None = field(default=None, repr=False, compare=False)
+    _last: float | None = field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict:
+        return {"seconds": self.seconds, "busy_s": self.busy_s, "nbytes": self.nbytes, "count": self.count}
+
+
+class RestoreTimeline:
+    """Per-phase bytes and seconds of one restore (see the module docstring); safe to record from threads."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, Phase] = {name: Phase() for name in PHASES}
+        self._lock = threading.Lock()
+
+    def record(self, name: str, start: float, end: float, nbytes: int = 0, count: int = 1) -> None:
+        """Add one operation of phase ``name`` that ran from ``start`` to ``end`` (``time.perf_counter``)."""
+        with self._lock:
+            p = self.phases.setdefault(name, Phase())
+            p.busy_s += max(0.0, end - start)
+            p.nbytes += nbytes
+            p.count += count
+            p._first = start if p._first is None else min(p._first, start)
+            p._last = end if p._last is None else max(p._last, end)
+            p.seconds = max(0.0, p._last - p._first)
+
+    def read(self, kind: str, start: float, end: float, nbytes: int, count: int = 1) -> None:
+        """Record a chunk read from a source of ``kind`` under its phase."""
+        self.record(KIND_PHASE.get(kind, kind), start, end, nbytes, count)
+
+    def __getitem__(self, name: str) -> Phase:
+        return self.phases[name]
+
+    @property
+    def read_bytes(self) -> int:
+        """Chunk bytes read in every reading phase (what the report's ``bytes_by_kind`` adds up to)."""
+        return sum(p.nbytes for n, p in self.phases.items() if n in READ_PHASES or n not in PHASES)
+
+    def to_dict(self) -> dict:
+        """A JSON-able form: every phase, in order, with seconds, busy_s, nbytes and count."""
+        with self._lock:
+            return {name: p.to_dict() for name, p in self.phases.items()}
+
+    def summary(self) -> str:
+        """The phases that did something, for one log line."""
+        parts = []
+        with self._lock:
+            for name, p in self.phases.items():
+                if p.count or p.nbytes:
+                    size = f"{p.nbytes} bytes " if p.nbytes else ""
+                    parts.append(f"{name} {size}{p.seconds:.3f}s")
+        return ", ".join(parts) or "none"
