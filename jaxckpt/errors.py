@@ -89,3 +89,16 @@ class DataLossError(StepNotFoundError):
                  missing: dict | None = None) -> None:
         super().__init__(message)
         self.step, self.lost_nodes, self.missing = step, tuple(lost_nodes), dict(missing or {})
+
+
+class CoordinationError(CommitError):
+    """A cross-process round failed: a process raised in it or did not arrive in time (raised on every process).
+
+    ``processes`` are the processes that failed, ``round_name`` and ``round_number`` the round
+    (``jaxckpt.core.collective``); the message names all of them.
+    """
+
+    def __init__(self, message: str, *, processes: tuple[int, ...] = (), round_name: str = "",
+                 round_number: int = -1) -> None:
+        super().__init__(message)
+        self.processes, self.round_name, self.round_number = tuple(processes), round_name, round_number

@@ -79,3 +79,6 @@ class TorchStoreCoordinator:
         if not self._store.check([key]):
             return None
         return bytes(self._store.get(key))
+
+    def delete(self, key: str) -> None:
+        self._store.delete_key(key)  # False when it was not set: nothing to do

@@ -34,3 +34,7 @@ class JaxCoordinator:
             if "NOT_FOUND" in str(e).upper():
                 return None
             raise
+
+    def delete(self, key: str) -> None:
+        # The service deletes the key and any keys below ``key/``; our keys never have children.
+        self._client.key_value_delete(key)

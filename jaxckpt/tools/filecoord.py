@@ -44,6 +44,13 @@ class FileCoordinator:
         except FileNotFoundError:
             return None
 
+    def delete(self, key: str) -> None:
+        """Remove ``key`` (no error if it is not set)."""
+        try:
+            os.unlink(self._path(key))
+        except FileNotFoundError:
+            pass
+
     def get(self, key: str, timeout_s: float) -> bytes:
         """Wait up to ``timeout_s`` for ``key``; TimeoutError after that."""
         deadline = time.monotonic() + timeout_s

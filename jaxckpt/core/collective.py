@@ -1,0 +1,366 @@
+"""Every cross-process round of jaxckpt: numbered rounds over a :class:`~jaxckpt.core.coordination.Coordinator`.
+
+In the spirit of torch DCP's ``_DistWrapper``: one small wrapper turns "each process contributes a value, the
+leader (process 0) decides, everyone gets the decision" into one call, with one code path for 1 and N processes
+(one process touches no key at all), one time-out per round and one error raised on every process.
+
+Names and keys. A :class:`Collective` belongs to one Checkpointer instance; its keys live under
+``jaxckpt/<job_id>/<instance>/``. ``instance`` is the number of Collectives this process made before for the same
+``job_id`` (:func:`instance_namespace`). Processes of an SPMD job create their Checkpointers in the same order, so
+the numbers agree without a round (a round would need keys that are unique already): two Checkpointers with one
+``job_id`` at once, one created after another's ``close()``, a ``TieredCheckpointManager`` beside a plain
+``Checkpointer`` each get their own keys. A restarted job gets a new coordination service (or a new directory,
+``jaxckpt.tools.filecoord``) and counts from 0 again. Within an instance, a :class:`Channel` is one thread's
+sequence of rounds (``commit``, ``protect``, ``persist``, ``main``): its rounds are numbered 0, 1, 2, ... and
+happen in the same order on every process; channels are independent, so the commit thread never waits for a
+round of the protection thread.
+
+One round ``n`` of channel ``ch`` (:meth:`Channel.reduce`; broadcast, all_gather and barrier are reductions):
+  0) (every follower) sets ``<ns>/<ch>/<n>/<process>`` to its contribution (the round's name, and its value or
+     the error the callable it contributes raised);
+  1) (leader)   reads and deletes those N-1 keys, waiting at most the round's time-out in all; computes the
+                result (its reduce function over the N values) or the error (naming the failed processes,
+                the round's name and number), and sets ``<ns>/<ch>/<n>/out``;
+  2) (every follower) reads ``out`` (waiting up to twice the time-out: the leader may enter the round late) and
+     returns the result or raises the same :class:`~jaxckpt.errors.CoordinationError` as the leader.
+A follower sets its key of round ``n+1`` only after it has read ``out`` of round ``n``; so once the leader has
+read every follower's key of round ``n+1``, ``out`` of round ``n`` is provably read and the leader deletes it.
+A follower that missed a round (did not arrive in time) has its late key deleted once it is seen again; a
+result some follower never acknowledges is deleted after ``MAX_UNACKED`` newer rounds. At ``close()`` each
+channel that ran a round ends with a one-way :meth:`Channel.gather` (the followers' last acknowledgement), after
+which the leader deletes what is left. So the live keys of an instance are O(processes) whatever the number of
+steps: per channel at most N-1 contributions and one or two results. Per round the leader does about
+2(N-1) + 2 key-value operations and every follower 2 (one set, one blocking get): :meth:`Collective.stats`
+counts them.
+
+Published state (:meth:`Collective.publish`, :meth:`Collective.peek`, :meth:`Collective.unpublish`) is for values
+others poll when they need them (a restarted node agent's address, an early protection decision); its owners
+keep it bounded (a fixed ring of two slots, or deletion once the matching round has run).
+
+Values are msgpack (lists, dicts, str, bytes, int, float, bool, None), never pickle.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+import msgpack
+
+from jaxckpt.core.coordination import Coordinator
+from jaxckpt.errors import CoordinationError
+
+log = logging.getLogger("jaxckpt.core.collective")
+
+MAX_UNACKED = 64  # results kept for a follower that stopped answering before they are deleted anyway
+_instances: dict[str, itertools.count] = defaultdict(itertools.count)
+_instances_lock = threading.Lock()
+
+
+def instance_namespace(job_id: str) -> str:
+    """The key prefix of the next Checkpointer instance of ``job_id`` in this process (see the module docstring)."""
+    with _instances_lock:
+        return f"jaxckpt/{job_id}/{next(_instances[job_id])}"
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(raw: bytes) -> Any:
+    return msgpack.unpackb(raw, raw=False, strict_map_key=False)
+
+
+class Collective:
+    """The rounds of one Checkpointer instance over ``coordinator`` (see the module docstring)."""
+
+    def __init__(self, coordinator: Coordinator, namespace: str, timeout_s: float) -> None:
+        self.coordinator = coordinator
+        self.namespace = namespace
+        self.timeout_s = float(timeout_s)
+        self.process_index, self.process_count = coordinator.process_index, coordinator.process_count
+        self._channels: dict[str, Channel] = {}
+        self._lock = threading.Lock()
+        self._ops = {"sets": 0, "gets": 0, "try_gets": 0, "deletes": 0}
+        self._closed = False
+
+    @classmethod
+    def for_job(cls, coordinator: Coordinator, job_id: str, timeout_s: float) -> "Collective":
+        """A Collective under a new instance namespace of ``job_id``."""
+        return cls(coordinator, instance_namespace(job_id), timeout_s)
+
+    def channel(self, name: str) -> "Channel":
+        """The channel ``name`` (one thread's sequence of rounds), made on first use."""
+        if "/" in name:
+            raise ValueError(f"channel name {name!r} must not contain '/'")
+        with self._lock:
+            ch = self._channels.get(name)
+            if ch is None:
+                ch = self._channels[name] = Channel(self, name)
+            return ch
+
+    # ------------------------------------------------------------------------ counted key-value operations
+    def _count(self, op: str) -> None:
+        with self._lock:
+            self._ops[op] += 1
+
+    def _set(self, key: str, value: bytes) -> None:
+        self._count("sets")
+        self.coordinator.set(key, value)
+
+    def _get(self, key: str, timeout_s: float) -> bytes:
+        self._count("gets")
+        return self.coordinator.get(key, timeout_s)
+
+    def _try_get(self, key: str) -> bytes | None:
+        self._count("try_gets")
+        return self.coordinator.try_get(key)
+
+    def _delete(self, key: str) -> None:
+        self._count("deletes")
+        try:
+            self.coordinator.delete(key)
+        except Exception as e:  # noqa: BLE001 - a key left behind is a leak, not a failure of the round
+            log.warning("could not delete coordination key %s: %s", key, e)
+
+    def stats(self) -> dict[str, int]:
+        """Key-value operations this process did so far (sets, gets, try_gets, deletes) and rounds run."""
+        with self._lock:
+            out = dict(self._ops)
+            out["rounds"] = sum(ch.rounds for ch in self._channels.values())
+        return out
+
+    # ------------------------------------------------------------------------------------ published state
+    def _pub_key(self, name: str) -> str:
+        return f"{self.namespace}/pub/{name}"
+
+    def publish(self, name: str, value: Any) -> None:
+        """Set published value ``name`` (once; :meth:`unpublish` it before setting it again)."""
+        self._set(self._pub_key(name), _pack(value))
+
+    def peek(self, name: str) -> Any:
+        """The published value ``name`` now, or None."""
+        raw = self._try_get(self._pub_key(name))
+        return None if raw is None else _unpack(raw)
+
+    def unpublish(self, name: str) -> None:
+        """Delete published value ``name`` (no error if it is not set)."""
+        self._delete(self._pub_key(name))
+
+    # ---------------------------------------------------------------------------------------------- close
+    def close(self, timeout_s: float | None = None) -> None:
+        """End every channel that ran a round (see the module docstring); call once the threads using the
+        channels are done. Waits at most ``timeout_s`` (default: the time-out) in all for the followers."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            channels = list(self._channels.values())
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        for ch in channels:
+            ch._close(deadline)
+
+
+class Channel:
+    """One thread's numbered rounds of a :class:`Collective` (see the module docstring)."""
+
+    def __init__(self, collective: Collective, name: str) -> None:
+        self._c = collective
+        self.name = name
+        self.rounds = 0
+        self._lock = threading.Lock()
+        self._unacked: list[tuple[str, set[int]]] = []  # leader: results and late keys -> followers to see first
+        self._absent: set[int] = set()  # leader: followers that missed the last round (not waited for at close)
+        self._closed = False
+
+    @property
+    def process_index(self) -> int:
+        return self._c.process_index
+
+    @property
+    def process_count(self) -> int:
+        return self._c.process_count
+
+    def _describe(self, name: str, n: int) -> str:
+        return f"round {name!r} #{n} of channel {self.name!r} ({self._c.namespace})"
+
+    # ------------------------------------------------------------------------------------------ the rounds
+    def reduce(self, name: str, value: Any, fn: Callable[[list], Any], timeout_s: float | None = None) -> Any:
+        """Every process contributes ``value`` (or ``value()``'s result, when callable: an exception it raises
+        is the contribution), the leader maps the N contributions (by process) to ``fn(values)``, every process
+        returns that. Raises :class:`CoordinationError`, the same on every process, when a process raised, did
+        not arrive within the time-out, or ``fn`` raised."""
+        return self._round(name, value, fn, timeout_s, publish=True)
+
+    def all_gather(self, name: str, value: Any, timeout_s: float | None = None) -> list:
+        """Every process's ``value``, by process, on every process."""
+        return self._round(name, value, list, timeout_s, publish=True)
+
+    def broadcast(self, name: str, value: Any, timeout_s: float | None = None) -> Any:
+        """The leader's ``value`` on every process (the followers' ``value`` is ignored; pass None)."""
+        mine = value if self.process_index == 0 else None
+        return self._round(name, mine, lambda xs: xs[0], timeout_s, publish=True)
+
+    def barrier(self, name: str, timeout_s: float | None = None) -> None:
+        """Return once every process has reached this round (or raise as :meth:`reduce` does)."""
+        self._round(name, None, lambda xs: None, timeout_s, publish=True)
+
+    def gather(self, name: str, value: Any, timeout_s: float | None = None) -> list | None:
+        """One way: the leader returns every process's ``value``, the followers return None at once, without
+        waiting (and so without learning of a failure: only the leader raises). For a decision every process
+        needs, use :meth:`reduce`."""
+        return self._round(name, value, list, timeout_s, publish=False)
+
+    def _round(self, name: str, value: Any, fn: Callable[[list], Any], timeout_s: float | None,
+               publish: bool, closing: bool = False) -> Any:
+        with self._lock:
+            if self._closed:
+                raise CoordinationError(f"{self._describe(name, self.rounds)}: the channel is closed")
+            n = self.rounds
+            self.rounds += 1
+            timeout = self._c.timeout_s if timeout_s is None else float(timeout_s)
+            ok, payload = True, value
+            if callable(value):
+                try:
+                    payload = value()
+                except Exception as e:  # noqa: BLE001 - the contribution is the error, raised everywhere
+                    ok, payload = False, f"{type(e).__name__}: {e}"
+            if self.process_count == 1:
+                if not ok:
+                    raise CoordinationError(f"{self._describe(name, n)}: process 0 raised {payload}",
+                                            processes=(0,), round_name=name, round_number=n)
+                return _apply(fn, [payload], self._describe(name, n), name, n)
+            base = f"{self._c.namespace}/{self.name}/{n}"
+            if self.process_index == 0:
+                return self._lead(name, n, base, ok, payload, fn, timeout, publish, closing)
+            return self._follow(name, n, base, ok, payload, timeout, publish)
+
+    def _follow(self, name: str, n: int, base: str, ok: bool, payload: Any, timeout: float, publish: bool) -> Any:
+        c = self._c
+        try:
+            c._set(f"{base}/{self.process_index}", _pack([name, ok, payload]))
+        except Exception as e:  # noqa: BLE001
+            raise CoordinationError(f"{self._describe(name, n)}: process {self.process_index} could not send its "
+                                    f"contribution: {e}", processes=(self.process_index,), round_name=name,
+                                    round_number=n) from e
+        if not publish:
+            return None
+        try:
+            raw = c._get(f"{base}/out", 2 * timeout)
+        except TimeoutError:
+            raise CoordinationError(f"{self._describe(name, n)}: process 0 (the leader) published no result "
+                                    f"within {2 * timeout:g}s", processes=(0,), round_name=name,
+                                    round_number=n) from None
+        done, result = _unpack(raw)
+        if not done:
+            failed, message = result
+            raise CoordinationError(message, processes=tuple(failed), round_name=name, round_number=n)
+        return result
+
+    def _lead(self, name: str, n: int, base: str, ok: bool, payload: Any, fn: Callable[[list], Any],
+              timeout: float, publish: bool, closing: bool) -> Any:
+        c, what = self._c, self._describe(name, n)
+        values: list[Any] = [payload] + [None] * (self.process_count - 1)
+        failures: list[tuple[int, str]] = [] if ok else [(0, f"raised {payload}")]
+        seen: set[int] = set()
+        deadline = time.monotonic() + timeout
+        for q in range(1, self.process_count):
+            key = f"{base}/{q}"
+            left = deadline - time.monotonic()
+            try:
+                # Once the time-out is spent, only look (at close: not at all for a follower gone already).
+                raw = c._get(key, left) if left > 0 and not (closing and q in self._absent) else c._try_get(key)
+            except TimeoutError:
+                raw = None
+            except Exception as e:  # noqa: BLE001 - an unreachable service: this follower's part is missing
+                log.warning("%s: could not read the contribution of process %d: %s", what, q, e)
+                raw = None
+            if raw is None:
+                failures.append((q, f"did not arrive within {timeout:g}s"))
+                self._absent.add(q)
+                self._unacked.append((key, {q}))  # its late key, deleted once it is seen again
+                continue
+            seen.add(q)
+            self._absent.discard(q)
+            c._delete(key)
+            try:
+                their_name, their_ok, their_payload = _unpack(raw)
+            except Exception as e:  # noqa: BLE001
+                failures.append((q, f"sent an unreadable contribution ({e})"))
+                continue
+            if their_name != name:
+                failures.append((q, f"is in round {their_name!r} instead (the processes ran different rounds)"))
+            elif not their_ok:
+                failures.append((q, f"raised {their_payload}"))
+            else:
+                values[q] = their_payload
+        self._retire(seen)
+        if failures:
+            failed = tuple(q for q, _ in failures)
+            message = f"{what}: " + "; ".join(f"process {q} {why}" for q, why in failures)
+            out, error = [False, [list(failed), message]], CoordinationError(
+                message, processes=failed, round_name=name, round_number=n)
+        else:
+            try:
+                result = _apply(fn, values, what, name, n)
+            except CoordinationError as e:
+                out, error = [False, [[0], str(e)]], e
+            else:
+                out, error = [True, result], None
+        if publish:
+            key = f"{base}/out"
+            try:
+                c._set(key, _pack(out))
+            except Exception as e:  # noqa: BLE001 - the followers time out and raise naming the leader
+                log.error("%s: could not publish the result: %s", what, e)
+            else:
+                self._unacked.append((key, set(range(1, self.process_count))))
+            self._trim()
+        if error is not None:
+            raise error
+        return out[1] if publish else values
+
+    def _retire(self, seen: set[int]) -> None:
+        """Delete what the followers ``seen`` in this round have provably read (or set) by now."""
+        keep = []
+        for key, need in self._unacked:
+            need -= seen
+            if need:
+                keep.append((key, need))
+            else:
+                self._c._delete(key)
+        self._unacked = keep
+
+    def _trim(self) -> None:
+        while len(self._unacked) > MAX_UNACKED:
+            key, need = self._unacked.pop(0)
+            log.warning("channel %r: deleting %s, never acknowledged by process(es) %s", self.name, key,
+                        sorted(need))
+            self._c._delete(key)
+
+    def _close(self, deadline: float) -> None:
+        if self.rounds == 0 or self.process_count == 1:
+            self._closed = True
+            return
+        left = max(0.0, deadline - time.monotonic())
+        try:
+            self._round("close", None, list, left, publish=False, closing=True)
+        except CoordinationError as e:  # a follower gone: what it never read goes anyway
+            log.info("channel %r: %s", self.name, e)
+        with self._lock:
+            self._closed = True
+            if self.process_index == 0:
+                for key, _ in self._unacked:
+                    self._c._delete(key)
+                self._unacked = []
+
+
+def _apply(fn: Callable[[list], Any], values: list, what: str, name: str, n: int) -> Any:
+    try:
+        return fn(values)
+    except Exception as e:  # noqa: BLE001 - the leader's reduction failed: every process hears of it
+        raise CoordinationError(f"{what}: process 0 raised {type(e).__name__}: {e} while reducing",
+                                processes=(0,), round_name=name, round_number=n) from e
