@@ -107,6 +107,32 @@ def test_from_json_rerenders_without_measuring(quick, tmp_path, capsys):
     assert report.render(quick["json"]) in capsys.readouterr().out
 
 
+def _section(text: str, name: str) -> str:
+    begin, end = report.markers(name)
+    return text[text.index(begin):text.index(end) + len(end)]
+
+
+def test_a_recorded_run_keeps_its_json_beside_the_plots_and_rerenders_from_it(quick, tmp_path):
+    """``--update-md`` keeps the result in docs/bench/ next to the markdown file (the --json path and the
+    bench-results/ directory are not in the repository); the section re-renders from that copy alone."""
+    kept = quick["dir"] / "docs" / "bench" / "save.json"
+    assert kept.is_file(), f"no {kept}"
+    assert report.read_json(kept) == quick["json"]
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text("<!-- bench:save:begin -->\nold\n<!-- bench:save:end -->\n")
+    assert cli.main(["bench", "save", "--from-json", str(kept), "--update-md", str(md)]) == 0
+    assert _section(md.read_text(), "save") == _section(quick["md"].read_text(), "save")
+    assert report.read_json(tmp_path / "docs" / "bench" / "save.json") == quick["json"]  # recorded there too
+
+
+def test_record_json_leaves_an_identical_file_alone(tmp_path):
+    first = report.record_json(tmp_path, "save", {"bench": "save", "x": [1, 2.5]})
+    mtime = first.stat().st_mtime_ns
+    assert report.record_json(tmp_path, "save", {"bench": "save", "x": [1, 2.5]}).stat().st_mtime_ns == mtime
+    report.record_json(tmp_path, "save", {"bench": "save", "x": [3]})
+    assert report.read_json(first) == {"bench": "save", "x": [3]}
+
+
 def test_cli_in_a_process_that_imported_jax_measures_in_a_subprocess(tmp_path):
     # This pytest process has jax imported (conftest), so the CLI must hand over to `python -m jaxckpt.tools.bench.save`.
     assert "jax" in sys.modules

@@ -192,6 +192,22 @@ def test_render_only_rerenders_without_measuring(suite, tmp_path):
         assert (tmp_path / "docs" / "bench" / "restore_time.png").exists()
 
 
+def test_recorded_json_is_kept_beside_the_plots_and_rerenders_every_section(suite, tmp_path):
+    """The --out directory is not in the repository; docs/bench/ (beside the plots) is, with every JSON the
+    sections were rendered from, and re-rendering from it alone gives the same sections."""
+    kept = suite["dir"] / "docs" / "bench"
+    for name in EXPECTED:
+        assert report.read_json(kept / f"{name}.json") == suite["results"][name], name
+    assert report.read_json(kept / "all.json") == report.read_json(suite["out"] / "all.json")
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text(PROSE)
+    assert cli.main(["bench", "all", "--render-only", "--out", str(kept), "--update-md", str(md)]) == 0
+    text, want = md.read_text(), suite["md"].read_text()
+    for name in [*EXPECTED, "all"]:
+        begin, end = report.markers(name)
+        assert text[text.index(begin):text.index(end)] == want[want.index(begin):want.index(end)], name
+
+
 def test_a_failed_benchmark_is_reported_and_leaves_no_stale_result(suite, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

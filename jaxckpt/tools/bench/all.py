@@ -5,8 +5,10 @@ with the device count that benchmark sets, nothing shared between them), one aft
 measures while another loads the machine. Its output goes to ``OUT/NAME.log``. Afterwards every result JSON in
 OUT is rendered by that benchmark's own renderer, plots are drawn from the same JSON (matplotlib, the optional
 ``plots`` extra; without it, tables only, with a logged note), and with ``--update-md`` each section of the
-markdown file is replaced between its ``<!-- bench:NAME:begin/end -->`` markers. ``--render-only`` redoes that
-last part from an existing OUT without measuring.
+markdown file is replaced between its ``<!-- bench:NAME:begin/end -->`` markers and every JSON it rendered
+(``all.json`` included) is kept beside the plots (``docs/bench/`` next to that file, or ``--plots-dir``), since
+OUT is not in the repository. ``--render-only`` redoes that last part from an existing OUT without measuring;
+``--render-only --out docs/bench --update-md BENCHMARKS.md`` re-renders the recorded sections.
 
 The full run's sizes are chosen to finish in under 20 minutes on the 2-core, 24 GiB machine this project runs
 on (``FULL_ARGS``; the suite summary records each benchmark's wall time); ``--quick`` runs every benchmark's own
@@ -54,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                           "(default bench-results/)")
     p.add_argument("--update-md", metavar="PATH", help="rewrite the benchmark sections of this markdown file")
     p.add_argument("--plots-dir", default=None,
-                   help="where the PNG plots go (default: docs/bench next to --update-md, else OUT/plots)")
+                   help="where the PNG plots (and, with --update-md, the JSON of each section) go "
+                        "(default: docs/bench next to --update-md, else OUT/plots)")
     p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(BENCHES)}")
     p.add_argument("--skip", default="", help="comma-separated benchmarks to leave out")
     p.add_argument("--render-only", action="store_true",
@@ -176,7 +179,7 @@ def render(out: Path, names: list[str], summary: Mapping[str, Any] | None, *, up
     """Every section (plus the suite summary) from the JSON in ``out``; returns {section: markdown}."""
     results = load_results(out, names)
     md_dir = Path(update_md).resolve().parent if update_md else out.resolve()
-    pdir = Path(plots_dir) if plots_dir else (md_dir / "docs" / "bench" if update_md else out / "plots")
+    pdir = Path(plots_dir) if plots_dir else (report.record_dir(update_md) if update_md else out / "plots")
     made: dict[str, list[tuple[str, Path]]] = {}
     from jaxckpt.tools.bench import plots
     if not results:
@@ -203,6 +206,7 @@ def render(out: Path, names: list[str], summary: Mapping[str, Any] | None, *, up
         print(body + "\n")
         if update_md:
             report.replace_section(update_md, name, body)
+            report.record_json(pdir, name, summary if name == "all" else results[name])
     return sections
 
 
@@ -217,7 +221,9 @@ def render_summary(summary: Mapping[str, Any], extra: str = "") -> str:
              report.fmt_num(r["seconds"]), f"`{r['command']}`"] for r in summary["runs"]]
     parts.append(report.table(["benchmark", "result", "wall time s", "command"], rows))
     parts += ["", f"Total: {report.fmt_num(summary['total_seconds'])} s (budget {summary['budget_seconds']} s). "
-                  f"Raw results: one JSON per benchmark in the `--out` directory."]
+                  f"Raw results: one JSON per benchmark in the `--out` directory; those of the sections on this "
+                  f"page are kept in `docs/bench/` (`jaxckpt bench all --render-only --out docs/bench "
+                  f"--update-md BENCHMARKS.md` re-renders them)."]
     if extra:
         parts += ["", extra]
     return "\n".join(parts)

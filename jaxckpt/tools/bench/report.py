@@ -2,6 +2,8 @@
 
 Every number in BENCHMARKS.md comes from a results JSON through ``render``; a section of the file lives between
 ``<!-- bench:NAME:begin -->`` and ``<!-- bench:NAME:end -->`` and ``replace_section`` rewrites only that part.
+A recorded run (``--update-md``) also keeps its JSON beside the plots (``record_json``, in ``docs/bench/`` next to
+the markdown file), so every section can be re-rendered from the repository alone.
 """
 from __future__ import annotations
 
@@ -260,3 +262,20 @@ def replace_section(path: str | os.PathLike, name: str, body: str) -> Path:
     tmp.replace(p)
     log.info("updated section %r of %s", name, p)
     return p
+
+
+def record_dir(md_path: str | os.PathLike) -> Path:
+    """Where a recorded run keeps its JSON and plots: ``docs/bench`` next to the markdown file it updates."""
+    return Path(md_path).resolve().parent / "docs" / "bench"
+
+
+def record_json(directory: str | os.PathLike, name: str, result: Mapping[str, Any]) -> Path:
+    """Keep the result a section was rendered from as ``directory/NAME.json`` (the raw ``--out``/``--json`` files
+    are not in the repository); a file that already holds ``result`` is left as it is."""
+    p = Path(directory) / f"{name}.json"
+    try:
+        if p.exists() and read_json(p) == json.loads(json.dumps(result, allow_nan=False)):
+            return p
+    except ValueError:  # not JSON (a partial write): replaced below
+        pass
+    return write_json(p, result)

@@ -3,7 +3,9 @@
 A benchmark module supplies ``options(args)`` (effective settings; ValueError for bad ones, refused before anything
 is measured), a measure function and a renderer; this module does the rest the same way for all of them:
 ``--from-json`` renders without measuring, ``--json`` keeps the raw result, ``--update-md`` rewrites the
-benchmark's own section of a markdown file, and the rendered markdown goes to stdout.
+benchmark's own section of a markdown file and keeps the result it rendered in ``docs/bench/NAME.json`` beside
+that file (``report.record_json``: what ``--from-json`` re-renders the section from), and the rendered markdown
+goes to stdout.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ def output_arguments(p: argparse.ArgumentParser, name: str, quick_help: str, tim
     if timeout is not None:
         p.add_argument("--timeout", type=float, default=timeout, help="limit for each launched process, in seconds")
     p.add_argument("--json", metavar="PATH", help="write the results here")
-    p.add_argument("--update-md", metavar="PATH", help=f"rewrite the bench:{name} section of this markdown file")
+    p.add_argument("--update-md", metavar="PATH", help=f"rewrite the bench:{name} section of this markdown file "
+                                                       f"and keep its JSON in docs/bench/{name}.json beside it")
     p.add_argument("--from-json", metavar="PATH", help="measure nothing: render (and --update-md) this result file")
 
 
@@ -55,6 +58,7 @@ def run(args: argparse.Namespace, name: str, options: Callable[[argparse.Namespa
     md = render(result)
     if args.update_md:
         report.replace_section(args.update_md, name, md)
+        report.record_json(report.record_dir(args.update_md), name, result)
     print(md)
     return 0
 

@@ -170,9 +170,17 @@ def _merge(size: str, per_proc: list[dict], memcpy: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Drive the benchmark: memcpy first, then each size in ``--procs`` launched processes."""
+    """Drive the benchmark: memcpy first, then each size in ``--procs`` launched processes (or, with
+    ``--from-json``, measure nothing and render that result)."""
     import importlib.util
 
+    if args.from_json:
+        from jaxckpt.tools.bench.report import read_json
+
+        result = read_json(args.from_json)
+        _update_md(args, result)
+        print(render_stall(result))
+        return 0
     if not all(importlib.util.find_spec(m) for m in ("flax", "optax")):
         log.error("bench stall trains a Flax GPT: pip install 'jaxckpt[bench]' (flax and optax)")
         return 2
@@ -205,12 +213,19 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     if args.json:
         write_json(args.json, result)
-    if args.update_md:
-        from jaxckpt.tools.bench.report import replace_section
-        replace_section(args.update_md, "stall", render_stall(result))
+    _update_md(args, result)
     for row in result["results"]:
         log.info("size %s: %s", row["size"], {k: round(v, 4) for k, v in row["summary"].items() if v is not None})
     return 0
+
+
+def _update_md(args: argparse.Namespace, result: dict) -> None:
+    """With ``--update-md``: the stall section, and its JSON kept beside the plots (docs/bench/stall.json)."""
+    if args.update_md:
+        from jaxckpt.tools.bench.report import record_dir, record_json, replace_section
+
+        replace_section(args.update_md, "stall", render_stall(result))
+        record_json(record_dir(args.update_md), "stall", result)
 
 
 def command(args: argparse.Namespace) -> str:
@@ -277,5 +292,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--quick", action="store_true", help="tiny model, 3 steps: checks the machinery, not speed")
     p.add_argument("--json", default="", help="write results here")
-    p.add_argument("--update-md", default="", help="regenerate this BENCHMARKS.md's stall section")
+    p.add_argument("--update-md", default="", help="regenerate this BENCHMARKS.md's stall section (and keep its "
+                                                   "JSON in docs/bench/stall.json beside it)")
+    p.add_argument("--from-json", default="", metavar="PATH", help="measure nothing: render (and --update-md) "
+                                                                   "this result file")
     p.set_defaults(run=run)
