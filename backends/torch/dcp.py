@@ -1,0 +1,457 @@
+"""PyTorch DCP on jaxckpt's stores: ``dcp.save(sd, storage_writer=JaxckptWriter(...))`` and ``dcp.load``.
+
+``JaxckptWriter`` / ``JaxckptReader`` implement ``torch.distributed.checkpoint``'s ``StorageWriter`` /
+``StorageReader``, so ``dcp.save``, ``dcp.async_save`` and ``dcp.load`` run unchanged and DCP's own planner
+decides what each rank writes and reads (resharding included). Where the bytes go is jaxckpt's: one store slot
+per rank and checkpoint (``Config.store``: ``"memory"`` in this process, ``"shm"`` in the node agent's shared
+memory, where it outlives the process).
+
+Checkpoint ids. A checkpoint is a store step: ``checkpoint_id`` (given to the constructor or to ``dcp.save`` /
+``dcp.load``, which pass it to ``reset``) is an int >= 0, or a string ``"12"``, ``"step_12"``, ``"step-12"`` or
+``"jaxckpt://12"``; anything else raises :class:`jaxckpt.errors.StepError`. Saving needs an id; loading without
+one reads the newest checkpoint the coordinator's store holds. Saving an id again replaces it. Each rank's store
+keeps the ``Config.keep`` highest steps (as for ``Checkpointer``); give DCP checkpoints a ``job_id`` of their
+own, a ``Checkpointer`` of the same job and store would see their slots as foreign snapshots.
+
+Save, in DCP's call order (ranks are those of the process group DCP runs on):
+
+0) (all ranks) ``reset(checkpoint_id)``; 1) ``set_up_storage_writer``; 2) ``prepare_local_plan``: unchanged.
+3) (coordinator) ``prepare_global_plan``: stamps every rank's plan with one save id and the rank's index.
+4) (all ranks) ``write_data``: reserves one slot of the exact size at step = checkpoint id in the rank's own
+   store, copies each ``WriteItem`` into it (tensors straight from the live tensor, 64-byte aligned; ``BytesIO``
+   items as the raw bytes DCP serialised) with a crc32c each, and commits it; the coordinator keeps its slot
+   uncommitted. Each WriteResult carries a :class:`Locator` (rank, offset, size, crc32c).
+5) (coordinator) ``finish(metadata, results)``: encodes DCP's ``Metadata`` with every locator as msgpack
+   (``dcp_metadata``: no pickle; what cannot be encoded is refused) and commits its slot with it as the
+   manifest. A checkpoint exists once that commit is done: a save that fails anywhere leaves no metadata.
+
+Load: ``read_metadata`` (all ranks): group rank 0 reads the metadata from its own store and broadcasts it (or
+its error) as bytes. ``read_data`` (all ranks, DCP's planner having assigned each rank its ``ReadItem`` list):
+
+- a chunk in the rank's own slot is read there, zero-copy;
+- a chunk in the slot of another rank of the group is sent by that rank: two ``all_to_all`` rounds on the
+  group (the chunk numbers each rank needs from each owner, then the bytes), so every rank reads only what its
+  new sharding needs and the collective carries it, on one node or many (no cross-node shortcut);
+- a chunk saved by a rank the group no longer has (saved on 4 ranks, loaded on 2) is read from the node agent's
+  shared memory with ``store="shm"`` (that rank's slot outlives it); with ``store="memory"`` it is gone: a
+  :class:`jaxckpt.errors.StepNotFoundError` names the chunk and the rank.
+
+Every chunk's crc32c is checked where it is read, by its owner before it is sent (``Config.verify_on_restore``);
+a mismatch raises :class:`jaxckpt.errors.ChecksumError` naming the chunk, rank and step, on every rank, and no
+rank waits in a collective for one that failed (``dcp_exchange.agree``). DCP wraps errors raised inside its
+steps in its ``CheckpointException``; the jaxckpt error is in ``.failures[rank][0]``.
+
+Non-tensor values: DCP turns them into ``BytesIO`` with ``torch.save`` and they are stored as those raw bytes.
+Loading them is DCP's business: the default load planner calls ``torch.load(..., weights_only=False)`` on them
+(torch 2.13), which unpickles; jaxckpt's own layer never does. Load checkpoints only from stores you trust, or
+keep non-tensor state out of the DCP state dict.
+
+The process group must have a CPU backend (gloo, or ``"cpu:gloo,cuda:nccl"``) and be the one DCP runs on; pass
+the same ``process_group`` to the writer/reader and to ``dcp.save``/``dcp.load``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import math
+import os
+import re
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgpack
+import torch
+import torch.distributed as dist
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner,
+                                                  WriteItem, WriteItemType)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from jaxckpt.backends.torch import dcp_exchange as xc
+from jaxckpt.backends.torch import dcp_metadata
+from jaxckpt.backends.torch.dcp_exchange import align, byte_tensor
+from jaxckpt.backends.torch.dcp_metadata import Locator, StorageIndex, pack_slot_manifest, unpack_slot_manifest
+from jaxckpt.backends.torch.dcp_read import ChunkSet
+from jaxckpt.config import Config
+from jaxckpt.core.checksum import crc32c
+from jaxckpt.core.registry import get_store_class
+from jaxckpt.core.store import Slot, Store
+from jaxckpt.errors import JaxckptError, ManifestError, PlanError, StepError, StepNotFoundError
+
+log = logging.getLogger("jaxckpt.backends.torch.dcp")
+
+_ID = re.compile(r"(?:jaxckpt://)?(?:step[_-]?)?(\d+)")
+
+__all__ = ["JaxckptReader", "JaxckptWriter", "checkpoint_step"]
+
+
+def checkpoint_step(checkpoint_id: Any) -> int:
+    """The store step a DCP ``checkpoint_id`` names (see the module docstring); StepError if it names none."""
+    if isinstance(checkpoint_id, int) and not isinstance(checkpoint_id, bool):
+        if checkpoint_id >= 0:
+            return checkpoint_id
+    elif isinstance(checkpoint_id, (str, os.PathLike)):
+        m = _ID.fullmatch(os.fspath(checkpoint_id))
+        if m:
+            return int(m.group(1))
+    raise StepError(f"checkpoint_id {checkpoint_id!r} is not a jaxckpt checkpoint id: use a step number, an int "
+                    f">= 0 or a string '12', 'step_12', 'step-12' or 'jaxckpt://12'")
+
+
+def _group_of(process_group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int]:
+    """(group or None when there is one rank, rank, world) of the process group DCP will run on."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, 0, 1
+    group = process_group if process_group is not None else dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    return (group if world > 1 else None), rank, world
+
+
+def _make_store(config: Config | None, store: Store | None, rank: int, world: int) -> tuple[Config, Store, bool]:
+    if store is not None:
+        if config is not None and config is not store.config:
+            raise PlanError("pass either a config or a store to the DCP writer/reader, not both")
+        if store.process_index != rank:
+            raise PlanError(f"the given {store.name} store belongs to process {store.process_index}, but this "
+                            f"process is rank {rank} of the DCP process group")
+        return store.config, store, False
+    config = config or Config()
+    return config, get_store_class(config.store)(config, process_index=rank, process_count=world), True
+
+
+@dataclass(frozen=True)
+class _SaveTag:
+    """``SavePlan.storage_data`` set by the coordinator: one id per save, and the plan's rank."""
+
+    save_id: str
+    rank: int
+    world: int
+
+
+class JaxckptWriter(StorageWriter):
+    """A DCP ``StorageWriter`` into jaxckpt's store ``config.store`` (see the module docstring).
+
+    ``store``: an existing store to write into (for ``store="memory"``, share it with the reader:
+    ``JaxckptReader(store=writer.store)``); otherwise one is made from ``config`` for this rank and closed by
+    :meth:`close`.
+    """
+
+    def __init__(self, checkpoint_id: Any = None, *, config: Config | None = None, store: Store | None = None,
+                 process_group: dist.ProcessGroup | None = None) -> None:
+        _, self.rank, self.world = _group_of(process_group)
+        self.config, self.store, self._owns_store = _make_store(config, store, self.rank, self.world)
+        self.checkpoint_id: str | None = None
+        self._step: int | None = None
+        self._pending: tuple[Slot, dict] | None = None  # the coordinator's slot, committed by finish()
+        if checkpoint_id is not None:
+            self.reset(checkpoint_id)
+
+    # ---------------------------------------------------------------------------------------- DCP's calls
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """Start a new save; ``checkpoint_id`` names its step (kept from the last call if None)."""
+        self._abort_pending()
+        if checkpoint_id is not None:
+            self._step = checkpoint_step(checkpoint_id)
+            self.checkpoint_id = os.fspath(checkpoint_id) if not isinstance(checkpoint_id, int) else str(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """Whether ``checkpoint_id`` names a step (see the module docstring)."""
+        try:
+            checkpoint_step(checkpoint_id)
+            return True
+        except StepError:
+            return False
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Refuses a save without a checkpoint id: a step must be named."""
+        self._is_coordinator = is_coordinator
+        if self._step is None:
+            raise StepError("dcp.save with a JaxckptWriter needs a checkpoint_id (the step to save), given to "
+                            "JaxckptWriter(checkpoint_id) or dcp.save(..., checkpoint_id=...)")
+
+    def storage_meta(self) -> StorageMeta | None:
+        """The checkpoint id, recorded in DCP's metadata."""
+        return StorageMeta(checkpoint_id=self.checkpoint_id)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Unchanged: DCP's planner decides what this rank writes."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """(coordinator) Stamp each rank's plan with this save's id and the rank's index."""
+        save_id = uuid.uuid4().hex
+        return [dataclasses.replace(p, storage_data=_SaveTag(save_id, i, len(plans))) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Copy every item of ``plan`` into one slot of this rank's store, with a crc32c each (see docstring)."""
+        tag = plan.storage_data
+        if not isinstance(tag, _SaveTag):
+            raise PlanError(f"step {self._step}: the save plan of rank {self.rank} has storage_data {tag!r}, not "
+                            f"the coordinator's JaxckptWriter stamp: every rank must save with a JaxckptWriter")
+        if tag.rank != self.store.process_index:
+            raise PlanError(f"step {self._step}: DCP planned rank {tag.rank}, but this writer's store is that of "
+                            f"process {self.store.process_index}: give JaxckptWriter the process_group of dcp.save")
+        step = self._step
+        layout, pos = [], 0
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                data = planner.resolve_data(item)
+                raw = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(bytes(data))
+                layout.append((item, pos, len(raw), raw))
+                pos = align(pos + len(raw))
+            else:
+                td = item.tensor_data
+                n = math.prod(td.chunk.sizes) * torch._utils._element_size(td.properties.dtype)
+                layout.append((item, pos, n, None))
+                pos = align(pos + n)
+        slot = self._reserve(step, pos)
+        try:
+            crcs = self._copy(slot, layout, planner, step)
+        except BaseException:
+            self.store.abort(slot)
+            raise
+        chunks = [[it.index.fqn, off, n, crc] for (it, off, n, _), crc in zip(layout, crcs)]
+        body = {"save_id": tag.save_id, "rank": tag.rank, "world": tag.world, "step": step,
+                "checkpoint_id": self.checkpoint_id, "chunks": chunks}
+        if self._is_coordinator:
+            self._pending = (slot, body)
+        else:
+            self._commit(slot, body)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result([WriteResult(index=it.index, size_in_bytes=n, storage_data=Locator(tag.rank, off, n, crc))
+                        for (it, off, n, _), crc in zip(layout, crcs)])
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """(coordinator) Commit this rank's slot with DCP's metadata and every rank's locators as its manifest."""
+        if self._pending is None:
+            raise PlanError(f"step {self._step}: finish() without a write_data() of this coordinator before it")
+        slot, body = self._pending
+        self._pending = None
+        try:
+            locators: dict[MetadataIndex, Locator] = {}
+            for rank_results in results:
+                for wr in rank_results:
+                    if not isinstance(wr.storage_data, Locator):
+                        raise PlanError(f"step {slot.step}: the write result of {wr.index.fqn} was not made by a "
+                                        f"JaxckptWriter (storage_data {wr.storage_data!r})")
+                    locators[wr.index] = wr.storage_data
+            body["metadata"] = dcp_metadata.encode(metadata, StorageIndex(body["save_id"], slot.step, body["world"],
+                                                                          locators))
+            self._commit(slot, body)
+        except BaseException:
+            self.store.abort(slot)
+            raise
+        log.info("DCP checkpoint %s committed at step %d: %d chunks from %d ranks", self.checkpoint_id, slot.step,
+                 len(locators), body["world"])
+
+    # ------------------------------------------------------------------------------------------- helpers
+    def _reserve(self, step: int, nbytes: int) -> Slot:
+        if step in self.store.steps():
+            self.store.delete(step)  # saving an id again replaces it, as DCP's FileSystemWriter does
+        try:
+            return self.store.reserve(step, nbytes)
+        except StepError as e:
+            raise StepError(f"checkpoint {self.checkpoint_id!r} (step {step}) cannot be written on rank "
+                            f"{self.rank}: {e} (a load still reading it, or a save of it still running?)") from None
+
+    def _copy(self, slot: Slot, layout: list, planner: SavePlanner, step: int) -> list[int]:
+        """Copy (tensors straight from their source, on any device) and checksum each item; a thread per item
+        up to ``Config.workers`` (torch copies and crc32c release the GIL)."""
+        dest = byte_tensor(slot.buffer)
+        jobs: list[Callable[[], int]] = []
+        for item, off, n, raw in layout:
+            region = slot.buffer[off:off + n]
+            if raw is not None:
+                dest[off:off + n] = byte_tensor(raw)
+                jobs.append(lambda region=region: crc32c(region))
+                continue
+            t = planner.resolve_data(item)
+            jobs.append(self._tensor_job(item, t, dest[off:off + n], region, step))
+        workers = max(1, min(len(jobs), self.config.workers))
+        if workers == 1:
+            return [job() for job in jobs]
+        with ThreadPoolExecutor(workers, thread_name_prefix="jaxckpt-dcp-copy") as pool:
+            return list(pool.map(lambda job: job(), jobs))
+
+    @staticmethod
+    def _tensor_job(item: WriteItem, t: Any, dest: torch.Tensor, region: memoryview, step: int) -> Callable[[], int]:
+        sizes = tuple(item.tensor_data.chunk.sizes)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != sizes or t.dtype != item.tensor_data.properties.dtype:
+            raise PlanError(f"{item.index.fqn}: step {step}: the planner resolved {type(t).__name__} "
+                            f"{getattr(t, 'dtype', '')}{list(getattr(t, 'shape', []))} for a chunk of "
+                            f"{item.tensor_data.properties.dtype}{list(sizes)}")
+
+        def job() -> int:
+            if dest.numel():
+                dest.view(t.dtype).view(sizes).copy_(t.detach())
+            return crc32c(region)
+        return job
+
+    def _commit(self, slot: Slot, body: dict) -> None:
+        self.store.commit(slot, pack_slot_manifest(body))
+        keep = sorted(self.store.steps())[-max(1, self.config.keep):]
+        self.store.retain(set(keep) | {slot.step})
+
+    def _abort_pending(self) -> None:
+        if self._pending is not None:
+            slot, _ = self._pending
+            self._pending = None
+            self.store.abort(slot)
+
+    def close(self) -> None:
+        """Abort an unfinished save and close the store if this writer made it (a memory store's data goes)."""
+        self._abort_pending()
+        if self._owns_store:
+            self.store.close()
+
+    def __enter__(self) -> "JaxckptWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class JaxckptReader(StorageReader):
+    """A DCP ``StorageReader`` from jaxckpt's store ``config.store`` (see the module docstring).
+
+    ``store``: an existing store to read (e.g. ``writer.store`` for ``store="memory"``); otherwise one is made
+    from ``config`` for this rank and closed by :meth:`close`.
+    """
+
+    def __init__(self, checkpoint_id: Any = None, *, config: Config | None = None, store: Store | None = None,
+                 process_group: dist.ProcessGroup | None = None) -> None:
+        self._group, self.rank, self.world = _group_of(process_group)
+        self.config, self.store, self._owns_store = _make_store(config, store, self.rank, self.world)
+        self.checkpoint_id: str | None = None
+        self._step: int | None = None
+        self._index: StorageIndex | None = None
+        self._chunks: dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]] = {}
+        if checkpoint_id is not None:
+            self.reset(checkpoint_id)
+
+    # ---------------------------------------------------------------------------------------- DCP's calls
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """Start a new load; ``checkpoint_id`` names its step (None: kept from before, or the newest)."""
+        if checkpoint_id is not None:
+            self._step = checkpoint_step(checkpoint_id)
+            self.checkpoint_id = os.fspath(checkpoint_id) if not isinstance(checkpoint_id, int) else str(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """Whether ``checkpoint_id`` names a step (see the module docstring)."""
+        return JaxckptWriter.validate_checkpoint_id(checkpoint_id)
+
+    def read_metadata(self) -> Metadata:
+        """(all ranks) The checkpoint's metadata: read by group rank 0 from its store, broadcast as bytes."""
+        payload, error = None, None
+        if self.rank == 0:
+            try:
+                payload = msgpack.packb(["ok", self._local_metadata()])
+            except JaxckptError as e:
+                error = e
+                payload = msgpack.packb(["error", type(e).__name__, str(e)])
+        if self._group is not None:
+            payload = xc.broadcast_bytes(self._group, payload)
+        if error is not None:
+            raise error
+        msg = msgpack.unpackb(payload)
+        if msg[0] == "error":
+            raise xc.remote_error(msg[1], f"rank 0: {msg[2]}")
+        md = dcp_metadata.decode(msg[1], f"metadata of checkpoint {self.checkpoint_id or 'newest'}")
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Index the saved chunks' dtypes and shapes."""
+        index = metadata.storage_data
+        if not isinstance(index, StorageIndex):
+            raise ManifestError(f"the DCP metadata given to JaxckptReader was not read by one (storage_data "
+                                f"{type(index).__name__})")
+        self._index = index
+        self._chunks = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                for c in md.chunks:
+                    self._chunks[MetadataIndex(fqn, c.offsets)] = (md.properties.dtype, tuple(c.sizes))
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Unchanged: DCP's planner decides what this rank reads."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Unchanged."""
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """(all ranks) Read every item of ``plan`` (own slot, other ranks through the group, see docstring)."""
+        index = self._index
+        if index is None:
+            raise PlanError("read_data() before set_up_storage_reader()")
+        chunks = ChunkSet(self.store, index, self._group, self.rank, self.world)
+        try:
+            got = chunks.gather(plan)
+            for req in plan.items:
+                self._deliver(req, got[req.storage_index], planner, index.step)
+        finally:
+            chunks.close()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    # ------------------------------------------------------------------------------------------- helpers
+    def _local_metadata(self) -> dict:
+        steps = self.store.steps()
+        if self._step is None:
+            if not steps:
+                raise StepNotFoundError(f"no DCP checkpoint to load: the {self.store.name} store of rank 0 "
+                                        f"(job {self.config.job_id!r}) holds no step")
+            candidates = list(reversed(steps))
+        else:
+            candidates = [self._step]
+        for step in candidates:
+            view = self.store.open(step)
+            if view is None:
+                raise StepNotFoundError(f"checkpoint {self.checkpoint_id!r} (step {step}) is not held by the "
+                                        f"{self.store.name} store of rank 0 (job {self.config.job_id!r}; it holds "
+                                        f"steps {steps or 'none'})")
+            with view:
+                body = unpack_slot_manifest(view.manifest, f"step {step} of rank 0")
+            if "metadata" in body:
+                self.checkpoint_id = self.checkpoint_id or str(step)
+                return body["metadata"]
+            if self._step is not None:
+                raise StepNotFoundError(f"checkpoint {self.checkpoint_id!r} (step {step}) has no metadata on rank "
+                                        f"0: its save did not finish (DCP's finish() never ran)")
+        raise StepNotFoundError(f"no finished DCP checkpoint in the {self.store.name} store of rank 0 (steps "
+                                f"{steps})")
+
+    def _deliver(self, req: Any, buf: memoryview, planner: LoadPlanner, step: int) -> None:
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(bytes(buf)))
+            return
+        dtype, sizes = self._chunks[MetadataIndex(req.storage_index.fqn, req.storage_index.offset)]
+        src = byte_tensor(buf).view(dtype).view(sizes)
+        src = narrow_tensor_by_index(src, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != src.size():
+            raise PlanError(f"{req.dest_index.fqn}: step {step}: the planner's target is {list(target.size())}, "
+                            f"the saved region {list(src.size())}")
+        target.copy_(src)
+        planner.commit_tensor(req, target)
+
+    def close(self) -> None:
+        """Close the store if this reader made it."""
+        if self._owns_store:
+            self.store.close()
+
+    def __enter__(self) -> "JaxckptReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
