@@ -71,6 +71,34 @@ def test_cli_parses_the_profiles_and_refuses_unknown_faults():
         chaos.ChaosRun(chaos.PROFILES["quick"], 0, faults=["kill-everything"])
 
 
+def test_a_recorded_run_keeps_its_record_beside_the_plots_and_rerenders_the_same_section(tmp_path):
+    """``--update-md`` keeps the run's record in docs/bench/chaos.json next to the markdown file (a real,
+    small run), and ``--from-json`` renders the very same section from it without running anything."""
+    from jaxckpt import cli
+    from jaxckpt.tools.bench import report
+
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text("# B\n\n<!-- bench:chaos:begin -->\nold\n<!-- bench:chaos:end -->\n\nprose\n")
+    proc = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "chaos", "--trials", "2", "--jax-trials", "0",
+                           "--faults", "kill-trainer", "--update-md", str(md)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    record = report.read_json(tmp_path / "docs" / "bench" / "chaos.json")
+    assert record["bench"] == "chaos" and record["report"]["trials"] == 2, record
+    assert record["command"] == "jaxckpt chaos --profile quick --seed 0 --trials 2 --jax-trials 0 --faults kill-trainer"
+    again = tmp_path / "again" / "BENCHMARKS.md"
+    again.parent.mkdir()
+    again.write_text("<!-- bench:chaos:begin -->\n<!-- bench:chaos:end -->\n")
+    assert cli.main(["chaos", "--from-json", str(tmp_path / "docs" / "bench" / "chaos.json"),
+                     "--update-md", str(again)]) == 0
+    begin, end = report.markers("chaos")
+    text, want = again.read_text(), md.read_text()
+    assert text[text.index(begin):text.index(end)] == want[want.index(begin):want.index(end)]
+    assert "\nold\n" not in want and want.endswith("\n\nprose\n")
+    (tmp_path / "other.json").write_text('{"bench": "save"}')
+    assert cli.main(["chaos", "--from-json", str(tmp_path / "other.json")]) == 2  # not a chaos record
+
+
 # ----------------------------------------------------------------------------------- found by chaos
 def _agent(d: str, job: str) -> subprocess.Popen:
     p = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d,

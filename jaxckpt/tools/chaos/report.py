@@ -3,7 +3,8 @@
 ``jaxckpt chaos ... --update-md BENCHMARKS.md`` writes it between ``<!-- bench:chaos:begin -->`` and
 ``<!-- bench:chaos:end -->`` (jaxckpt.tools.bench.report.replace_section): the machine, date and command, then per
 fault kind the trials, recoveries, wrong restores, hangs, relaunches and the steps of work lost per fault
-(median and max, against the snapshot interval).
+(median and max, against the snapshot interval). It also keeps the run's record (report, command, machine, date)
+as ``docs/bench/chaos.json`` beside that file, from which ``jaxckpt chaos --from-json`` renders the same section.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import argparse
 import statistics
 from typing import Any, Mapping
 
-from jaxckpt.tools.bench.report import machine_facts, machine_line, now_utc, replace_section, table
+from jaxckpt.tools.bench.report import (machine_facts, machine_line, now_utc, record_dir, record_json,
+                                        replace_section, table)
 
 SECTION = "chaos"
 
@@ -80,5 +82,19 @@ def render(rep: Mapping[str, Any], command: str, machine: Mapping[str, Any] | No
 
 
 def update_md(path: str, rep: Mapping[str, Any], command: str) -> None:
-    """Write the run's section into ``path`` (only between its markers)."""
-    replace_section(path, SECTION, render(rep, command))
+    """Write the run's section into ``path`` (only between its markers) and keep its record beside the plots."""
+    update_md_from_record(path, {"bench": SECTION, "command": command, "machine": machine_facts(),
+                                 "date": now_utc(), "report": dict(rep)})
+
+
+def render_record(record: Mapping[str, Any]) -> str:
+    """The section of a kept record (``docs/bench/chaos.json``); ValueError for another kind of file."""
+    if not isinstance(record, Mapping) or record.get("bench") != SECTION or "report" not in record:
+        raise ValueError("not a chaos record (a JSON object with bench \"chaos\" and its report)")
+    return render(record["report"], record["command"], record["machine"], record["date"])
+
+
+def update_md_from_record(path: str, record: Mapping[str, Any]) -> None:
+    """Write the section of ``record`` into ``path`` and keep the record in ``docs/bench/chaos.json`` beside it."""
+    replace_section(path, SECTION, render_record(record))
+    record_json(record_dir(path), SECTION, record)

@@ -516,12 +516,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--update-md", default="", metavar="PATH",
                    help="write the result table into PATH's chaos section, e.g. BENCHMARKS.md "
-                        "(jaxckpt/tools/chaos/report.py)")
+                        "(jaxckpt/tools/chaos/report.py), and keep the run's record in docs/bench/chaos.json there")
+    p.add_argument("--from-json", default="", metavar="PATH",
+                   help="run nothing: render (and --update-md) a kept record such as docs/bench/chaos.json")
     p.set_defaults(run=run_cli)
 
 
 def run_cli(args: argparse.Namespace) -> int:
     """Exit 0 when every fault was recovered from, with no wrong restore, no hang and no unexpected loss."""
+    if args.from_json:
+        return _render_kept(args)
     faults = [f for f in args.faults.split(",") if f] or None
     profile = PROFILES[args.profile]
     if args.protection is not None:
@@ -534,6 +538,23 @@ def run_cli(args: argparse.Namespace) -> int:
         chaos_report.update_md(args.update_md, rep, chaos_report.command_line(args))
         print(f"wrote the chaos section of {args.update_md}", file=sys.stderr)
     return 0 if ok(rep) else 1
+
+
+def _render_kept(args: argparse.Namespace) -> int:
+    """``--from-json``: the section of a kept record, printed (and written with ``--update-md``); runs nothing."""
+    from jaxckpt.tools.bench.report import read_json
+    from jaxckpt.tools.chaos import report as chaos_report
+
+    try:
+        record = read_json(args.from_json)
+        md = chaos_report.render_record(record)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"jaxckpt chaos --from-json {args.from_json}: {e}", file=sys.stderr)
+        return 2
+    if args.update_md:
+        chaos_report.update_md_from_record(args.update_md, record)
+    print(md)
+    return 0 if ok(record["report"]) else 1
 
 
 def ok(rep: dict) -> bool:
