@@ -25,6 +25,10 @@ RATIOS = {  # ratio name -> (DCP figure, jaxckpt figure)
     "restore_in_place_dcp_over_jaxckpt": ("load_s", "restore_in_place_s"),
     "restore_new_dcp_over_jaxckpt": ("load_s", "restore_new_s"),
 }
+DCP_STORES = ("memory", "shm")
+DCP_RATIOS = {f"dcp_{k}_filesystem_over_jaxckpt_{store}": (store, key) for store in DCP_STORES
+              for k, key in (("save", "save_s"), ("async_call", "async_save_call_s"),
+                             ("async_total", "async_total_s"), ("load", "load_s"))}
 
 
 def _shm_dirs():
@@ -64,12 +68,22 @@ def test_quick_run_json_schema(quick):
     s = res["setup"]
     assert s["repeats"] == 3 and s["warmup"] == 1 and s["jaxckpt_warmup_saves"] == 2
     assert "/dev/shm" in s["dcp"] and "async_save" in s["dcp"]
+    assert "JaxckptWriter" in s["dcp_jaxckpt"] and s["dcp_jaxckpt_warmup_rounds"] == 2
     _check_stats(res["memcpy_gbps_stats"], "memcpy")
     assert [r["requested_bytes"] for r in res["results"]] == [1 << 20, 4 << 20]
     for r in res["results"]:
         where = report.fmt_size(r["requested_bytes"])
-        assert set(r) == {"requested_bytes", "size_bytes", "tensors", "jaxckpt", "dcp", "ratios"}
-        assert set(r["jaxckpt"]) == JAXCKPT_KEYS and set(r["dcp"]) == DCP_KEYS and set(r["ratios"]) == set(RATIOS)
+        assert set(r) == {"requested_bytes", "size_bytes", "tensors", "jaxckpt", "dcp", "dcp_jaxckpt_memory",
+                          "dcp_jaxckpt_shm", "ratios"}
+        assert set(r["jaxckpt"]) == JAXCKPT_KEYS and set(r["dcp"]) == DCP_KEYS
+        assert set(r["ratios"]) == set(RATIOS) | set(DCP_RATIOS)
+        for store in DCP_STORES:
+            assert set(r[f"dcp_jaxckpt_{store}"]) == DCP_KEYS, store
+            assert r[f"dcp_jaxckpt_{store}"]["load_s"]["n"] == 3
+            for k in DCP_KEYS:
+                _check_stats(r[f"dcp_jaxckpt_{store}"][k], f"{where}/dcp_jaxckpt_{store}/{k}")
+        for name, (store, key) in DCP_RATIOS.items():
+            assert math.isclose(r["ratios"][name], r["dcp"][key]["median"] / r[f"dcp_jaxckpt_{store}"][key]["median"])
         # 8 layers: a bfloat16 weight and three float32 tensors of the same shape, plus a scalar step, per layer.
         assert r["tensors"] == 8 * 5
         assert 0.9 * r["requested_bytes"] <= r["size_bytes"] <= 1.1 * r["requested_bytes"], where
@@ -109,11 +123,19 @@ def test_markdown_tables_from_json(quick):
     md = report.render(res)  # dispatches to the torch renderer by the "bench" field
     assert md == torch_dcp.render_torch(res)
     rows = [line for line in md.splitlines() if line.startswith("|")]
-    assert len(rows) == 2 * (2 + 2)  # two tables: header, rule, one row per size
-    save_rows, restore_rows = rows[:4], rows[4:]
-    for t in (save_rows, restore_rows):
+    # two tables with a row per size, then the DCP storage table with a row per size and storage
+    assert len(rows) == 2 * (2 + 2) + 2 + 2 * 3
+    save_rows, restore_rows, storage_rows = rows[:4], rows[4:8], rows[8:]
+    for t in (save_rows, restore_rows, storage_rows):
         assert all(r.count("|") == t[0].count("|") for r in t)
+    for t in (save_rows, restore_rows):
         assert t[2].startswith("| 1 MiB |") and t[3].startswith("| 4 MiB |")
+    assert [r.split(" | ")[1] for r in storage_rows[2:]] == \
+        ["FileSystemWriter, /dev/shm", "JaxckptWriter, store=memory", "JaxckptWriter, store=shm"] * 2
+    assert storage_rows[2].startswith("| 1 MiB |") and storage_rows[5].startswith("| 4 MiB |")
+    assert "dcp.load ms" in storage_rows[0]
+    load_ratio = report.fmt_num(res["results"][1]["ratios"]["dcp_load_filesystem_over_jaxckpt_shm"])
+    assert storage_rows[7].endswith(f"| {load_ratio}x |")
     assert "DCP async_save() ms" in save_rows[0] and "dcp.load ms" in restore_rows[0]
     ratio = report.fmt_num(res["results"][0]["ratios"]["save_call_deferred_dcp_over_jaxckpt"])
     assert save_rows[2].endswith(f"| {ratio}x |")

@@ -81,7 +81,7 @@ from jaxckpt.config import Config
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.core.registry import get_store_class
 from jaxckpt.core.store import Slot, Store
-from jaxckpt.errors import JaxckptError, ManifestError, PlanError, StepError, StepNotFoundError
+from jaxckpt.errors import ManifestError, PlanError, StepError, StepNotFoundError
 
 log = logging.getLogger("jaxckpt.backends.torch.dcp")
 
@@ -207,7 +207,7 @@ class JaxckptWriter(StorageWriter):
                 pos = align(pos + len(raw))
             else:
                 td = item.tensor_data
-                n = math.prod(td.chunk.sizes) * torch._utils._element_size(td.properties.dtype)
+                n = math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
                 layout.append((item, pos, n, None))
                 pos = align(pos + n)
         slot = self._reserve(step, pos)
@@ -354,7 +354,7 @@ class JaxckptReader(StorageReader):
         if self.rank == 0:
             try:
                 payload = msgpack.packb(["ok", self._local_metadata()])
-            except JaxckptError as e:
+            except Exception as e:  # noqa: BLE001 - sent to the other ranks, which would wait for it otherwise
                 error = e
                 payload = msgpack.packb(["error", type(e).__name__, str(e)])
         if self._group is not None:

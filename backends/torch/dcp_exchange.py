@@ -30,6 +30,8 @@ def byte_tensor(buf: memoryview) -> torch.Tensor:
     """A uint8 tensor over ``buf``, no copy. A read-only buffer gets one too (torch warns): it is only read."""
     if len(buf) == 0:
         return torch.empty(0, dtype=torch.uint8)
+    if not buf.readonly:
+        return torch.frombuffer(buf, dtype=torch.uint8)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         return torch.frombuffer(buf, dtype=torch.uint8)

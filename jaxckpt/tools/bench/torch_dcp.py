@@ -9,6 +9,9 @@ weights and moments, scalar ``step`` tensors, plain ``param_groups`` values) it 
 - jaxckpt restore time into a preallocated target state dict, in place and as new tensors;
 - ``torch.distributed.checkpoint.async_save`` call time and time until its future completes, and ``dcp.save``
   (synchronous), each to a fresh directory under /dev/shm (tmpfs), and ``dcp.load`` into the same target;
+- the same three DCP calls with jaxckpt's DCP storage (``JaxckptWriter`` / ``JaxckptReader``, DCP's own planner)
+  into ``store="memory"`` and into ``store="shm"`` (the node agent's shared memory, which outlives the process
+  as the tmpfs files do);
 - the machine's memcpy bandwidth as the limit.
 
 torch 2.13's DCP saves and loads in a single process without a process group (it warns and runs single-process),
@@ -48,6 +51,11 @@ JAXCKPT_SETUP = ("jaxckpt.backends.torch.Checkpointer(Config()) (store=memory, k
 DCP_SETUP = ("torch.distributed.checkpoint.async_save (default stager: a synchronous CPU copy, then a writer "
              "thread) and dcp.save, FileSystemWriter to a fresh directory under /dev/shm (tmpfs) each repeat; "
              "dcp.load from the dcp.save directory into the target; no process group")
+DCP_JAXCKPT_SETUP = ("storage_writer=JaxckptWriter(config=Config(store=..., keep=2)) and "
+                     "storage_reader=JaxckptReader(store=writer.store), bytes in a jaxckpt store slot per save (store=memory: this process; "
+                     "store=shm: a node agent spawned for the run, under /dev/shm); at least 2 warm-up rounds so "
+                     "timed saves reuse the store's buffers")
+DCP_STORES = ("memory", "shm")
 _DCP_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 
 
@@ -135,6 +143,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "setup": {"state": STATE, "layers": LAYERS, "cols": COLS, "bytes_per_param": BYTES_PER_PARAM,
                   "repeats": opts["repeats"], "warmup": opts["warmup"],
                   "jaxckpt_warmup_saves": max(opts["warmup"], 2), "jaxckpt": JAXCKPT_SETUP, "dcp": DCP_SETUP,
+                  "dcp_jaxckpt": DCP_JAXCKPT_SETUP, "dcp_jaxckpt_warmup_rounds": max(opts["warmup"], 2),
                   "torch_threads": torch.get_num_threads(), "memcpy_bytes": opts["memcpy_bytes"]},
         "memcpy_gbps": mem["median"],
         "memcpy_gbps_stats": mem,
@@ -150,6 +159,8 @@ def bench_size(size: int, repeats: int, warmup: int, memcpy_gbps: float) -> dict
     j = bench_jaxckpt(state, target, repeats, warmup)
     gc.collect()
     d = bench_dcp(state, target, repeats, warmup)
+    gc.collect()
+    dj = {store: bench_dcp_jaxckpt(state, target, repeats, warmup, store) for store in DCP_STORES}
     del state, target
     gc.collect()
     j["snapshot_gbps"] = nbytes / j["snapshot_s"]["median"] / 1e9
@@ -160,13 +171,24 @@ def bench_size(size: int, repeats: int, warmup: int, memcpy_gbps: float) -> dict
              ("restore_in_place", "load_s", "restore_in_place_s"),
              ("restore_new", "load_s", "restore_new_s"))
     ratios = {f"{k}_dcp_over_jaxckpt": d[a]["median"] / j[b]["median"] for k, a, b in pairs}
+    for store in DCP_STORES:  # FileSystemWriter over JaxckptWriter, the same DCP call
+        for k, key in DCP_PAIRS:
+            ratios[f"dcp_{k}_filesystem_over_jaxckpt_{store}"] = d[key]["median"] / dj[store][key]["median"]
     log.info("%s: jaxckpt save() %.2f ms (deferred %.2f ms), snapshot %.1f ms, restore %.1f ms in place; "
              "DCP async_save() %.1f ms, total %.1f ms, load %.1f ms", report.fmt_size(nbytes),
              j["save_call_s"]["median"] * 1e3, j["deferred_save_call_s"]["median"] * 1e3,
              j["snapshot_s"]["median"] * 1e3, j["restore_in_place_s"]["median"] * 1e3,
              d["async_save_call_s"]["median"] * 1e3, d["async_total_s"]["median"] * 1e3, d["load_s"]["median"] * 1e3)
+    log.info("%s: DCP with JaxckptWriter: %s", report.fmt_size(nbytes), "; ".join(
+        f"{store} save {dj[store]['save_s']['median'] * 1e3:.1f} ms, async_save() "
+        f"{dj[store]['async_save_call_s']['median'] * 1e3:.1f} ms, load {dj[store]['load_s']['median'] * 1e3:.1f} ms"
+        for store in DCP_STORES))
     return {"requested_bytes": size, "size_bytes": nbytes, "tensors": count, "jaxckpt": j, "dcp": d,
-            "ratios": ratios}
+            **{f"dcp_jaxckpt_{store}": dj[store] for store in DCP_STORES}, "ratios": ratios}
+
+
+DCP_PAIRS = (("save", "save_s"), ("async_call", "async_save_call_s"), ("async_total", "async_total_s"),
+             ("load", "load_s"))
 
 
 def make_state(size_bytes: int, zeros: bool = False) -> dict[str, Any]:
@@ -327,6 +349,51 @@ def bench_dcp(state: dict, target: dict, repeats: int, warmup: int) -> dict[str,
     return {"async_save_call_s": s(call), "async_total_s": s(total), "save_s": s(sync), "load_s": s(load)}
 
 
+def bench_dcp_jaxckpt(state: dict, target: dict, repeats: int, warmup: int, store: str) -> dict[str, Any]:
+    """bench_dcp's figures with JaxckptWriter / JaxckptReader into ``store`` instead of the tmpfs files."""
+    import torch.distributed.checkpoint as dcp
+
+    from jaxckpt import Config
+    from jaxckpt.backends.agent import protocol as proto
+    from jaxckpt.backends.torch import JaxckptReader, JaxckptWriter
+
+    call, total, sync, load = [], [], [], []
+    root = _tmpfs_dir() if store == "shm" else None
+    config = Config(store=store, job_id=f"bench-dcp-{store}", keep=2,
+                    **({"shm_dir": os.path.join(root, "agent")} if root else {}))
+    try:
+        with warnings.catch_warnings(), JaxckptWriter(config=config) as writer:
+            warnings.filterwarnings("ignore", message=_DCP_WARNING)
+            reader = JaxckptReader(store=writer.store)
+            rounds = max(warmup, 2)  # keep in step with setup['dcp_jaxckpt_warmup_rounds']
+            for i in range(rounds + repeats):
+                t0 = time.perf_counter()
+                future = dcp.async_save(state, storage_writer=writer, checkpoint_id=2 * i)
+                t1 = time.perf_counter()
+                future.result()
+                t2 = time.perf_counter()
+                dcp.save(state, storage_writer=writer, checkpoint_id=2 * i + 1)
+                t3 = time.perf_counter()
+                if i == 0:
+                    _zero(target)
+                t4 = time.perf_counter()
+                dcp.load(target, storage_reader=reader, checkpoint_id=2 * i + 1)
+                t5 = time.perf_counter()
+                if i == 0:
+                    check_equal(f"dcp.load from JaxckptReader ({store})", target, state)
+                if i >= rounds:
+                    call.append(t1 - t0)
+                    total.append(t2 - t0)
+                    sync.append(t3 - t2)
+                    load.append(t5 - t4)
+    finally:
+        if root:
+            proto.stop_agent(config.shm_dir, config.job_id, timeout_s=30)
+            shutil.rmtree(root, ignore_errors=True)
+    s = report.summarize
+    return {"async_save_call_s": s(call), "async_total_s": s(total), "save_s": s(sync), "load_s": s(load)}
+
+
 # --------------------------------------------------------------------------------------------- markdown
 def render_torch(result: Mapping[str, Any]) -> str:
     """The BENCHMARKS.md section of a ``bench torch`` result (every number from the JSON)."""
@@ -370,6 +437,8 @@ def render_torch(result: Mapping[str, Any]) -> str:
     parts += ["Restore:", "", table(
         ["state", "jaxckpt restore in place ms", "jaxckpt restore new tensors ms", "dcp.load ms",
          "restore DCP/jaxckpt in place", "restore DCP/jaxckpt new"], restore_rows), ""]
+    if "dcp_jaxckpt" in s:  # results recorded before the DCP storage rows have only two tables
+        parts += _dcp_storage_table(result)
     parts.append(
         "jaxckpt save(): time the call blocks the caller in the default mode, which returns once the snapshot no "
         "longer reads the live tensors (on CPU: after the worker threads' host copy). deferred save(): "
@@ -379,6 +448,31 @@ def render_torch(result: Mapping[str, Any]) -> str:
         "total: from the `async_save()` call until its future completes. GB/s = 1e9 bytes per second of snapshot "
         "time; ratios are of medians within this run.")
     return "\n".join(parts)
+
+
+def _dcp_storage_table(result: Mapping[str, Any]) -> list[str]:
+    """The third table: the same DCP calls into FileSystemWriter on tmpfs and into jaxckpt's stores."""
+    from jaxckpt.tools.bench.report import fmt_ms, fmt_num, fmt_size, table
+
+    rows = []
+    for r in result["results"]:
+        size = fmt_size(r["requested_bytes"])
+        for name, key in (("FileSystemWriter, /dev/shm", "dcp"),
+                          *((f"JaxckptWriter, store={s}", f"dcp_jaxckpt_{s}") for s in DCP_STORES)):
+            d = r[key]
+            if key == "dcp":
+                save_ratio = load_ratio = "1x"
+            else:
+                store = key.rsplit("_", 1)[1]
+                save_ratio = f"{fmt_num(r['ratios'][f'dcp_save_filesystem_over_jaxckpt_{store}'])}x"
+                load_ratio = f"{fmt_num(r['ratios'][f'dcp_load_filesystem_over_jaxckpt_{store}'])}x"
+            rows.append([size, name, fmt_ms(d["save_s"]), fmt_ms(d["async_save_call_s"]), fmt_ms(d["async_total_s"]),
+                         fmt_ms(d["load_s"]), save_ratio, load_ratio])
+    return ["DCP storage: the same `dcp.save`, `dcp.async_save` and `dcp.load` calls on the same state, DCP's "
+            f"own planner, into FileSystemWriter as above or into jaxckpt's DCP storage ("
+            f"{result['setup']['dcp_jaxckpt']}):", "", table(
+                ["state", "storage", "dcp.save ms", "async_save() ms", "async total ms", "dcp.load ms",
+                 "dcp.save FileSystemWriter/this", "dcp.load FileSystemWriter/this"], rows), ""]
 
 
 if __name__ == "__main__":
