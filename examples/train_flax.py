@@ -1,46 +1,61 @@
-"""Main job: train a Flax GPT on 8 CPU devices with a snapshot every step, lose the state, restore, and prove
-that the run is bit-identical to one that never failed.
+"""Main job: a Flax GPT training process on 8 CPU devices, saving a snapshot every step to its node agent, is
+SIGKILLed while a snapshot is in flight, relaunched, restores from the agent's shared memory and trains on; the
+result is compared bit for bit with an uninterrupted run.
 
-    python examples/train_flax.py                      # defaults: well under 2 minutes on 2 CPU cores
-    python examples/train_flax.py --steps 20 --fail-at 7 --d-model 64 --layers 2
+    python examples/train_flax.py                      # defaults: about a minute on 2 CPU cores
+    python examples/train_flax.py --steps 12 --kill-at 6 --d-model 32 --layers 2 --heads 2 --vocab 64
 
-1. Interrupted run: a jitted step that donates the state, on a data x model mesh (4 x 2), with
-   ``ckpt.save(step, state)`` after every step. At ``--fail-at`` the process "fails": every array of the
-   training state is deleted and the references dropped. The state comes back from the newest committed
-   in-memory snapshot with ``ckpt.restore(target)`` (target: ShapeDtypeStructs with the training shardings),
-   and training continues from the step it holds.
-2. Reference run: same seed, same data, no checkpointing, no failure.
-3. Checks: the per-step losses and the final parameters (and optimizer state) of both runs are compared byte for
-   byte. Exit status 1 if anything differs.
+What runs (each a separate Python process started by this one, which only watches, kills and reports):
+
+1. Run 1: the trainer builds ``jaxckpt.Checkpointer(Config(store="shm", ...))`` (which starts the node agent, a
+   separate daemon holding snapshots in shared memory), trains on a data x model mesh (4 x 2) and calls
+   ``ckpt.save(step + 1, state)`` after every step. Right after ``save(K)`` returns for ``K = --kill-at`` the
+   trainer stops itself (SIGSTOP: every thread frozen where it is, the background copy of step K included; no
+   print in between, so the copy cannot finish first) and this driver SIGKILLs it. How we know the kill landed
+   while the snapshot was in flight: the agent logs that process 0's writer of step K disconnected mid-write and
+   discards the half-written slot, and the relaunched trainer finds an older step as the newest committed one.
+2. Run 2: the same trainer program, relaunched. It finds the agent's committed snapshot, restores it (onto the
+   training shardings) and trains to the end, saving every step.
+3. Uninterrupted run, in a third process: the same training without checkpointing, the reference for the
+   checks. Then, in that process with the same warm compiled step: blocks of steps with and without a snapshot
+   every step (median step time of each), the time from save() to committed, and a restore of one state by
+   jaxckpt (from its agent's shared memory) and by Orbax's StandardCheckpointer (saved to tmpfs first; only
+   the restores are timed).
+4. Checks: per-step losses, the restored state and the final state (params, AdamW moments, counters) are
+   byte-identical to the uninterrupted run's; Orbax's and jaxckpt's restores equal the state they saved. Exit
+   status 1 if a check fails. The agents, their memory and every file of the run are removed at exit.
+
+JAX's persistent compilation cache (in the run's temporary directory) lets the relaunched process load the
+compiled step instead of compiling it again, as production jobs do; ``--no-compile-cache`` turns it off.
 """
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import time
-import warnings
 
-# Before jax is imported anywhere: 8 host-platform devices, so a data x model mesh exists on one CPU.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-import jax  # noqa: E402
+T_PROCESS_START = time.monotonic()  # before the imports: a relaunched trainer's start-up is part of its recovery
 
-jax.config.update("jax_num_cpu_devices", 8)
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import warnings  # noqa: E402
 
-import numpy as np  # noqa: E402
-
-import jaxckpt  # noqa: E402
-from jaxckpt.tools.bench import gpt  # noqa: E402
-
-# A snapshot's zero-copy views keep the next step from reusing those buffers (jaxckpt relies on that for
-# consistency); JAX reports each skipped donation, which is expected here and not worth a line per step.
-warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+MARK = "@@jaxckpt-example "  # prefix of the JSON event lines a child process prints for the driver
+MIDWRITE = re.compile(r"process 0 step (\d+): writer disconnected mid-write; slot discarded")
+MODEL_FLAGS = ("d_model", "layers", "heads", "vocab", "seq_len", "batch", "model_parallel", "seed")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int, default=50, help="training steps (default 50)")
-    p.add_argument("--fail-at", type=int, default=None, help="step at which the state is lost (default steps//2)")
+    p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    p.add_argument("--kill-at", type=int, default=None,
+                   help="run 1 is killed while the snapshot of this step is in flight (default steps//2)")
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
@@ -49,122 +64,528 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16, help="global batch, split over the data axis")
     p.add_argument("--model-parallel", type=int, default=2, help="size of the mesh's model axis (default 2)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timing-steps", type=int, default=8,
+                   help="timed steps with and (as many) without a snapshot every step (default 8)")
+    p.add_argument("--timing-block", type=int, default=4, help="timed steps per block; kinds alternate (default 4)")
+    p.add_argument("--restore-reps", type=int, default=3, help="restores by jaxckpt and by Orbax, alternated (default 3)")
+    p.add_argument("--mtbf-node-hours", type=float, default=24.0,
+                   help="for the interval advice: mean time between failures of one node (default 24 h)")
+    p.add_argument("--nodes", type=int, default=1024, help="for the interval advice: nodes in the job (default 1024)")
+    p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
+                   help="do not use JAX's persistent compilation cache (the relaunch compiles the step again)")
+    p.add_argument("--timeout", type=float, default=300.0, help="time-out of each process in seconds (default 300)")
+    p.add_argument("--role", choices=("trainer", "reference"), help=argparse.SUPPRESS)
+    p.add_argument("--opts", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.fail_at is None:
-        args.fail_at = args.steps // 2
-    if not 1 <= args.fail_at < args.steps:
-        p.error(f"--fail-at must be in [1, {args.steps - 1}], got {args.fail_at}")
+    if args.role:
+        return args
+    if args.kill_at is None:
+        args.kill_at = args.steps // 2
+    if not 1 <= args.kill_at < args.steps:
+        p.error(f"--kill-at must be in [1, {args.steps - 1}], got {args.kill_at}")
+    for name in ("timing_steps", "timing_block", "restore_reps", "nodes"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if not args.mtbf_node_hours > 0:
+        p.error(f"--mtbf-node-hours must be positive, got {args.mtbf_node_hours}")
     return args
 
 
-def leaf_bytes(tree) -> list[bytes]:
-    """Every array leaf's raw bytes, gathered to the host: the unit of 'bit-identical'."""
-    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+# ------------------------------------------------------------------------------ runs in the child processes
+def _emit(ev: str, **fields) -> None:
+    sys.stdout.write(MARK + json.dumps({"ev": ev, "t": time.monotonic(), **fields}) + "\n")
+    sys.stdout.flush()
 
 
-def lose(state) -> None:
-    """Simulate the process failing: the device arrays are gone."""
-    for x in jax.tree.leaves(state):
-        if isinstance(x, jax.Array) and not x.is_deleted():
-            x.delete()
+def _setup(o: dict):
+    """JAX on 8 host devices, the GPT, the mesh, the jitted step (donating the state) and the restore target."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    if o["cache_dir"]:
+        jax.config.update("jax_compilation_cache_dir", o["cache_dir"])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # A snapshot's zero-copy views keep the next step from reusing those buffers (jaxckpt relies on that for
+    # consistency); JAX reports each skipped donation, which is expected here and not worth a line per step.
+    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+    from jaxckpt.tools.bench import gpt
+
+    cfg = gpt.GPTConfig(vocab=o["vocab"], seq_len=o["seq_len"], d_model=o["d_model"], layers=o["layers"],
+                        heads=o["heads"])
+    mesh = gpt.make_mesh(model=o["model_parallel"])
+    jax.devices()
+    return jax, gpt, cfg, mesh, gpt.make_train_step(cfg, mesh), gpt.abstract_state(cfg, mesh)
 
 
-def interrupted_run(args, cfg, mesh, step_fn, target) -> dict:
-    losses: dict[int, bytes] = {}
-    save_calls, handles, out = [], [], {}
-    with jaxckpt.Checkpointer(jaxckpt.Config()) as ckpt:
-        state = gpt.init_state(cfg, mesh, args.seed)
-        out["state_bytes"] = gpt.state_bytes(state)
-        ckpt.save(0, state)  # so a failure before the first step's snapshot still has somewhere to go back to
-        step, failed, newest_saved = 0, False, 0
-        while step < args.steps:
-            if step == args.fail_at and not failed:
-                failed = True
-                lose(state)
-                del state
-                t0 = time.perf_counter()
-                # The newest step every process committed; saves still in flight may or may not have made it.
-                state = ckpt.restore(target)
-                jax.block_until_ready(state)
-                out["restore_s"] = time.perf_counter() - t0
-                out["restored_step"] = step = int(state.step)
-                continue
-            state, loss = step_fn(state, gpt.device_batch(cfg, mesh, step, args.batch, args.seed))
-            # Reading the loss (as any logging loop does) first makes the timing below the save call's own
-            # cost, not the wait for the step that was just dispatched.
-            losses[step] = np.asarray(loss).tobytes()
-            step += 1
-            # Step k's snapshot holds the state after k steps. Saves in flight at the failure may have committed
-            # after the restore began: those steps are held already and are not saved again.
-            if step > newest_saved:
-                t0 = time.perf_counter()
-                handles.append(ckpt.save(step, state))
-                save_calls.append(time.perf_counter() - t0)
-                newest_saved = step
+def _digests(jax, tree) -> list[str]:
+    """sha256 of every array leaf's bytes, gathered to the host: the unit of 'bit-identical' across processes."""
+    import numpy as np
+
+    return [hashlib.sha256(np.asarray(x).tobytes()).hexdigest() for x in jax.tree.leaves(tree)]
+
+
+def trainer(o: dict) -> None:
+    """Restore the newest committed snapshot if the node agent holds one, else start fresh; train, saving every
+    step. With ``kill_at``: stop right after ``save(kill_at)`` returns, to be SIGKILLed by the driver."""
+    jax, gpt, cfg, mesh, step_fn, target = _setup(o)
+    import numpy as np
+
+    import jaxckpt
+
+    _emit("ready", start=T_PROCESS_START, devices=len(jax.devices()))
+    ckpt = jaxckpt.Checkpointer(jaxckpt.Config(store="shm", job_id=o["job"], shm_dir=o["node_dir"],
+                                               commit_timeout_s=60.0))
+    _emit("checkpointer")
+    try:
+        latest = ckpt.latest_step()
+        if latest is None:
+            _emit("initialising")
+            state = gpt.init_state(cfg, mesh, o["seed"])
+            ckpt.save(0, state)  # so a failure before the first step's snapshot still has somewhere to go back to
+            start = 0
+            _emit("fresh", state_bytes=gpt.state_bytes(state), params=gpt.param_count(cfg))
+        else:
+            state = ckpt.restore(target)
+            jax.block_until_ready(state)
+            start = int(state.step)
+            _emit("restored", step=start, report=ckpt.last_restore_report.to_dict())
+            _emit("hashed", digests=_digests(jax, state))  # the example's own check; not part of the recovery
+        _emit("compiling")
+        for step in range(start, o["steps"]):
+            state, loss = step_fn(state, gpt.device_batch(cfg, mesh, step, o["batch"], o["seed"]))
+            loss = np.asarray(loss)  # as any logging loop does: the save below then times only its own call
+            _emit("step", step=step, loss=loss.tobytes().hex(), value=float(loss))
+            t0 = time.perf_counter()
+            ckpt.save(step + 1, state)  # snapshot k holds the state after k steps
+            seconds = time.perf_counter() - t0
+            if step + 1 == o["kill_at"]:
+                # Nothing between save() and the stop: printing would let the copy threads run and commit.
+                os.kill(os.getpid(), signal.SIGSTOP)
+                raise SystemExit("continued after SIGSTOP: the driver was to SIGKILL this process")
+            _emit("saved", step=step + 1, ms=seconds * 1e3, committed=ckpt.latest_step())
         ckpt.wait()
-        out["committed"] = len(ckpt.all_steps())
-    out.update(losses=[losses[i] for i in range(args.steps)], save_calls=save_calls,
-               snapshot_s=[h.snapshot_seconds for h in handles if h.snapshot_seconds is not None],
-               final=leaf_bytes(state), final_params=leaf_bytes(state.params))
+        _emit("done", digests=_digests(jax, state), committed=ckpt.latest_step())
+    finally:
+        ckpt.close()
+
+
+def reference(o: dict) -> None:
+    """The uninterrupted run, then the like-with-like timings in the same process with the same compiled step."""
+    jax, gpt, cfg, mesh, step_fn, target = _setup(o)
+    import numpy as np
+
+    import jaxckpt
+
+    def batch(step: int):
+        return gpt.device_batch(cfg, mesh, step, o["batch"], o["seed"])
+
+    _emit("ready")
+    _emit("phase", text="initialising the state and compiling the step (or loading both from JAX's cache)")
+    state = gpt.init_state(cfg, mesh, o["seed"])
+    at = _digests(jax, state) if o["digest_at"] == 0 else None
+    losses = []
+    for step in range(o["steps"]):
+        state, loss = step_fn(state, batch(step))
+        loss = np.asarray(loss)
+        losses.append(loss.tobytes().hex())
+        _emit("step", step=step, value=float(loss))
+        if step + 1 == o["digest_at"]:
+            at = _digests(jax, state)
+    _emit("reference", losses=losses, restored_digests=at, final=_digests(jax, state),
+          names=[jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(state)])
+
+    step = o["steps"]
+    cfg_t = jaxckpt.Config(store="shm", job_id=o["job"] + "-timing", shm_dir=o["timing_dir"], commit_timeout_s=60.0)
+    with jaxckpt.Checkpointer(cfg_t) as ckpt:
+        # First save of a fresh agent: it creates its segments. Timed and reported, not part of the medians.
+        state, loss = step_fn(state, batch(step))
+        np.asarray(loss)
+        t0 = time.perf_counter()
+        ckpt.save(step + 1, state).result(timeout=60)
+        first_save = time.perf_counter() - t0
+        step += 1
+        latency = []  # save() -> committed, each save waited for before the next step
+        for _ in range(3):
+            state, loss = step_fn(state, batch(step))
+            np.asarray(loss)
+            t0 = time.perf_counter()
+            ckpt.save(step + 1, state).result(timeout=60)
+            latency.append(time.perf_counter() - t0)
+            step += 1
+        _emit("phase", text="timing the warm step with and without a snapshot every step")
+        times: dict[str, list[float]] = {"with": [], "without": []}
+        save_calls = []
+        blocks = -(-o["timing_steps"] // o["timing_block"])
+        for b in range(2 * blocks):
+            kind = ("without", "with")[b % 2]
+            if kind == "without":
+                ckpt.wait()  # no copy of the previous block still running into these steps
+            else:
+                # One untimed step with its save first, so every timed step has the previous one's copy in flight,
+                # as it does when every step saves.
+                state, loss = step_fn(state, batch(step))
+                np.asarray(loss)
+                ckpt.save(step + 1, state)
+                step += 1
+            for _ in range(min(o["timing_block"], o["timing_steps"] - len(times[kind]))):
+                t0 = time.perf_counter()
+                state, loss = step_fn(state, batch(step))
+                np.asarray(loss)
+                if kind == "with":
+                    t1 = time.perf_counter()
+                    ckpt.save(step + 1, state)
+                    save_calls.append(time.perf_counter() - t1)
+                times[kind].append(time.perf_counter() - t0)
+                step += 1
+                _emit("timing", kind=kind, n=len(times["with"]) + len(times["without"]))
+        ckpt.wait()  # the newest snapshot now holds ``state``
+
+        _emit("phase", text="Orbax's StandardCheckpointer saves the same state to tmpfs (its first save compiles "
+                            "its helpers: seconds)")
+        import orbax.checkpoint as ocp
+
+        live = _digests(jax, state)
+        orbax_dir = os.path.join(o["base"], "orbax", f"step-{step}")
+        orbax = ocp.StandardCheckpointer()
+        try:
+            t0 = time.perf_counter()
+            orbax.save(orbax_dir, state)
+            orbax.wait_until_finished()
+            orbax_save = time.perf_counter() - t0
+            _emit("phase", text=f"restoring that state {o['restore_reps']} times each with jaxckpt (from its agent) "
+                                f"and Orbax, alternated")
+            restores: dict[str, list[float]] = {"jaxckpt": [], "orbax": []}
+            equal = {"jaxckpt": True, "orbax": True}
+            for _ in range(o["restore_reps"]):
+                for name, fn in (("jaxckpt", lambda: ckpt.restore(target)),
+                                 ("orbax", lambda: orbax.restore(orbax_dir, target))):
+                    t0 = time.perf_counter()
+                    out = fn()
+                    jax.block_until_ready(out)
+                    restores[name].append(time.perf_counter() - t0)
+                    equal[name] &= _digests(jax, out) == live
+                    del out
+        finally:
+            orbax.close()
+    _emit("timings", first_save=first_save, latency=latency, times=times, save_calls=save_calls,
+          restores=restores, equal=equal, orbax_save=orbax_save, snapshot_step=step)
+
+
+# ------------------------------------------------------------------------------------------------ the driver
+class Child:
+    """A child process of this example: its JSON events line by line, its stderr in a file, a time-out."""
+
+    def __init__(self, role: str, opts: dict, log_path: str, timeout: float, env: dict) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--role", role, "--opts",
+                                      json.dumps(opts)], stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                     env=env)
+        self.timed_out = False
+        self._timer = threading.Timer(timeout, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self) -> None:
+        self.timed_out = True
+        self.proc.kill()
+
+    def events(self):
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                yield json.loads(line[len(MARK):])
+
+    def finish(self, expect_rc: int | None = 0) -> int:
+        rc = self.proc.wait(timeout=60)
+        self._timer.cancel()
+        self._log.close()
+        if self.timed_out:
+            raise RuntimeError(f"{self.role_line()} timed out\n{self.tail()}")
+        if expect_rc is not None and rc != expect_rc:
+            raise RuntimeError(f"{self.role_line()} exited with {rc}, expected {expect_rc}\n{self.tail()}")
+        return rc
+
+    def role_line(self) -> str:
+        return f"process {self.proc.pid} ({' '.join(self.proc.args[2:4])})"
+
+    def tail(self, n: int = 30) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self._timer.cancel()
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+class Display:
+    """Phase lines for everyone; a live progress bar on a terminal, a step line every few seconds otherwise."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.console = Console(highlight=False, soft_wrap=True)
+        self.live = self.console.is_terminal
+        self.progress = Progress(TextColumn("{task.description:<22}"), BarColumn(bar_width=24), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=self.console,
+                                 disable=not self.live)
+        self.t0 = time.monotonic()
+        self._last_line = 0.0
+
+    def __enter__(self) -> "Display":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def say(self, text: str) -> None:
+        self.progress.console.print(f"[{time.monotonic() - self.t0:6.1f}s] {text}", markup=False)
+
+    def task(self, name: str, total: int) -> int:
+        return self.progress.add_task(name, total=total, info="")
+
+    def update(self, task: int, done: int, info: str, force: bool = False) -> None:
+        self.progress.update(task, completed=done, info=info)
+        if not self.live and (force or time.monotonic() - self._last_line >= 3.0):
+            self._last_line = time.monotonic()
+            t = self.progress.tasks[task]
+            self.say(f"{t.description}: {done}/{t.total:.0f} {info}")
+
+
+def _train(display: Display, child: Child, name: str, stop: int, kill_at: int | None) -> dict:
+    """Follow one trainer's events up to step ``stop``; with ``kill_at``, SIGKILL it once it has stopped itself
+    right after save(kill_at)."""
+    run: dict = {"losses": {}, "saves": [], "events": {}, "committed": None}
+    start = 0
+    task = display.task(name, stop)
+    loss = save = committed = "-"
+    for ev in child.events():
+        kind = ev["ev"]
+        run["events"].setdefault(kind, ev)
+        if kind == "ready":
+            display.say(f"{name}: JAX ready ({ev['devices']} CPU devices), pid {child.proc.pid}")
+        elif kind == "checkpointer":
+            display.say(f"{name}: Checkpointer(store='shm') connected to the node agent")
+        elif kind == "initialising":
+            display.say(f"{name}: no snapshot held: initialising the state (compiling the init function)")
+        elif kind == "fresh":
+            run.update(state_bytes=ev["state_bytes"], params=ev["params"])
+            display.say(f"{name}: fresh state of {ev['params']:,} params "
+                        f"({ev['state_bytes'] / 2**20:.1f} MiB with the AdamW moments), step 0 saved")
+        elif kind == "restored":
+            run.update(restored=ev["step"], report=ev["report"])
+            start = ev["step"]
+            display.progress.update(task, total=stop - start)
+            display.say(f"{name}: restored step {ev['step']} from the node agent's shared memory")
+        elif kind == "hashed":
+            run["restored_digests"] = ev["digests"]
+        elif kind == "compiling":
+            display.say(f"{name}: compiling the train step (or loading it from JAX's compilation cache), training")
+        elif kind == "step":
+            run["losses"][ev["step"]] = ev["loss"]
+            loss = f"{ev['value']:.4f}"
+            if kill_at is not None and ev["step"] + 1 == kill_at:
+                display.update(task, ev["step"] + 1 - start, f"loss {loss}  save() issuing step {kill_at}...",
+                               force=True)
+                deadline = time.monotonic() + 60
+                while not _stopped(child.proc.pid):
+                    if child.proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"{name}: the trainer did not stop after save({kill_at})\n{child.tail()}")
+                    time.sleep(0.001)
+                run["t_kill"] = time.monotonic()
+                os.kill(child.proc.pid, signal.SIGKILL)
+                run["rc"] = child.finish(expect_rc=None)
+                display.say(f"{name}: trainer stopped right after save({kill_at}) returned; SIGKILLed it "
+                            f"(exit status {run['rc']})")
+                break
+        elif kind == "saved":
+            run["saves"].append(ev["ms"])
+            save, committed = f"{ev['ms']:.1f} ms", ev["committed"]
+            run["committed"] = committed
+            display.update(task, ev["step"] - start, f"loss {loss}  save() {save}  committed step {committed}",
+                           force=ev["step"] == stop)
+        elif kind == "done":
+            run.update(final=ev["digests"], committed=ev["committed"])
+    if "rc" not in run:
+        run["rc"] = child.finish()
+    return run
+
+
+def _reference(display: Display, child: Child, steps: int, timed: int) -> dict:
+    out: dict = {}
+    task = display.task("uninterrupted run", steps)
+    timing = None
+    for ev in child.events():
+        kind = ev["ev"]
+        if kind == "ready":
+            display.say(f"uninterrupted run: JAX ready, pid {child.proc.pid}; no checkpointing")
+        elif kind == "step":
+            display.update(task, ev["step"] + 1, f"loss {ev['value']:.4f}", force=ev["step"] + 1 == steps)
+        elif kind == "reference":
+            out.update(ev)
+        elif kind == "phase":
+            display.say(f"uninterrupted run's process: {ev['text']}")
+            if timing is None and "timing" in ev["text"]:
+                timing = display.task("timing steps", 2 * timed)
+        elif kind == "timing":
+            display.update(timing, ev["n"], f"{ev['kind']} a snapshot", force=ev["n"] == 2 * timed)
+        elif kind == "timings":
+            out.update(ev)
+    child.finish()
     return out
 
 
-def reference_run(args, cfg, mesh, step_fn) -> dict:
-    state = gpt.init_state(cfg, mesh, args.seed)
-    losses = []
-    for _, batch in gpt.batches(cfg, mesh, args.batch, args.seed, stop=args.steps):
-        state, loss = step_fn(state, batch)
-        losses.append(np.asarray(loss).tobytes())
-    return {"losses": losses, "final": leaf_bytes(state), "final_params": leaf_bytes(state.params)}
+def _median(xs: list[float]) -> float:
+    import numpy as np
+
+    return float(np.median(xs)) if xs else float("nan")
 
 
-def out_ms(seconds: list[float]) -> np.ndarray:
-    return np.array(seconds or [np.nan]) * 1e3
+def _span(a: int, b: int) -> str:
+    return "no steps" if b <= a else f"step {a}" if b == a + 1 else f"steps {a}..{b - 1}"
+
+
+def _ms(xs: list[float]) -> str:
+    return ", ".join(f"{x * 1e3:.1f}" for x in xs)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    cfg = gpt.GPTConfig(vocab=args.vocab, seq_len=args.seq_len, d_model=args.d_model, layers=args.layers,
-                        heads=args.heads)
-    mesh = gpt.make_mesh(model=args.model_parallel)
-    step_fn = gpt.make_train_step(cfg, mesh)
-    target = gpt.abstract_state(cfg, mesh)
-    mesh_desc = " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
-    print(f"GPT: d_model={cfg.d_model} layers={cfg.layers} heads={cfg.heads} vocab={cfg.vocab} "
-          f"seq_len={cfg.seq_len}, {gpt.param_count(cfg):,} params; mesh {mesh_desc}; batch {args.batch}",
-          flush=True)
+    if args.role:
+        (trainer if args.role == "trainer" else reference)(json.loads(args.opts))
+        return 0
+    from jaxckpt.backends.agent import protocol as proto
+    from jaxckpt.core.advise import advise_interval
+    from jaxckpt.testing import remove_agents
 
-    t0 = time.perf_counter()
-    run = interrupted_run(args, cfg, mesh, step_fn, target)
-    t1 = time.perf_counter()
-    ref = reference_run(args, cfg, mesh, step_fn)
-    t2 = time.perf_counter()
+    base = tempfile.mkdtemp(prefix="jaxckpt-example-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    opts = {k: getattr(args, k) for k in MODEL_FLAGS}
+    opts.update(steps=args.steps, base=base, job=f"train-flax-{os.getpid()}", node_dir=os.path.join(base, "node"),
+                timing_dir=os.path.join(base, "timing"), kill_at=None, timing_steps=args.timing_steps,
+                timing_block=args.timing_block, restore_reps=args.restore_reps,
+                cache_dir=os.path.join(base, "jax-cache") if args.compile_cache else "")
+    env = {**os.environ, "JAXCKPT_LOG_LEVEL": "INFO"}  # the agent inherits it: its log names discarded slots
+    children: list[Child] = []
+    agent_log = ""
 
-    loss_ok = run["losses"] == ref["losses"]
-    params_ok = run["final_params"] == ref["final_params"]
-    state_ok = run["final"] == ref["final"]
-    calls = np.array(run["save_calls"]) * 1e3
-    yes = {True: "yes", False: "NO"}
-    print("summary")
-    print(f"  steps:                     {args.steps} (state lost at step {args.fail_at}, "
-          f"restored step {run['restored_step']}, {run['committed']} snapshot(s) kept)")
-    print(f"  state bytes:               {run['state_bytes']:,} ({run['state_bytes'] / 2**20:.1f} MiB, "
-          f"params + AdamW moments)")
-    print(f"  save() call:               median {np.median(calls):.2f} ms, max {calls.max():.2f} ms "
-          f"over {len(calls)} saves")
-    print(f"  snapshot (background):     median {np.median(out_ms(run['snapshot_s'])):.1f} ms per step")
-    print(f"  restore:                   {run['restore_s'] * 1e3:.1f} ms")
-    first, last = (float(np.frombuffer(run["losses"][i], np.float32)[0]) for i in (0, -1))
-    print(f"  loss:                      {first:.4f} -> {last:.4f}")
-    print(f"  time:                      interrupted run {t1 - t0:.1f} s, reference run {t2 - t1:.1f} s")
-    print(f"  loss curve bit-identical:  {yes[loss_ok]}")
-    print(f"  final params bit-identical: {yes[params_ok]}")
-    print(f"  final state bit-identical: {yes[state_ok]}")
-    if not (loss_ok and params_ok and state_ok):
-        bad = [i for i, (a, b) in enumerate(zip(run["losses"], ref["losses"])) if a != b]
-        print(f"MISMATCH: first differing loss at step {bad[0] if bad else None}", file=sys.stderr)
+    def child(role: str, **extra) -> Child:
+        c = Child(role, {**opts, **extra}, os.path.join(base, f"{role}-{len(children)}.log"), args.timeout, env)
+        children.append(c)
+        return c
+
+    t_start = time.monotonic()
+    try:
+        with Display() as display:
+            display.say(f"working directory {base} (agents' shared memory, logs, JAX cache; removed at exit)")
+            display.say(f"GPT d_model={args.d_model} layers={args.layers} heads={args.heads} vocab={args.vocab} "
+                        f"seq_len={args.seq_len}, batch {args.batch}, mesh data={8 // args.model_parallel} x "
+                        f"model={args.model_parallel}; {args.steps} steps; run 1 is killed at save({args.kill_at})")
+            run1 = _train(display, child("trainer", kill_at=args.kill_at), f"run 1 (kill at {args.kill_at})",
+                          args.kill_at, args.kill_at)
+            display.say("relaunching the trainer (the node agent and its shared memory live on)")
+            c2 = child("trainer")
+            run2 = _train(display, c2, "run 2 (relaunched)", args.steps, None)
+            if "restored" not in run2:
+                raise RuntimeError("run 2 found no snapshot in the node agent and started from scratch")
+            restored = run2["restored"]
+            with open(proto.default_log_path(opts["node_dir"]), errors="replace") as f:
+                agent_log = f.read()
+            display.say("uninterrupted run (the reference) and the like-with-like timings, in a third process")
+            ref = _reference(display, child("reference", digest_at=restored), args.steps, args.timing_steps)
+    except BaseException as e:
+        for c in children:
+            c.stop()
+        if not isinstance(e, (RuntimeError, KeyboardInterrupt)):
+            raise
+        print(f"FAILED: {e}", file=sys.stderr)
         return 1
-    return 0
+    finally:
+        for c in children:
+            c.stop()
+        remove_agents(base)
+    wall = time.monotonic() - t_start
+    return report(args, run1, run2, ref, agent_log, wall, advise_interval)
+
+
+def report(args, run1: dict, run2: dict, ref: dict, agent_log: str, wall: float, advise_interval) -> int:
+    """Print the summary and the checks; 0 if every check passed."""
+    k, r, n = args.kill_at, run2["restored"], args.steps
+    discarded = sorted({int(m) for m in MIDWRITE.findall(agent_log)})
+    in_flight = run1["rc"] == -signal.SIGKILL and k in discarded and r < k
+    losses = [run1["losses"].get(s) if s < r else run2["losses"].get(s) for s in range(n)]
+    redone = all(run1["losses"][s] == run2["losses"][s] for s in range(r, k))
+    loss_ok = losses == ref["losses"] and redone
+    restored_ok = run2["restored_digests"] == ref["restored_digests"]
+    final_ok = run2["final"] == ref["final"]
+    orbax_ok = ref["equal"]["orbax"] and ref["equal"]["jaxckpt"]
+
+    ev = run2["events"]
+    parts = [("relaunch (reap, spawn, Python start)", ev["ready"]["start"] - run1["t_kill"]),
+             ("imports + JAX start", ev["ready"]["t"] - ev["ready"]["start"]),
+             ("Checkpointer()", ev["checkpointer"]["t"] - ev["ready"]["t"]),
+             ("restore", ev["restored"]["t"] - ev["checkpointer"]["t"]),
+             ("first step", ev["step"]["t"] - ev["hashed"]["t"])]
+    hashing = ev["hashed"]["t"] - ev["restored"]["t"]
+    kill_to_step = sum(s for _, s in parts)
+    with_ms, without_ms = _median(ref["times"]["with"]), _median(ref["times"]["without"])
+    overhead = max(0.0, with_ms - without_ms)
+    latency = _median(ref["latency"])
+    advice = advise_interval(mtbf_node_s=args.mtbf_node_hours * 3600, nodes=args.nodes, step_time_s=without_ms,
+                             overhead_s=overhead, latency_s=latency, restart_s=kill_to_step)
+    saves = run1["saves"] + run2["saves"]
+    jx, ob = ref["restores"]["jaxckpt"], ref["restores"]["orbax"]
+    yes = {True: "yes", False: "NO"}
+    cache = "loaded from JAX's compilation cache" if args.compile_cache else "compiled again: --no-compile-cache"
+    names = ref["names"]
+    print("summary")
+    print(f"  model:                      {run1['params']:,} params, state {run1['state_bytes'] / 2**20:.1f} MiB "
+          f"(params + AdamW moments), {len(names)} arrays")
+    print(f"  run 1:                      trained {_span(0, k)}, save() after every step (newest committed step "
+          f"it saw: {run1['committed']}); SIGKILLed right after save({k}) returned; exit status {run1['rc']}")
+    print(f"  kill landed mid-snapshot:   {yes[in_flight]} (the agent discarded step(s) {discarded} as written "
+          f"mid-way by a writer that disconnected; the newest committed step after the kill was {r})")
+    src = ", ".join(f"{kind} {b:,} B" for kind, b in sorted(run2["report"]["bytes_by_kind"].items()))
+    print(f"  run 2 (relaunched):         restored step {r} from the node agent's shared memory ({src}), "
+          f"trained {_span(r, n)}")
+    print(f"  step time (warm, one process, one compiled step): without a snapshot {without_ms * 1e3:.1f} ms, "
+          f"with a snapshot every step {with_ms * 1e3:.1f} ms (medians of {len(ref['times']['without'])} and "
+          f"{len(ref['times']['with'])}): x{with_ms / without_ms:.3f}, {overhead * 1e3:.1f} ms per snapshot")
+    print(f"  save() call:                median {_median(saves):.2f} ms, max {max(saves):.2f} ms over the "
+          f"{len(saves)} saves of runs 1 and 2; in the timed steps median "
+          f"{_median(ref['save_calls']) * 1e3:.2f} ms")
+    print(f"  save() -> committed:        {_ms(ref['latency'])} ms (each waited for; the first save to a fresh agent, "
+          f"{ref['first_save'] * 1e3:.1f} ms, creates its segments and is not in these)")
+    print(f"  restore of one state:       jaxckpt from the agent's shared memory {_ms(jx)} ms (median "
+          f"{_median(jx) * 1e3:.1f}); Orbax StandardCheckpointer from tmpfs {_ms(ob)} ms (median "
+          f"{_median(ob) * 1e3:.1f}): Orbax / jaxckpt x{_median(ob) / _median(jx):.2f} (same process, same target; "
+          f"Orbax's save, {ref['orbax_save'] * 1e3:.0f} ms, not timed in)")
+    print(f"  kill -> first trained step: {kill_to_step:.2f} s = " + " + ".join(f"{name} {s:.2f} s" for name, s in parts)
+          + f" (the step's program {cache}; not counted: the example hashing the restored state for its check, "
+          f"{hashing * 1e3:.0f} ms)")
+    print(f"  interval advice:            {advice.describe()} (--mtbf-node-hours {args.mtbf_node_hours:g}, --nodes "
+          f"{args.nodes}; commit latency {latency * 1e3:.1f} ms, restart = kill -> first step)")
+    print(f"  wall time:                  {wall:.1f} s")
+    print(f"  loss curve bit-identical:   {yes[loss_ok]} ({n} steps: {_span(0, r)} from run 1, {_span(r, n)} from "
+          f"run 2; run 1's {_span(r, k)}, redone after the restore, match{'es' if k - r == 1 else ''} too)")
+    print(f"  restored state bit-identical: {yes[restored_ok]} (the uninterrupted run's state after {r} steps)")
+    print(f"  final state bit-identical:  {yes[final_ok]} (all {len(names)} arrays)")
+    print(f"  restores equal saved state: {yes[orbax_ok]} (jaxckpt and Orbax, every repetition)")
+    ok = in_flight and loss_ok and restored_ok and final_ok and orbax_ok
+    if not ok:
+        bad = [s for s in range(n) if losses[s] != ref["losses"][s]]
+        diff = [names[i] for i, (a, b) in enumerate(zip(run2["final"], ref["final"])) if a != b]
+        print(f"MISMATCH: losses differ at steps {bad[:5]}, final arrays differ: {diff[:5]}", file=sys.stderr)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""The README's main job (examples/train_flax.py) end to end, and the GPT module it and the benchmarks share."""
+"""The README's main job (examples/train_flax.py: a trainer SIGKILLed mid-snapshot, relaunched, restored from its
+node agent) and the in-process example (examples/train_flax_inprocess.py) end to end, and the GPT module they and
+the benchmarks share."""
 import os
 import re
 import subprocess
@@ -11,6 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
+from jaxckpt.testing import agent_processes
 from jaxckpt.tools.bench import gpt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,8 +31,77 @@ def _assert_bitwise_equal(a, b) -> None:
         np.testing.assert_array_equal(x, y)
 
 
+MAIN_TINY = ["--steps", "8", "--kill-at", "5", "--d-model", "32", "--layers", "2", "--heads", "2", "--vocab", "64",
+             "--seq-len", "16", "--batch", "8", "--timing-steps", "4", "--timing-block", "2", "--restore-reps", "2",
+             "--timeout", "400"]
+
+
+def _run_main(*flags: str) -> tuple[subprocess.CompletedProcess, str, str]:
+    """Run the main job; return the process, its output, and the working directory it announced."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCKPT_")}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train_flax.py"), *flags], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    m = re.search(r"working directory (\S+) \(", out)
+    assert m, out
+    return proc, out, m.group(1)
+
+
+def _assert_cleaned_up(base: str, out: str) -> None:
+    assert not os.path.exists(base), f"{base} left behind\n{out}"
+    assert agent_processes(base) == [], f"agent processes of {base} still run\n{out}"
+
+
+def test_main_job_killed_mid_snapshot_relaunches_and_matches_uninterrupted_run():
+    proc, out, base = _run_main(*MAIN_TINY)
+    assert proc.returncode == 0, out
+    # The kill was real: a SIGKILL (exit status -9) that landed while step 5's snapshot was being written.
+    m = re.search(r"run 1:\s+trained steps 0\.\.4, save\(\) after every step \(newest committed step it saw: (\d+)\); "
+                  r"SIGKILLed right after save\(5\) returned; exit status -9", out)
+    assert m, out
+    seen = int(m.group(1))
+    m = re.search(r"kill landed mid-snapshot:\s+yes \(the agent discarded step\(s\) \[([\d, ]+)\] as written mid-way", out)
+    assert m and 5 in [int(x) for x in m.group(1).split(",")], out
+    # The relaunched process restored, from the agent, a step the killed one had saved (and seen committed, or
+    # a newer one that committed after it looked), older than the one in flight.
+    m = re.search(r"run 2 \(relaunched\):\s+restored step (\d+) from the node agent's shared memory", out)
+    assert m, out
+    restored = int(m.group(1))
+    assert seen <= restored < 5, out
+    assert re.search(r"loss curve bit-identical:\s+yes \(8 steps", out), out
+    assert re.search(rf"restored state bit-identical: yes \(the uninterrupted run's state after {restored} steps\)", out), out
+    assert re.search(r"final state bit-identical:\s+yes", out), out
+    assert re.search(r"restores equal saved state: yes", out), out
+    assert re.search(r"step time \(warm, one process, one compiled step\): without a snapshot [0-9.]+ ms, with a "
+                     r"snapshot every step [0-9.]+ ms \(medians of 4 and 4\)", out), out
+    assert re.search(r"restore of one state:\s+jaxckpt from the agent's shared memory [0-9.]+, [0-9.]+ ms .*Orbax "
+                     r"StandardCheckpointer from tmpfs [0-9.]+, [0-9.]+ ms", out), out
+    assert re.search(r"kill -> first trained step: [0-9.]+ s = relaunch .* \+ Checkpointer\(\) [0-9.]+ s \+ restore "
+                     r"[0-9.]+ s \+ first step [0-9.]+ s", out), out
+    assert re.search(r"interval advice:\s+snapshot every \d+ step\(s\)", out), out
+    assert "MISMATCH" not in out and "FAILED" not in out
+    _assert_cleaned_up(base, out)
+
+
+def test_main_job_cleans_up_agent_when_a_trainer_fails():
+    # A batch of 6 cannot be split over the mesh's data axis of 4: run 1 fails at its first step, after its
+    # Checkpointer has started the node agent.
+    proc, out, base = _run_main(*MAIN_TINY, "--batch", "6")
+    assert proc.returncode == 1, out
+    assert re.search(r"FAILED: process \d+ \(--role trainer\) exited with 1, expected 0", out), out
+    assert "connected to the node agent" in out, out  # the agent was running when the trainer failed
+    _assert_cleaned_up(base, out)
+
+
+def test_main_job_rejects_kill_step_outside_run():
+    cmd = [sys.executable, str(ROOT / "examples" / "train_flax.py"), "--steps", "4", "--kill-at", "4"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--kill-at must be in [1, 3], got 4" in proc.stderr
+
+
 def test_example_restores_and_matches_uninterrupted_run():
-    cmd = [sys.executable, str(ROOT / "examples" / "train_flax.py"), "--steps", "8", "--fail-at", "5",
+    cmd = [sys.executable, str(ROOT / "examples" / "train_flax_inprocess.py"), "--steps", "8", "--fail-at", "5",
            "--d-model", "32", "--layers", "2", "--heads", "2", "--vocab", "64", "--seq-len", "16", "--batch", "8"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCKPT_")}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
@@ -44,7 +116,7 @@ def test_example_restores_and_matches_uninterrupted_run():
 
 
 def test_example_rejects_fail_step_outside_run():
-    cmd = [sys.executable, str(ROOT / "examples" / "train_flax.py"), "--steps", "4", "--fail-at", "4"]
+    cmd = [sys.executable, str(ROOT / "examples" / "train_flax_inprocess.py"), "--steps", "4", "--fail-at", "4"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--fail-at must be in [1, 3], got 4" in proc.stderr
