@@ -30,6 +30,7 @@ from jaxckpt.backends.agent.protocol import (AgentConnection, agent_dir, default
                                              open_segment, spawn_agent)
 from jaxckpt.config import Config
 from jaxckpt.errors import ClosedError, StepError, StepNotFoundError, StoreUnavailableError
+from jaxckpt.core.capabilities import AgentHolders, NodeAgent, ProtectionSlots
 from jaxckpt.core.store import Slot, SnapshotView, Store
 
 log = logging.getLogger("jaxckpt.backends.shm")
@@ -69,6 +70,7 @@ class ShmStore(Store):
 
     name = "shm"
     survives_process = True
+    capabilities = frozenset({NodeAgent, AgentHolders, ProtectionSlots})  # backends/agent/handle.py
 
     def __init__(self, config: Config, *, process_index: int = 0, process_count: int = 1) -> None:
         super().__init__(config, process_index=process_index, process_count=process_count)
@@ -86,7 +88,14 @@ class ShmStore(Store):
         self._spawned: subprocess.Popen | None = None
         self._last_spawn = 0.0
         self._closed = False
+        self._handle = None  # backends/agent/handle.AgentHandle, made on first ask
         self._connect(block=True)
+
+    def _capability(self, kind: type) -> Any:
+        if self._handle is None:
+            from jaxckpt.backends.agent.handle import AgentHandle
+            self._handle = AgentHandle(self)
+        return self._handle
 
     # ------------------------------------------------------------------------------------------- the agent
     def _connect(self, *, block: bool) -> AgentConnection:

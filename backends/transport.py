@@ -33,7 +33,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from jaxckpt.errors import PeerError, StepNotFoundError
+from jaxckpt.errors import PeerError, PeerTimeoutError, StepNotFoundError  # PeerTimeoutError: re-exported
 from jaxckpt.core.manifest import MAX_MANIFEST_BYTES
 from jaxckpt.core.store import SnapshotView, Store
 
@@ -47,10 +47,6 @@ OPS = ("steps", "manifest", "read", "held")
 # A request waits at most this long for a connection to exist: a restarted agent listens on a new port, and
 # ZeroMQ would otherwise queue requests for the dead one's address until the whole peer time-out ran out.
 CONNECT_TIMEOUT_S = 2.0
-
-
-class PeerTimeoutError(PeerError):
-    """The peer did not answer in time (it may be dead), as opposed to answering with a refusal."""
 
 
 class PeerUnreachableError(PeerTimeoutError):

@@ -66,6 +66,14 @@ class PeerError(JaxckptError, ConnectionError):
     """A peer refused a request (wrong token), sent a malformed reply, or did not answer in time."""
 
 
+class PeerTimeoutError(PeerError):
+    """The peer did not answer in time (it may be dead), as opposed to answering with a refusal."""
+
+
+class CapabilityError(JaxckptError, LookupError):
+    """A store was asked for a capability (``jaxckpt.core.capabilities``) its class does not declare."""
+
+
 class LaunchError(JaxckptError, RuntimeError):
     """A launched multi-process job could not start, or was used outside a launched process."""
 

@@ -44,7 +44,7 @@ class Job:
             def read(c, lo, hi):
                 assert (c.path, c.source, process) in held
                 shard = self.data[c.path][c.source.slices()]
-                return pr.segment_from_copy(c, lo, hi, shard, c.source)
+                return pr.range_from_copy(c, lo, hi, shard, c.source)
             return read
 
         def from_node(node):  # an agent reads the snapshot buffers of its own node's processes
@@ -281,7 +281,7 @@ def test_parity_algebra_r2_is_a_copy_and_r3_rotates():
     assert len(j.prot.stripes) == 2
     for s in j.prot.stripes:
         (u,) = s.units
-        other = np.concatenate([j.saved(j.prot.chunks[g.chunk])[g.lo:g.hi] for g in u.segments])
+        other = np.concatenate([j.saved(j.prot.chunks[g.chunk])[g.lo:g.hi] for g in u.ranges])
         np.testing.assert_array_equal(j.parity[s.id], other)
     # R = 3: node j's parity is d[n, j] ^ d[m, j] over the two other nodes' units, each half of their share.
     nodes = [0, 1, 2]
@@ -385,7 +385,7 @@ def test_corrupt_sources_are_routed_around_or_named():
     # A stripe whose other unit turns out corrupt at rebuild time cannot give the bytes: the error names them.
     lost = next(c for c in j.prot.chunks if c.policy == "parity" and c.node == 0)
     plan = rc.plan_recovery(j.prot, {0}, step=STEP)
-    others = {j.prot.chunks[g.chunk].key for s in j.prot.stripes for u in s.units if u.node == 1 for g in u.segments}
+    others = {j.prot.chunks[g.chunk].key for s in j.prot.stripes for u in s.units if u.node == 1 for g in u.ranges}
     with pytest.raises(DataLossError, match=f"step {STEP}: .*params/w0.*sources failed: .*corrupt"):
         rc.Rebuilder(plan, IO(j, {0}, corrupt_chunks=others), j.crcs).chunk(*lost.key)
     # A known-bad parity block is planned around: with one lost node it leaves exactly its bytes missing.

@@ -25,7 +25,7 @@ import pytest
 
 from jaxckpt.backends.agent import protocol as proto
 from jaxckpt.backends.memory import MemoryStore
-from jaxckpt.backends.agent.protection_slot import PROTECT_BASE
+from jaxckpt.protection.slot import PROTECT_BASE
 from jaxckpt.backends.shm import ShmStore
 from jaxckpt.testing import expect_ok, launch, node_info, remove_agents
 import sharded_state

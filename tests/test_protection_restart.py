@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jaxckpt.backends.agent import protocol as proto
-from jaxckpt.backends.agent.protection_slot import PROTECT_BASE
+from jaxckpt.protection.slot import PROTECT_BASE
 from jaxckpt.backends.shm import ShmStore
 from jaxckpt.errors import StoreUnavailableError
 from jaxckpt.testing import expect_ok, launch, node_info, remove_agents

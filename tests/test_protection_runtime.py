@@ -220,7 +220,7 @@ def test_wrong_token_is_refused_and_ls_shows_protection(capsys):
     from jaxckpt import cli
 
     from jaxckpt.backends.agent.serve import read_peer_info
-    from jaxckpt.backends.agent.protection_slot import PROTECT_BASE
+    from jaxckpt.protection.slot import PROTECT_BASE
     from jaxckpt.backends.transport import ZmqTransport
     from jaxckpt.errors import PeerError
 
@@ -272,7 +272,7 @@ def test_lose_every_node_in_turn(policy):
 
 def test_slot_format_roundtrip_and_malformed():
     """Protection slot headers and metas decode back; garbage is a ManifestError naming the source."""
-    from jaxckpt.backends.agent.protection_slot import build_slot, decode_header, decode_meta, encode_meta
+    from jaxckpt.protection.slot import build_slot, decode_header, decode_meta, encode_meta
     from jaxckpt.errors import ManifestError
 
     meta = encode_meta(b"plan-bytes", {3: b"m3", 5: b"m5"})

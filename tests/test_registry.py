@@ -128,3 +128,43 @@ def test_entry_points_register_third_party_stores(tmp_path, monkeypatch):
     assert registry.get_store_class("fakestore") is OtherStore
     assert registry.get_store_class("memory") is MemoryStore  # an entry point never shadows a built-in
     assert "fakestore" in registry.registered_stores()
+
+
+# ------------------------------------------------------------------------- parts (the peer transport)
+@pytest.fixture
+def restore_parts():
+    parts = {g: dict(v) for g, v in registry._parts.items()}
+    loaded = dict(registry._loaded_parts)
+    yield
+    registry._parts.clear()
+    registry._parts.update(parts)
+    registry._loaded_parts.clear()
+    registry._loaded_parts.update(loaded)
+
+
+def test_the_peer_transport_is_a_part_imported_only_when_asked():
+    code = textwrap.dedent("""
+        import sys
+        import jaxckpt.core.engine
+        from jaxckpt.core.registry import get_part
+        assert "jaxckpt.backends.peers" not in sys.modules and "zmq" not in sys.modules, "imported before use"
+        cls = get_part("peers", "default")
+        assert cls.__module__ == "jaxckpt.backends.peers" and cls.__name__ == "Peers"
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_parts_register_refuse_overwrite_and_name_what_is_missing(restore_parts):
+    with pytest.raises(BackendNotFoundError, match=r"no peers named 'x' \(known: default\)"):
+        registry.get_part("peers", "x")
+    registry.register_part("peers", "x", OtherStore)
+    assert registry.get_part("peers", "x") is OtherStore
+    with pytest.raises(BackendNotFoundError, match="already registered"):
+        registry.register_part("peers", "x", MemoryStore)
+    registry.register_part("peers", "x", "no_such_module_jaxckpt:Peers", clobber=True)
+    with pytest.raises(BackendNotFoundError, match="needs 'no_such_module_jaxckpt'"):
+        registry.get_part("peers", "x")
+    registry.register_part("peers", "y", "jaxckpt.backends.memory:Nope")
+    with pytest.raises(BackendNotFoundError, match="names no class"):
+        registry.get_part("peers", "y")

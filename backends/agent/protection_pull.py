@@ -189,7 +189,7 @@ def pull_into(buffer: memoryview, msg: dict, step: int, local, *, buckets: "Buck
         need: dict[tuple[int, int], SavedChunk] = {}
         for kind, bid, _ in tasks:
             if kind == "stripe" and bid in stripes:
-                idx = [g.chunk for u in stripes[bid].units for g in u.segments]
+                idx = [g.chunk for u in stripes[bid].units for g in u.ranges]
             else:
                 idx = list(blocks[bid].chunks) if kind == "copy" and bid in blocks else []
             need.update((plan.chunks[i].key, plan.chunks[i]) for i in idx)

@@ -35,6 +35,7 @@ import msgpack
 from jaxckpt.config import Config
 from jaxckpt.errors import AgentError, BudgetExceededError, ClosedError, StepError, StoreUnavailableError
 from jaxckpt.core.manifest import MAX_MANIFEST_BYTES
+from jaxckpt.protection.slot import PROTECT_BASE  # noqa: F401 - re-exported: the agent lists protection slots apart
 
 VERSION = 1
 PAGE = mmap.PAGESIZE
@@ -43,8 +44,6 @@ MAX_MESSAGE_BYTES = MAX_MANIFEST_BYTES + (1 << 20)  # a full-size manifest plus 
 RPC_TIMEOUT_S = 120.0  # a reserve may fallocate gigabytes on first use
 SEG_RE = re.compile(r"seg-p(\d{1,9})-([0-9a-f]{16})-(\d{1,12})\Z")
 REC_RE = re.compile(r"rec-p(\d{1,9})-s(\d{1,19})\Z")
-# Pseudo process index of a trainer's protection slots: PROTECT_BASE + process (jaxckpt.backends.agent.protection_slot).
-PROTECT_BASE = 500_000_000
 _HEADER = struct.Struct(">I")
 
 

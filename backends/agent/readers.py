@@ -19,41 +19,18 @@ import logging
 import os
 import queue
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 from jaxckpt.backends.agent.protocol import AgentConnection, open_segment
 from jaxckpt.backends.agent.serve import read_peer_info
 from jaxckpt.errors import AgentError, PeerError, StepNotFoundError, StoreUnavailableError
+from jaxckpt.core.capabilities import AgentInfo
 from jaxckpt.core.fetch import buffer_source
 from jaxckpt.core.sources import HeldEntry, Holder, Opened
 
 log = logging.getLogger("jaxckpt.backends.agent.readers")
 
 MAX_CLIENTS = 4  # transport clients per remote agent (each serves one request at a time)
-
-
-@dataclass(frozen=True)
-class AgentInfo:
-    """How to reach one node agent's memory: its peer address and token, its node and generation."""
-
-    address: str
-    node: str
-    job: str
-    generation: str
-    directory: str  # the agent's own path of its directory (a path on its host)
-    token: bytes = field(repr=False)
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"address": self.address, "node": self.node, "job": self.job, "generation": self.generation,
-                "directory": self.directory, "token": self.token}
-
-    @classmethod
-    def from_wire(cls, d: Any) -> "AgentInfo":
-        if not isinstance(d, dict) or not isinstance(d.get("token"), bytes) or not d["token"] or \
-                not all(isinstance(d.get(k), str) for k in ("address", "node", "job", "generation", "directory")):
-            raise PeerError(f"malformed agent info {sorted(d) if isinstance(d, dict) else type(d).__name__}")
-        return cls(d["address"], d["node"], d["job"], d["generation"], d["directory"], d["token"])
 
 
 def expand_dirs(spec: str) -> list[str]:

@@ -119,7 +119,7 @@ def _trainers(st: dict) -> str:
 
 def mark_protected(st: dict) -> dict:
     """Set ``protected`` on every slot of an agent status: yes/no for snapshots, ``-`` for protection slots."""
-    from jaxckpt.backends.agent.protection_slot import PROTECT_BASE
+    from jaxckpt.protection.slot import PROTECT_BASE
 
     have = {(s["process"] - PROTECT_BASE, s["step"]) for s in st["slots"]
             if s["process"] >= PROTECT_BASE and s["state"] == "committed"}
@@ -130,7 +130,7 @@ def mark_protected(st: dict) -> dict:
 
 
 def _process_label(p: int) -> str:
-    from jaxckpt.backends.agent.protection_slot import PROTECT_BASE
+    from jaxckpt.protection.slot import PROTECT_BASE
     return f"{p - PROTECT_BASE} (protection)" if p >= PROTECT_BASE else str(p)
 
 

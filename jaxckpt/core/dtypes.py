@@ -7,7 +7,7 @@ import numpy as np
 
 from jaxckpt.errors import ManifestError, UnsupportedLeafError
 
-try:  # ml_dtypes ships with jax; torch users without jax still get the standard numpy dtypes.
+try:  # ml_dtypes ships with jax; a torch-only install may lack it (see _ML_WIDTHS)
     import ml_dtypes as _ml
 except ImportError:  # pragma: no cover - depends on the environment
     _ml = None
@@ -19,6 +19,12 @@ _NAME = re.compile(r"[a-z][a-z0-9_]{0,31}(\[[a-zA-Z0-9]{1,8}\])?\Z")
 _FIXED = {"U": "str", "S": "bytes", "V": "void"}
 _FIXED_NAME = re.compile(r"(str|bytes|void)\[(\d{1,8})\]\Z")
 _FIXED_CODE = {"str": "<U", "bytes": "S", "void": "V"}
+# Without ml_dtypes (a torch-only install) its types still travel under their own names, their bytes held as
+# same-width unsigned integers: the torch front end reinterprets the bits, and numpy could not compute with them.
+_ML_WIDTHS = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+              "float8_e4m3b11fnuz": 1, "float8_e8m0fnu": 1, "float8_e3m4": 1, "float8_e4m3": 1,
+              "float4_e2m1fn": 1, "float6_e2m3fn": 1, "float6_e3m2fn": 1, "int1": 1, "int2": 1, "int4": 1,
+              "uint1": 1, "uint2": 1, "uint4": 1}
 
 
 def dtype_name(dtype: np.dtype) -> str:
@@ -46,6 +52,8 @@ def dtype_from_name(name: str) -> np.dtype:
             scalar = getattr(_ml, name, None) if _ml is not None and not name.startswith("_") else None
             if isinstance(scalar, type) and issubclass(scalar, np.generic):
                 dt = np.dtype(scalar)
+            elif _ml is None and name in _ML_WIDTHS:
+                dt = np.dtype(f"u{_ML_WIDTHS[name]}")
     if dt is None or dt.hasobject or dt.subdtype is not None or dt.names is not None:
         raise ManifestError(f"unknown dtype {name!r} in manifest")
     return dt

@@ -2,6 +2,10 @@
 
 Built-in names map to ``module:Class`` strings so that ``import jaxckpt`` imports no backend. Third-party
 stores register with :func:`register_store` or through the ``jaxckpt.stores`` entry-point group.
+
+Other parts the core builds without importing their package are resolved the same way, by group and name
+(:func:`get_part`, :func:`register_part`): ``peers`` (a job without node agents serves each process's store to
+the others: ``jaxckpt.backends.peers.Peers``, over ZeroMQ).
 """
 from __future__ import annotations
 
@@ -20,6 +24,10 @@ _known: dict[str, str | type] = {
     "shm": "jaxckpt.backends.shm:ShmStore",
 }
 _loaded: dict[str, type] = {}  # classes imported from the string targets above, by name
+_parts: dict[str, dict[str, str | type]] = {
+    "peers": {"default": "jaxckpt.backends.peers:Peers"},
+}
+_loaded_parts: dict[tuple[str, str], type] = {}
 _entry_points_loaded = False
 
 
@@ -71,3 +79,34 @@ def _load_entry_points() -> None:
     for ep in entry_points(group="jaxckpt.stores"):
         if ep.name not in _known:
             _known[ep.name] = ep.value
+
+
+def register_part(group: str, name: str, cls: str | type, *, clobber: bool = False) -> None:
+    """Register a class (or ``"module:Class"``) as part ``name`` of ``group``; refuses to overwrite unless told."""
+    known = _parts.setdefault(group, {})
+    if name in known and not clobber and known[name] != cls:
+        raise BackendNotFoundError(f"{group} {name!r} is already registered as {known[name]!r}; pass clobber=True")
+    if known.get(name) != cls:
+        _loaded_parts.pop((group, name), None)
+    known[name] = cls
+
+
+def get_part(group: str, name: str) -> type:
+    """The class registered as part ``name`` of ``group``, its module imported on first use (then cached)."""
+    if (group, name) in _loaded_parts:
+        return _loaded_parts[(group, name)]
+    target = _parts.get(group, {}).get(name)
+    if target is None:
+        raise BackendNotFoundError(f"no {group} named {name!r} (known: {', '.join(sorted(_parts.get(group, {})))})")
+    if isinstance(target, type):
+        return target
+    module, _, attr = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except ImportError as e:
+        raise BackendNotFoundError(f"{group} {name!r} needs {e.name!r}, which is not installed "
+                                   f"(install {e.name})") from None
+    except AttributeError:
+        raise BackendNotFoundError(f"{group} {name!r}: {target!r} names no class") from None
+    _loaded_parts[(group, name)] = cls
+    return cls

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from jaxckpt.config import Config
+from jaxckpt.errors import CapabilityError
+
+C = TypeVar("C")
 
 
 @dataclass
@@ -56,6 +59,8 @@ class Store(abc.ABC):
     # True when snapshots outlive the process (a node agent holds them): the engine then adopts, at start, the
     # steps an earlier run of this process committed.
     survives_process: ClassVar[bool] = False
+    # What this class offers beyond this interface (jaxckpt.core.capabilities): declared, never probed for.
+    capabilities: ClassVar[frozenset[type]] = frozenset()
 
     def __init__(self, config: Config, *, process_index: int = 0, process_count: int = 1) -> None:
         self.config = config
@@ -92,6 +97,27 @@ class Store(abc.ABC):
 
     def close(self) -> None:
         """Release everything; the default has nothing to release."""
+
+    # Capabilities (jaxckpt.core.capabilities).
+    def supports(self, kind: type) -> bool:
+        """True when this store's class declares capability ``kind``."""
+        return kind in type(self).capabilities
+
+    def capability(self, kind: type[C]) -> C:
+        """This store's implementation of capability ``kind``; CapabilityError if its class does not declare it."""
+        if kind not in type(self).capabilities:
+            offers = ", ".join(sorted(k.__name__ for k in type(self).capabilities)) or "nothing beyond Store"
+            raise CapabilityError(f"store {self.name or type(self).__name__!r} ({type(self).__name__}) does not offer "
+                                  f"{kind.__name__} (it offers {offers})")
+        impl = self._capability(kind)
+        if not isinstance(impl, kind):
+            raise CapabilityError(f"store {type(self).__name__} declares {kind.__name__} but gives a "
+                                  f"{type(impl).__name__}")
+        return impl
+
+    def _capability(self, kind: type) -> Any:
+        """The implementation of declared capability ``kind``: a class that declares any overrides this."""
+        raise CapabilityError(f"store {type(self).__name__} declares {kind.__name__} but implements no capability")
 
     # Defaults derived from the primitives above.
     def latest(self) -> int | None:

@@ -1,8 +1,8 @@
 """XOR parity of byte blocks: encode, rebuild one missing block, verify. Numpy only, windowed, GIL-free inner loops.
 
 A *block* is a buffer (bytes, bytearray, memoryview, C-contiguous numpy array of any dtype) or a sequence of
-buffers read as their concatenation (the segments of a protection unit, see :mod:`jaxckpt.protection.plan`). Blocks of
-unequal length are read as if zero-padded to the longest one:
+buffers read as their concatenation (the chunk ranges of a protection unit, see :mod:`jaxckpt.protection.plan`).
+Blocks of unequal length are read as if zero-padded to the longest one:
 
     parity = b_0 ^ b_1 ^ ... ^ b_{m-1}            (each b_i padded with zeros; len(parity) = max len(b_i))
     b_k    = (parity ^ XOR_{i != k} b_i)[:len(b_k)]   since x ^ x = 0 and x ^ 0 = x

@@ -98,7 +98,7 @@ class SavedChunk:
 
 
 @dataclass(frozen=True)
-class Segment:
+class ChunkRange:
     """Bytes [lo, hi) of chunk number ``chunk`` of the plan."""
 
     chunk: int
@@ -112,14 +112,14 @@ class Segment:
 
 @dataclass(frozen=True)
 class Unit:
-    """One node's share of a stripe: the concatenation of ``segments``, all saved on ``node``."""
+    """One node's share of a stripe: the concatenation of ``ranges``, all saved on ``node``."""
 
     node: int
-    segments: tuple[Segment, ...]
+    ranges: tuple[ChunkRange, ...]
 
     @property
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.segments)
+        return sum(s.nbytes for s in self.ranges)
 
 
 @dataclass(frozen=True)
@@ -317,8 +317,8 @@ def _rounds(total: int, parts: int, unit: int) -> list[list[tuple[int, int]]]:
     return out
 
 
-def _segments(chunks: Sequence[SavedChunk], stream: Sequence[int], starts: Sequence[int], lo: int,
-              hi: int) -> tuple[Segment, ...]:
+def _ranges(chunks: Sequence[SavedChunk], stream: Sequence[int], starts: Sequence[int], lo: int,
+              hi: int) -> tuple[ChunkRange, ...]:
     """The pieces of stream bytes [lo, hi); ``starts`` are the stream positions of the stream's chunks."""
     out = []
     for k in range(max(bisect.bisect_right(starts, lo) - 1, 0), len(stream)):
@@ -327,7 +327,7 @@ def _segments(chunks: Sequence[SavedChunk], stream: Sequence[int], starts: Seque
             break
         a, b = max(lo, pos), min(hi, pos + chunks[i].nbytes)
         if b > a:
-            out.append(Segment(i, a - pos, b - pos))
+            out.append(ChunkRange(i, a - pos, b - pos))
     return tuple(out)
 
 
@@ -346,7 +346,7 @@ def _stripe(chunks: Sequence[SavedChunk], streams: Mapping[int, Sequence[int]], 
                     continue
                 lo, hi = rounds[n][r][[m for m in members if m != n].index(j)]
                 if hi > lo:
-                    units.append(Unit(n, _segments(chunks, streams[n], starts[n], lo, hi)))
+                    units.append(Unit(n, _ranges(chunks, streams[n], starts[n], lo, hi)))
             if units:
                 out.append((r, j, tuple(units)))
     return out
@@ -405,13 +405,13 @@ def validate_protection(plan: ProtectionPlan) -> None:
         if s.node in nodes or len(set(nodes)) != len(nodes):
             raise PlanError(f"stripe {s.id}: parity on node {s.node} with units on nodes {nodes}")
         for u in s.units:
-            for g in u.segments:
+            for g in u.ranges:
                 c = plan.chunks[g.chunk]
                 if c.node != u.node or c.policy != s.kind or not 0 <= g.lo < g.hi <= c.nbytes:
-                    raise PlanError(f"{c.path}: stripe {s.id} has a bad segment {g.lo}..{g.hi} of chunk {c.box}")
+                    raise PlanError(f"{c.path}: stripe {s.id} has a bad range {g.lo}..{g.hi} of chunk {c.box}")
                 cover[g.chunk] = cover.get(g.chunk, 0) + g.nbytes
         if s.kind == "parity" and any(s.process not in plan.chunks[g.chunk].replicas
-                                      for u in s.units for g in u.segments):
+                                      for u in s.units for g in u.ranges):
             raise PlanError(f"stripe {s.id}: process {s.process} does not hold every box it must compute parity of")
     copied: dict[int, int] = {}
     for b in plan.copy_blocks:
@@ -428,22 +428,22 @@ def validate_protection(plan: ProtectionPlan) -> None:
 
 # ------------------------------------------------------------------------------------------------ computing blocks
 # read(chunk, lo, hi) -> bytes [lo, hi) of that saved chunk: from a snapshot buffer, a peer, or a device copy.
-SegmentReader = Callable[[SavedChunk, int, int], "parity.Buffer"]
+RangeReader = Callable[[SavedChunk, int, int], "parity.Buffer"]
 
 
-def unit_buffers(plan: ProtectionPlan, unit: Unit, read: SegmentReader) -> list[np.ndarray]:
-    """The bytes of ``unit`` as a list of buffers (its segments, in order)."""
-    return [parity.as_bytes(read(plan.chunks[g.chunk], g.lo, g.hi)) for g in unit.segments]
+def unit_buffers(plan: ProtectionPlan, unit: Unit, read: RangeReader) -> list[np.ndarray]:
+    """The bytes of ``unit`` as a list of buffers (its chunk ranges, in order)."""
+    return [parity.as_bytes(read(plan.chunks[g.chunk], g.lo, g.hi)) for g in unit.ranges]
 
 
-def stripe_parity(plan: ProtectionPlan, stripe: Stripe, read: SegmentReader, out: np.ndarray | None = None,
+def stripe_parity(plan: ProtectionPlan, stripe: Stripe, read: RangeReader, out: np.ndarray | None = None,
                   *, workers: int = 1) -> np.ndarray:
     """The parity block of ``stripe`` (``stripe.nbytes`` bytes)."""
     return parity.encode([unit_buffers(plan, u, read) for u in stripe.units], out, length=stripe.nbytes,
                          workers=workers)
 
 
-def copy_block(plan: ProtectionPlan, block: CopyBlock, read: SegmentReader, out: np.ndarray | None = None
+def copy_block(plan: ProtectionPlan, block: CopyBlock, read: RangeReader, out: np.ndarray | None = None
                ) -> np.ndarray:
     """The bytes of ``block``: its chunks at their positions, zeros between; written into ``out`` (a uint8
     buffer of ``block.nbytes``, e.g. a slot's region) when given."""
@@ -458,7 +458,7 @@ def copy_block(plan: ProtectionPlan, block: CopyBlock, read: SegmentReader, out:
     return res
 
 
-def segment_from_copy(chunk: SavedChunk, lo: int, hi: int, shard: np.ndarray, shard_box: Box) -> np.ndarray:
+def range_from_copy(chunk: SavedChunk, lo: int, hi: int, shard: np.ndarray, shard_box: Box) -> np.ndarray:
     """Bytes [lo, hi) of ``chunk`` taken from a full host copy ``shard`` of ``shard_box`` (which contains it)."""
     if not shard_box.contains(chunk.box):
         raise PlanError(f"{chunk.path}: box {shard_box} does not contain chunk {chunk.box}")
@@ -483,7 +483,7 @@ def encode_plan(plan: ProtectionPlan) -> bytes:
         "paths": list(paths), "replica_sets": [list(r) for r in reps],
         "chunks": [[c.process, c.offset, c.nbytes, paths[c.path], c.box.to_wire(), c.source.to_wire(),
                     reps[c.replicas], c.policy] for c in plan.chunks],
-        "stripes": [[s.kind, s.node, s.process, [[u.node, [[g.chunk, g.lo, g.hi] for g in u.segments]]
+        "stripes": [[s.kind, s.node, s.process, [[u.node, [[g.chunk, g.lo, g.hi] for g in u.ranges]]
                                                  for u in s.units]] for s in plan.stripes],
         "copy_blocks": [[b.node, b.source_node, b.process, list(b.chunks)] for b in plan.copy_blocks],
     }, use_bin_type=True)
@@ -508,7 +508,7 @@ def decode_plan(data: bytes | memoryview, *, source: str = "protection plan") ->
                                   Box.from_wire(src), rsets[_i(reps)], _kind(kind))
                        for p, off, nb, path, box, src, reps, kind in d["chunks"])
         stripes = tuple(Stripe(i, _kind(kind), _i(node), int(proc),
-                               tuple(Unit(_i(un), tuple(Segment(_i(c), _i(lo), _i(hi)) for c, lo, hi in segs))
+                               tuple(Unit(_i(un), tuple(ChunkRange(_i(c), _i(lo), _i(hi)) for c, lo, hi in segs))
                                      for un, segs in units))
                         for i, (kind, node, proc, units) in enumerate(d["stripes"]))
         blocks = []

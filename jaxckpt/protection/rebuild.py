@@ -4,7 +4,7 @@ Planning (pure, every process gets the same answer from the step's :class:`~jaxc
   1) a chunk must be rebuilt when its process's node is lost or it is known corrupt (``bad_chunks``);
   2) ``replica``: from any surviving, not known-bad copy block, nearest in the ring first; each copy holds the
      whole chunk and is checked against the chunk's crc32c, so a corrupt copy is skipped for the next one;
-  3) ``parity`` / ``xor-group``: each segment of the chunk lies at unit bytes [a, b) of one unit of one stripe and
+  3) ``parity`` / ``xor-group``: each range of the chunk lies at unit bytes [a, b) of one unit of one stripe and
      is rebuilt as ``parity[a:b] ^ (every other unit)[a:b]`` (shorter units read as zeros) when the stripe's
      holder survives. Where another unit's bytes in [a, b) are lost too, exactly those bytes are missing: two
      losses in one stripe lose only the range they overlap in, not the whole stripe;
@@ -134,7 +134,7 @@ def plan_recovery(protection: ProtectionPlan, lost_nodes: Iterable[int], *, step
         lost_ranges = []
         for k, u in enumerate(s.units):
             pos, mine = 0, []
-            for g in u.segments:
+            for g in u.ranges:
                 if gone[g.chunk]:
                     where.setdefault(g.chunk, []).append((s, k, pos, g.lo, g.hi))
                     mine.append((pos, pos + g.nbytes))
@@ -354,7 +354,7 @@ class Rebuilder:
     def _unit_range(self, u: Unit, a: int, b: int, cache: dict[int, np.ndarray]) -> list[np.ndarray]:
         """Bytes [a, b) of unit ``u`` (fewer where it ends), from verified whole chunks."""
         out, pos = [], 0
-        for g in u.segments:
+        for g in u.ranges:
             x, y = max(a, pos), min(b, pos + g.nbytes)
             if y > x:
                 if g.chunk not in cache:

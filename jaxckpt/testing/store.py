@@ -15,9 +15,14 @@ What every store must do (jaxckpt/core/store.py states the state machine): a WRI
 saves reserve, write, abort or delete; aborted slots vanish; a step is reserved at most once while held;
 a store over its memory budget refuses the new slot and keeps every committed snapshot; after ``close()``
 nothing new starts, open views stay readable until closed, and nothing is held once they are.
+
+Capabilities (jaxckpt/core/capabilities.py): every one a store's class declares is given and works (its node agent
+finds itself, its agent holders read committed snapshots, its protection slots are separate and the agent's pull
+builds a copy block into one), and every one it does not declare is refused with CapabilityError.
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Callable, Iterator
 
@@ -25,7 +30,11 @@ import numpy as np
 import pytest
 
 from jaxckpt.config import Config
-from jaxckpt.errors import BudgetExceededError, ClosedError, StepError
+from jaxckpt.errors import BudgetExceededError, CapabilityError, ClosedError, StepError, StepNotFoundError
+from jaxckpt.core import capabilities as cap
+from jaxckpt.core import manifest as mf
+from jaxckpt.core.box import Box
+from jaxckpt.core.checksum import crc32c
 from jaxckpt.core.store import Slot, SnapshotView, Store
 
 # Page-sized snapshots, so that backends which round to pages (shared memory) meet the same budgets.
@@ -437,3 +446,105 @@ class StoreTests:
         store.delete(1)
         store.close()
         assert store.held_bytes() == 0
+
+    # -------------------------------------------------------------------------------------- capabilities
+    @staticmethod
+    def declared(store: Store, kind: type):
+        """``store``'s implementation of ``kind``, or skip the test when its class does not declare it."""
+        if not store.supports(kind):
+            pytest.skip(f"{type(store).__name__} does not offer {kind.__name__}")
+        return store.capability(kind)
+
+    def test_declared_capabilities_are_given(self, store: Store) -> None:
+        for kind in type(store).capabilities:
+            assert kind in cap.KNOWN, f"{type(store).__name__} declares an unknown capability {kind!r}"
+            assert store.supports(kind)
+            assert isinstance(store.capability(kind), kind)
+
+    def test_undeclared_capabilities_are_refused_with_a_clear_error(self, store: Store) -> None:
+        class Unheard:
+            """A capability no store declares."""
+
+        for kind in [k for k in cap.KNOWN if k not in type(store).capabilities] + [Unheard]:
+            assert not store.supports(kind)
+            with pytest.raises(CapabilityError, match=rf"{type(store).__name__}.* does not offer {kind.__name__}"):
+                store.capability(kind)
+
+    def test_node_agent_finds_itself(self, store: Store) -> None:
+        agent = self.declared(store, cap.NodeAgent)
+        assert os.path.isdir(agent.directory)
+        gen = agent.generation()
+        assert gen and isinstance(agent.node(), str)
+        dirs = agent.directories()
+        assert dirs[0] == agent.directory and len(set(dirs)) == len(dirs)
+        stamp = agent.stamp(agent.directory)
+        assert stamp is not None and agent.stamp(agent.directory) == stamp
+        (info,) = agent.find([agent.directory])
+        assert (info.generation, info.job) == (gen, store.config.job_id) and info.token
+        assert cap.AgentInfo.from_wire(info.to_wire()) == info
+        other = os.path.join(agent.directory, "no-agent-here")
+        assert agent.stamp(other) is None and agent.find([other]) == []
+
+    def test_agent_holders_read_committed_snapshots(self, store: Store) -> None:
+        holders = self.declared(store, cap.AgentHolders)
+        agent = self.declared(store, cap.NodeAgent)
+        self.write(store, 3)
+        self.write(store, 4, commit=False)  # being written: no holder lists or opens it
+        me = store.process_index
+        (info,) = agent.find([agent.directory])
+        for h in (holders.node_holder("here"), holders.remote_holder(info, "there")):
+            try:
+                assert (h.kind, h.node) == (("node", "here") if h.kind == "node" else ("remote", "there"))
+                assert [(e.step, e.crc) for e in h.held() if e.process == me] == [(3, crc32c(manifest_of(3)))]
+                o = h.open(me, 3)
+                try:
+                    assert bytes(o.manifest) == manifest_of(3)
+                    np.testing.assert_array_equal(np.frombuffer(o.read(1000, 5000), np.uint8),
+                                                  pattern(3)[1000:6000])
+                finally:
+                    o.close()
+                with pytest.raises(StepNotFoundError, match="4"):
+                    h.open(me, 4)
+            finally:
+                h.close()
+
+    def test_protection_slots_are_apart_and_the_agent_pull_fills_one(self, store: Store) -> None:
+        from jaxckpt.protection.plan import CopyBlock, ProtectionPlan, SavedChunk, encode_plan
+        from jaxckpt.protection.slot import PROTECT_BASE
+
+        slots = self.declared(store, cap.ProtectionSlots)
+        me = store.process_index
+        # A real snapshot (its manifest names the chunk's checksum, which the agent checks) ...
+        data = pattern(7)
+        box = Box((0,), (N,))
+        chunk = mf.ChunkMeta(box, 0, N, crc32c(data), me)
+        m = mf.Manifest(7, me, store.process_count, "numpy", (mf.ArrayMeta("x", (("key", "x"),), (N,), "uint8",
+                                                                            "numpy", chunks=(chunk,)),),
+                        order=("x",), nbytes=N)
+        slot = store.reserve(7, N)
+        np.frombuffer(slot.buffer, np.uint8)[:] = data
+        store.commit(slot, mf.encode(m))
+        # ... and a plan that keeps a copy of its one chunk on another node.
+        nodes = tuple(range(store.process_count)) + (store.process_count,)
+        plan = ProtectionPlan("replica", 1, 0, 0, nodes, (), (SavedChunk(me, nodes[me], 0, N, "x", box, box, (),
+                                                                             "replica"),),
+                              (), (CopyBlock(0, nodes[-1], nodes[me], me, (0,), (0,), N),))
+        held = store.steps()
+        assert 7 in held
+        ps = slots.slot_store(me)
+        try:
+            assert type(ps) is type(store) and ps.process_index == PROTECT_BASE + me
+            assert ps.steps() == []
+            pslot = ps.reserve(7, N)
+            reply = ps.capability(cap.ProtectionSlots).pull(pslot, plan=encode_plan(plan), tasks=[["copy", 0, 0]],
+                                                            sources={str(me): None}, rate=0, timeout=30.0)
+            assert reply["crcs"] == [crc32c(data)]
+            np.testing.assert_array_equal(np.frombuffer(pslot.buffer, np.uint8), data)
+            ps.commit(pslot, manifest_of(7))
+            assert ps.steps() == [7] and store.steps() == held
+            ps.delete(7)
+            assert ps.steps() == [] and store.steps() == held
+            with store.open(7) as view:
+                np.testing.assert_array_equal(np.frombuffer(view.buffer, np.uint8), data)
+        finally:
+            ps.close()

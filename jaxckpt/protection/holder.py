@@ -1,0 +1,269 @@
+"""Snapshots rebuilt from protection data, as one more holder a restore reads from (kind ``rebuild``).
+
+:class:`RebuildHolder` (last before persistent) reads the protection slots (``jaxckpt.protection.slot``) through
+the job's agent holders (``jaxckpt.core.catalog``): for each step with a protection plan it works out which saving
+processes no agent holds any more (their node is lost), plans the recovery
+(``jaxckpt.protection.rebuild.plan_recovery``) and, when every byte can be rebuilt, lists every process of the
+step, so the catalog counts the step complete: a lost process's chunks come back rebuilt
+(``rebuild.Rebuilder``), and a surviving process's chunk is rebuilt too when its own copy fails its checksum (the
+chunk reader falls back to this holder). A step that cannot be rebuilt is not listed; its DataLossError (step,
+lost nodes, missing boxes) is kept in ``losses``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from jaxckpt.core import manifest as mf
+from jaxckpt.protection import parity
+from jaxckpt.core.checksum import crc32c
+from jaxckpt.errors import ChecksumError, DataLossError, ManifestError, PeerError, StepNotFoundError
+from jaxckpt.protection.plan import CopyBlock, ProtectionPlan, SavedChunk, Stripe, decode_plan
+from jaxckpt.protection.rebuild import Rebuilder, data_loss, plan_recovery
+from jaxckpt.protection.slot import PROTECT_BASE, BlockRef, SlotHeader, decode_header, decode_meta
+from jaxckpt.core.sources import HeldEntry, Holder, Opened
+
+log = logging.getLogger("jaxckpt.protection.holder")
+
+
+@dataclass
+class _StepInfo:
+    step: int
+    plan: ProtectionPlan
+    manifests: dict[int, bytes]
+    crcs: dict[tuple[int, int], int]
+    held: dict[int, list[Holder]]  # saving process -> agent holders that hold its snapshot
+    blocks: dict[tuple[str, int], list[tuple[Holder, int, BlockRef]]]  # block -> (holder, pseudo process, ref)
+    lost_nodes: tuple[int, ...]
+    bad_blocks: tuple[tuple[str, int], ...]
+    complete: bool = False  # every saving process's slot and every block are there, and no node is lost
+
+
+class _IO:
+    """recovery.RecoveryIO over the agents: surviving chunks, parity and copies, opened lazily, closed together."""
+
+    def __init__(self, info: _StepInfo) -> None:
+        self.info, self._opened, self._lock = info, {}, threading.Lock()
+
+    def _open(self, h: Holder, q: int) -> Opened:
+        with self._lock:
+            o = self._opened.get((id(h), q))
+            if o is None:
+                o = self._opened[(id(h), q)] = h.open(q, self.info.step)
+            return o
+
+    def chunk(self, c: SavedChunk) -> np.ndarray:
+        crc = self.info.crcs.get(c.key)
+        errors = []
+        for h in self.info.held.get(c.process, ()):
+            try:
+                data = parity.as_bytes(np.frombuffer(self._open(h, c.process).read(c.offset, c.nbytes), np.uint8))
+                if crc is not None:
+                    parity.check(data, crc, f"{c.path}: step {self.info.step} chunk of process {c.process} at "
+                                            f"{h.name}")
+                return data
+            except (ChecksumError, PeerError, StepNotFoundError, OSError) as e:
+                errors.append(str(e))
+        raise ChecksumError(f"step {self.info.step}: no good copy of chunk {c.box} of {c.path} (process "
+                            f"{c.process}): {'; '.join(errors) or 'no holder'}")
+
+    def _block(self, kind: str, bid: int, lo: int, hi: int, what: str) -> np.ndarray:
+        errors = []
+        for h, pp, ref in self.info.blocks.get((kind, bid), ()):
+            try:
+                data = np.frombuffer(self._open(h, pp).read(ref.offset + lo, hi - lo), np.uint8)
+                if (lo, hi) == (0, ref.nbytes):
+                    parity.check(data, ref.crc, f"step {self.info.step} {what} at {h.name}")
+                return data
+            except (ChecksumError, PeerError, StepNotFoundError, OSError) as e:
+                errors.append(str(e))
+        raise PeerError(f"step {self.info.step}: {what} cannot be read: {'; '.join(errors) or 'no holder'}")
+
+    def parity(self, stripe: Stripe, lo: int, hi: int) -> np.ndarray:
+        return self._block("stripe", stripe.id, lo, hi, f"parity stripe {stripe.id} of node {stripe.node}")
+
+    def copy(self, block: CopyBlock, lo: int, hi: int) -> np.ndarray:
+        return self._block("copy", block.id, lo, hi, f"copy block {block.id} on node {block.node}")
+
+    def close(self) -> None:
+        with self._lock:
+            opened, self._opened = list(self._opened.values()), {}
+        for o in opened:
+            try:
+                o.close()
+            except Exception as e:  # noqa: BLE001
+                log.warning("step %d: could not close a protection source: %s", self.info.step, e)
+
+
+class RebuildHolder(Holder):
+    """Snapshots rebuilt from protection data held by the agents (see the module docstring)."""
+
+    kind = "rebuild"
+    node = "rebuild"
+    name = "rebuild from protection"
+
+    def __init__(self, agent_holders: Callable[[], list[Holder]], workers: int = 1) -> None:
+        self._agents, self._workers = agent_holders, workers
+        self._meta: dict[tuple, tuple[SlotHeader, bytes, dict[int, bytes]]] = {}
+        self._steps: dict[int, _StepInfo] = {}
+        self.losses: dict[int, DataLossError] = {}
+        self._lock = threading.Lock()
+
+    def _header(self, h: Holder, pp: int, step: int, crc: int) -> tuple[SlotHeader, bytes, dict[int, bytes]]:
+        key = (h.name, pp, step, crc)
+        got = self._meta.get(key)
+        if got is None:
+            o = h.open(pp, step)
+            try:
+                hdr = decode_header(o.manifest, source=f"protection slot {pp - PROTECT_BASE} step {step} at {h.name}")
+                off, n, mcrc = hdr.meta
+                raw = bytes(o.read(off, n))
+                if crc32c(raw) != mcrc:
+                    raise ChecksumError(f"protection meta of step {step} at {h.name} is corrupt")
+                plan, man = decode_meta(raw, source=f"protection meta of step {step} at {h.name}")
+            finally:
+                o.close()
+            got = self._meta[key] = (hdr, plan, man)
+        return got
+
+    def scan(self) -> dict[int, _StepInfo]:
+        """Look at every agent again; the steps that can be restored with rebuilding, by step."""
+        real: dict[int, list[tuple[Holder, HeldEntry]]] = {}
+        prot: dict[int, list[tuple[Holder, HeldEntry]]] = {}
+        unreadable: dict[int, list[tuple[Holder, HeldEntry]]] = {}  # held, but its manifest does not decode
+        for h in self._agents():
+            try:
+                entries = h.held()
+            except Exception as e:  # noqa: BLE001 - an unreachable agent is a lost node
+                log.info("%s did not list its snapshots: %s", h.name, e)
+                continue
+            for e in entries:
+                if e.process >= PROTECT_BASE:
+                    prot.setdefault(e.step, []).append((h, e))
+                elif e.process < e.process_count:
+                    real.setdefault(e.step, []).append((h, e))
+                else:
+                    unreadable.setdefault(e.step, []).append((h, e))
+        out, losses = {}, {}
+        for step, slots in prot.items():
+            plan_bytes, manifests, blocks, writers = None, {}, {}, set()
+            for h, e in slots:
+                try:
+                    hdr, pb, man = self._header(h, e.process, step, e.crc)
+                except (ManifestError, ChecksumError, PeerError, StepNotFoundError, OSError) as err:
+                    log.warning("step %d: protection slot at %s unusable: %s", step, h.name, err)
+                    continue
+                writers.add(e.process - PROTECT_BASE)
+                plan_bytes = plan_bytes or pb
+                manifests.update(man)
+                for ref in hdr.blocks:
+                    blocks.setdefault((ref.kind, ref.id), []).append((h, e.process, ref))
+            if plan_bytes is None:
+                continue
+            try:
+                plan = decode_plan(plan_bytes, source=f"protection plan of step {step}")
+            except ManifestError as err:
+                log.warning("%s", err)
+                continue
+            n_proc = len(plan.nodes)
+            # A node whose agent still holds this step's protection but lists nothing of its own processes for
+            # the step was not lost: retention dropped the step there. Such a step is simply gone, no warning.
+            alive = {plan.nodes[e.process - PROTECT_BASE] for _, e in slots if e.process - PROTECT_BASE < n_proc}
+            listed = {e.process for _, e in real.get(step, ()) if e.process_count == n_proc} | \
+                {e.process for _, e in unreadable.get(step, ())}
+            dropped = sorted(q for q in range(n_proc) if plan.nodes[q] in alive and q not in listed)
+            if dropped:
+                log.debug("step %d: no longer held for processes %s (retention); not rebuilt", step, dropped[:16])
+                continue
+            held: dict[int, list[Holder]] = {}
+            for h, e in real.get(step, ()):
+                if e.process_count == n_proc and (not plan.layout or e.layout == plan.layout):
+                    held.setdefault(e.process, []).append(h)
+                    if e.process not in manifests:
+                        try:
+                            o = h.open(e.process, step)
+                            manifests[e.process] = bytes(o.manifest)
+                            o.close()
+                        except Exception as err:  # noqa: BLE001
+                            log.info("step %d: manifest of process %d at %s: %s", step, e.process, h.name, err)
+            lost_p = [q for q in range(n_proc) if q not in held]
+            lost_nodes = tuple(sorted({plan.nodes[q] for q in lost_p}))
+            bad = tuple([("stripe", s.id) for s in plan.stripes if ("stripe", s.id) not in blocks] +
+                        [("copy", b.id) for b in plan.copy_blocks if ("copy", b.id) not in blocks])
+            rp = plan_recovery(plan, lost_nodes, step=step, bad_blocks=bad, strict=False)
+            missing = rp.missing()
+            no_manifest = [q for q in range(n_proc) if q not in manifests]
+            if missing:
+                losses[step] = data_loss(rp, missing)
+                continue
+            if no_manifest:
+                losses[step] = DataLossError(f"step {step}: the manifests of processes {no_manifest[:16]} were lost "
+                                             f"with node(s) {list(lost_nodes)}", step=step, lost_nodes=lost_nodes)
+                continue
+            crcs = {}
+            try:
+                for q, raw in manifests.items():
+                    m = mf.decode(raw, source=f"step {step} manifest of process {q} (kept with protection)")
+                    for a in m.arrays:
+                        for c in a.chunks:
+                            crcs[(c.process, c.offset)] = c.crc32c
+            except ManifestError as err:
+                log.warning("%s", err)
+                continue
+            complete = not lost_nodes and not bad and writers >= set(range(n_proc))
+            out[step] = _StepInfo(step, plan, manifests, crcs, held, blocks, lost_nodes, bad, complete)
+        with self._lock:
+            new = [s for s in losses if s not in self.losses]
+            self._steps, self.losses = out, losses
+        for s in new:
+            log.warning("%s", losses[s])
+        return out
+
+    def protected_steps(self) -> list[int]:
+        """The steps of the last :meth:`scan` whose protection is complete (every process wrote its slot, every
+        parity stripe and copy block is held, no node is lost): each survives the loss of a node now."""
+        with self._lock:
+            return sorted(s for s, info in self._steps.items() if info.complete)
+
+    def rebuildable_steps(self) -> list[int]:
+        """The steps of the last :meth:`scan` whose every process can be read or rebuilt (complete or not)."""
+        with self._lock:
+            return sorted(self._steps)
+
+    def held(self) -> list[HeldEntry]:
+        out = []
+        for step, info in self.scan().items():
+            n = len(info.plan.nodes)
+            for q in range(n):
+                out.append(HeldEntry(step, q, n, info.plan.layout, crc32c(info.manifests[q])))
+        return out
+
+    def open(self, process: int, step: int) -> Opened:
+        with self._lock:
+            info = self._steps.get(step)
+        if info is None:
+            info = self.scan().get(step)
+        if info is None or process not in info.manifests:
+            loss = self.losses.get(step)
+            if loss is not None:
+                raise loss
+            raise StepNotFoundError(f"step {step}: no protection data can rebuild process {process}")
+        io = _IO(info)
+        lost = process not in info.held
+        if lost:
+            rb = Rebuilder(plan_recovery(info.plan, info.lost_nodes, step=step, bad_blocks=info.bad_blocks),
+                           io, info.crcs, workers=self._workers)
+            log.warning("step %d: process %d was lost with node(s) %s; its chunks are rebuilt from protection "
+                        "%r", step, process, list(info.lost_nodes), info.plan.policy)
+            return Opened(info.manifests[process], rb.source(process), io.close)
+
+        def read(offset: int, nbytes: int) -> memoryview:
+            # a surviving process's chunk failed at its holders: rebuild it as if it were lost
+            rp = plan_recovery(info.plan, info.lost_nodes, step=step, bad_chunks=[(process, offset)],
+                               bad_blocks=info.bad_blocks)
+            return Rebuilder(rp, io, info.crcs, workers=self._workers).source(process)(offset, nbytes)
+        return Opened(info.manifests[process], read, io.close)

@@ -1,0 +1,214 @@
+"""The layers hold: what each part of jaxckpt imports, checked in fresh interpreters.
+
+- every module of the numpy-only core (``jaxckpt.core``) and of ``jaxckpt.protection`` imports with
+  ``jaxckpt.backends``, jax, torch and zmq blocked (a ``sys.meta_path`` finder that refuses them);
+- the node agent, started as ``python -m jaxckpt.cli agent`` (through a wrapper that writes ``sys.modules`` when
+  the process exits) and made to serve a trainer, a reader, a peer and a protection pull, imported no tooling
+  (``jaxckpt.tools``: bench, chaos, launcher), no flax or optax, and no jax, torch or orbax;
+- ``import jaxckpt`` and ``import jaxckpt.orbax``, and a save and restore through ``jaxckpt.Checkpointer``, import
+  no tooling, flax or optax;
+- the torch front end saves and restores a state dict bit for bit with jax, jaxlib, orbax, flax, optax and
+  ml_dtypes blocked (a torch-only install: bfloat16 and float8 tensors included).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from jaxckpt.backends.agent import protocol as proto
+from jaxckpt.testing import remove_agents
+
+BASE = f"/dev/shm/jaxckpt-layers-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+TOOLING = ("jaxckpt.tools", "flax", "optax")
+
+# Put first in a fresh interpreter: refuses to import the top-level packages named in BLOCKED (and below them).
+BLOCKER = textwrap.dedent("""
+    import sys
+
+    class _Blocked:
+        def find_spec(self, name, path=None, target=None):
+            if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+                raise ImportError(f"{name} is blocked in this test", name=name)
+            return None
+
+    sys.meta_path.insert(0, _Blocked())
+""")
+
+
+def _python(code: str, *, blocked: tuple[str, ...] = (), timeout: float = 240) -> dict:
+    """Run ``code`` in a fresh interpreter with ``blocked`` packages refused; the JSON it prints last."""
+    script = f"BLOCKED = {blocked!r}\n{BLOCKER}\n{textwrap.dedent(code)}"
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout,
+                       cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout[-4000:]}\nstderr:\n{r.stderr[-4000:]}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _offending(modules, prefixes) -> list[str]:
+    return sorted(m for m in modules if any(m == p or m.startswith(p + ".") for p in prefixes))
+
+
+# ------------------------------------------------------------------------------------------------ the core
+def test_core_and_protection_import_with_backends_jax_torch_and_zmq_blocked():
+    blocked = ("jaxckpt.backends", "jax", "jaxlib", "torch", "zmq")
+    got = _python("""
+        import importlib, json, pkgutil
+        import jaxckpt.core, jaxckpt.protection
+        names, failed = [], {}
+        for pkg in (jaxckpt.core, jaxckpt.protection):
+            for m in pkgutil.iter_modules(pkg.__path__):
+                name = f"{pkg.__name__}.{m.name}"
+                names.append(name)
+                try:
+                    importlib.import_module(name)
+                except ImportError as e:
+                    failed[name] = f"{type(e).__name__}: {e}"
+        print(json.dumps({"names": names, "failed": failed, "modules": sorted(sys.modules)}))
+    """, blocked=blocked)
+    assert not got["failed"], got["failed"]
+    # the walk found the modules that used to reach into the backends
+    for name in ("jaxckpt.core.engine", "jaxckpt.core.catalog", "jaxckpt.core.capabilities",
+                 "jaxckpt.protection.runtime", "jaxckpt.protection.holder", "jaxckpt.protection.slot"):
+        assert name in got["names"], got["names"]
+    assert _offending(got["modules"], blocked) == []
+
+
+# ------------------------------------------------------------------------------------------- the node agent
+@pytest.fixture
+def agent_dir():
+    os.makedirs(BASE, mode=0o700, exist_ok=True)
+    d = os.path.join(BASE, f"layers-{uuid.uuid4().hex[:6]}")
+    yield d
+    left = remove_agents(BASE, also=[d])
+    if os.path.isdir(BASE) and not os.listdir(BASE):
+        os.rmdir(BASE)
+    assert not left, f"agents did not clean up {left}"
+
+
+# ``python -m jaxckpt.cli ...`` that writes every module it imported to the file named first, when it exits
+# (``-X importtime`` would miss modules loaded through importlib.import_module, as the CLI loads its subcommands).
+RECORD_MODULES = ("import atexit, json, runpy, sys\n"
+                  "out = sys.argv.pop(1)\n"
+                  "atexit.register(lambda: open(out, 'w').write(json.dumps(sorted(sys.modules))))\n"
+                  "runpy.run_module('jaxckpt.cli', run_name='__main__', alter_sys=True)\n")
+
+
+def _exercise_agent(d: str, job: str) -> None:
+    """A trainer saves, a reader and a peer read, and the agent pulls a protection copy block: its every path."""
+    from jaxckpt.config import Config
+    from jaxckpt.backends.shm import ShmStore
+    from jaxckpt.core import capabilities as cap
+    from jaxckpt.testing.store import StoreTests, manifest_of, pattern
+
+    store = ShmStore(Config(store="shm", job_id=job, shm_dir=d))
+    try:
+        suite = StoreTests()
+        suite.test_agent_holders_read_committed_snapshots(store)  # node holder (Unix socket) and remote (peer)
+        suite.test_protection_slots_are_apart_and_the_agent_pull_fills_one(store)  # the agent's pull
+        assert store.supports(cap.NodeAgent) and store.steps() == [3, 7]
+        with store.open(3) as view:
+            assert bytes(view.manifest) == manifest_of(3)
+            np.testing.assert_array_equal(np.frombuffer(view.buffer, np.uint8), pattern(3))
+    finally:
+        store.close()
+
+
+def test_node_agent_imports_no_tooling_flax_optax_jax_or_torch(agent_dir, tmp_path):
+    job, d = "layers", agent_dir
+    record, log = tmp_path / "modules.json", tmp_path / "agent.log"
+    agent = subprocess.Popen([sys.executable, "-c", RECORD_MODULES, str(record), "agent", "--job", job, "--dir", d,
+                              "--log", str(log), "--node", "n0"])
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(d, "peer.addr")):  # serving trainers and peers
+            assert agent.poll() is None, f"the agent exited with {agent.returncode}: {log.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, "the agent did not serve peers within 60s"
+            time.sleep(0.02)
+        _exercise_agent(d, job)
+        assert proto.stop_agent(d, job, timeout_s=30)
+        assert agent.wait(timeout=60) == 0
+    finally:
+        if agent.poll() is None:
+            agent.send_signal(signal.SIGKILL)
+            agent.wait()
+    modules = json.loads(record.read_text())
+    # what the agent did is in the record: its lazily imported pull, its peer transport
+    for m in ("jaxckpt.backends.agent.daemon", "jaxckpt.backends.agent.protection_pull", "jaxckpt.backends.transport"):
+        assert m in modules, sorted(x for x in modules if x.startswith("jaxckpt"))
+    assert _offending(modules, TOOLING + ("jax", "jaxlib", "torch", "orbax")) == []
+
+
+# ----------------------------------------------------------------------------------- the library, Orbax
+def test_import_jaxckpt_and_the_orbax_handler_and_a_jax_save_import_no_tooling():
+    got = _python("""
+        import json
+        import jaxckpt
+        after_import = sorted(sys.modules)
+        import jaxckpt.orbax
+        from jaxckpt.orbax import SnapshotHandler, TieredCheckpointManager
+        after_orbax = sorted(sys.modules)
+        import jax.numpy as jnp
+        import numpy as np
+        state = {"w": jnp.arange(8, dtype=jnp.float32), "n": np.int64(3)}
+        with jaxckpt.Checkpointer(jaxckpt.Config(store="memory")) as ck:
+            ck.save(1, state).result()
+            got = ck.restore(state)
+        same = bool(np.array_equal(np.asarray(got["w"]), np.arange(8, dtype=np.float32)) and got["n"] == 3)
+        print(json.dumps({"import": after_import, "orbax": after_orbax, "used": sorted(sys.modules), "same": same}))
+    """)
+    assert got["same"]
+    assert not _offending(got["import"], ("jax", "jaxlib", "torch", "orbax")), "import jaxckpt imported a front end"
+    for stage in ("import", "orbax", "used"):
+        assert _offending(got[stage], TOOLING) == [], stage
+    assert "jaxckpt.orbax.handler" in got["orbax"] and "jaxckpt.jax.checkpointer" in got["used"]
+
+
+# ------------------------------------------------------------------------------------------ torch only
+def test_torch_front_end_saves_and_restores_bit_for_bit_without_jax():
+    torch = pytest.importorskip("torch")
+    blocked = ("jax", "jaxlib", "orbax", "flax", "optax", "ml_dtypes")
+    got = _python("""
+        import json
+        import torch
+        import jaxckpt
+        from jaxckpt.backends.torch import Checkpointer
+
+        g = torch.Generator().manual_seed(7)
+        def state(seed):
+            t = torch.Generator().manual_seed(seed)
+            return {"model": {"w": torch.randn(5, 7, generator=t), "b": torch.randn(7, generator=t).bfloat16(),
+                              "q": torch.randint(0, 255, (9,), generator=t, dtype=torch.uint8)
+                                   .view(torch.float8_e4m3fn),
+                              "ids": torch.arange(11, dtype=torch.int64)},
+                    "step": seed, "lr": 0.5}
+        want = state(1)
+        with Checkpointer(jaxckpt.Config(store="memory")) as ck:
+            ck.save(1, want).result()
+            got = ck.restore(state(2))
+        def bits(t):
+            return t.view(torch.uint8).tolist() if t.element_size() == 1 else t.view(torch.int16).tolist() \\
+                if t.dtype == torch.bfloat16 else t.numpy().tobytes().hex()
+        same = all(got["model"][k].dtype == v.dtype and bits(got["model"][k]) == bits(v)
+                   for k, v in want["model"].items())
+        print(json.dumps({"same": same, "values": [got["step"], got["lr"]], "modules": sorted(sys.modules)}))
+    """, blocked=blocked)
+    assert got["same"] and got["values"] == [1, 0.5]
+    assert _offending(got["modules"], blocked) == []
+
+
+def test_ml_dtypes_stand_ins_have_the_widths_of_the_real_types():
+    """Without ml_dtypes its types travel as same-width unsigned integers; the widths must be the real ones."""
+    ml = pytest.importorskip("ml_dtypes")
+    from jaxckpt.core.dtypes import _ML_WIDTHS
+
+    real = {n: np.dtype(getattr(ml, n)).itemsize for n in _ML_WIDTHS if hasattr(ml, n)}
+    assert real and real == {n: _ML_WIDTHS[n] for n in real}
+    from jaxckpt.backends.torch.dtypes import _NAMES  # every ml_dtypes name torch uses has a stand-in
+    assert {n for n in _NAMES.values() if not hasattr(np, n)} <= set(_ML_WIDTHS)
