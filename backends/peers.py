@@ -1,11 +1,12 @@
 """This process's peers: a server of its snapshots for the others, clients of theirs, found through the coordinator.
 
-Set-up, when a job has more than one process (all through the coordination service, which is trusted):
-  0) (process 0)     generates the job's peer token, unless ``Config.peer_token`` is set, and publishes it
-                     under ``jaxckpt/<job>/peer/token``; (others) read it, waiting up to ``commit_timeout_s``;
-  1) (every process) starts a transport server over its store and publishes the address under
-                     ``jaxckpt/<job>/peer/addr/<process>``;
-  2) (on restore)    reads a peer's address on first use, then fetches its manifest and chunk ranges.
+Set-up, when a job has more than one process (two rounds of the engine's ``main`` channel,
+``jaxckpt.core.collective``, through the coordination service, which is trusted):
+  0) (process 0)     generates the job's peer token, unless ``Config.peer_token`` is set, and broadcasts it
+                     (round ``peer token``; a process with ``Config.peer_token`` set uses its own);
+  1) (every process) starts a transport server over its store; an ``all_gather`` round ``peer addresses``
+                     gives every process every server's address;
+  2) (on restore)    connects to a peer on first use, then fetches its manifest and chunk ranges.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import threading
 
 from jaxckpt.core import manifest as mf
 from jaxckpt.config import Config
+from jaxckpt.core.collective import Channel, Collective
 from jaxckpt.core.coordination import Coordinator
 from jaxckpt.errors import ManifestError, PeerError
 from jaxckpt.core.fetch import ByteSource
@@ -26,43 +28,46 @@ log = logging.getLogger("jaxckpt.backends.peers")
 class Peers:
     """Serves ``store`` to the job's other processes and reads theirs."""
 
-    def __init__(self, config: Config, coordinator: Coordinator, store: Store, prefix: str = "jaxckpt") -> None:
+    def __init__(self, config: Config, coordinator: Coordinator, store: Store, *,
+                 channel: Channel | None = None) -> None:
+        """``channel``: the rounds to run set-up on (every process calls this together); default: a channel of
+        a new collective instance of ``config.job_id``."""
         from jaxckpt.backends.transport import get_transport  # pyzmq is needed only by multi-process jobs
 
         self._config, self._coord = config, coordinator
-        self._prefix = f"{prefix}/{config.job_id}/peer"
+        if channel is None:
+            channel = Collective.for_job(coordinator, config.job_id, config.commit_timeout_s).channel("main")
         self._transport = get_transport()
-        self._token = self._exchange_token()
+        self._token = self._exchange_token(channel)
         self.server = self._transport.serve(store, token=self._token, host=config.peer_bind)
-        coordinator.set(f"{self._prefix}/addr/{coordinator.process_index}", self.server.address.encode())
+        try:
+            self._addresses = [str(a) for a in channel.all_gather("peer addresses", self.server.address)]
+        except BaseException:
+            self.server.close()
+            raise
         self._clients: dict = {}
         self._lock = threading.Lock()
 
-    def _exchange_token(self) -> bytes:
-        if self._config.peer_token:
-            return self._config.peer_token.encode()
-        key = f"{self._prefix}/token"
-        if self._coord.process_index == 0:
-            token = secrets.token_hex(32).encode()
-            self._coord.set(key, token)
-            return token
-        try:
-            return self._coord.get(key, self._config.commit_timeout_s)
-        except TimeoutError:
-            raise PeerError(f"process 0 did not publish the peer token ({key}) within "
-                            f"{self._config.commit_timeout_s:g}s") from None
+    def _exchange_token(self, channel: Channel) -> bytes:
+        own = self._config.peer_token.encode() if self._config.peer_token else None
+        if channel.process_index == 0 and own is None:
+            own = secrets.token_hex(32).encode()
+        shared = channel.broadcast("peer token", None if self._config.peer_token else own)
+        if own is not None:  # process 0's, or a configured one (processes with other tokens refuse each other)
+            return own
+        if shared is None:
+            raise PeerError("the peer token: Config.peer_token is set on process 0 but not on process "
+                            f"{channel.process_index}; set it on every process or on none")
+        return bytes(shared)
 
     def client(self, process: int):
         """The (cached) client of ``process``'s snapshot server."""
         with self._lock:
             c = self._clients.get(process)
             if c is None:
-                key = f"{self._prefix}/addr/{process}"
-                try:
-                    address = self._coord.get(key, self._config.peer_timeout_s).decode()
-                except TimeoutError:
-                    raise PeerError(f"process {process} has not published its snapshot server address ({key}) "
-                                    f"within {self._config.peer_timeout_s:g}s") from None
+                if not 0 <= process < len(self._addresses):
+                    raise PeerError(f"process {process}: no such process in a job of {len(self._addresses)}")
+                address = self._addresses[process]
                 c = self._clients[process] = self._transport.connect(address, token=self._token,
                                                                      timeout_s=self._config.peer_timeout_s)
             return c

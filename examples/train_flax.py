@@ -67,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timing-steps", type=int, default=8,
                    help="timed steps with and (as many) without a snapshot every step (default 8)")
     p.add_argument("--timing-block", type=int, default=4, help="timed steps per block; kinds alternate (default 4)")
-    p.add_argument("--restore-reps", type=int, default=3, help="restores by jaxckpt and by Orbax, alternated (default 3)")
+    p.add_argument("--restore-reps", type=int, default=3,
+                   help="restores by jaxckpt and by Orbax, alternated (default 3)")
     p.add_argument("--mtbf-node-hours", type=float, default=24.0,
                    help="for the interval advice: mean time between failures of one node (default 24 h)")
     p.add_argument("--nodes", type=int, default=1024, help="for the interval advice: nodes in the job (default 1024)")
@@ -474,7 +475,9 @@ def main(argv: list[str] | None = None) -> int:
                 timing_dir=os.path.join(base, "timing"), kill_at=None, timing_steps=args.timing_steps,
                 timing_block=args.timing_block, restore_reps=args.restore_reps,
                 cache_dir=os.path.join(base, "jax-cache") if args.compile_cache else "")
-    env = {**os.environ, "JAXCKPT_LOG_LEVEL": "INFO"}  # the agent inherits it: its log names discarded slots
+    # JAXCKPT_* settings would override the Config below (its directories among them); INFO: the agent inherits
+    # it, and its log names the slots it discards.
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("JAXCKPT_")}, "JAXCKPT_LOG_LEVEL": "INFO"}
     children: list[Child] = []
     agent_log = ""
 
@@ -502,14 +505,10 @@ def main(argv: list[str] | None = None) -> int:
                 agent_log = f.read()
             display.say("uninterrupted run (the reference) and the like-with-like timings, in a third process")
             ref = _reference(display, child("reference", digest_at=restored), args.steps, args.timing_steps)
-    except BaseException as e:
-        for c in children:
-            c.stop()
-        if not isinstance(e, (RuntimeError, KeyboardInterrupt)):
-            raise
-        print(f"FAILED: {e}", file=sys.stderr)
+    except (RuntimeError, KeyboardInterrupt) as e:  # anything else propagates with its traceback (exit status 1)
+        print(f"FAILED: {e!r}" if isinstance(e, KeyboardInterrupt) else f"FAILED: {e}", file=sys.stderr)
         return 1
-    finally:
+    finally:  # also on failure: no trainer, agent, shared memory or file of this run outlives it
         for c in children:
             c.stop()
         remove_agents(base)
@@ -543,43 +542,51 @@ def report(args, run1: dict, run2: dict, ref: dict, agent_log: str, wall: float,
     advice = advise_interval(mtbf_node_s=args.mtbf_node_hours * 3600, nodes=args.nodes, step_time_s=without_ms,
                              overhead_s=overhead, latency_s=latency, restart_s=kill_to_step)
     saves = run1["saves"] + run2["saves"]
+    names = ref["names"]
     jx, ob = ref["restores"]["jaxckpt"], ref["restores"]["orbax"]
     yes = {True: "yes", False: "NO"}
     cache = "loaded from JAX's compilation cache" if args.compile_cache else "compiled again: --no-compile-cache"
-    names = ref["names"]
-    print("summary")
-    print(f"  model:                      {run1['params']:,} params, state {run1['state_bytes'] / 2**20:.1f} MiB "
-          f"(params + AdamW moments), {len(names)} arrays")
-    print(f"  run 1:                      trained {_span(0, k)}, save() after every step (newest committed step "
-          f"it saw: {run1['committed']}); SIGKILLed right after save({k}) returned; exit status {run1['rc']}")
-    print(f"  kill landed mid-snapshot:   {yes[in_flight]} (the agent discarded step(s) {discarded} as written "
-          f"mid-way by a writer that disconnected; the newest committed step after the kill was {r})")
     src = ", ".join(f"{kind} {b:,} B" for kind, b in sorted(run2["report"]["bytes_by_kind"].items()))
-    print(f"  run 2 (relaunched):         restored step {r} from the node agent's shared memory ({src}), "
-          f"trained {_span(r, n)}")
-    print(f"  step time (warm, one process, one compiled step): without a snapshot {without_ms * 1e3:.1f} ms, "
-          f"with a snapshot every step {with_ms * 1e3:.1f} ms (medians of {len(ref['times']['without'])} and "
-          f"{len(ref['times']['with'])}): x{with_ms / without_ms:.3f}, {overhead * 1e3:.1f} ms per snapshot")
-    print(f"  save() call:                median {_median(saves):.2f} ms, max {max(saves):.2f} ms over the "
-          f"{len(saves)} saves of runs 1 and 2; in the timed steps median "
-          f"{_median(ref['save_calls']) * 1e3:.2f} ms")
-    print(f"  save() -> committed:        {_ms(ref['latency'])} ms (each waited for; the first save to a fresh agent, "
-          f"{ref['first_save'] * 1e3:.1f} ms, creates its segments and is not in these)")
-    print(f"  restore of one state:       jaxckpt from the agent's shared memory {_ms(jx)} ms (median "
-          f"{_median(jx) * 1e3:.1f}); Orbax StandardCheckpointer from tmpfs {_ms(ob)} ms (median "
-          f"{_median(ob) * 1e3:.1f}): Orbax / jaxckpt x{_median(ob) / _median(jx):.2f} (same process, same target; "
-          f"Orbax's save, {ref['orbax_save'] * 1e3:.0f} ms, not timed in)")
-    print(f"  kill -> first trained step: {kill_to_step:.2f} s = " + " + ".join(f"{name} {s:.2f} s" for name, s in parts)
-          + f" (the step's program {cache}; not counted: the example hashing the restored state for its check, "
-          f"{hashing * 1e3:.0f} ms)")
-    print(f"  interval advice:            {advice.describe()} (--mtbf-node-hours {args.mtbf_node_hours:g}, --nodes "
-          f"{args.nodes}; commit latency {latency * 1e3:.1f} ms, restart = kill -> first step)")
-    print(f"  wall time:                  {wall:.1f} s")
-    print(f"  loss curve bit-identical:   {yes[loss_ok]} ({n} steps: {_span(0, r)} from run 1, {_span(r, n)} from "
-          f"run 2; run 1's {_span(r, k)}, redone after the restore, match{'es' if k - r == 1 else ''} too)")
-    print(f"  restored state bit-identical: {yes[restored_ok]} (the uninterrupted run's state after {r} steps)")
-    print(f"  final state bit-identical:  {yes[final_ok]} (all {len(names)} arrays)")
-    print(f"  restores equal saved state: {yes[orbax_ok]} (jaxckpt and Orbax, every repetition)")
+    nw, nt = len(ref["times"]["without"]), len(ref["times"]["with"])
+    rows = [
+        ("model", f"{run1['params']:,} params, state {run1['state_bytes'] / 2**20:.1f} MiB (params + AdamW moments), "
+                  f"{len(names)} arrays"),
+        ("run 1", f"trained {_span(0, k)}, save() after every step (newest committed step it saw: "
+                  f"{run1['committed']}); SIGKILLed right after save({k}) returned; exit status {run1['rc']}"),
+        ("kill landed mid-snapshot", f"{yes[in_flight]} (the agent discarded step(s) {discarded} as written mid-way by "
+                                     f"a writer that disconnected; newest committed step after the kill: {r})"),
+        ("run 2 (relaunched)", f"restored step {r} from the node agent's shared memory ({src}), trained "
+                               f"{_span(r, n)}"),
+        ("step time, warm", f"without a snapshot {without_ms * 1e3:.1f} ms, with a snapshot every step "
+                            f"{with_ms * 1e3:.1f} ms: x{with_ms / without_ms:.3f}, {overhead * 1e3:.1f} ms per "
+                            f"snapshot "
+                            f"(medians of {nw} and {nt} steps; one process, one compiled step)"),
+        ("save() call", f"median {_median(saves):.2f} ms, max {max(saves):.2f} ms over the {len(saves)} saves of runs "
+                        f"1 and 2; median {_median(ref['save_calls']) * 1e3:.2f} ms in the timed steps"),
+        ("save() -> committed", f"{_ms(ref['latency'])} ms, each waited for (the first save to a fresh agent, "
+                                f"{ref['first_save'] * 1e3:.1f} ms, creates its segments and is not among these)"),
+        ("restore, same state", f"jaxckpt from its agent's shared memory median {_median(jx) * 1e3:.1f} ms "
+                                f"({_ms(jx)}); "
+                                f"Orbax StandardCheckpointer from tmpfs median {_median(ob) * 1e3:.1f} ms ({_ms(ob)}): "
+                                f"Orbax / jaxckpt x{_median(ob) / _median(jx):.2f} (one process, one target; Orbax's "
+                                f"save, {ref['orbax_save']:.1f} s, not timed in)"),
+        ("kill -> first trained step", f"{kill_to_step:.2f} s = " + " + ".join(f"{name} {s:.2f} s" for name, s in parts)
+                                       + f" (the step's program {cache}; not counted: the example hashing the "
+                                         f"restored state for its check, {hashing * 1e3:.0f} ms)"),
+        ("interval advice", f"{advice.describe()} (--mtbf-node-hours {args.mtbf_node_hours:g}, --nodes {args.nodes}; "
+                            f"overhead and step from the timed steps, commit latency {latency * 1e3:.1f} ms, restart = "
+                            f"kill -> first trained step)"),
+        ("wall time", f"{wall:.1f} s"),
+        ("loss curve bit-identical", f"{yes[loss_ok]} ({n} steps: {_span(0, r)} from run 1, {_span(r, n)} from run 2; "
+                                     f"run 1's {_span(r, k)}, redone after the restore, match"
+                                     f"{'es' if k - r == 1 else ''} too)"),
+        ("restored state bit-identical", f"{yes[restored_ok]} (the uninterrupted run's state after {r} steps)"),
+        ("final state bit-identical", f"{yes[final_ok]} (all {len(names)} arrays)"),
+        ("restores equal saved state", f"{yes[orbax_ok]} (jaxckpt and Orbax, every repetition)"),
+    ]
+    print("summary")
+    for label, text in rows:
+        print(f"  {label + ':':<30} {text}")
     ok = in_flight and loss_ok and restored_ok and final_ok and orbax_ok
     if not ok:
         bad = [s for s in range(n) if losses[s] != ref["losses"][s]]

@@ -49,6 +49,10 @@ class Config:
     max_pending_saves: int = 2
     chunk_bytes: int = 64 << 20
     job_id: str = "default"
+    # The time-out of every cross-process round (jaxckpt.core.collective): the commit of a step, start-up
+    # adoption, agent discovery, protection and persist decisions, the peer token. The leader waits this long for
+    # the other processes, they wait twice as long for its result; then the round fails on every process with
+    # one CoordinationError naming the late process. (The close barrier waits peer_timeout_s.)
     commit_timeout_s: float = 120.0
     persistent_dir: str = ""
     persistent_interval: int = 0

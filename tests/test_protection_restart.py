@@ -163,18 +163,17 @@ def race_job(base: str, job: str):
                 # Before the protection hook sees step 3: process 0 still counts step 2 as one of the newest
                 # ``keep`` steps when its worker decides it (after step 1 is protected everywhere).
                 if step == 3:
-                    try:
-                        eng.coordinator.get(f"jaxckpt/{job}/protect/2/go", 120)
-                    except TimeoutError:
-                        pass
+                    prot = eng.protection  # until its worker has decided step 2 (bounded: the test then fails)
+                    with prot._cond:
+                        prot._cond.wait_for(lambda: 2 in prot.decisions, 120)
             eng._commit_hooks.insert(0, wait_for_decision)
         for step in (1, 2, 3):
             ck.save(step, _device_state(step))
         ck.wait()
         prot = ck.engine.protection
-        go = eng.coordinator.try_get(f"jaxckpt/{job}/protect/2/go")
+        go = prot.decisions.get(2)  # process 0's decision, as every process got it in the round "decide 2"
         return {"protected": prot.protected_steps(), "failed": {s: str(e) for s, e in prot._failed.items()},
-                "skipped": sorted(prot._skipped), "go2": go.decode() if go else None}
+                "skipped": sorted(prot._skipped), "go2": None if go is None else ("1" if go else "0")}
 
 
 # ------------------------------------------------------------------------------------------------- the tests

@@ -199,12 +199,14 @@ def test_a_server_without_a_token_is_refused_and_job_tokens_are_strong():
     coord = LocalCoordinator()
     store = MemoryStore(Config(job_id="sec"))
     peers = Peers(Config(job_id="sec"), coord, store)
+    again = Peers(Config(job_id="sec"), coord, store)  # the process 0 of another job (or instance)
     try:
-        token = coord.try_get("jaxckpt/sec/peer/token")
+        token = peers._token  # process 0's, broadcast to the others in the round "peer token"
         assert re.fullmatch(rb"[0-9a-f]{64}", token), token  # 256 random bits from secrets
-        assert hmac.compare_digest(token, peers._token)
+        assert not hmac.compare_digest(token, again._token)  # a new one each time
     finally:
         peers.close()
+        again.close()
         store.close()
 
 

@@ -5,19 +5,21 @@ agent (``node``, zero-copy) and the other nodes' agents (``remote``, peer transp
 without agents, the job's other processes (``peer``); and any holders registered with :meth:`Catalog.add_holders`
 (protection's rebuild from parity or copies, the persistent directory).
 
-Finding the agents (:meth:`Catalog.discover`, collective when the job has several processes; O(processes) at
-the coordinator, like the commit protocol):
-  0) (every process) reads the peer files of its own node's agent and of ``Config.agent_dirs`` and sets
-     ``<prefix>/agents/<process>`` to what it found (address, token, node, generation);
-  1) (process 0)     reads those N keys and publishes their union under ``<prefix>/agents/all``;
-  2) (every process) reads that one key.
+Finding the agents (:meth:`Catalog.discover`, collective when the job has several processes: one ``reduce``
+round ``discover agents`` of a channel of ``jaxckpt.core.collective``; O(processes) at the coordinator, like
+the commit protocol):
+  0) (every process) reads the peer files of its own node's agent and of ``Config.agent_dirs`` and contributes
+     what it found (address, token, node, generation);
+  1) (process 0)     reduces the N lists to their union;
+  2) (every process) gets that union.
 So a restarted job, even with another number of processes or nodes, finds every agent any of its processes can
 see on its host: a job's node agents find each other without configuration, and ``Config.agent_dirs`` names the
 old job's agents on nodes the new job does not use (simulated nodes on one host: ``<parent>/node*``).
 
 Agreeing on the step to restore (:meth:`Catalog.agree_latest`, collective likewise): each process lists the steps
 whose snapshot is held, at some holder it can reach, for every process of the saving job (from the agents'
-commit records); process 0 publishes the newest step in every process's list; every process reads it.
+commit records); an ``all_gather`` round ``restorable steps`` shares the lists, and every process takes the
+newest step in every list.
 
 Opening a step (:meth:`Catalog.open`): for each process of the saving job, its holders in cost order; the first
 that opens gives the manifest, the others stand by as fallbacks and are opened only if a read needs them. A
@@ -30,8 +32,10 @@ operation (a restore, a scan, a protection pull: :meth:`Catalog.begin`), and tha
 Following restarted agents (:meth:`Catalog.begin`, never collective): an agent restarted on the same node and
 directory listens on a new address. At the start of each operation a process re-reads the peer files that
 changed (its own node's, ``Config.agent_dirs``: a stat each otherwise), and publishes its own node's new agent
-under ``agent-of/<process>/<k>`` (set once per restart). After an operation in which an agent did not answer,
-it also reads the keys the other processes published since (O(processes) reads, once per such operation). A
+as published state ``agent-of/<process>/<k mod 2>`` of the collective (``[k, agent]`` for its k-th restart; the
+slot's older value, k-2, is deleted first, so two keys per process at most, and the newest is always readable).
+After an operation in which an agent did not answer, it also reads the other processes' two slots (O(processes)
+reads, once per such operation) and takes what is newer than it saw. A
 restarted agent replaces the one of the same node and directory; :meth:`current_generation` maps the old
 generation to the new one (protection names a node's agent by generation).
 """
@@ -42,15 +46,15 @@ import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, Iterator
-
-import msgpack
+from typing import Callable, Hashable, Iterable, Iterator
 
 from jaxckpt.core import manifest as mf
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.config import Config
+from jaxckpt.core.capabilities import AgentHolders, AgentInfo, NodeAgent
+from jaxckpt.core.collective import Channel, Collective
 from jaxckpt.core.coordination import Coordinator
-from jaxckpt.errors import (AgentError, CommitError, ManifestError, PeerError, StepNotFoundError,
+from jaxckpt.errors import (AgentError, ManifestError, PeerError, PeerTimeoutError, StepNotFoundError,
                             StoreUnavailableError)
 from jaxckpt.core.fetch import buffer_source
 from jaxckpt.core.sources import (HeldEntry, Holder, Opened, Source, Version, check_manifest, choose_version,
@@ -60,12 +64,6 @@ from jaxckpt.core.store import Store
 log = logging.getLogger("jaxckpt.core.catalog")
 
 HOLDER_ERRORS = (PeerError, StepNotFoundError, StoreUnavailableError, AgentError, ManifestError, OSError)
-
-
-def node_agent_dir(store: Store) -> str | None:
-    """The directory of the node agent holding ``store``'s snapshots, if it is one (``store="shm"``)."""
-    d = getattr(store, "directory", None) if store.survives_process else None
-    return d if isinstance(d, str) else None
 
 
 class _PeerHolder(Holder):
@@ -119,20 +117,17 @@ class _Guarded(Holder):
     failed to answer in time: a dead agent's stale address would otherwise cost ``Config.peer_timeout_s`` on
     every request (each listing, manifest and chunk read) of that operation."""
 
-    def __init__(self, holder: Holder, catalog: "Catalog", timeout_error: type[Exception]) -> None:
-        self._h, self._catalog, self._timeout_error = holder, catalog, timeout_error
+    def __init__(self, holder: Holder, catalog: "Catalog", info: AgentInfo) -> None:
+        self._h, self._catalog, self.info = holder, catalog, info
         self.kind, self.name, self.node = holder.kind, holder.name, holder.node
         self.dead: str | None = None  # the operation in which it did not answer
-
-    def __getattr__(self, name: str):  # e.g. ``info``: protection finds an agent by its generation
-        return getattr(self._h, name)
 
     def _call(self, fn: Callable, *args):
         if self.dead is not None:
             raise _NotAsked(f"{self.name}: not asked, it did not answer earlier in this {self.dead}")
         try:
             return fn(*args)
-        except self._timeout_error as e:
+        except PeerTimeoutError as e:
             self._catalog._unresponsive(self, e)
             raise
 
@@ -150,11 +145,18 @@ class _Guarded(Holder):
 class Catalog:
     """Holders of this job's (and an earlier job's) snapshots for one process (see the module docstring)."""
 
-    def __init__(self, config: Config, coordinator: Coordinator, store: Store, peers=None) -> None:
+    def __init__(self, config: Config, coordinator: Coordinator, store: Store, peers=None,
+                 collective: Collective | None = None) -> None:
         self.config, self.coord, self.store, self.peers = config, coordinator, store, peers
+        # the engine's (its instance's keys); a catalog on its own gets an instance of its own
+        self.collective = collective or Collective.for_job(coordinator, config.job_id, config.commit_timeout_s)
         self.process_index, self.process_count = coordinator.process_index, coordinator.process_count
-        self.agent_dir = node_agent_dir(store)
-        self.agents: dict[str, object] = {}  # address -> AgentInfo, once discovered
+        # store="shm": its node agents (jaxckpt.core.capabilities); None for a store without them
+        agents = store.supports(NodeAgent)
+        self._agent: NodeAgent | None = store.capability(NodeAgent) if agents else None
+        self._readers: AgentHolders | None = store.capability(AgentHolders) if agents else None
+        self.agent_dir = self._agent.directory if self._agent is not None else None
+        self.agents: dict[str, AgentInfo] = {}  # address -> AgentInfo, once discovered
         self._discovered = False
         self._holders: list[Holder] | None = None
         self._providers: list[Callable[[], Iterable[Holder]]] = []
@@ -162,9 +164,9 @@ class Catalog:
         self._operation = "catalog scan"  # what a holder that stops answering is skipped for the rest of
         self.replaced: dict[str, str] = {}  # generation of a restarted agent -> of the one that replaced it
         self._published: str | None = None  # the generation of our node's agent the other processes know
-        self._own_k = 0  # our next agent-of key
-        self._probe: dict[int, int] = {}  # process -> its next agent-of key to read
-        self._seen: dict[str, tuple] = {}  # agent directory -> its peer file's (inode, mtime, size) last read
+        self._own_k = 0  # our next agent-of number (its ring slot: k % 2)
+        self._probe: dict[int, int] = {}  # process -> the lowest agent-of number not read yet
+        self._seen: dict[str, Hashable] = {}  # agent directory -> its NodeAgent.stamp() last read
         self._stale = False  # an agent did not answer in the last operation: read the other processes' keys
 
     @property
@@ -204,68 +206,51 @@ class Catalog:
 
     # ------------------------------------------------------------------------------------------ discovery
     def _own_node(self) -> str:
-        agent = getattr(self.store, "agent", None) or {}
-        return str(agent.get("node", "")) or "this node"
+        return (self._agent.node() if self._agent is not None else "") or "this node"
 
-    def discover(self, prefix: str | None = None) -> None:
-        """Find the node agents (see the module docstring); collective when ``prefix`` is given and the job has
-        several processes. Without agents (``store="memory"``) there is nothing to find."""
-        if not self.uses_agents:
+    def _own_generation(self) -> str:
+        return self._agent.generation() if self._agent is not None else ""
+
+    def discover(self, channel: Channel | None = None) -> None:
+        """Find the node agents (see the module docstring); a round of ``channel`` when it is given (every
+        process calls it then). Without agents (``store="memory"``) there is nothing to find."""
+        if self._agent is None:
             return
-        from jaxckpt.backends.agent.readers import AgentInfo, local_agents
-
-        dirs = self._dirs()
-        seen = {d: self._peer_file_state(d) for d in dirs}
-        found = [a.to_wire() for a in local_agents(self.config.job_id, dirs)]
-        if prefix is not None and self.process_count > 1:
-            found = self._exchange(f"{prefix}/agents", found)
+        dirs = self._agent.directories()
+        seen = {d: self._agent.stamp(d) for d in dirs}
+        found = [a.to_wire() for a in self._agent.find(dirs)]
+        if channel is not None:
+            found = channel.reduce("discover agents", found, lambda lists: [w for got in lists for w in got])
         agents = {}
         for w in found:
             a = AgentInfo.from_wire(w)
             agents.setdefault(a.address, a)
         with self._lock:
             self.agents, self._discovered, self._seen = agents, True, seen
-            self._published = str((getattr(self.store, "agent", None) or {}).get("generation", ""))
+            self._published = self._own_generation()
             self._close_holders()
         log.info("process %d found %d node agent(s): %s", self.process_index, len(agents),
                  ", ".join(f"{a.node} at {a.address}" for a in agents.values()) or "none")
 
-    def _dirs(self) -> list[str]:
-        from jaxckpt.backends.agent.readers import expand_dirs
-
-        return [self.agent_dir] + [d for d in expand_dirs(self.config.agent_dirs)
-                                   if os.path.realpath(d) != os.path.realpath(self.agent_dir)]
-
-    @staticmethod
-    def _peer_file_state(d: str) -> tuple | None:
-        from jaxckpt.backends.agent.serve import PEER_NAME
-
-        try:
-            st = os.stat(os.path.join(d, PEER_NAME))
-        except OSError:
-            return None
-        return st.st_ino, st.st_mtime_ns, st.st_size
-
     def _follow_restarts(self) -> None:
-        if not self.uses_agents or not self._discovered:
+        if self._agent is None or not self._discovered:
             return
-        from jaxckpt.backends.agent.readers import AgentInfo, local_agents
-
         changed = []
-        for d in self._dirs():
-            state = self._peer_file_state(d)
+        for d in self._agent.directories():
+            state = self._agent.stamp(d)
             if state is not None and self._seen.get(d) != state:
                 self._seen[d] = state
                 changed.append(d)
-        found = local_agents(self.config.job_id, changed) if changed else []
-        own_gen = str((getattr(self.store, "agent", None) or {}).get("generation", ""))
-        prefix = f"jaxckpt/{self.config.job_id}/agent-of"
+        found = self._agent.find(changed) if changed else []
+        own_gen = self._own_generation()
+        coll = self.collective
         if self.process_count > 1 and own_gen != self._published:
             own = next((a for a in found + list(self.agents.values()) if a.generation == own_gen), None)
             if own is not None:  # else the new agent does not serve peers yet: at the next operation
                 try:
-                    self.coord.set(f"{prefix}/{self.process_index}/{self._own_k}",
-                                   msgpack.packb(own.to_wire(), use_bin_type=True))
+                    slot = f"agent-of/{self.process_index}/{self._own_k % 2}"
+                    coll.unpublish(slot)  # number k-2: its other slot keeps k-1 readable meanwhile
+                    coll.publish(slot, [self._own_k, own.to_wire()])
                     self._own_k, self._published = self._own_k + 1, own_gen
                 except Exception as e:  # noqa: BLE001 - the others find it after a time-out, or at the next start
                     log.warning("process %d: could not publish the address of its restarted node agent: %s",
@@ -273,18 +258,20 @@ class Catalog:
         if self._stale and self.process_count > 1:
             self._stale = False
             for q in range(self.process_count):
-                k = self._probe.get(q, 0)
-                while q != self.process_index:
+                if q == self.process_index:
+                    continue
+                newer = []
+                for slot in (0, 1):
                     try:
-                        raw = self.coord.try_get(f"{prefix}/{q}/{k}")
-                        if raw is None:
-                            break
-                        found.append(AgentInfo.from_wire(msgpack.unpackb(raw, raw=False)))
-                    except Exception as e:  # noqa: BLE001 - a bad or unreadable key: the next one may be good
-                        log.warning("process %d: agent address %d of process %d unusable: %s",
-                                    self.process_index, k, q, e)
-                    k += 1
-                self._probe[q] = k
+                        got = coll.peek(f"agent-of/{q}/{slot}")
+                        if got is not None and int(got[0]) >= self._probe.get(q, 0):
+                            newer.append((int(got[0]), AgentInfo.from_wire(got[1])))
+                    except Exception as e:  # noqa: BLE001 - a bad or unreadable key: the other slot may be good
+                        log.warning("process %d: agent address slot %d of process %d unusable: %s",
+                                    self.process_index, slot, q, e)
+                for k, a in sorted(newer, key=lambda x: x[0]):
+                    found.append(a)
+                    self._probe[q] = k + 1
         if found:
             self._replace_agents(found)
 
@@ -315,28 +302,17 @@ class Catalog:
             seen.add(generation)
         return generation
 
-    def _exchange(self, key: str, mine: list) -> list:
-        c, timeout = self.coord, self.config.commit_timeout_s
-        c.set(f"{key}/{self.process_index}", msgpack.packb(mine, use_bin_type=True))
-        if self.process_index == 0:
-            union, failed = list(mine), None
-            for q in range(1, self.process_count):
-                try:
-                    union += msgpack.unpackb(c.get(f"{key}/{q}", timeout), raw=False)
-                except TimeoutError:
-                    failed = q
-                    break
-            out = b"" if failed is not None else msgpack.packb(union, use_bin_type=True)
-            c.set(f"{key}/all", out)
-        else:
-            try:
-                out = c.get(f"{key}/all", timeout * 2)
-            except TimeoutError:
-                out = b""
-        if not out:
-            raise CommitError(f"restore: the processes did not share the node agents they found within "
-                              f"{timeout:g}s (job {self.config.job_id!r}, process {self.process_index})")
-        return msgpack.unpackb(out, raw=False)
+    def agent_holder(self, generation: str) -> tuple[Holder, AgentInfo | None] | None:
+        """The holder of the agent of ``generation`` (as it is now: see :meth:`current_generation`) and how other
+        agents reach it: None for this node's agent (read locally), else its AgentInfo; None if none is known."""
+        gen = self.current_generation(generation)
+        own = gen == self._own_generation()
+        for h in self.holders():
+            if own and h.kind == "node":
+                return h, None
+            if isinstance(h, _Guarded) and h.info.generation == gen:
+                return h, h.info
+        return None
 
     def holders(self) -> list[Holder]:
         """The agents' holders (node first), then the registered ones; built once per discovery."""
@@ -357,7 +333,7 @@ class Catalog:
             return
         keep: dict[str, Holder] = {}
         for h in self._holders:
-            address = getattr(getattr(h, "info", None), "address", None)
+            address = h.info.address if isinstance(h, _Guarded) else None
             if h.kind == "remote" and address in gone:
                 h.close()
             elif h.kind in ("node", "remote"):
@@ -365,26 +341,20 @@ class Catalog:
         self._holders = self._make_holders(keep)
 
     def _make_holders(self, reuse: dict[str, Holder] | None = None) -> list[Holder]:
-        if not self.uses_agents:
+        if self._readers is None:
             return []
         reuse = reuse or {}
-        from jaxckpt.backends.agent.readers import NodeAgentHolder, RemoteAgentHolder
-        from jaxckpt.backends.transport import PeerTimeoutError
-
-        own_gen = (getattr(self.store, "agent", None) or {}).get("generation")
+        own_gen = self._own_generation()
         infos = list(self.agents.values())
         names = [a.node for a in infos]
         label = {a.address: a.node if names.count(a.node) == 1 else f"{a.node}:{os.path.basename(a.directory)}"
                  for a in infos}
         own = next((a for a in infos if a.generation == own_gen), None)
-        out: list[Holder] = [reuse.get("") or NodeAgentHolder(self.agent_dir, self.config.job_id,
-                                                              label[own.address] if own else self._own_node(),
-                                                              self.config.peer_timeout_s)]
+        out: list[Holder] = [reuse.get("") or self._readers.node_holder(label[own.address] if own else
+                                                                        self._own_node())]
         for a in infos:
             if a is not own:
-                out.append(reuse.get(a.address) or _Guarded(
-                    RemoteAgentHolder(a, label[a.address], self.config.peer_timeout_s, self.config.restore_workers),
-                    self, PeerTimeoutError))
+                out.append(reuse.get(a.address) or _Guarded(self._readers.remote_holder(a, label[a.address]), self, a))
         for address, h in reuse.items():
             if h not in out:
                 h.close()  # e.g. our own restarted agent's old address, known as a remote one until now
@@ -414,14 +384,12 @@ class Catalog:
         agents = [h for h in holders if h.kind in ("node", "remote", "peer")]
         return ask_all(agents) + ask_all([h for h in holders if h.kind not in ("node", "remote", "peer")])
 
-    def agree_latest(self, prefix: str) -> int | None:
-        """The newest step whose snapshot every process of this job can obtain, agreed by all (collective)."""
+    def agree_latest(self, channel: Channel) -> int | None:
+        """The newest step whose snapshot every process of this job can obtain, agreed by all (a round of
+        ``channel``)."""
         self.begin("catalog scan")
         complete = complete_steps(e for _, e in self.index())
-        if self.process_count == 1:
-            return complete[-1] if complete else None
-        lists = self._exchange(f"{prefix}/complete", [complete])
-        return newest_common(lists)
+        return newest_common(channel.all_gather("restorable steps", complete))
 
     # ------------------------------------------------------------------------------------------------ open
     @contextlib.contextmanager
@@ -581,6 +549,8 @@ class Catalog:
         self._holders = None
 
     def close(self) -> None:
-        """Drop every holder's connections."""
+        """Drop every holder's connections and this process's published agent addresses."""
         with self._lock:
             self._close_holders()
+        for slot in range(min(2, self._own_k)):
+            self.collective.unpublish(f"agent-of/{self.process_index}/{slot}")

@@ -2,11 +2,18 @@
 
 A :class:`Coordinator` is the few key-value primitives jaxckpt needs; the JAX coordination service and
 ``torch.distributed``'s store each get a small adapter, and :class:`LocalCoordinator` serves a single process.
+Nothing calls them directly but :class:`jaxckpt.core.collective.Collective`: every cross-process round
+(commit, start-up adoption, agent discovery and the restorable step, protection's node agreement, decisions and
+announcements, the persistent tier's decisions, the peer token and addresses, the close barrier) is a numbered
+round of one of its channels, under the key prefix of one Checkpointer instance, and the keys of a round are
+deleted once it is done: a job's live keys stay O(processes) whatever the number of steps.
 
-Commit protocol for a step (O(processes) at the coordinator, never O(processes^2)):
-  0) (every process) after its chunks are in host memory, sets ``done/<step>/<process>`` to 1 (or 0 on failure);
-  1) (process 0)  reads those N keys, then publishes ``committed/<step>`` as 1 (all done) or 0 (aborted);
-  2) (every process) reads that one key; ``latest_step()`` then moves to the step on every process.
+Commit protocol for a step (:class:`CommitTracker`, channel ``commit``: one ``reduce`` round per step;
+O(processes) key-value operations at process 0, two at every other process):
+  0) (every process) after its chunks are in host memory, contributes 1 (or 0 on failure);
+  1) (process 0)  reads (and deletes) the N-1 contributions, then publishes the round's result: committed
+                  (all done) or aborted (a process failed, or did not finish within ``commit_timeout_s``);
+  2) (every process) reads that one result; ``latest_step()`` then moves to the step on every process.
 All of it runs on a background thread; the training thread never waits on the store unless it calls ``wait()``.
 """
 from __future__ import annotations
@@ -14,10 +21,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from jaxckpt.errors import CommitError
+
+if TYPE_CHECKING:
+    from jaxckpt.core.collective import Channel
 
 log = logging.getLogger("jaxckpt.core.coordination")
 
@@ -36,6 +45,9 @@ class Coordinator(Protocol):
 
     def try_get(self, key: str) -> bytes | None:
         """The value of ``key`` now, or None."""
+
+    def delete(self, key: str) -> None:
+        """Remove ``key`` (no error if it is not set); it may be set again afterwards."""
 
 
 class LocalCoordinator:
@@ -61,14 +73,17 @@ class LocalCoordinator:
         with self._cv:
             return self._kv.get(key)
 
+    def delete(self, key: str) -> None:
+        with self._cv:
+            self._kv.pop(key, None)
+
 
 class CommitTracker:
     """Runs the commit protocol above for each locally finished step, in order, on its own thread."""
 
-    def __init__(self, coord: Coordinator, job_id: str, timeout_s: float,
-                 on_commit: Callable[[int, bool], None] | None = None, prefix: str = "jaxckpt") -> None:
-        self._coord = coord
-        self._prefix = f"{prefix}/{job_id}"
+    def __init__(self, channel: "Channel", timeout_s: float,
+                 on_commit: Callable[[int, bool], None] | None = None) -> None:
+        self._channel = channel
         self._timeout = timeout_s
         self._on_commit = on_commit
         self._cv = threading.Condition()
@@ -135,28 +150,8 @@ class CommitTracker:
                 self._cv.notify_all()
 
     def _agree(self, step: int, ok: bool) -> bool:
-        c, p = self._coord, self._prefix
-        if c.process_count == 1:
-            return ok
-        c.set(f"{p}/done/{step}/{c.process_index}", b"1" if ok else b"0")
-        if c.process_index == 0:
-            deadline = time.monotonic() + self._timeout
-            all_ok = ok
-            for q in range(1, c.process_count):
-                try:
-                    v = c.get(f"{p}/done/{step}/{q}", max(0.001, deadline - time.monotonic()))
-                except TimeoutError:
-                    log.error("step %d: process %d did not finish its snapshot within %.0fs", step, q, self._timeout)
-                    all_ok = False
-                    break
-                all_ok = all_ok and v == b"1"
-            c.set(f"{p}/committed/{step}", b"1" if all_ok else b"0")
-            return all_ok
-        try:
-            return c.get(f"{p}/committed/{step}", self._timeout * 2) == b"1"
-        except TimeoutError:
-            log.error("step %d: no commit decision from process 0 within %.0fs", step, self._timeout * 2)
-            return False
+        # A round names its step: processes that disagree on the step order fail the round, never mix steps.
+        return bool(self._channel.reduce(f"commit {step}", bool(ok), all, timeout_s=self._timeout))
 
     def close(self) -> None:
         self._queue.put(None)

@@ -7,7 +7,6 @@ A front end turns its state into :class:`ArrayRecord` (one per array leaf) plus 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import threading
 import time
@@ -16,23 +15,23 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-import msgpack
 import numpy as np
 
 from jaxckpt.core import manifest as mf
 from jaxckpt.config import Config
+from jaxckpt.core.collective import Collective
 from jaxckpt.core.coordination import CommitTracker, Coordinator
 from jaxckpt.errors import (ClosedError, CommitError, NoCheckpointError, StepError, StepNotFoundError,
                             StepOutOfRangeError, StoreUnavailableError)
-from jaxckpt.core.catalog import Catalog, node_agent_dir
+from jaxckpt.core.capabilities import NodeAgent, ProtectionSlots
+from jaxckpt.core.catalog import Catalog
 from jaxckpt.core.fetch import ChunkReader
 from jaxckpt.core.plan import ArrayLayout, SavePlan, plan_save
-from jaxckpt.core.registry import get_store_class
+from jaxckpt.core.registry import get_part, get_store_class
 from jaxckpt.core.copier import CopyTask, Copier, SnapshotResult
 
 log = logging.getLogger("jaxckpt.core.engine")
 MAX_STEP = 1 << 62  # the largest step number: agents' records and messages carry steps up to it
-_recoveries = itertools.count()  # recovery rounds of this process; every process of a job counts alike
 
 # device id -> (fetch() returning that device's shard on the host, optional start() of its transfer)
 Sources = dict[int, tuple[Callable[[], np.ndarray], Callable[[], None] | None]]
@@ -106,21 +105,24 @@ class CheckpointEngine:
         self.framework = framework
         self.coordinator = coordinator
         self.process_index, self.process_count = coordinator.process_index, coordinator.process_count
+        # Every cross-process round of this instance (jaxckpt.core.collective): its own keys, deleted when done.
+        self.collective = Collective.for_job(coordinator, config.job_id, config.commit_timeout_s)
         store_cls = get_store_class(config.store)
         self.store = store_cls(config, process_index=self.process_index, process_count=self.process_count)
         self._peers = None
         # Restore needs chunks that other processes hold: node agents serve them (store="shm"), else each process.
-        if self.process_count > 1 and node_agent_dir(self.store) is None:
-            from jaxckpt.backends.peers import Peers
+        if self.process_count > 1 and not self.store.supports(NodeAgent):
             try:
-                self._peers = Peers(config, coordinator, self.store)
+                peers_cls = get_part("peers", "default")  # jaxckpt.backends.peers: the core imports no backend
+                self._peers = peers_cls(config, coordinator, self.store, channel=self.collective.channel("main"))
             except BaseException:
                 self.store.close()
                 raise
-        self.catalog = Catalog(config, coordinator, self.store, self._peers)  # where restores read from
+        self.catalog = Catalog(config, coordinator, self.store, self._peers,  # where restores read from
+                               collective=self.collective)
         self.last_restore_report = None  # jaxckpt.core.sources.RestoreReport of the last open() (restore)
         self._snap = Copier(config.workers, config.inflight_bytes)
-        self._tracker = CommitTracker(coordinator, config.job_id, config.commit_timeout_s,
+        self._tracker = CommitTracker(self.collective.channel("commit"), config.commit_timeout_s,
                                       on_commit=self._after_commit)
         self._prepared: dict[tuple, _Prepared] = {}
         self._pending: deque[SaveHandle] = deque()
@@ -136,7 +138,7 @@ class CheckpointEngine:
         # Config.protection (jaxckpt.protection.runtime): needs node agents; registers its rebuild holder before
         # _recover so that a restarted job counts steps it can rebuild from protection.
         self.protection = None
-        if config.protection != "none" and node_agent_dir(self.store) is not None:
+        if config.protection != "none" and self.store.supports(ProtectionSlots):
             from jaxckpt.protection.runtime import Protector
             self.protection = Protector(self)
         elif config.protection != "none":
@@ -335,12 +337,11 @@ class CheckpointEngine:
         Own steps are the held ones this process saved as the same process of a job of the same size (their
         manifests say so); the others were saved by another incarnation of the job (say 4 processes, where we
         are 2) and stay with the agents as restore sources.
-        One process: its newest ``keep`` own steps become committed. Several (O(processes) at process 0, like
-        the commit protocol):
-          0) (every process) sets ``recover/<n>/held/<process>`` to its own held steps;
-          1) (process 0)     reads those N keys and publishes ``recover/<n>/common``: the newest ``keep`` steps
-                             every process holds ("" if a process did not answer in time);
-          2) (every process) reads that one key.
+        One process: its newest ``keep`` own steps become committed. Several: one ``reduce`` round ``adopt`` of
+        the ``main`` channel (jaxckpt.core.collective; O(processes) at process 0, like the commit protocol):
+          0) (every process) contributes its own held steps (and those it sees as protected, rebuildable);
+          1) (process 0)     reduces them to the newest ``keep`` steps every process holds (and the guard);
+          2) (every process) gets that result, or the round's CoordinationError if a process did not answer.
         With node agents, the catalog also finds every agent and agrees on the newest step whose snapshot every
         process can obtain from them (jaxckpt.core.catalog), whatever job size saved it: that is ``latest_step()``
         when it is newer. With protection, the newest step every process holds whose protection is complete
@@ -355,9 +356,9 @@ class CheckpointEngine:
         own = self._own_steps(held)
         restorable = None
         if self.catalog.uses_agents:
-            prefix = f"jaxckpt/{self.config.job_id}/catalog/{next(_recoveries)}"
-            self.catalog.discover(prefix)
-            restorable = self.catalog.agree_latest(prefix)  # its scan is the one protected_steps() reads
+            main = self.collective.channel("main")
+            self.catalog.discover(main)
+            restorable = self.catalog.agree_latest(main)  # its scan is the one protected_steps() reads
         holder = self.protection.holder if self.protection is not None else None
         protected = holder.protected_steps() if holder is not None else []
         rebuildable = holder.rebuildable_steps() if holder is not None else []
@@ -425,33 +426,19 @@ class CheckpointEngine:
                     ) -> tuple[list[int], int | None, list[int]]:
         """(the newest ``keep`` steps every process holds, the newest step every process holds and sees as
         protected or None, the steps every process sees as rebuildable)."""
-        c, timeout = self.coordinator, self.config.commit_timeout_s
-        prefix = f"jaxckpt/{self.config.job_id}/recover/{next(_recoveries)}"
-        c.set(f"{prefix}/held/{self.process_index}", msgpack.packb([held, protected, rebuildable]))
-        if self.process_index == 0:
-            common, prot, rb, failed = set(held), set(protected), set(rebuildable), None
-            for q in range(1, self.process_count):
-                try:
-                    h, pr, r = msgpack.unpackb(c.get(f"{prefix}/held/{q}", timeout))
-                except (TimeoutError, ValueError):  # ValueError: not three lists, from a process of another version
-                    failed = q
-                    break
-                common &= set(h)
-                prot &= set(pr)
-                rb &= set(r)
-            guard = max(common & prot, default=None)
-            out = b"" if failed is not None else \
-                msgpack.packb([sorted(common)[-self.config.keep:], guard, sorted(rb)[-16:]])
-            c.set(f"{prefix}/common", out)
-        else:
-            try:
-                out = c.get(f"{prefix}/common", timeout * 2)
-            except TimeoutError:
-                out = b""
-        if not out:
-            raise CommitError(f"recovery: the processes did not agree on the steps they hold within {timeout:g}s "
-                              f"(job {self.config.job_id!r}, process {self.process_index})")
-        steps, guard, rebuildable = msgpack.unpackb(out)
+        keep = self.config.keep
+
+        def common(contributions: list) -> list:
+            held_all, prot, rb = (set(map(int, held)), set(map(int, protected)), set(map(int, rebuildable)))
+            for h, pr, r in contributions[1:]:  # ValueError (not three lists, another version): fails the round
+                held_all &= set(map(int, h))
+                prot &= set(map(int, pr))
+                rb &= set(map(int, r))
+            return [sorted(held_all)[-keep:], max(held_all & prot, default=None), sorted(rb)[-16:]]
+        # A process that does not answer in time fails the round on every process (CoordinationError).
+        out = self.collective.channel("main").reduce("adopt", [list(held), list(protected), list(rebuildable)],
+                                                     common)
+        steps, guard, rebuildable = out
         return [int(s) for s in steps], None if guard is None else int(guard), [int(s) for s in rebuildable]
 
     # -------------------------------------------------------------------------------------------- restore
@@ -509,24 +496,18 @@ class CheckpointEngine:
         if self._peers is not None:
             self._close_barrier()
             self._peers.close()
+        self.collective.close()
         self.store.close()
 
     def _close_barrier(self) -> None:
         """Wait (bounded) until every process is closing: until then another may still restore from this one.
 
-        The commit protocol's shape: each process sets one key, process 0 reads them and publishes one key.
-        A process that died is waited for at most ``peer_timeout_s``; then this one closes anyway.
+        A ``barrier`` round of the ``main`` channel. A process that died is waited for at most ``peer_timeout_s``;
+        then this one closes anyway.
         """
-        c, prefix, timeout = self.coordinator, f"jaxckpt/{self.config.job_id}/closing", self.config.peer_timeout_s
+        timeout = self.config.peer_timeout_s
         try:
-            c.set(f"{prefix}/{c.process_index}", b"1")
-            if c.process_index == 0:
-                deadline = time.monotonic() + timeout
-                for q in range(1, c.process_count):
-                    c.get(f"{prefix}/{q}", max(0.001, deadline - time.monotonic()))
-                c.set(f"{prefix}/all", b"1")
-            else:
-                c.get(f"{prefix}/all", timeout)
+            self.collective.channel("main").barrier("close", timeout_s=timeout)
         except Exception as e:  # noqa: BLE001 - closing must not hang or fail on a dead peer
             log.warning("close: not every process reached close within %.0fs (%s); closing anyway", timeout, e)
 

@@ -53,8 +53,8 @@ from etils import epath
 from jaxckpt.config import Config
 from jaxckpt.core.dtypes import dtype_from_name
 from jaxckpt.core.engine import CheckpointEngine
-from jaxckpt.errors import (ChecksumError, ManifestError, NoCheckpointError, PeerError, PlanError, StepError,
-                            StepNotFoundError, TargetMismatchError, UnsupportedLeafError)
+from jaxckpt.errors import (ChecksumError, CommitError, ManifestError, NoCheckpointError, PeerError, PlanError,
+                            StepError, StepNotFoundError, TargetMismatchError, UnsupportedLeafError)
 from jaxckpt.jax.restore import restore_tree
 from jaxckpt.jax.tree import Leaf, flatten, nested
 from jaxckpt.core.manifest import LeafMeta, Manifest
@@ -385,17 +385,13 @@ class Persister:
             self._cv.notify_all()
 
     def _decide(self, step: int, mine: bool) -> bool:
-        """Process 0's decision for ``step``, the same on every process (one key, O(processes) reads)."""
-        if self._pc == 1:
-            return mine
-        coord, key = self.engine.coordinator, f"jaxckpt/{self.config.job_id}/persist/{step}"
-        if self._pi == 0:
-            coord.set(key, b"1" if mine else b"0")
-            return mine
+        """Process 0's decision for ``step``, the same on every process (a ``broadcast`` round of the engine's
+        ``persist`` channel, jaxckpt.core.collective: O(processes) at process 0, O(1) elsewhere)."""
         try:
-            return coord.get(key, self.config.commit_timeout_s) == b"1"
-        except TimeoutError:
-            log.error("step %d: no persist decision from process 0 within %.0fs", step, self.config.commit_timeout_s)
+            return bool(self.engine.collective.channel("persist").broadcast(f"persist {step}", mine,
+                                                                            timeout_s=self.config.commit_timeout_s))
+        except CommitError as e:  # CoordinationError: a process (process 0, say) did not take part in time
+            log.error("step %d: no persist decision: %s", step, e)
             return False
 
     # ---------------------------------------------------------------------------------- persist thread

@@ -2,37 +2,39 @@
 
 Per step (the engine calls :meth:`Protector.prepare` for a new layout, :meth:`on_save` in ``save()``, and the
 commit hook when the step is decided):
-  0) ``prepare`` (once per layout; the first time, collectively) agrees on the node of every process (each
-     process sets one key with its node agent's generation, process 0 publishes the list: O(processes)) and
+  0) ``prepare`` (once per layout; the first time, collectively) agrees on the node of every process (an
+     ``all_gather`` round ``protection nodes`` of the engine's ``main`` channel, ``jaxckpt.core.collective``,
+     of each process's node agent generation: O(processes) at process 0) and
      computes the :class:`~jaxckpt.protection.plan.ProtectionPlan`; it asks the engine to also pin the local device
      shards this process's ``parity`` stripes read;
   1) ``on_save``: a background thread XORs this process's ``parity`` stripes from those device copies (REFT:
      zero bytes sent) and drops the views;
   2) when the step is committed everywhere, one bounded worker thread takes the steps in order; process 0
-     decides for each whether it is protected or skipped (``protect/<step>/go``): a step is skipped when
+     decides for each whether it is protected or skipped (a ``broadcast`` round ``decide <step>`` of the
+     ``protect`` channel, which only this worker uses): a step is skipped when
      ``Config.keep`` newer steps are committed already (retention lets it go: it can no longer be a restore
      target), so with a save every step protection trails by at most about ``keep`` steps instead of falling
      further behind; every process follows that one decision, so a step is protected by all or skipped by
-     all. Process 0 publishes a skip as soon as retention lets a queued step go; the other processes hold
+     all. Process 0 publishes a skip (published state ``protect/skip/<step>``, deleted after that step's decision
+     round) as soon as retention lets a queued step go; the other processes hold
      every queued step (``engine.hold``, past ``Config.keep``) until that decision says skip, so none drops the
      bytes of a step process 0 still protects. The step being protected is held until every node has pulled
      its bytes. For a protected step the worker: waits for its parity, reads the manifests of the processes
      of the ``copies`` preceding nodes (small), reserves the slot of pseudo process ``PROTECT_BASE + p`` in its
-     node's agent (``jaxckpt.backends.agent.protection_slot``), writes the plan, the manifests and its parity stripes into
+     node's agent (``jaxckpt.protection.slot``), writes the plan, the manifests and its parity stripes into
      it, and has the agent build there what this node holds for other nodes (``xor-group`` units XORed into
      parity, ``replica`` copy blocks; each block by one process of the holding node): the agent pulls the
      chunks from the other nodes' agents itself, verifies each by checksum, at most
      ``Config.protection_bandwidth`` bytes per second per request (``jaxckpt.backends.agent.protection_pull``), and
      replies with the blocks' checksums; the worker then commits the slot. The bytes never pass through the
      trainer process. (A store without agents builds the blocks in this thread instead.)
-  3) it sets ``protect/<step>/done/<p>``; process 0 reads the N keys and publishes ``protect/<step>/ok``; every
-     other process reads that one key. The step is then *protected* (:meth:`protected_steps`).
+  3) a ``reduce`` round ``announce <step>`` of the ``protect`` channel: every process contributes whether its
+     part succeeded, every process gets whether all did. The step is then *protected* (:meth:`protected_steps`).
 The pull replaces a push: the bytes cross the network once either way, the agent needs no write path from peers,
 and a node that is being filled decides its own pace (one request per protecting process, one chunk at a time).
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -42,27 +44,29 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from jaxckpt.protection import parity
+from jaxckpt.core.capabilities import NodeAgent, ProtectionSlots
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.errors import AgentError, CommitError, PeerError
 from jaxckpt.core.plan import ArrayLayout, SavePlan
 from jaxckpt.protection.plan import (ProtectionPlan, SavedChunk, encode_plan, plan_for_config,
-                                segment_from_copy, stripe_parity)
-from jaxckpt.core.registry import get_store_class
+                                range_from_copy, stripe_parity)
+from jaxckpt.protection.holder import RebuildHolder
+from jaxckpt.protection.slot import encode_meta, slot_header, slot_layout
 
 if TYPE_CHECKING:
     from jaxckpt.core.engine import CheckpointEngine
 
 log = logging.getLogger("jaxckpt.protection.runtime")
-_rounds = itertools.count()  # node agreements of this process; every process of a job counts alike
 
 
 class Protector:
     """The trainer side of ``Config.protection`` for one engine (see the module docstring)."""
 
     def __init__(self, engine: "CheckpointEngine") -> None:
-        from jaxckpt.backends.agent.protection_slot import RebuildHolder
-
         self.engine, self.config = engine, engine.config
+        # the store offers both (jaxckpt.core.capabilities): the engine creates a Protector only then
+        self._agent = engine.store.capability(NodeAgent)
+        self._slots = engine.store.capability(ProtectionSlots)
         self.p, self.n = engine.process_index, engine.process_count
         self.nodes: tuple[int, ...] | None = None
         self.generations: list[str] = []  # agent generation of each node id
@@ -86,6 +90,8 @@ class Protector:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-protect")
         self._closed = False
         self.last_pull: dict = {}  # the node agent's reply to the newest pull (crcs, bytes, bandwidth account)
+        self.decisions: dict[int, bool] = {}  # step -> process 0's decision: protect (True) or skip (False)
+        self._channel = engine.collective.channel("protect")  # the worker's rounds: decisions, announcements
         self.holder = RebuildHolder(self._agent_holders, workers=max(1, engine.config.workers))
         engine.catalog.add_holders(lambda: [self.holder])
         engine.add_commit_hook(self._on_commit)
@@ -95,18 +101,9 @@ class Protector:
         return [h for h in self.engine.catalog.holders() if h.kind in ("node", "remote")]
 
     def _agree_nodes(self) -> None:
-        c, timeout = self.engine.coordinator, self.config.commit_timeout_s
-        gen = str(self.engine.store.agent.get("generation", ""))
-        if self.n == 1:
-            gens = [gen]
-        else:
-            prefix = f"jaxckpt/{self.config.job_id}/protect/nodes/{next(_rounds)}"
-            c.set(f"{prefix}/{self.p}", gen.encode())
-            if self.p == 0:
-                gens = [gen] + [c.get(f"{prefix}/{q}", timeout).decode() for q in range(1, self.n)]
-                c.set(f"{prefix}/all", ",".join(gens).encode())
-            else:
-                gens = c.get(f"{prefix}/all", timeout * 2).decode().split(",")
+        # an all_gather round of the main channel (prepare runs in save(), on the caller's thread)
+        gens = [str(g) for g in
+                self.engine.collective.channel("main").all_gather("protection nodes", self._agent.generation())]
         ids: dict[str, int] = {}
         self.nodes = tuple(ids.setdefault(g, len(ids)) for g in gens)
         self.generations = list(ids)
@@ -126,7 +123,7 @@ class Protector:
         extra: dict[str, set[int]] = {}
         for s in plan.parity_tasks(self.p):
             for u in s.units:
-                for g in u.segments:
+                for g in u.ranges:
                     c = plan.chunks[g.chunk]
                     extra.setdefault(c.path, set()).add(mine[(c.path, c.source)])
         self._need[key] = {(path, d) for path, devs in extra.items() for d in devs}
@@ -157,7 +154,7 @@ class Protector:
             k = (c.path, c.source)
             if k not in shards:
                 shards[k] = np.asarray(fetchers[(c.path, devs[k])]())
-            return segment_from_copy(c, lo, hi, shards[k], c.source)
+            return range_from_copy(c, lo, hi, shards[k], c.source)
         try:
             return [("stripe", s.id, stripe_parity(plan, s, read)) for s in tasks]
         finally:
@@ -200,17 +197,17 @@ class Protector:
     def _share_skips(self, tell: list[int], ask: list[int], older: list[int]) -> None:
         """Process 0: publish the skip of ``tell``; the others: add to ``older`` the steps of ``ask`` whose skip
         is published (a step whose decision is not out yet stays held: its worker releases it)."""
-        c = self.engine.coordinator
+        coll = self.engine.collective
         for s in tell:
             try:
-                c.set(self._go_key(s), b"0")
+                coll.publish(self._skip_key(s), True)
             except Exception as e:  # noqa: BLE001 - its worker publishes the decision instead
                 with self._cond:
                     self._told.discard(s)
                 log.warning("step %d: could not publish its protection skip now: %s", s, e)
         for s in ask:
             try:
-                skipped = c.try_get(self._go_key(s)) == b"0"
+                skipped = coll.peek(self._skip_key(s)) is True
             except Exception as e:  # noqa: BLE001 - kept until its worker reads the decision
                 log.warning("step %d: could not read its protection decision now: %s", s, e)
                 continue
@@ -221,8 +218,10 @@ class Protector:
                 if mine:
                     older.append(s)
 
-    def _go_key(self, step: int) -> str:
-        return f"jaxckpt/{self.config.job_id}/protect/{step}/go"
+    @staticmethod
+    def _skip_key(step: int) -> str:
+        # published by process 0 before the step's turn; deleted once its decision round has run everywhere
+        return f"protect/skip/{step}"
 
     def _stale(self, step: int) -> bool:
         """True when ``Config.keep`` newer steps are committed: retention lets ``step`` go (call locked)."""
@@ -235,18 +234,20 @@ class Protector:
             stale = self._stale(step)
             told = step in self._told  # its skip is published already (_on_commit)
             self._told.discard(step)
-        if self.n == 1:
-            return not stale
-        c, timeout = self.engine.coordinator, self.config.commit_timeout_s
-        key = self._go_key(step)
-        if self.p == 0:
-            if not told:
-                c.set(key, b"0" if stale else b"1")
-            return not stale
         try:
-            return c.get(key, timeout * 2) == b"1"
-        except TimeoutError:
+            go = bool(self._channel.broadcast(f"decide {step}", not stale if self.p == 0 else None))
+        except CommitError as e:  # CoordinationError: process 0 (or another process) did not take part in time
+            log.error("step %d: no protection decision on process %d: %s", step, self.p, e)
             return None
+        finally:
+            if told:  # every process that took part has decided: the early skip is read or no longer needed
+                self.engine.collective.unpublish(self._skip_key(step))
+        with self._cond:
+            self.decisions[step] = go
+            while len(self.decisions) > 64:  # the recent ones only: memory stays bounded over a long job
+                del self.decisions[next(iter(self.decisions))]
+            self._cond.notify_all()
+        return go
 
     def _skip(self, step: int) -> None:
         # its parity future runs on (not cancelled: a front end may wait for it before reusing its buffers)
@@ -295,7 +296,7 @@ class Protector:
                 manifests = {q: reader.manifest(q) for q in range(self.n) if self.nodes[q] in prev}
                 # the node agent pulls and builds these blocks (backends/agent/protection_pull.py)
                 tasks = [("stripe", s.id, s.nbytes) for s in stripes] + [("copy", b.id, b.nbytes) for b in copies]
-                read = {plan.chunks[g.chunk].process for s in stripes for u in s.units for g in u.segments}
+                read = {plan.chunks[g.chunk].process for s in stripes for u in s.units for g in u.ranges}
                 read |= {plan.chunks[i].process for b in copies for i in b.chunks}
                 sources = {q: reader.address(q) for q in sorted(read)}
             finally:
@@ -315,19 +316,14 @@ class Protector:
                 self.engine.release(step)
 
     def _slot_store(self):
-        from jaxckpt.backends.agent.protection_slot import PROTECT_BASE
-
-        if self._store is None:  # the configured store class (a subclass of ShmStore, say), as the engine's
-            store_cls = get_store_class(self.config.store)
-            self._store = store_cls(self.config, process_index=PROTECT_BASE + self.p, process_count=self.n)
+        if self._store is None:  # of the engine's store class (a subclass of ShmStore, say)
+            self._store = self._slots.slot_store(self.p)
         return self._store
 
     def _write(self, step: int, plan: ProtectionPlan, manifests: dict[int, bytes], blocks, tasks=(),
                sources=None) -> None:
         """Commit the step's protection slot: ``blocks`` computed here, ``tasks`` ((kind, id, nbytes)) built into
         the slot by the node agent from ``sources`` ({process: [address, token] | None})."""
-        from jaxckpt.backends.agent.protection_slot import encode_meta, slot_header, slot_layout
-
         meta = encode_meta(self._encoded[id(plan)], manifests)
         datas = [(kind, bid, parity.as_bytes(data)) for kind, bid, data in blocks]
         offsets, size = slot_layout(len(meta), [b.size for _, _, b in datas] + [n for _, _, n in tasks])
@@ -346,11 +342,11 @@ class Protector:
             if tasks:
                 at = offsets[len(datas):]
                 try:
-                    reply = store.pull(slot, plan=self._encoded[id(plan)],
-                                       tasks=[[kind, int(bid), o] for o, (kind, bid, _) in zip(at, tasks)],
-                                       sources={str(q): v for q, v in (sources or {}).items()},
-                                       rate=int(self.config.protection_bandwidth or 0),
-                                       timeout=float(self.config.peer_timeout_s))
+                    reply = store.capability(ProtectionSlots).pull(
+                        slot, plan=self._encoded[id(plan)],
+                        tasks=[[kind, int(bid), o] for o, (kind, bid, _) in zip(at, tasks)],
+                        sources={str(q): v for q, v in (sources or {}).items()},
+                        rate=int(self.config.protection_bandwidth or 0), timeout=float(self.config.peer_timeout_s))
                 except AgentError:  # a peer the agent could not reach may have restarted elsewhere: look again
                     self.engine.catalog.suspect()
                     raise
@@ -367,21 +363,10 @@ class Protector:
                 self._store.delete(s)
 
     def _announce(self, step: int, ok: bool) -> None:
-        c, timeout = self.engine.coordinator, self.config.commit_timeout_s
-        prefix = f"jaxckpt/{self.config.job_id}/protect/{step}"
-        try:
-            if self.n == 1:
-                done = ok
-            else:
-                c.set(f"{prefix}/done/{self.p}", b"1" if ok else b"0")
-                if self.p == 0:
-                    done = ok
-                    for q in range(1, self.n):
-                        done = c.get(f"{prefix}/done/{q}", timeout) == b"1" and done
-                    c.set(f"{prefix}/ok", b"1" if done else b"0")
-                else:
-                    done = c.get(f"{prefix}/ok", timeout * 2) == b"1"
-        except TimeoutError:
+        try:  # protected only when protected on every process (a reduce round of the protect channel)
+            done = bool(self._channel.reduce(f"announce {step}", bool(ok), all))
+        except CommitError as e:  # CoordinationError: a process did not announce in time
+            log.error("step %d: protection not announced by every process: %s", step, e)
             done = False
         with self._cond:
             self._pending.discard(step)
@@ -444,27 +429,28 @@ class _Sources:
         self._opened: dict[int, Any] = {}
 
     def _holder(self, q: int):
-        gen = self.prot.engine.catalog.current_generation(self.prot.generations[self.prot.nodes[q]])
-        own = self.prot.engine.store.agent.get("generation")
-        for h in self.prot._agent_holders():
-            if (h.kind == "node" and gen == own) or getattr(getattr(h, "info", None), "generation", None) == gen:
-                return h
-        raise PeerError(f"step {self.step}: no agent of the node of process {q} (generation {gen}) is known")
+        """(holder, AgentInfo or None for this node's agent) of the agent of process ``q``'s node."""
+        gen = self.prot.generations[self.prot.nodes[q]]
+        found = self.prot.engine.catalog.agent_holder(gen)
+        if found is None:
+            raise PeerError(f"step {self.step}: no agent of the node of process {q} (generation "
+                            f"{self.prot.engine.catalog.current_generation(gen)}) is known")
+        return found
 
     def _open(self, q: int):
         o = self._opened.get(q)
         if o is None:
-            o = self._opened[q] = self._holder(q).open(q, self.step)
+            o = self._opened[q] = self._holder(q)[0].open(q, self.step)
         return o
 
     def manifest(self, q: int) -> bytes:
         return bytes(self._open(q).manifest)
 
     def address(self, q: int) -> list | None:
-        """Where the node agent finds process ``q``'s chunks: None (its own node) or [peer address, token]."""
-        h = self._holder(q)
-        info = getattr(h, "info", None) if h.kind != "node" else None
-        return None if info is None else [info.address, bytes(info.token)]
+        """Where the node agent finds process ``q``'s chunks: None (its own node) or [peer address, token, CURVE
+        public key of that agent ("" without CURVE)]."""
+        info = self._holder(q)[1]
+        return None if info is None else [info.address, bytes(info.token), info.server_key]
 
     def close(self) -> None:
         for o in self._opened.values():

@@ -150,7 +150,7 @@ class Trainer:
             return RESTART
         self.emit("held", steps=eng.all_steps())
         restored = self.restore(eng)
-        verdict = self.agree(coord, restored)
+        verdict = self.agree(eng, restored)
         if verdict != "ok":
             if isinstance(restored, tuple):  # bad bytes: every process is done reading, the step goes for good
                 eng.store.delete(restored[1])
@@ -196,25 +196,16 @@ class Trainer:
                     self.hook("restore")
             return arrays, {v.path: v.value for v in own.leaves}
 
-    def agree(self, coord, restored) -> str:
-        """Every process restored the same step (process 0 decides; O(processes) keys)."""
-        if self.n == 1:
-            return "ok" if restored is None or isinstance(restored, int) else f"restored {restored}"
-        timeout = self.spec["timeout_s"]
-        coord.set(f"chaos/restored/{self.p}", json.dumps(restored).encode())
-        if self.p == 0:
-            try:
-                got = [json.loads(coord.get(f"chaos/restored/{q}", timeout)) for q in range(self.n)]
-                same = len(set(map(str, got))) == 1 and (got[0] is None or isinstance(got[0], int))
-                verdict = "ok" if same else f"restored {got}"
-            except TimeoutError:
-                verdict = "a process did not report its restore"
-            coord.set("chaos/verdict", verdict.encode())
-            return verdict
+    def agree(self, eng, restored) -> str:
+        """Every process restored the same step (a ``reduce`` round of the engine's ``main`` channel)."""
+        def verdict(got: list) -> str:
+            same = len(set(map(str, got))) == 1 and (got[0] is None or isinstance(got[0], int))
+            return "ok" if same else f"restored {got}"
         try:
-            return coord.get("chaos/verdict", timeout * 2).decode()
-        except TimeoutError:
-            return "no verdict from process 0"
+            return eng.collective.channel("main").reduce("chaos restored", restored, verdict,
+                                                         timeout_s=self.spec["timeout_s"])
+        except JaxckptError as e:  # CoordinationError: a process did not report its restore in time
+            return f"no agreement on the restored step: {e}"
 
     def train(self, eng, first: int) -> None:
         s = self.spec

@@ -1,0 +1,374 @@
+"""The one coordination wrapper (jaxckpt.core.collective): results, one error everywhere, bounded keys.
+
+Unit tests run N "processes" as threads over one FileCoordinator directory (each key a file: what is left is
+what the directory lists); the multi-process tests run real JAX processes over the coordination service and
+list its keys under the job's prefix.
+"""
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jaxckpt.core.collective import MAX_UNACKED, Collective, instance_namespace
+from jaxckpt.core.coordination import LocalCoordinator
+from jaxckpt.errors import CommitError, CoordinationError
+from jaxckpt.testing import expect_ok, launch, node_info
+from jaxckpt.tools.filecoord import FileCoordinator
+
+
+# ------------------------------------------------------------------------------------------ thread helpers
+def _run(n: int, directory: str, body, timeout_s: float = 2.0, join_s: float = 60.0) -> list:
+    """``body(collective)`` in ``n`` threads, one per process; each result or the exception it raised."""
+    out: list = [None] * n
+    colls = [Collective(FileCoordinator(directory, p, n), "jaxckpt/t/0", timeout_s) for p in range(n)]
+
+    def one(p):
+        try:
+            out[p] = body(colls[p])
+        except BaseException as e:  # noqa: BLE001 - compared by the test
+            out[p] = e
+    threads = [threading.Thread(target=one, args=(p,), daemon=True) for p in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_s)
+        assert not t.is_alive(), f"a process thread did not finish within {join_s}s"
+    return out, colls
+
+
+def _keys(directory: str) -> list[str]:
+    return sorted(f for f in os.listdir(directory) if not f.endswith(".tmp"))
+
+
+# ---------------------------------------------------------------------------------------------- unit tests
+def test_rounds_give_every_process_the_same_result_and_leave_no_key(tmp_path):
+    n, rounds = 3, 50
+
+    def body(c):
+        ch, got = c.channel("main"), []
+        for r in range(rounds):
+            got.append(ch.all_gather("gather", [c.process_index, r]))
+            got.append(ch.reduce("sum", c.process_index * r, sum))
+            got.append(ch.broadcast("bcast", f"from 0 at {r}" if c.process_index == 0 else None))
+            ch.barrier("barrier")
+        live = len(_keys(str(tmp_path)))
+        c.close()
+        return got, live
+
+    out, colls = _run(n, str(tmp_path), body)
+    for p in range(n):
+        got, live = out[p]
+        assert got == out[0][0], f"process {p} got other results"
+        assert live <= 2 * n, f"{live} keys live after {rounds * 4} rounds"
+    want = []
+    for r in range(rounds):
+        want += [[[q, r] for q in range(n)], sum(q * r for q in range(n)), f"from 0 at {r}"]
+    assert out[0][0] == want
+    assert _keys(str(tmp_path)) == [], "keys left after close"
+    # kv operations per round: the leader O(processes), every other process 2 (a set and a blocking get)
+    per_round = 4 * rounds + 1  # and the one-way close round
+    lead, follow = colls[0].stats(), colls[1].stats()
+    assert lead["rounds"] == follow["rounds"] == per_round
+    assert follow["sets"] == per_round and follow["gets"] == 4 * rounds and follow["deletes"] == 0
+    assert lead["gets"] == (n - 1) * per_round and lead["sets"] == 4 * rounds
+    assert lead["deletes"] <= (n - 1) * per_round + 4 * rounds
+
+
+def test_an_error_in_one_process_is_raised_on_every_process_naming_it(tmp_path):
+    n = 4
+
+    def body(c):
+        ch = c.channel("commit")
+        ch.barrier("warm up")
+
+        def mine():
+            if c.process_index == 2:
+                raise ValueError("disk on fire")
+            return c.process_index
+        try:
+            ch.reduce("boom", mine, sum)
+        except CoordinationError as e:
+            err = e
+        else:
+            err = None
+        after = ch.all_gather("after", c.process_index)  # the channel goes on
+        c.close()
+        return err, after
+
+    out, _ = _run(n, str(tmp_path), body)
+    messages = {str(err) for err, _ in out}
+    assert len(messages) == 1, messages  # the same error on every process
+    err = out[0][0]
+    assert isinstance(err, CoordinationError) and isinstance(err, CommitError)
+    assert err.processes == (2,) and err.round_name == "boom" and err.round_number == 1
+    assert "round 'boom' #1 of channel 'commit'" in str(err) and "process 2 raised ValueError: disk on fire" in str(err)
+    assert all(after == list(range(n)) for _, after in out)
+    assert _keys(str(tmp_path)) == []
+
+
+def test_a_process_that_does_not_arrive_fails_the_round_everywhere_within_the_time_out(tmp_path):
+    n, timeout = 3, 0.5
+
+    def body(c):
+        ch = c.channel("main")
+        t0 = time.monotonic()
+        if c.process_index == 1:
+            time.sleep(4 * timeout)  # late: past the leader's time-out
+        try:
+            ch.all_gather("late", c.process_index)
+            err = None
+        except CoordinationError as e:
+            err = e
+        took = time.monotonic() - t0
+        ch.barrier("next", timeout_s=10)  # the late one catches up; its late key goes once it is seen again
+        c.close()
+        return err, took
+
+    out, _ = _run(n, str(tmp_path), body, timeout_s=timeout)
+    assert len({str(e) for e, _ in out}) == 1, [str(e) for e, _ in out]
+    err = out[0][0]
+    assert err.processes == (1,) and "process 1 did not arrive within 0.5s" in str(err) and "'late' #0" in str(err)
+    assert out[0][1] < 3 * timeout and out[2][1] < 3 * timeout, "the round's time-out bounds the wait"
+    assert _keys(str(tmp_path)) == []
+
+
+def test_a_leader_that_does_not_arrive_is_named_by_the_followers(tmp_path):
+    c = Collective(FileCoordinator(str(tmp_path), 1, 2), "jaxckpt/t/0", 0.2)
+    with pytest.raises(CoordinationError, match=r"round 'x' #0 of channel 'main' .*: process 0 \(the leader\) "
+                                                r"published no result within 0.4s") as e:
+        c.channel("main").barrier("x")
+    assert e.value.processes == (0,)
+
+
+def test_processes_in_different_rounds_fail_instead_of_mixing_results(tmp_path):
+    def body(c):
+        return c.channel("main").all_gather("commit 5" if c.process_index == 0 else "commit 6", 1)
+
+    out, _ = _run(2, str(tmp_path), body)
+    assert all(isinstance(e, CoordinationError) and "process 1 is in round 'commit 6' instead" in str(e) for e in out)
+
+
+def test_channels_are_independent_and_numbered_on_their_own(tmp_path):
+    def body(c):
+        a, b = c.channel("commit"), c.channel("protect")
+        res = {}
+
+        def other():
+            res["protect"] = [b.reduce("p", c.process_index, max) for _ in range(20)]
+        t = threading.Thread(target=other)
+        t.start()
+        res["commit"] = [a.reduce("c", c.process_index, min) for _ in range(30)]
+        t.join(30)
+        assert not t.is_alive()
+        c.close()
+        return res, a.rounds, b.rounds
+
+    out, _ = _run(3, str(tmp_path), body)
+    for res, na, nb in out:
+        assert res == {"commit": [0] * 30, "protect": [2] * 20} and (na, nb) == (31, 21)
+    assert _keys(str(tmp_path)) == []
+
+
+def test_a_result_never_acknowledged_is_dropped_after_a_bounded_number_of_rounds(tmp_path):
+    """A follower that died: the leader's rounds fail, and what it would have read does not pile up."""
+    lead = Collective(FileCoordinator(str(tmp_path), 0, 2), "jaxckpt/t/0", 0.01)
+    ch = lead.channel("main")
+    for r in range(3 * MAX_UNACKED):
+        with pytest.raises(CoordinationError, match="process 1 did not arrive"):
+            ch.barrier("alone")
+    assert len(_keys(str(tmp_path))) <= MAX_UNACKED + 1
+
+
+def test_one_process_touches_no_key_and_raises_its_own_error():
+    coord = LocalCoordinator()
+    c = Collective(coord, "jaxckpt/t/0", 1.0)
+    ch = c.channel("main")
+    assert ch.all_gather("a", 5) == [5] and ch.reduce("b", 3, sum) == 3 and ch.broadcast("c", "x") == "x"
+    ch.barrier("d")
+    assert ch.gather("e", 1) == [1]
+    with pytest.raises(CoordinationError, match=r"round 'f' #5 .*process 0 raised KeyError"):
+        ch.reduce("f", lambda: {}["k"], sum)
+    with pytest.raises(CoordinationError, match=r"process 0 raised ZeroDivisionError: division by zero while "
+                                                r"reducing"):
+        ch.reduce("g", 0, lambda xs: 1 / xs[0])
+    c.close()
+    assert c.stats() == {"sets": 0, "gets": 0, "try_gets": 0, "deletes": 0, "rounds": 7}
+    assert coord._kv == {}
+
+
+def test_published_state_and_instance_namespaces(tmp_path):
+    a, b = instance_namespace("same-job"), instance_namespace("same-job")
+    assert a != b and a.startswith("jaxckpt/same-job/") and b.startswith("jaxckpt/same-job/")
+    assert instance_namespace("other-job") == "jaxckpt/other-job/0"
+    w = Collective(FileCoordinator(str(tmp_path), 0, 2), "jaxckpt/t/0", 1.0)
+    r = Collective(FileCoordinator(str(tmp_path), 1, 2), "jaxckpt/t/0", 1.0)
+    assert r.peek("agent-of/0/0") is None
+    w.publish("agent-of/0/0", [0, {"address": "tcp://x", "token": b"\x00\x01"}])
+    assert r.peek("agent-of/0/0") == [0, {"address": "tcp://x", "token": b"\x00\x01"}]
+    w.unpublish("agent-of/0/0")
+    w.unpublish("agent-of/0/0")  # not set: nothing to do
+    assert r.peek("agent-of/0/0") is None and _keys(str(tmp_path)) == []
+
+
+# ------------------------------------------------------------------------------ real JAX processes (launch)
+def _small_state(step: int):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+    host = (np.arange(64, dtype=np.float32) + step).reshape(8, 8)
+    x = jax.make_array_from_callback(host.shape, NamedSharding(mesh, P("d")), lambda idx: host[idx])
+    return {"x": x, "step": step}, host
+
+
+def _job_keys(prefix: str) -> list[str]:
+    from jax._src import distributed
+
+    return sorted(k for k, _ in distributed.global_state.client.key_value_dir_get_bytes(prefix))
+
+
+def long_run_job(job_id: str, steps: int):
+    """Save every step; the coordination keys under the job's prefix after ``steps`` and ``2 * steps``."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    import jaxckpt
+
+    cfg = jaxckpt.Config(job_id=job_id, keep=1, commit_timeout_s=60.0)
+    out = {}
+    with jaxckpt.Checkpointer(cfg) as ck:
+        coll = ck.engine.collective
+        for phase, last in (("first", steps), ("second", 2 * steps)):
+            before = coll.stats()
+            for step in range(last - steps + 1, last + 1):
+                state, _ = _small_state(step)
+                ck.save(step, state)
+            ck.wait()
+            multihost_utils.sync_global_devices(f"{phase} saved")  # every process is done with its rounds
+            after = coll.stats()
+            out[phase] = {"keys": _job_keys(f"jaxckpt/{job_id}/"), "latest": ck.latest_step(),
+                          "ops": {k: after[k] - before[k] for k in after}}
+            multihost_utils.sync_global_devices(f"{phase} listed")
+        state, host = _small_state(0)
+        restored = ck.restore(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                           {"x": state["x"]}) | {"step": 0})
+        got = np.asarray(multihost_utils.process_allgather(restored["x"], tiled=True))
+        out["restored_ok"] = bool(np.array_equal(got.view(np.uint32), (host + 2 * steps).view(np.uint32)))
+    multihost_utils.sync_global_devices("closed")
+    out["after_close"] = _job_keys(f"jaxckpt/{job_id}/")
+    return out
+
+
+def test_live_coordination_keys_do_not_grow_with_the_step_count():
+    n, steps = 4, 300
+    values = expect_ok(launch(long_run_job, nodes=n, procs_per_node=1, devices_per_proc=1,
+                              args=("longrun", steps), timeout=300))
+    first, second = values[0]["first"], values[0]["second"]
+    assert first["latest"] == steps and second["latest"] == 2 * steps
+    assert len(first["keys"]) <= 2 * n, first["keys"]  # a small constant x processes ...
+    assert len(second["keys"]) == len(first["keys"]), (first["keys"], second["keys"])  # ... whatever the steps
+    assert all(k.startswith("jaxckpt/longrun/") for k in first["keys"])
+    assert all(v["restored_ok"] for v in values)
+    assert values[0]["after_close"] == [], values[0]["after_close"]
+    # per step: the leader O(processes) kv operations, every other process O(1)
+    lead, follow = values[0]["second"]["ops"], values[1]["second"]["ops"]
+    assert lead["rounds"] == follow["rounds"] == steps  # one commit round per step
+    lead_ops = (lead["sets"] + lead["gets"] + lead["try_gets"] + lead["deletes"]) / steps
+    follow_ops = (follow["sets"] + follow["gets"] + follow["try_gets"] + follow["deletes"]) / steps
+    assert lead_ops <= 2 * n + 1 and follow_ops <= 2, (lead, follow)
+
+
+def two_instances_job(job_id: str):
+    """Two Checkpointers of one job_id at once, then a third after the first's close(): bit-for-bit restores."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    import jaxckpt
+
+    cfg = jaxckpt.Config(job_id=job_id, commit_timeout_s=60.0)
+
+    def check(ck, step, host):
+        state, _ = _small_state(0)
+        target = {"x": jax.ShapeDtypeStruct(state["x"].shape, state["x"].dtype, sharding=state["x"].sharding),
+                  "step": 0}
+        got = ck.restore(target)
+        full = np.asarray(multihost_utils.process_allgather(got["x"], tiled=True))
+        return bool(np.array_equal(full.view(np.uint32), host.view(np.uint32))) and got["step"] == step
+
+    ok = []
+    a, b = jaxckpt.Checkpointer(cfg), jaxckpt.Checkpointer(cfg)
+    for step in (1, 2):
+        a.save(step, _small_state(step)[0])
+        b.save(step, _small_state(100 + step)[0] | {"step": step})
+    a.wait()
+    b.wait()
+    ok += [check(a, 2, _small_state(2)[1]), check(b, 2, _small_state(102)[1])]
+    a.close()
+    c = jaxckpt.Checkpointer(cfg)  # after a's close: its own keys again
+    c.save(7, _small_state(7)[0])
+    b.save(3, _small_state(103)[0] | {"step": 3})
+    c.wait()
+    b.wait()
+    ok += [check(c, 7, _small_state(7)[1]), check(b, 3, _small_state(103)[1])]
+    spaces = [a.engine.collective.namespace, b.engine.collective.namespace, c.engine.collective.namespace]
+    c.close()
+    b.close()
+    return {"ok": ok, "spaces": spaces}
+
+
+def test_two_checkpointers_of_one_job_and_one_after_close_keep_their_own_keys():
+    values = expect_ok(launch(two_instances_job, nodes=2, procs_per_node=1, devices_per_proc=1, args=("twice",),
+                              timeout=180))
+    for v in values:
+        assert v["ok"] == [True] * 4, v
+        assert len(set(v["spaces"])) == 3 and v["spaces"] == values[0]["spaces"], v
+
+
+def failing_round_job(timeout_s: float):
+    """A Collective over the JAX coordination service: process 2 raises in round 'boom', process 3 never
+    arrives in round 'late'."""
+    import jax
+
+    from jaxckpt.jax.coordination import JaxCoordinator
+
+    p = node_info().process_id
+    coll = Collective(JaxCoordinator(), "jaxckpt/fail/0", timeout_s)
+    ch = coll.channel("main")
+    assert ch.all_gather("hello", p) == list(range(jax.process_count()))
+
+    def mine():
+        if p == 2:
+            raise RuntimeError(f"process {p} cannot go on")
+        return p
+    out = {}
+    try:
+        ch.reduce("boom", mine, sum)
+    except CoordinationError as e:
+        out["boom"] = [str(e), list(e.processes), e.round_name, e.round_number]
+    t0 = time.monotonic()
+    if p != 3:
+        try:
+            ch.barrier("late")
+        except CoordinationError as e:
+            out["late"] = [str(e), list(e.processes)]
+    out["late_took"] = time.monotonic() - t0
+    return out
+
+
+def test_a_process_that_raises_makes_every_process_raise_the_same_error():
+    timeout = 3.0
+    values = expect_ok(launch(failing_round_job, nodes=4, procs_per_node=1, devices_per_proc=1, args=(timeout,),
+                              timeout=120))
+    boom = {tuple(map(str, v["boom"])) for v in values}
+    assert len(boom) == 1, boom  # the same error on every process
+    message, processes, name, number = values[0]["boom"]
+    assert processes == [2] and name == "boom" and number == 1
+    assert "round 'boom' #1 of channel 'main' (jaxckpt/fail/0): process 2 raised RuntimeError: process 2 cannot " \
+           "go on" == message
+    late = {v["late"][0] for v in values[:3]}
+    assert len(late) == 1 and "process 3 did not arrive within 3s" in late.pop()
+    assert all(v["late"][1] == [3] for v in values[:3])
+    assert all(v["late_took"] < 2 * timeout + 5 for v in values[:3]), "raised within the round's time-out"
