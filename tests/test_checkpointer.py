@@ -312,6 +312,24 @@ def test_snapshots_equal_the_state_at_save_despite_donation(ckpt, m24):
     assert int(state["n"]) == steps  # the training state itself moved on untouched
 
 
+def test_numpy_leaf_written_in_place_after_save_is_saved_as_at_the_call(ckpt, m8):
+    """The workers copy after save() returns, so save() must hold a numpy leaf as it was at the call: writing it in
+    place at once (64 MiB, while the copies run) must not reach the snapshot, checksums valid or not."""
+    big = (np.arange(16 << 20, dtype=np.uint32) * 2654435761).view(np.float32)
+    small = np.arange(12, dtype=">i4").reshape(3, 4)  # non-native byte order: saved in native order
+    want_big, want_small = big.copy(), small.astype("<i4")
+    ck = ckpt()
+    state = {"big": big, "small": small, "x": filled((64, 8), jnp.float32, NamedSharding(m8, P("data")))}
+    h = ck.save(1, state)
+    big[:] = -1.0
+    small[:] = -1
+    h.result()
+    out = ck.restore()
+    np.testing.assert_array_equal(out["big"].view(np.uint32), want_big.view(np.uint32))
+    np.testing.assert_array_equal(out["small"], want_small)
+    np.testing.assert_array_equal(bits(out["x"]), bits(state["x"]))
+
+
 # ----------------------------------------------------------------------------------------- retention
 def test_keep_two_restores_an_older_kept_step(ckpt, m24):
     sh = NamedSharding(m24, P("data", "model"))

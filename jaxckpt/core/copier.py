@@ -1,6 +1,7 @@
 """Levels 1 and 2 of a snapshot: device-to-host transfers under a byte budget, then copy + checksum on workers.
 
-The training thread only builds a list of :class:`CopyTask` and calls :meth:`Copier.submit`.
+The training thread only calls :meth:`Copier.submit` with a function that builds the list of :class:`CopyTask`;
+the dispatcher thread runs it, so the per-chunk Python of a save is off the training thread.
 
 Level 1 (device): a dispatcher thread calls each task's ``start()`` (``copy_to_host_async`` of a device-side
 copy) in plan order while the bytes in flight stay under ``Config.inflight_bytes``. Why this order and bound:
@@ -69,6 +70,12 @@ def copy_and_checksum(out: np.ndarray, src: np.ndarray) -> int:
     return crc
 
 
+def _raiser(e: BaseException) -> Callable[[], np.ndarray]:
+    def fetch() -> np.ndarray:
+        raise e
+    return fetch
+
+
 class Copier:
     """A small pool of copy workers plus one dispatcher enforcing the in-flight byte budget."""
 
@@ -82,8 +89,12 @@ class Copier:
         self._dispatcher = threading.Thread(target=self._dispatch, name="jaxckpt-dispatch", daemon=True)
         self._dispatcher.start()
 
-    def submit(self, slot: Slot, tasks: list[CopyTask], release: Callable[[], None] | None = None) -> Future:
+    def submit(self, slot: Slot, tasks: list[CopyTask] | Callable[[], list[CopyTask]],
+               release: Callable[[], None] | None = None) -> Future:
         """Copy every task into ``slot``; the future resolves to a SnapshotResult (crcs in task order).
+
+        ``tasks`` may be a function returning them: it then runs on the dispatcher thread, so the caller pays
+        nothing per chunk (an exception it raises fails the future).
 
         ``release`` runs once all copies are done (or failed): the caller drops its views of the source
         buffers there, so a donating step can reuse them as early as possible.
@@ -98,7 +109,16 @@ class Copier:
             if item is None:
                 return
             slot, tasks, release, fut = item
+            del item
+            if callable(tasks):
+                make, tasks = tasks, None
+                try:
+                    tasks = make()
+                except BaseException as e:  # noqa: BLE001 - delivered through the future
+                    tasks = [CopyTask(fetch=_raiser(e), offset=0, nbytes=0)]
+                del make  # the sources it captured now live only in the tasks
             self._run_one(slot, tasks, release, fut)
+            del tasks, slot, release, fut
 
     def _run_one(self, slot: Slot, tasks: list[CopyTask], release, fut: Future) -> None:
         t0 = time.perf_counter()

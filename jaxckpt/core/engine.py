@@ -7,6 +7,7 @@ A front end turns its state into :class:`ArrayRecord` (one per array leaf) plus 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -31,6 +32,7 @@ from jaxckpt.core.registry import get_part, get_store_class
 from jaxckpt.core.copier import CopyTask, Copier, SnapshotResult
 
 log = logging.getLogger("jaxckpt.core.engine")
+PLAN_CACHE = 64  # save plans kept, one per state layout (tree structure, shapes, dtypes, shardings)
 MAX_STEP = 1 << 62  # the largest step number: agents' records and messages carry steps up to it
 
 # device id -> (fetch() returning that device's shard on the host, optional start() of its transfer)
@@ -57,6 +59,27 @@ class _Prepared:
     chunk_slices: list[tuple[slice, ...]]
     devices: list[frozenset[int]]  # per array leaf, the local devices its chunks are read from
     key: tuple = ()  # the layout key (protection plans are kept per layout)
+    copies: tuple = ()  # per local chunk (leaf index, device, slice of the device's shard, slot offset, nbytes)
+
+
+@dataclass
+class Reservation:
+    """A save that passed every check and holds its slot: :meth:`CheckpointEngine.start` or ``cancel`` it."""
+
+    step: int
+    prep: _Prepared
+    slot: Any
+    t0: float
+
+
+def _copy_tasks(prep: _Prepared, sources: Callable[[], list[Sources]]) -> list[CopyTask]:
+    """The copy tasks of one save, built on the copier's dispatcher thread (O(chunks), off the caller)."""
+    srcs = sources()
+    tasks = []
+    for leaf_i, dev, sl, offset, nbytes in prep.copies:
+        fetch, start = srcs[leaf_i][dev]
+        tasks.append(CopyTask(fetch=(lambda f=fetch, s=sl: f()[s]), offset=offset, nbytes=nbytes, start=start))
+    return tasks
 
 
 class SaveHandle:
@@ -156,6 +179,20 @@ class CheckpointEngine:
              t0: float | None = None) -> SaveHandle:
         """Start the snapshot of ``records`` (and plain ``values``) as ``step``; returns at once."""
         t0 = time.perf_counter() if t0 is None else t0
+        begun = self.begin(step, tuple((r.path, r.layout_key) for r in records), lambda: records, t0)
+        if isinstance(begun, SaveHandle):
+            return begun
+        sources = [r.sources(devs) if devs else {} for r, devs in zip(records, begun.prep.devices)]
+        return self.start(begun, lambda: sources, values, order)
+
+    def begin(self, step: int, key: tuple, records: Callable[[], list[ArrayRecord]], t0: float | None = None
+              ) -> "Reservation | SaveHandle":
+        """The part of a save that can refuse it, run first so that a refusal leaves nothing behind: checks the
+        step and that the engine is open, waits for room (``max_pending_saves``), plans (once per ``key``:
+        ``records()`` is called only for a layout not seen before; equal keys promise equal records) and
+        reserves the store's slot (BudgetExceededError). Returns a :class:`Reservation` for :meth:`start` or
+        :meth:`cancel`, or an already decided (skipped) handle when the store is unreachable."""
+        t0 = time.perf_counter() if t0 is None else t0
         self.check_open()
         if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
             raise StepError(f"step must be a non-negative int, got {step!r}")
@@ -165,7 +202,7 @@ class CheckpointEngine:
         if self._last_step is not None and step <= self._last_step:
             raise StepError(f"step {step} is not newer than the newest saved step {self._last_step}")
         self._throttle()
-        prep = self._prepare(records)
+        prep = self._prepare(key, records)
         try:
             slot = self.store.reserve(step, prep.plan.nbytes)
         except StoreUnavailableError as e:  # logged and counted by the store; training goes on
@@ -179,23 +216,44 @@ class CheckpointEngine:
         except Exception:
             self._tracker.local_done(step, False)  # the other processes must not wait for us
             raise
-        sources = [r.sources(devs) if devs else {} for r, devs in zip(records, prep.devices)]
-        tasks = []
-        for c, leaf_i, sl in zip(prep.plan.chunks, prep.chunk_leaf, prep.chunk_slices):
-            fetch, start = sources[leaf_i][c.device]
-            tasks.append(CopyTask(fetch=(lambda f=fetch, s=sl: f()[s]), offset=c.offset, nbytes=c.nbytes,
-                                  start=start))
+        return Reservation(step, prep, slot, t0)
+
+    def start(self, res: "Reservation", sources: Callable[[], list[Sources]], values: list[mf.LeafMeta],
+              order: tuple[str, ...]) -> SaveHandle:
+        """Hand a reserved save to the copy workers and return its handle.
+
+        ``sources()`` gives each record's Sources for the devices ``res.prep.devices`` names; it runs on the
+        copier's dispatcher thread (or here, when protection needs the views now), so whatever it returns must
+        already be safe from later writes (views pinned or copies taken by the caller before this call)."""
+        step, prep = res.step, res.prep
         handle = SaveHandle(step, self._tracker)
         handle.nbytes = prep.plan.nbytes
         if self.protection is not None:
-            handle.parity = self.protection.on_save(step, prep.key, [r.path for r in records], sources)
+            got = sources()
+            handle.parity = self.protection.on_save(step, prep.key, [m.path for m in prep.metas], got)
+            sources = lambda got=got: got  # noqa: E731
+        fut = self._snap.submit(res.slot, functools.partial(_copy_tasks, prep, sources))
         del sources  # the tasks hold the only references, each dropped as soon as its chunk is copied
-        fut = self._snap.submit(slot, tasks)
-        fut.add_done_callback(lambda f: self._local_finished(f, handle, slot, prep, values, order))
+        fut.add_done_callback(lambda f: self._local_finished(f, handle, res.slot, prep, values, order))
         self._last_step = step
         with self._lock:
             self._pending.append(handle)
-        handle.save_call_seconds = time.perf_counter() - t0
+        handle.save_call_seconds = time.perf_counter() - res.t0
+        return handle
+
+    def cancel(self, res: "Reservation", error: BaseException) -> SaveHandle:
+        """Give up a reserved save (what was to be saved could not be produced): its slot is freed, the other
+        processes learn that the step failed, and the returned handle (also raised by :meth:`wait`) holds
+        ``error``. The step number is used up, as for any step the commit protocol decided."""
+        self.store.abort(res.slot)
+        self._tracker.local_done(res.step, False)
+        self._last_step = res.step
+        handle = SaveHandle(res.step, self._tracker)
+        handle.error = error
+        handle._local.set()
+        handle.save_call_seconds = time.perf_counter() - res.t0
+        with self._lock:
+            self._pending.append(handle)
         return handle
 
     def _throttle(self) -> None:
@@ -214,11 +272,11 @@ class CheckpointEngine:
             except CommitError:  # decided as failed in the end; the loop looks again
                 pass
 
-    def _prepare(self, records: list[ArrayRecord]) -> _Prepared:
-        key = tuple((r.path, r.layout_key) for r in records)
+    def _prepare(self, key: tuple, make_records: Callable[[], list[ArrayRecord]]) -> _Prepared:
         prep = self._prepared.get(key)
         if prep is not None:
             return prep
+        records = make_records()
         layouts = [r.layout() for r in records]
         plans = plan_save(layouts, self.process_count, self.config.chunk_bytes)
         plan = plans[self.process_index]
@@ -230,9 +288,14 @@ class CheckpointEngine:
         if self.protection is not None:  # the device copies this process's parity stripes are computed from
             for path, devs in self.protection.prepare(key, layouts, plans).items():
                 devices[index[path]] |= devs
-        prep = _Prepared(plan, [r.meta() for r in records], [index[c.path] for c in plan.chunks],
-                         [src_box[(c.path, c.device)].relative(c.box) for c in plan.chunks],
-                         [frozenset(d) for d in devices], key)
+        chunk_leaf = [index[c.path] for c in plan.chunks]
+        chunk_slices = [src_box[(c.path, c.device)].relative(c.box) for c in plan.chunks]
+        prep = _Prepared(plan, [r.meta() for r in records], chunk_leaf, chunk_slices,
+                         [frozenset(d) for d in devices], key,
+                         tuple((i, c.device, sl, c.offset, c.nbytes)
+                               for c, i, sl in zip(plan.chunks, chunk_leaf, chunk_slices)))
+        if len(self._prepared) >= PLAN_CACHE:  # a job that keeps changing its layout: forget the oldest
+            self._prepared.pop(next(iter(self._prepared)))
         self._prepared[key] = prep
         log.info("planned a new state layout: %d arrays, %d local chunks, %d bytes on process %d",
                  len(records), len(plan.chunks), plan.nbytes, self.process_index)

@@ -7,43 +7,33 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 
 from jaxckpt.core import manifest as mf
 from jaxckpt.config import Config
 from jaxckpt.core.coordination import Coordinator, LocalCoordinator
-from jaxckpt.core.engine import ArrayRecord, CheckpointEngine, SaveHandle
-from jaxckpt.jax import shards
+from jaxckpt.core.engine import CheckpointEngine, Reservation, SaveHandle
 from jaxckpt.jax.fused import wrap_step
 from jaxckpt.core.restore import restore_step
 from jaxckpt.jax.restore import restore_tree
-from jaxckpt.jax.tree import Leaf, flatten
+from jaxckpt.jax.snapshot import Saver, TreePlan
 
 log = logging.getLogger("jaxckpt.jax")
 
 __all__ = ["Checkpointer", "SaveHandle"]
 
 
-def _record(leaf: Leaf, owned: bool = False) -> ArrayRecord:
-    v, kind = leaf.value, leaf.kind
-    if kind in ("jax", "prng_key"):
-        key = (kind, v.shape, v.dtype, v.sharding)
-    else:
-        a = np.asarray(v)
-        key = (kind, a.shape, a.dtype.str)
+@dataclass
+class _Begun:
+    """A save that passed every check (jaxckpt.jax.fused runs its program only after this)."""
 
-    def meta() -> mf.ArrayMeta:
-        lay = shards.array_layout(leaf.path, v, kind)
-        attrs: dict[str, Any] = {}
-        if kind == "prng_key":
-            attrs = {"impl": str(jax.random.key_impl(v)), "key_dtype": str(v.dtype), "key_shape": list(v.shape)}
-        return mf.ArrayMeta(leaf.path, leaf.keypath, lay.shape, lay.dtype, kind, shards.describe_sharding(v), attrs)
-
-    return ArrayRecord(leaf.path, key, lambda: shards.array_layout(leaf.path, v, kind), meta,
-                       lambda devs: shards.local_sources(v, kind, devs, owned))
+    plan: TreePlan
+    res: Reservation | SaveHandle  # a SaveHandle when the store was unreachable (skipped, decided)
+    values: list[mf.LeafMeta]
+    persist: bool
 
 
 class Checkpointer:
@@ -58,6 +48,7 @@ class Checkpointer:
             else:
                 coordinator = LocalCoordinator()
         self.engine = CheckpointEngine(config, coordinator, framework="jax")
+        self._saver = Saver()  # layout plans: what save() computes once per tree structure and shardings
         self.config = config
         self.persister = None  # the persistent tier (jaxckpt.orbax.persist), with Config.persistent_dir
         if config.persistent_dir:
@@ -77,8 +68,10 @@ class Checkpointer:
         """Start a snapshot of ``state`` as step ``step`` and return at once.
 
         The snapshot equals ``state`` at this call bit for bit, even if the caller's next jitted step donates
-        its buffers. Raises StepError if ``step`` is not newer than the last saved step, UnsupportedLeafError
-        for a leaf it cannot hold, BudgetExceededError when the store's memory budget is full.
+        its buffers, or numpy leaves are written in place after it returns (they are copied here; jax arrays
+        are read by the workers). Raises StepError if ``step`` is not newer than the last saved step,
+        UnsupportedLeafError for a leaf it cannot hold, BudgetExceededError when the store's memory budget is
+        full; a refused save leaves nothing behind.
         """
         return self._save(step, state, owned=False)
 
@@ -86,28 +79,59 @@ class Checkpointer:
         """``owned``: the arrays are jaxckpt's private copies (the fused path), read lazily by the workers.
         ``extra``: small JSON-able state saved alongside (``jaxckpt.orbax.persist.encode_extra``)."""
         t0 = time.perf_counter()
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        begun = self._begin(step, leaves, treedef, state, t0, extra=extra)
+        return self._start(begun, leaves, owned)
+
+    def _begin(self, step: int, leaves: list[Any], treedef: Any, state: Any, t0: float, extra: Any = None,
+               ) -> _Begun:
+        """Every check a save makes, before anything is read or run: closed, leaf kinds (UnsupportedLeafError),
+        step order (StepError), room in the budget (BudgetExceededError); the slot is then reserved."""
         self.engine.check_open()
-        leaves, treedef = flatten(state)
-        records = [_record(l, owned and l.kind == "jax") for l in leaves if l.kind != "value"]
-        values = [mf.LeafMeta(l.path, l.keypath, l.value) for l in leaves if l.kind == "value"]
+        plan = self._saver.plan(leaves, treedef, tree=state)
+        values = plan.value_metas(leaves)
         if extra is not None:
             from jaxckpt.orbax.persist import extra_leaf
             values.append(extra_leaf(extra))
-        persist = self.persister is not None and self.persister.wants(step)
-        if persist:  # before save(): a small snapshot can commit before save() returns
-            self.persister.note(step, treedef, leaves)
+        res = self.engine.begin(step, plan.key, lambda: plan.records(leaves), t0)
+        persist = isinstance(res, Reservation) and self.persister is not None and self.persister.wants(step)
+        if persist:  # before start(): a small snapshot can commit before save() returns
+            self.persister.note(res.step, treedef, plan.leaf_list(leaves))
+        return _Begun(plan, res, values, persist)
+
+    def _start(self, begun: _Begun, leaves: list[Any], owned: bool, exclude_s: float = 0.0) -> SaveHandle:
+        """Pin what must be read as of now and hand the save to the workers; on failure the reservation is
+        cancelled (a failed handle, raised by ``wait()``) and the error raised. ``exclude_s``: seconds not
+        counted in ``save_call_seconds`` (the fused path's program)."""
+        res = begun.res
+        if isinstance(res, SaveHandle):
+            return res
         try:
-            return self.engine.save(step, records, values, tuple(l.path for l in leaves), t0=t0)
-        except BaseException:
-            if persist:
-                self.persister.forget(step)
+            sources = self._saver.pins(begun.plan, res.prep.devices, leaves, owned)
+            handle = self.engine.start(res, sources, begun.values, begun.plan.order)
+        except BaseException as e:
+            self._cancel(begun, e)
             raise
+        handle.save_call_seconds -= exclude_s
+        return handle
+
+    def _cancel(self, begun: _Begun, error: BaseException) -> None:
+        if isinstance(begun.res, SaveHandle):
+            return
+        if begun.persist:
+            self.persister.forget(begun.res.step)
+        self.engine.cancel(begun.res, error)
 
     def wrap_step(self, fn: Callable, *, state_argnum: int = 0, donate_argnums: Sequence[int] = (0,),
                   **jit_kwargs: Any) -> Callable:
         """Jit ``fn`` so that ``f(*args, save_step=k)`` also snapshots ``args[state_argnum]`` as step ``k`` from
-        inside the compiled program (see ``jaxckpt.jax.fused``); without ``save_step`` it is the plain step."""
-        return wrap_step(lambda k, st: self._save(k, st, owned=True), fn, state_argnum=state_argnum, donate_argnums=donate_argnums, **jit_kwargs)
+        inside the compiled program (see ``jaxckpt.jax.fused``); without ``save_step`` it is the plain step.
+
+        A save that is refused (StepError, ClosedError, UnsupportedLeafError, BudgetExceededError) raises
+        before the program runs: nothing was donated, the arguments are intact and the step did not run, so the
+        caller can run it again without ``save_step``. A failure after the program ran (reading the copies)
+        returns the step's output; the save's handle holds the error and ``wait()`` raises it."""
+        return wrap_step(self, fn, state_argnum=state_argnum, donate_argnums=donate_argnums, **jit_kwargs)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save so far is committed by all processes; raise the first failure."""

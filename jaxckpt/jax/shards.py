@@ -104,6 +104,11 @@ def _local_order(sharding: jax.sharding.Sharding) -> tuple[tuple[int, ...], bool
     return tuple(d.id for d in devs), all(d.platform == "cpu" for d in devs)
 
 
+def local_order(sharding: jax.sharding.Sharding) -> tuple[int, ...]:
+    """The device ids of an array's local buffers, in the order of ``jax.Array._arrays``."""
+    return _local_order(sharding)[0]
+
+
 # ``jax.Array.copy`` waits for the array here; a jitted copy is dispatched asynchronously like any step.
 _device_copy = jax.jit(lambda a: jax.numpy.copy(a))
 

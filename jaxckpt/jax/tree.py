@@ -85,6 +85,12 @@ def _paths(tree: Any, treedef: Any) -> tuple[tuple[str, tuple[KeyEntry, ...]], .
     return got
 
 
+def paths(tree: Any, treedef: Any) -> tuple[tuple[str, tuple[KeyEntry, ...]], ...]:
+    """(path, keypath) of every leaf of ``tree`` (whose structure is ``treedef``), in leaf order; paths are
+    unique (UnsupportedLeafError otherwise)."""
+    return _paths(tree, treedef)
+
+
 def flatten(tree: Any, *, classify_leaves: bool = True) -> tuple[list[Leaf], Any]:
     """The leaves of ``tree`` with paths, and its treedef; paths must be unique."""
     values, treedef = jax.tree_util.tree_flatten(tree)

@@ -1,0 +1,217 @@
+"""The JAX front end's save path on the calling thread: a plan per state layout, and the pins a save takes now.
+
+What ``save()`` can compute once per layout (the tree structure with, per leaf, its type, shape, dtype and
+sharding) is a :class:`TreePlan`, cached: leaf paths and kinds, the engine's save plan (cached by the same
+key), and which local buffers each array's chunks are read from. A save with a known layout then does, on the
+calling thread: one flatten, one key (a few attribute reads per leaf), and what must happen before the call
+returns for the snapshot to equal the state at the call:
+
+- jax arrays on CPU: a zero-copy numpy view of each shard read. It makes a donating next step leave that
+  buffer alone (JAX skips donation of buffers with external references), so the workers copy the state as it
+  was at the call. Measured here (2 cores, jax 0.10.2): about 3.5 us per shard, the one per-shard cost left.
+- jax arrays on an accelerator, PRNG keys: a device-side copy dispatched now (``shards.local_sources``).
+- numpy arrays: copied now (the caller may write them in place as soon as ``save()`` returns).
+
+Everything per chunk (tasks, slices, closures) is built on the copier's dispatcher thread. A state that is
+jaxckpt's own (the fused path's host copies) needs no pin at all: its views are taken on the workers.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jaxckpt.core import hostbuf
+from jaxckpt.core import manifest as mf
+from jaxckpt.core.engine import ArrayRecord, Sources
+from jaxckpt.core.plan import HOST
+from jaxckpt.jax import shards
+from jaxckpt.jax.tree import Leaf, classify, paths
+
+log = logging.getLogger("jaxckpt.jax.snapshot")
+
+MAX_PLANS = 64  # layouts remembered; a job whose layout keeps changing re-plans (and logs it)
+
+
+def _array_type() -> type:
+    return type(jax.numpy.zeros(()))
+
+
+def _leaf_key(x: Any) -> Any:
+    """What a leaf contributes to the layout key: everything its record, kind and plan depend on."""
+    if isinstance(x, jax.Array):
+        return (x.aval, x.sharding)  # aval: shape, dtype (PRNG key dtypes included), weak type
+    if isinstance(x, np.ndarray):
+        return (np.ndarray, x.shape, x.dtype)
+    if isinstance(x, np.generic):
+        return (type(x), x.dtype)
+    return type(x)  # a plain value: saved by value, its kind checked on every save
+
+
+def layout_key(leaves: list[Any], treedef: Any) -> tuple:
+    """The cache key of a flattened state: equal keys promise the same plan."""
+    return (treedef, tuple(map(_leaf_key, leaves)))
+
+
+def _record(leaf: Leaf) -> ArrayRecord:
+    v, kind = leaf.value, leaf.kind
+
+    def meta() -> mf.ArrayMeta:
+        lay = shards.array_layout(leaf.path, v, kind)
+        attrs: dict[str, Any] = {}
+        if kind == "prng_key":
+            attrs = {"impl": str(jax.random.key_impl(v)), "key_dtype": str(v.dtype), "key_shape": list(v.shape)}
+        return mf.ArrayMeta(leaf.path, leaf.keypath, lay.shape, lay.dtype, kind, shards.describe_sharding(v), attrs)
+
+    return ArrayRecord(leaf.path, (), lambda: shards.array_layout(leaf.path, v, kind), meta,
+                       lambda devs: shards.local_sources(v, kind, devs))
+
+
+@dataclass
+class TreePlan:
+    """One state layout: leaves by kind and path, and (once the engine planned it) where each array is read."""
+
+    key: tuple
+    treedef: Any
+    leaves: tuple[Leaf, ...]  # paths and kinds (values None: a plan must not keep a state alive)
+    shardings: tuple[Any, ...]  # per leaf, a jax leaf's sharding (None for the others)
+    arrays: tuple[int, ...]  # leaf index of each array record, in record order
+    values: tuple[int, ...]  # leaf index of each plain value
+    jax_leaves: frozenset[int]  # leaf indices of jax.Array leaves, keys too (the fused path saves their copies)
+    order: tuple[str, ...]
+    # Filled on the first save: per array record, how its sources are taken (see ``Saver._reads``).
+    reads: tuple | None = field(default=None, repr=False)
+
+    def records(self, leaves: list[Any]) -> list[ArrayRecord]:
+        """The engine's records (layouts and metadata; their sources are not used: see ``Saver.pins``)."""
+        return [_record(Leaf(self.leaves[i].path, self.leaves[i].keypath, leaves[i], self.leaves[i].kind))
+                for i in self.arrays]
+
+    def value_metas(self, leaves: list[Any]) -> list[mf.LeafMeta]:
+        out = []
+        for i in self.values:
+            lf = self.leaves[i]
+            classify(leaves[i], lf.path)  # an int out of 64-bit range is refused on every save
+            out.append(mf.LeafMeta(lf.path, lf.keypath, leaves[i]))
+        return out
+
+    def leaf_list(self, leaves: list[Any]) -> list[Leaf]:
+        return [Leaf(lf.path, lf.keypath, v, lf.kind) for lf, v in zip(self.leaves, leaves)]
+
+
+class Saver:
+    """Turns flattened JAX states into engine saves; holds the layout plans of one Checkpointer."""
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple, TreePlan] = {}
+        self._view = _fast_view()
+
+    def plan(self, leaves: list[Any], treedef: Any, key: tuple | None = None, tree: Any = None) -> TreePlan:
+        """The plan of a flattened state (``tree`` is needed only for a layout not seen before). Raises
+        UnsupportedLeafError naming the path of a leaf it cannot hold."""
+        key = layout_key(leaves, treedef) if key is None else key
+        got = self._plans.get(key)
+        if got is not None:
+            return got
+        if tree is None:
+            tree = jax.tree_util.tree_unflatten(treedef, leaves)
+        named = paths(tree, treedef)
+        classified = tuple(Leaf(p, kp, None, classify(v, p)) for (p, kp), v in zip(named, leaves))
+        got = TreePlan(key, treedef, classified,
+                       tuple(v.sharding if lf.kind == "jax" else None for lf, v in zip(classified, leaves)),
+                       tuple(i for i, lf in enumerate(classified) if lf.kind != "value"),
+                       tuple(i for i, lf in enumerate(classified) if lf.kind == "value"),
+                       frozenset(i for i, lf in enumerate(classified) if lf.kind in ("jax", "prng_key")),
+                       tuple(lf.path for lf in classified))
+        if len(self._plans) >= MAX_PLANS:
+            self._plans.pop(next(iter(self._plans)))
+        self._plans[key] = got
+        return got
+
+    def _reads(self, plan: TreePlan, devices: list[frozenset[int]]) -> tuple:
+        """Per array record: ("view", leaf, positions in ``_arrays``, device ids) for a CPU jax array,
+        ("copy", leaf) for numpy, ("same", leaf) for a numpy scalar, ("sources", leaf, devs) otherwise, or
+        ("none",) when this process reads nothing of it."""
+        out = []
+        for i, devs in zip(plan.arrays, devices):
+            lf = plan.leaves[i]
+            if not devs:
+                out.append(("none",))
+            elif lf.kind == "numpy":
+                out.append(("copy", i))
+            elif lf.kind == "numpy_scalar":
+                out.append(("same", i))
+            elif lf.kind == "jax" and shards.needs_private_hosts(plan.shardings[i]):
+                order = shards.local_order(plan.shardings[i])
+                pos = tuple(k for k, d in enumerate(order) if d in devs)
+                out.append(("view", i, pos, tuple(order[k] for k in pos)))
+            else:
+                out.append(("sources", i, devs))
+        return tuple(out)
+
+    def pins(self, plan: TreePlan, devices: list[frozenset[int]], leaves: list[Any], owned: bool
+             ) -> Callable[[], list[Sources]]:
+        """Take now what must be taken before ``save()`` returns; return the function (run on the dispatcher
+        thread) that makes the engine's sources from it."""
+        if plan.reads is None:
+            plan.reads = self._reads(plan, devices)
+        reads = plan.reads
+        view = self._view
+        taken: list[Any] = [None] * len(reads)
+        for j, r in enumerate(reads):
+            what = r[0]
+            if what == "view":
+                if owned:  # jaxckpt's own copy: nothing else can write it, the workers take the views
+                    taken[j] = leaves[r[1]]
+                else:
+                    arrs = leaves[r[1]]._arrays
+                    taken[j] = [view(arrs[p]) for p in r[2]]
+            elif what == "copy":
+                taken[j] = _copy_numpy(leaves[r[1]])
+            elif what == "same":
+                taken[j] = np.asarray(leaves[r[1]])
+            elif what == "sources":
+                lf = plan.leaves[r[1]]
+                taken[j] = (leaves[r[1]], lf.kind, r[2]) if owned and lf.kind == "jax" else \
+                    shards.local_sources(leaves[r[1]], lf.kind, r[2])
+        return lambda: _sources(reads, taken, owned, view)
+
+
+def _sources(reads: tuple, taken: list[Any], owned: bool, view: Callable) -> list[Sources]:
+    out: list[Sources] = []
+    for r, t in zip(reads, taken):
+        what = r[0]
+        if what == "view":
+            if owned:
+                arrs = t._arrays
+                out.append({d: (lambda a=arrs[p]: view(a), None) for p, d in zip(r[2], r[3])})
+            else:
+                out.append({d: (lambda v=v: v, None) for v, d in zip(t, r[3])})
+        elif what in ("copy", "same"):
+            out.append({HOST: (lambda a=t: a, None)})
+        elif what == "sources":
+            out.append(shards.local_sources(t[0], t[1], t[2], True) if isinstance(t, tuple) else t)
+        else:
+            out.append({})
+    taken.clear()
+    return out
+
+
+def _copy_numpy(x: np.ndarray) -> np.ndarray:
+    """A private copy of a numpy leaf, in native byte order (the manifest names the native dtype)."""
+    arr = np.asarray(x)
+    if not arr.dtype.isnative:
+        return arr.astype(arr.dtype.newbyteorder("="))
+    return hostbuf.copy(arr)
+
+
+def _fast_view() -> Callable[[Any], np.ndarray]:
+    """``np.asarray`` of a single-device CPU array, without the Python of ``__array__`` where jaxlib has the
+    direct call (a third of the per-shard cost here)."""
+    direct = getattr(_array_type(), "_single_device_array_to_np_array_did_copy", None)
+    if direct is None:
+        return np.asarray
+    return lambda a: direct(a)[0]
