@@ -107,14 +107,13 @@ class ChunkSet:
         return read
 
     def _open_at_agent(self, owner: int, step: int) -> tuple[Any, Read]:
-        from jaxckpt.backends.shm import ShmStore
-        if not isinstance(self.store, ShmStore):
+        from jaxckpt.core.capabilities import AgentHolders
+        if not self.store.supports(AgentHolders):
             raise StepNotFoundError(
                 f"checkpoint step {step} has chunks saved by rank {owner}, which this process group of "
                 f"{self.world} rank(s) does not have; a {self.store.name} store holds only its own process's "
                 f"snapshots (with store='shm' they stay in the node agent and are read from there)")
-        from jaxckpt.backends.agent.readers import NodeAgentHolder
-        holder = NodeAgentHolder(self.store.directory, self.store.config.job_id, node="local")
+        holder = self.store.capability(AgentHolders).node_holder("local")
         self._closers.append(holder.close)
         opened = holder.open(owner, step)  # StepNotFoundError names the agent and what it holds
         self._closers.insert(0, opened.close)
