@@ -281,12 +281,14 @@ def test_live_coordination_keys_do_not_grow_with_the_step_count():
     assert lead_ops <= 2 * n + 1 and follow_ops <= 2, (lead, follow)
 
 
-def two_instances_job(job_id: str):
-    """Two Checkpointers of one job_id at once, then a third after the first's close(): bit-for-bit restores."""
+def two_instances_job(job_id: str, directory: str):
+    """Two Checkpointers of one job_id at once (and a TieredCheckpointManager beside them, persisting to
+    ``directory``), then one more after the first's close(): bit-for-bit restores."""
     import jax
     from jax.experimental import multihost_utils
 
     import jaxckpt
+    from jaxckpt.orbax import TieredCheckpointManager
 
     cfg = jaxckpt.Config(job_id=job_id, commit_timeout_s=60.0)
 
@@ -300,12 +302,26 @@ def two_instances_job(job_id: str):
 
     ok = []
     a, b = jaxckpt.Checkpointer(cfg), jaxckpt.Checkpointer(cfg)
+    tiered = TieredCheckpointManager(directory, config=cfg, memory_interval=1, persistent_interval=2)
     for step in (1, 2):
         a.save(step, _small_state(step)[0])
         b.save(step, _small_state(100 + step)[0] | {"step": step})
+        tiered.save(step, _small_state(200 + step)[0] | {"step": step})
     a.wait()
     b.wait()
+    tiered.wait_until_finished()
     ok += [check(a, 2, _small_state(2)[1]), check(b, 2, _small_state(102)[1])]
+    state, _ = _small_state(0)
+    target = {"x": jax.ShapeDtypeStruct(state["x"].shape, state["x"].dtype, sharding=state["x"].sharding), "step": 0}
+    for step, source in ((2, "memory"), (2, "persistent")):
+        if source == "persistent":
+            tiered.close()
+            tiered = TieredCheckpointManager(directory, config=cfg, memory_interval=1, persistent_interval=2)
+        r = tiered.restore(step, target=target)
+        full = np.asarray(multihost_utils.process_allgather(r.state["x"], tiled=True))
+        ok.append(r.source == source and bool(np.array_equal(full.view(np.uint32),
+                                                             _small_state(202)[1].view(np.uint32))))
+    tiered.close()
     a.close()
     c = jaxckpt.Checkpointer(cfg)  # after a's close: its own keys again
     c.save(7, _small_state(7)[0])
@@ -319,11 +335,11 @@ def two_instances_job(job_id: str):
     return {"ok": ok, "spaces": spaces}
 
 
-def test_two_checkpointers_of_one_job_and_one_after_close_keep_their_own_keys():
-    values = expect_ok(launch(two_instances_job, nodes=2, procs_per_node=1, devices_per_proc=1, args=("twice",),
-                              timeout=180))
+def test_two_checkpointers_of_one_job_and_one_after_close_keep_their_own_keys(tmp_path):
+    values = expect_ok(launch(two_instances_job, nodes=2, procs_per_node=1, devices_per_proc=1,
+                              args=("twice", str(tmp_path / "tiered")), timeout=180))
     for v in values:
-        assert v["ok"] == [True] * 4, v
+        assert v["ok"] == [True] * 6, v
         assert len(set(v["spaces"])) == 3 and v["spaces"] == values[0]["spaces"], v
 
 
