@@ -1,7 +1,8 @@
 """The catalog: every holder a restoring process can read snapshots from, found once, asked on each restore.
 
-Holders (``jaxckpt.core.sources``), cheapest first: this process's store (``local``); with ``store="shm"`` its node's
-agent (``node``, zero-copy) and the other nodes' agents (``remote``, peer transport); in a multi-process job
+Holders (``jaxckpt.core.sources``), cheapest first: this process's store (``local``); with a store that has node
+agents (its ``NodeAgent`` and ``AgentHolders`` capabilities, ``jaxckpt.core.capabilities``: ``store="shm"``) its
+node's agent (``node``, zero-copy) and the other nodes' agents (``remote``, peer transport); in a multi-process job
 without agents, the job's other processes (``peer``); and any holders registered with :meth:`Catalog.add_holders`
 (protection's rebuild from parity or copies, the persistent directory).
 
