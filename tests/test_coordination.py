@@ -212,6 +212,25 @@ def test_published_state_and_instance_namespaces(tmp_path):
     assert r.peek("agent-of/0/0") is None and _keys(str(tmp_path)) == []
 
 
+def test_a_versioned_value_lives_in_a_ring_of_two_keys(tmp_path):
+    """A restarted agent's address (the catalog's agent-of): the newest version always readable, two keys at most."""
+    w = Collective(FileCoordinator(str(tmp_path), 0, 2), "jaxckpt/t/0", 1.0)
+    r = Collective(FileCoordinator(str(tmp_path), 1, 2), "jaxckpt/t/0", 1.0)
+    assert r.peek_versions("agent-of/0") == []
+    seen = 0
+    for k in range(25):
+        w.publish_version("agent-of/0", k, f"tcp://host:{k}")
+        assert len(_keys(str(tmp_path))) <= 2
+        if k % 7 == 3:  # a reader that looks now and then gets what is newer than it saw, the newest last
+            got = r.peek_versions("agent-of/0", seen)
+            assert got[-1] == (k, f"tcp://host:{k}") and all(v >= seen for v, _ in got) and len(got) <= 2, got
+            seen = k + 1
+    assert seen == 25 and r.peek_versions("agent-of/0", seen) == []  # nothing newer than it read
+    assert r.peek_versions("agent-of/0", 20) == [(23, "tcp://host:23"), (24, "tcp://host:24")]  # fell behind
+    w.unpublish_versions("agent-of/0")
+    assert _keys(str(tmp_path)) == []
+
+
 # ------------------------------------------------------------------------------ real JAX processes (launch)
 def _small_state(step: int):
     import jax

@@ -33,10 +33,10 @@ operation (a restore, a scan, a protection pull: :meth:`Catalog.begin`), and tha
 Following restarted agents (:meth:`Catalog.begin`, never collective): an agent restarted on the same node and
 directory listens on a new address. At the start of each operation a process re-reads the peer files that
 changed (its own node's, ``Config.agent_dirs``: a stat each otherwise), and publishes its own node's new agent
-as published state ``agent-of/<process>/<k mod 2>`` of the collective (``[k, agent]`` for its k-th restart; the
-slot's older value, k-2, is deleted first, so two keys per process at most, and the newest is always readable).
-After an operation in which an agent did not answer, it also reads the other processes' two slots (O(processes)
-reads, once per such operation) and takes what is newer than it saw. A
+as version k (its k-th restart) of the collective's published state ``agent-of/<process>``, a ring of two keys
+(:meth:`~jaxckpt.core.collective.Collective.publish_version`: two keys per process at most, the newest always
+readable). After an operation in which an agent did not answer, it also reads the other processes' two keys
+(O(processes) reads, once per such operation) and takes the versions newer than it saw. A
 restarted agent replaces the one of the same node and directory; :meth:`current_generation` maps the old
 generation to the new one (protection names a node's agent by generation).
 """
@@ -249,9 +249,7 @@ class Catalog:
             own = next((a for a in found + list(self.agents.values()) if a.generation == own_gen), None)
             if own is not None:  # else the new agent does not serve peers yet: at the next operation
                 try:
-                    slot = f"agent-of/{self.process_index}/{self._own_k % 2}"
-                    coll.unpublish(slot)  # number k-2: its other slot keeps k-1 readable meanwhile
-                    coll.publish(slot, [self._own_k, own.to_wire()])
+                    coll.publish_version(f"agent-of/{self.process_index}", self._own_k, own.to_wire())
                     self._own_k, self._published = self._own_k + 1, own_gen
                 except Exception as e:  # noqa: BLE001 - the others find it after a time-out, or at the next start
                     log.warning("process %d: could not publish the address of its restarted node agent: %s",
@@ -261,17 +259,17 @@ class Catalog:
             for q in range(self.process_count):
                 if q == self.process_index:
                     continue
-                newer = []
-                for slot in (0, 1):
+                try:
+                    newer = coll.peek_versions(f"agent-of/{q}", self._probe.get(q, 0))
+                except Exception as e:  # noqa: BLE001 - unreadable now: at the next such operation
+                    log.warning("process %d: agent addresses of process %d unreadable: %s", self.process_index, q, e)
+                    continue
+                for k, wire in newer:
                     try:
-                        got = coll.peek(f"agent-of/{q}/{slot}")
-                        if got is not None and int(got[0]) >= self._probe.get(q, 0):
-                            newer.append((int(got[0]), AgentInfo.from_wire(got[1])))
-                    except Exception as e:  # noqa: BLE001 - a bad or unreadable key: the other slot may be good
-                        log.warning("process %d: agent address slot %d of process %d unusable: %s",
-                                    self.process_index, slot, q, e)
-                for k, a in sorted(newer, key=lambda x: x[0]):
-                    found.append(a)
+                        found.append(AgentInfo.from_wire(wire))
+                    except Exception as e:  # noqa: BLE001 - a bad value: the next restart publishes a good one
+                        log.warning("process %d: agent address %d of process %d unusable: %s",
+                                    self.process_index, k, q, e)
                     self._probe[q] = k + 1
         if found:
             self._replace_agents(found)
@@ -553,5 +551,5 @@ class Catalog:
         """Drop every holder's connections and this process's published agent addresses."""
         with self._lock:
             self._close_holders()
-        for slot in range(min(2, self._own_k)):
-            self.collective.unpublish(f"agent-of/{self.process_index}/{slot}")
+        if self._own_k:
+            self.collective.unpublish_versions(f"agent-of/{self.process_index}")

@@ -150,6 +150,28 @@ class Collective:
         """Delete published value ``name`` (no error if it is not set)."""
         self._delete(self._pub_key(name))
 
+    def publish_version(self, name: str, k: int, value: Any) -> None:
+        """Publish version ``k`` (0, 1, 2, ... by one writer) of ``name`` in a ring of two slots: the slot of
+        version k-2 is emptied first, so at most two keys exist and the newest complete one is always readable."""
+        slot = f"{name}/{k % 2}"
+        self.unpublish(slot)
+        self.publish(slot, [int(k), value])
+
+    def peek_versions(self, name: str, since: int = 0) -> list[tuple[int, Any]]:
+        """The versions of ``name`` numbered ``since`` or more that are published now, oldest first (two at most:
+        a reader that fell behind gets the newest two, which is what a "latest value" reader needs)."""
+        out = []
+        for slot in (0, 1):
+            got = self.peek(f"{name}/{slot}")
+            if got is not None and int(got[0]) >= since:
+                out.append((int(got[0]), got[1]))
+        return sorted(out, key=lambda kv: kv[0])
+
+    def unpublish_versions(self, name: str) -> None:
+        """Delete both slots of ``name``."""
+        for slot in (0, 1):
+            self.unpublish(f"{name}/{slot}")
+
     # ---------------------------------------------------------------------------------------------- close
     def close(self, timeout_s: float | None = None) -> None:
         """End every channel that ran a round (see the module docstring); call once the threads using the
