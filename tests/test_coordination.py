@@ -181,6 +181,22 @@ def test_a_result_never_acknowledged_is_dropped_after_a_bounded_number_of_rounds
     assert len(_keys(str(tmp_path))) <= MAX_UNACKED + 1
 
 
+def test_close_does_not_wait_for_a_follower_that_died(tmp_path):
+    """A follower that missed a round on one channel (it died) is not waited for when any channel closes."""
+    lead = Collective(FileCoordinator(str(tmp_path), 0, 2), "jaxckpt/t/0", 0.2)
+    follow = Collective(FileCoordinator(str(tmp_path), 1, 2), "jaxckpt/t/0", 0.2)
+    t = threading.Thread(target=lambda: follow.channel("main").barrier("start", timeout_s=30))
+    t.start()
+    lead.channel("main").barrier("start", timeout_s=30)
+    t.join(30)
+    with pytest.raises(CoordinationError, match="process 1 did not arrive"):  # then it died
+        lead.channel("commit").reduce("commit 1", True, all)
+    t0 = time.monotonic()
+    lead.close(timeout_s=30)
+    assert time.monotonic() - t0 < 10, "close waited for a process known to be gone"
+    assert _keys(str(tmp_path)) == [], "close left keys behind"
+
+
 def test_one_process_touches_no_key_and_raises_its_own_error():
     coord = LocalCoordinator()
     c = Collective(coord, "jaxckpt/t/0", 1.0)

@@ -85,6 +85,9 @@ class Collective:
         self._channels: dict[str, Channel] = {}
         self._lock = threading.Lock()
         self._ops = {"sets": 0, "gets": 0, "try_gets": 0, "deletes": 0}
+        # leader: followers that missed their last round on some channel and were not seen since (a process that
+        # died): close() does not wait for them
+        self._absent: set[int] = set()
         self._closed = False
 
     @classmethod
@@ -195,7 +198,6 @@ class Channel:
         self.rounds = 0
         self._lock = threading.Lock()
         self._unacked: list[tuple[str, set[int]]] = []  # leader: results and late keys -> followers to see first
-        self._absent: set[int] = set()  # leader: followers that missed the last round (not waited for at close)
         self._closed = False
 
     @property
@@ -294,7 +296,7 @@ class Channel:
             left = deadline - time.monotonic()
             try:
                 # Once the time-out is spent, only look (at close: not at all for a follower gone already).
-                raw = c._get(key, left) if left > 0 and not (closing and q in self._absent) else c._try_get(key)
+                raw = c._get(key, left) if left > 0 and not (closing and q in c._absent) else c._try_get(key)
             except TimeoutError:
                 raw = None
             except Exception as e:  # noqa: BLE001 - an unreachable service: this follower's part is missing
@@ -302,11 +304,13 @@ class Channel:
                 raw = None
             if raw is None:
                 failures.append((q, f"did not arrive within {timeout:g}s"))
-                self._absent.add(q)
+                with c._lock:
+                    c._absent.add(q)
                 self._unacked.append((key, {q}))  # its late key, deleted once it is seen again
                 continue
             seen.add(q)
-            self._absent.discard(q)
+            with c._lock:
+                c._absent.discard(q)
             c._delete(key)
             try:
                 their_name, their_ok, their_payload = _unpack(raw)
