@@ -36,10 +36,22 @@ its error) as bytes. ``read_data`` (all ranks, DCP's planner having assigned eac
   shared memory with ``store="shm"`` (that rank's slot outlives it); with ``store="memory"`` it is gone: a
   :class:`jaxckpt.errors.StepNotFoundError` names the chunk and the rank.
 
+Why the collective: a rank's new sharding may need bytes any other rank wrote. Reading the other ranks' slots at
+the node agent works only for ranks on the same node and not at all for ``store="memory"``; having the
+coordinator gather everything moves the whole state through one rank. The all_to_all sends each needed byte once,
+from the rank that holds it to the rank that needs it, on the job's own process group, which is how the
+design's restore reaches other processes ("restore goes through collectives first"). The node agent is used only
+where no rank of the group holds the slot any more.
+
 Every chunk's crc32c is checked where it is read, by its owner before it is sent (``Config.verify_on_restore``);
 a mismatch raises :class:`jaxckpt.errors.ChecksumError` naming the chunk, rank and step, on every rank, and no
 rank waits in a collective for one that failed (``dcp_exchange.agree``). DCP wraps errors raised inside its
-steps in its ``CheckpointException``; the jaxckpt error is in ``.failures[rank][0]``.
+steps in its ``CheckpointException``; the jaxckpt error is in ``.failures[rank][0]``, except for
+``read_metadata`` (e.g. an id no store holds), whose error DCP turns into an ``AssertionError`` that carries our
+message ("metadata is None; global metadata read failed: ...").
+
+``dcp.async_save`` blocks for DCP's own staging copy (its default stager); this writer's copy into the store then
+runs on DCP's background thread.
 
 Non-tensor values: DCP turns them into ``BytesIO`` with ``torch.save`` and they are stored as those raw bytes.
 Loading them is DCP's business: the default load planner calls ``torch.load(..., weights_only=False)`` on them
@@ -65,7 +77,6 @@ from typing import Any, Callable
 import msgpack
 import torch
 import torch.distributed as dist
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner,
                                                   WriteItem, WriteItemType)
@@ -148,6 +159,7 @@ class JaxckptWriter(StorageWriter):
         self.checkpoint_id: str | None = None
         self._step: int | None = None
         self._pending: tuple[Slot, dict] | None = None  # the coordinator's slot, committed by finish()
+        self._is_coordinator = False
         if checkpoint_id is not None:
             self.reset(checkpoint_id)
 
@@ -171,6 +183,9 @@ class JaxckptWriter(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Refuses a save without a checkpoint id: a step must be named."""
         self._is_coordinator = is_coordinator
+        if kwargs.get("use_collectives") is False and self.world > 1:
+            raise PlanError("dcp.save(..., use_collectives=False) plans each rank alone with rank-local metadata; "
+                            "JaxckptWriter needs DCP's global plan (one save id, the coordinator's metadata)")
         if self._step is None:
             raise StepError("dcp.save with a JaxckptWriter needs a checkpoint_id (the step to save), given to "
                             "JaxckptWriter(checkpoint_id) or dcp.save(..., checkpoint_id=...)")
@@ -437,7 +452,8 @@ class JaxckptReader(StorageReader):
             return
         dtype, sizes = self._chunks[MetadataIndex(req.storage_index.fqn, req.storage_index.offset)]
         src = byte_tensor(buf).view(dtype).view(sizes)
-        src = narrow_tensor_by_index(src, req.storage_offsets, req.lengths)
+        for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+            src = src.narrow(dim, start, length)  # the region of the saved chunk this item reads
         target = planner.resolve_tensor(req).detach()
         if target.size() != src.size():
             raise PlanError(f"{req.dest_index.fqn}: step {step}: the planner's target is {list(target.size())}, "
