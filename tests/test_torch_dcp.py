@@ -29,7 +29,7 @@ from jaxckpt.backends.torch import dcp_metadata
 from jaxckpt.backends.torch.dcp import checkpoint_step
 from jaxckpt.backends.torch.dcp_metadata import Locator, StorageIndex
 from jaxckpt.backends.torch.dtypes import _NAMES
-from jaxckpt.errors import ChecksumError, ManifestError, StepError, StepNotFoundError
+from jaxckpt.errors import ChecksumError, ManifestError, PlanError, StepError, StepNotFoundError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -349,7 +349,12 @@ def dcp_two_rank_worker(job_id: str) -> dict:
         assert any(v[1] == (Shard(0),) for v in want.values())
         writer = JaxckptWriter(config=Config(job_id=job_id, keep=3))
         dcp.save(state, storage_writer=writer, checkpoint_id=1)
-        # Rank 0 writes the replicated items (step tensors, bytes) once; each rank its own shards.
+        assert writer.store.steps() == [1]
+        try:  # rank-local plans have no global save id nor coordinator metadata: refused on each rank
+            dcp.save(state, storage_writer=writer, checkpoint_id=9, use_collectives=False)
+            raise AssertionError("a save without DCP's global plan was accepted")
+        except PlanError as e:
+            assert "use_collectives=False" in str(e), e
         assert writer.store.steps() == [1]
         done.append("save")
 
