@@ -2,7 +2,7 @@
 SIGKILLed while a snapshot is in flight, relaunched, restores from the agent's shared memory and trains on; the
 result is compared bit for bit with an uninterrupted run.
 
-    python examples/train_flax.py                      # defaults: about a minute on 2 CPU cores
+    python examples/train_flax.py                      # defaults: a minute or two on 2 CPU cores
     python examples/train_flax.py --steps 12 --kill-at 6 --d-model 32 --layers 2 --heads 2 --vocab 64
 
 What runs (each a separate Python process started by this one, which only watches, kills and reports):
