@@ -22,6 +22,10 @@ class UnsupportedLeafError(JaxckptError, TypeError):
     """A pytree leaf has a type jaxckpt cannot snapshot."""
 
 
+class UnsupportedTypeError(UnsupportedLeafError, ValueError):
+    """A leaf jaxckpt cannot snapshot, saved through Orbax's args: Orbax's ``ValueError('Unsupported type: ...')``."""
+
+
 class TargetMismatchError(JaxckptError, ValueError):
     """The restore target differs from the saved state in structure, shape or dtype."""
 

@@ -25,6 +25,9 @@ from jaxckpt.jax.tree import flatten, nested
 
 log = logging.getLogger("jaxckpt.jax.restore")
 
+# A target leaf meaning "do not read this saved leaf" (partial restores, jaxckpt.orbax.layout); it comes back as is.
+SKIP = type("Skip", (), {"__repr__": lambda self: "SKIP"})()
+
 
 def _target_spec(path: str, t: Any) -> tuple[str, tuple[int, ...] | None, Any, Any]:
     """(kind, shape, dtype, sharding) the target asks for; kind is "jax", "numpy" or "value"."""
@@ -82,6 +85,10 @@ def _request(path: str, meta: ArrayMeta, t: Any, step: int) -> ArrayRequest:
         raise TargetMismatchError(f"{path}: saved dtype {meta.dtype}, target dtype {dtype_name(dtype)}")
     if kind == "numpy":
         return ArrayRequest.whole(meta, lambda host: host.copy())
+    if np.dtype(dtype).itemsize == 8 and np.dtype(dtype).kind in "iuf" and not jax.config.jax_enable_x64:
+        # JAX would silently narrow it (int64 2**40+5 -> int32 5, float64 1e300 -> inf)
+        raise TargetMismatchError(f"{path}: a jax.Array target of dtype {dtype_name(dtype)} needs jax_enable_x64 "
+                                  f"(JAX would narrow it to 32 bits); restore it onto a numpy target or enable x64")
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     return _on(meta, sharding)
@@ -125,8 +132,9 @@ def restore_tree(target: Any, manifests: list[Manifest], reader: ChunkReader, *,
         return nested(list(zip(keypaths, out)))
     leaves, treedef = flatten(target, classify_leaves=False)
     check_target_paths((leaf.path for leaf in leaves), own, step)
-    out = restore_leaves((_request(leaf.path, arrays[leaf.path], leaf.value, step) if leaf.path in arrays
-                          else _value(leaf.path, values[leaf.path], leaf.value) for leaf in leaves),
+    out = restore_leaves((SKIP if leaf.value is SKIP else _request(leaf.path, arrays[leaf.path], leaf.value, step)
+                          if leaf.path in arrays else _value(leaf.path, values[leaf.path], leaf.value)
+                          for leaf in leaves),
                          reader, step=step, process=process)
     result = jax.tree_util.tree_unflatten(treedef, out)
     t0 = time.perf_counter()

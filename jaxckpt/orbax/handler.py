@@ -37,12 +37,15 @@ import threading
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxckpt.config import Config
-from jaxckpt.errors import ClosedError, ManifestError, StepError, StepNotFoundError
+from jaxckpt.errors import (ClosedError, ManifestError, StepError, StepNotFoundError, UnsupportedLeafError,
+                            UnsupportedTypeError)
 from jaxckpt.jax.checkpointer import Checkpointer, SaveHandle
+from jaxckpt.orbax import layout as lay
 
 log = logging.getLogger("jaxckpt.orbax")
 
@@ -51,6 +54,9 @@ __all__ = ["SnapshotHandler", "SnapshotRestore", "SnapshotSave", "MARKER_NAME", 
 MARKER_NAME = "jaxckpt_snapshot.json"
 MARKER_FORMAT = "jaxckpt-orbax-snapshot"
 MARKER_VERSION = 1
+# Orbax's own args an Orbax user already passes: SnapshotHandler takes them as they are.
+_STANDARD_SAVE = (ocp.args.StandardSave, ocp.args.PyTreeSave)
+_STANDARD_RESTORE = (ocp.args.StandardRestore, ocp.args.PyTreeRestore)
 _TMP = ocp.path.step.TMP_DIR_SUFFIX
 
 _default: Checkpointer | None = None
@@ -97,11 +103,12 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
 
     ``checkpointer``: use this one (the caller closes it). Else ``config``: a Checkpointer of its own, closed by
     :meth:`close`. Neither: the shared :func:`default_checkpointer`. Register the same instance for
-    :class:`SnapshotSave` and :class:`SnapshotRestore`.
+    :class:`SnapshotSave` and :class:`SnapshotRestore` (or for Orbax's ``StandardSave``/``StandardRestore``,
+    ``PyTreeSave``/``PyTreeRestore``, which it takes as they are). ``rich_types``: see :meth:`restore`.
     """
 
     def __init__(self, checkpointer: Checkpointer | None = None, *, config: Config | None = None,
-                 primary_host: int = 0) -> None:
+                 primary_host: int = 0, rich_types: bool = True) -> None:
         if checkpointer is not None and config is not None:
             raise TypeError("SnapshotHandler: pass a checkpointer or a config, not both")
         self._owned = checkpointer is None and config is not None
@@ -109,6 +116,9 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
             checkpointer = Checkpointer(config) if config is not None else default_checkpointer()
         self.checkpointer = checkpointer
         self._primary_host = primary_host
+        # Restores without a target: the saved container types (NamedTuple, tuple); False gives Orbax's legacy
+        # answer (PyTreeMetadataOptions(support_rich_types=False), its default): dicts and lists.
+        self.rich_types = rich_types
         self._lock = threading.Lock()
         # step -> (item directory while Orbax writes it, item directory once finalized): how to tell a step
         # Orbax deleted (max_to_keep) from one it has not yet renamed into place.
@@ -125,40 +135,67 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
         for f in self._start_save(epath.Path(directory), args):
             f.result()
 
-    def _start_save(self, directory: epath.Path, args: "SnapshotSave") -> list[ocp.future.Future]:
-        if not isinstance(args, SnapshotSave):
-            raise TypeError(f"SnapshotHandler.save expects args=SnapshotSave(...), got {type(args).__name__}")
+    def _start_save(self, directory: epath.Path, args: Any) -> list[ocp.future.Future]:
+        if isinstance(args, SnapshotSave):
+            state, save_args, custom, explicit = args.state, args.save_args, args.custom_metadata, args.step
+        elif isinstance(args, _STANDARD_SAVE):
+            state, save_args, custom, explicit = args.item, args.save_args, args.custom_metadata, None
+        else:
+            raise TypeError(f"SnapshotHandler.save expects args=SnapshotSave(...), StandardSave(...) or "
+                            f"PyTreeSave(...), got {type(args).__name__}")
         parsed = step_from_directory(directory)
-        step = args.step if args.step is not None else parsed
-        if step is None:
+        step = explicit if explicit is not None else parsed
+        if step is None and isinstance(args, SnapshotSave):
             raise StepError(f"{directory}: cannot tell the step from the directory name (not a CheckpointManager "
                             f"step layout); pass SnapshotSave(state, step=...)")
-        if args.step is not None and parsed is not None and parsed != args.step:
+        if explicit is not None and parsed is not None and parsed != explicit:
             log.warning("SnapshotSave(step=%d) differs from the step %d in %s; the marker records %d",
-                        args.step, parsed, directory, args.step)
+                        explicit, parsed, directory, explicit)
+        state = _cast(state, save_args)
+        try:
+            tree_layout = lay.describe(state)
+        except UnsupportedLeafError as e:  # Orbax's words, still a jaxckpt error naming the path
+            raise UnsupportedTypeError(f"Unsupported type: {e}") from None
         self.prune()
+        snap = self._snapshot_step(step)
         # Returns once the state is pinned: a donating next step cannot change the snapshot.
-        handle = self.checkpointer.save(step, args.state)
+        handle = self.checkpointer.save(snap, state)
         final = directory.parent.parent / _final_name(directory.parent.name) / _final_name(directory.name)
         with self._lock:
-            self._dirs[step] = (directory, final, handle)
-        marker = {"format": MARKER_FORMAT, "version": MARKER_VERSION, "step": step,
+            self._dirs[snap] = (directory, final, handle)
+        marker = {"format": MARKER_FORMAT, "version": MARKER_VERSION, "step": snap, "orbax_step": step,
                   "job_id": self.checkpointer.config.job_id, "store": self.checkpointer.config.store,
-                  "process_count": jax.process_count(), "nbytes": handle.nbytes}
+                  "process_count": jax.process_count(), "nbytes": handle.nbytes, "layout": tree_layout,
+                  "custom_metadata": custom}
+        step = snap
         write = ocp.multihost.is_primary_host(self._primary_host)
 
         async def commit() -> None:
             handle.result()
             if write:  # the item directory exists by now: the future awaited Orbax's creation signal
-                (directory / MARKER_NAME).write_text(json.dumps(marker))
+                (directory / MARKER_NAME).write_text(json.dumps(marker, separators=(",", ":")))
             with self._lock:
                 self._marked.add(step)
 
         return [ocp.future.CommitFutureAwaitingContractedSignals(commit(), name=f"jaxckpt_commit_{step}")]
 
+    def _snapshot_step(self, step: int | None) -> int:
+        """The jaxckpt step for a save Orbax calls ``step``: the same number while it is newer than every step
+        saved so far; else (``overwrite``, ``delete(s)`` then ``save(s)``, a second manager sharing this
+        Checkpointer, a bare Checkpointer without steps) the next free one. The marker records both."""
+        last = self.checkpointer.engine._last_step  # the engine refuses any step not newer than this
+        if step is not None and (last is None or step > last):
+            return step
+        return 0 if last is None else last + 1
+
     # --------------------------------------------------------------------------------------------- restore
-    def restore(self, directory: epath.Path, args: "SnapshotRestore | None" = None) -> Any:
-        """The snapshot the marker in ``directory`` names, from memory, on ``args.target``'s shardings."""
+    def restore(self, directory: epath.Path, args: Any = None) -> Any:
+        """The snapshot the marker in ``directory`` names, with Orbax's semantics for ``args``.
+
+        ``args``: ``SnapshotRestore``, ``StandardRestore`` or ``PyTreeRestore`` (item, ``restore_args``,
+        ``partial_restore``, ``strict``), or None (the saved tree: its containers, shardings, numpy leaves).
+        From memory; with ``Config.persistent_dir``, a step memory no longer holds comes from that tier.
+        """
         directory = epath.Path(directory)
         marker = self.read_marker(directory)
         step, job = marker["step"], marker["job_id"]
@@ -167,20 +204,31 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
                                     f"serves job {self.checkpointer.config.job_id!r}")
         self.prune()
         held = self.checkpointer.store.steps()
-        if step not in held:
+        persister = self.checkpointer.persister
+        if step not in held and (persister is None or step not in persister.steps()):
+            where = f" nor is it persisted in {persister.directory}" if persister is not None else ""
             raise StepNotFoundError(
                 f"step {step}: Orbax lists {directory} but jaxckpt memory (store "
                 f"{self.checkpointer.config.store!r}) no longer holds its snapshot (held steps: {held or 'none'}; "
-                f"Config.keep={self.checkpointer.config.keep})")
-        target = args.target if args is not None else None
-        return self.checkpointer.restore(target, step=step)
+                f"Config.keep={self.checkpointer.config.keep}){where}")
+        item, restore_args, partial, strict = _restore_request(args)
+        if "layout" not in marker:  # a marker written before layouts: jaxckpt's own target semantics
+            return self.checkpointer.restore(item, step=step)
+        p = lay.plan(marker["layout"], item, restore_args, partial=partial, strict=strict, rich=self.rich_types)
+        if step in held or persister is None:
+            out = self.checkpointer.restore(p.target, step=step)
+        else:  # the persistent tier reads whole steps: no skipped leaves there
+            out = self.checkpointer._restore(lay.plan(marker["layout"]).target, step).state
+        return p.finish(lay.flat_values(out))
 
-    def metadata(self, directory: epath.Path) -> dict[str, Any] | None:
-        """The marker of ``directory`` (step, job id, bytes, process count), or None without one."""
+    def metadata(self, directory: epath.Path) -> "SnapshotMetadata | None":
+        """The saved tree's metadata (``.tree``: shapes, dtypes, shardings; ``.custom_metadata``), which is also
+        the marker as a dict (step, job id, bytes, process count); None without a marker."""
         try:
-            return self.read_marker(epath.Path(directory))
+            marker = self.read_marker(epath.Path(directory))
         except StepNotFoundError:
             return None
+        return SnapshotMetadata(marker, epath.Path(directory))
 
     @staticmethod
     def read_marker(directory: epath.Path) -> dict[str, Any]:
@@ -232,18 +280,100 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
             self.checkpointer.close()
 
 
-@ocp.args.register_with_handler(SnapshotHandler, for_save=True)
 @dataclasses.dataclass
 class SnapshotSave(ocp.args.CheckpointArgs):
-    """Save ``state`` (any pytree jaxckpt supports) as an in-memory snapshot; ``step`` overrides the parsed step."""
+    """Save ``state`` (any pytree jaxckpt supports) as an in-memory snapshot; ``step`` overrides the parsed step.
+
+    ``save_args``: a tree of ``ocp.SaveArgs`` as Orbax takes it (its ``dtype`` casts the leaf before saving)."""
 
     state: Any
     step: int | None = None
+    save_args: Any = None
+    custom_metadata: Any = None
+
+
+ocp.args.register_with_handler(SnapshotHandler, for_save=True)(SnapshotSave)
 
 
 @ocp.args.register_with_handler(SnapshotHandler, for_restore=True)
 @dataclasses.dataclass
 class SnapshotRestore(ocp.args.CheckpointArgs):
-    """Restore laid out like ``target`` (pytree of ``jax.ShapeDtypeStruct`` with shardings); None: numpy dicts."""
+    """Restore laid out like ``target`` (pytree of ``jax.ShapeDtypeStruct``, arrays, or ``PLACEHOLDER`` to skip
+    a leaf); None: the saved tree as saved. ``restore_args``, ``partial_restore``, ``strict`` as Orbax's."""
 
     target: Any = None
+    restore_args: Any = None
+    partial_restore: bool = False
+    strict: bool = True
+    item: Any = None  # the legacy positional form ``ckptr.restore(path, item=...)``
+
+
+class SnapshotMetadata(dict):
+    """``SnapshotHandler.metadata``: the marker (a dict, as before) with Orbax's ``.tree`` and ``.custom_metadata``.
+
+    ``.tree`` mirrors the saved tree (its containers) with an ``ocp.metadata.ArrayMetadata`` per array leaf
+    (shape, dtype, ``ShardingMetadata``) and a ``ScalarMetadata`` per scalar, like ``PyTreeCheckpointHandler``'s.
+    """
+
+    def __init__(self, marker: dict, directory: epath.Path) -> None:
+        super().__init__(marker)
+        self.directory = directory
+
+    @property
+    def custom_metadata(self) -> Any:
+        return self.get("custom_metadata") or {}
+
+    @property
+    def tree(self) -> Any:
+        if "layout" not in self:
+            return None
+        return lay.build(self["layout"], lambda path, leaf: _leaf_metadata(path, leaf, self.directory))
+
+    def abstract(self) -> Any:
+        """The saved tree as restore targets: ``jax.ShapeDtypeStruct`` (saved sharding) or numpy per leaf."""
+        return lay.abstract(self["layout"])
+
+
+def _leaf_metadata(path: str, leaf: dict, directory: epath.Path) -> Any:
+    from orbax.checkpoint._src.metadata import sharding as sharding_metadata
+    if leaf["kind"] == "value":
+        return None  # saved by value: Orbax records no array metadata for it
+    shape = tuple(leaf["shape"])
+    if leaf["kind"] == "numpy_scalar":
+        return ocp.metadata.ScalarMetadata(name=path, directory=directory, shape=(),
+                                           dtype=np.dtype(leaf["dtype"]))
+    s = lay.saved_sharding(leaf)
+    sharding = sharding_metadata.from_jax_sharding(s) if s is not None else None
+    dtype = np.dtype("uint32") if leaf["kind"] == "prng_key" else lay.dtype_from_name(leaf["dtype"])
+    return ocp.metadata.ArrayMetadata(name=path, directory=directory, shape=shape, sharding=sharding, dtype=dtype)
+
+
+def _restore_request(args: Any) -> tuple[Any, Any, bool, bool]:
+    """(item, restore_args, partial_restore, strict) from any restore args an Orbax user passes."""
+    if args is None:
+        return None, None, False, True
+    if isinstance(args, SnapshotRestore):
+        item = args.target if args.target is not None else args.item
+        return item, args.restore_args, args.partial_restore, args.strict
+    if isinstance(args, ocp.args.PyTreeRestore):
+        return args.item, args.restore_args, args.partial_restore, True
+    if isinstance(args, ocp.args.StandardRestore):
+        return args.item, None, False, args.strict
+    raise TypeError(f"SnapshotHandler.restore expects args=SnapshotRestore(...), StandardRestore(...) or "
+                    f"PyTreeRestore(...), got {type(args).__name__}")
+
+
+def _cast(state: Any, save_args: Any) -> Any:
+    """Orbax's ``SaveArgs(dtype=...)``: each leaf cast before it is saved."""
+    if save_args is None:
+        return state
+    is_sa = lambda x: isinstance(x, ocp.SaveArgs)  # noqa: E731
+    casts = dict(lay._flat(save_args, is_sa)[0])
+    flat, treedef = lay._flat(state)
+    out = []
+    for path, x in flat:
+        sa = casts.get(path)
+        if sa is not None and sa.dtype is not None and hasattr(x, "astype") and x.dtype != sa.dtype:
+            x = x.astype(sa.dtype)
+        out.append(x)
+    return jax.tree_util.tree_unflatten(treedef, out)
