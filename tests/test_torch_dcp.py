@@ -322,6 +322,13 @@ def _check_loaded(got, want, placements_of, mesh):
             assert g == t, k
 
 
+class _FailOnRank1(DefaultSavePlanner):
+    def resolve_data(self, write_item):
+        if dist.get_rank() == 1:
+            raise RuntimeError("rank 1 cannot read its state")
+        return super().resolve_data(write_item)
+
+
 def dcp_two_rank_worker(job_id: str) -> dict:
     """One rank: save a DTensor model + AdamW state sharded Shard(0), load it as Replicate, onto a 2-d mesh,
     async_save a later step and load the newest, then a corrupted chunk of rank 0 raises on both ranks."""
@@ -356,6 +363,16 @@ def dcp_two_rank_worker(job_id: str) -> dict:
         except PlanError as e:
             assert "use_collectives=False" in str(e), e
         assert writer.store.steps() == [1]
+        # Rank 1 fails while rank 0 (the coordinator) has written its slot: no finish(), no checkpoint; the
+        # same id saves fine next time (the coordinator's unfinished slot is freed, not left holding the step).
+        try:
+            dcp.save(state, storage_writer=writer, checkpoint_id=0, planner=_FailOnRank1())
+            raise AssertionError("a save that failed on rank 1 succeeded")
+        except CheckpointException as e:
+            assert set(e.failures) == {1} and "rank 1 cannot read its state" in str(e.failures[1][0]), e
+        assert writer.store.steps() == [1]
+        dcp.save(state, storage_writer=writer)  # no id given: the writer keeps id 0 (reset() is not called)
+        assert writer.store.steps() == [0, 1]
         done.append("save")
 
         for name, mesh_, placements_of in (("replicate", mesh, replicate), ("mesh2", mesh2, other)):

@@ -182,6 +182,7 @@ class JaxckptWriter(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Refuses a save without a checkpoint id: a step must be named."""
+        self._abort_pending()  # a save whose finish() never came (another rank failed): its slot is freed
         self._is_coordinator = is_coordinator
         if kwargs.get("use_collectives") is False and self.world > 1:
             raise PlanError("dcp.save(..., use_collectives=False) plans each rank alone with rank-local metadata; "
