@@ -332,13 +332,16 @@ class Display:
 
     def __init__(self) -> None:
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                                   TimeElapsedColumn)
 
         self.console = Console(highlight=False, soft_wrap=True)
         self.live = self.console.is_terminal
-        self.progress = Progress(TextColumn("{task.description:<22}"), BarColumn(bar_width=24), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=self.console,
-                                 disable=not self.live)
+        self.progress = Progress(SpinnerColumn(finished_text=" "), TextColumn("{task.description:<20}"),
+                                 BarColumn(bar_width=16), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                                 TimeElapsedColumn(), console=self.console, disable=not self.live)
+        # A row that keeps turning while a phase without steps runs (start-up, compiling, Orbax's first save).
+        self._now = self.progress.add_task("now", total=None, info="")
         self.t0 = time.monotonic()
         self._last_line = 0.0
 
@@ -347,9 +350,12 @@ class Display:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.progress.remove_task(self._now)
         self.progress.stop()
 
     def say(self, text: str) -> None:
+        room = max(20, self.console.width - 75)  # the other columns keep their room on a narrow terminal
+        self.progress.update(self._now, info=text if len(text) <= room else text[:room - 3] + "...")
         self.progress.console.print(f"[{time.monotonic() - self.t0:6.1f}s] {text}", markup=False)
 
     def task(self, name: str, total: int) -> int:
@@ -406,6 +412,7 @@ def _train(display: Display, child: Child, name: str, stop: int, kill_at: int | 
                 run["t_kill"] = time.monotonic()
                 os.kill(child.proc.pid, signal.SIGKILL)
                 run["rc"] = child.finish(expect_rc=None)
+                display.update(task, ev["step"] + 1 - start, f"loss {loss}  SIGKILLed during save({kill_at})")
                 display.say(f"{name}: trainer stopped right after save({kill_at}) returned; SIGKILLed it "
                             f"(exit status {run['rc']})")
                 break
