@@ -136,6 +136,18 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
             f.result()
 
     def _start_save(self, directory: epath.Path, args: Any) -> list[ocp.future.Future]:
+        handle, commit = self.begin_save(directory, args)
+
+        async def committed() -> None:
+            # The item directory exists by now: the future awaited Orbax's creation signal.
+            handle.result()
+            commit()
+        return [ocp.future.CommitFutureAwaitingContractedSignals(committed(), name=f"jaxckpt_commit_{handle.step}")]
+
+    def begin_save(self, directory: epath.Path, args: Any) -> tuple[SaveHandle, Any]:
+        """Start the snapshot of ``args``' state for the item ``directory`` (returns once the state is pinned):
+        its handle, and the function that records it (the marker) once the handle is done and the directory
+        exists. Front ends (v0 here, ``jaxckpt.orbax.v1``) wrap the two in their own kind of future."""
         if isinstance(args, SnapshotSave):
             state, save_args, custom, explicit = args.state, args.save_args, args.custom_metadata, args.step
         elif isinstance(args, _STANDARD_SAVE):
@@ -145,7 +157,7 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
                             f"PyTreeSave(...), got {type(args).__name__}")
         parsed = step_from_directory(directory)
         step = explicit if explicit is not None else parsed
-        if step is None and isinstance(args, SnapshotSave):
+        if step is None and type(args) is SnapshotSave:  # subclasses (jaxckpt.orbax.v1) take the next step
             raise StepError(f"{directory}: cannot tell the step from the directory name (not a CheckpointManager "
                             f"step layout); pass SnapshotSave(state, step=...)")
         if explicit is not None and parsed is not None and parsed != explicit:
@@ -167,17 +179,14 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
                   "job_id": self.checkpointer.config.job_id, "store": self.checkpointer.config.store,
                   "process_count": jax.process_count(), "nbytes": handle.nbytes, "layout": tree_layout,
                   "custom_metadata": custom}
-        step = snap
         write = ocp.multihost.is_primary_host(self._primary_host)
 
-        async def commit() -> None:
-            handle.result()
-            if write:  # the item directory exists by now: the future awaited Orbax's creation signal
+        def commit() -> None:
+            if write:
                 (directory / MARKER_NAME).write_text(json.dumps(marker, separators=(",", ":")))
             with self._lock:
-                self._marked.add(step)
-
-        return [ocp.future.CommitFutureAwaitingContractedSignals(commit(), name=f"jaxckpt_commit_{step}")]
+                self._marked.add(snap)
+        return handle, commit
 
     def _snapshot_step(self, step: int | None) -> int:
         """The jaxckpt step for a save Orbax calls ``step``: the same number while it is newer than every step
