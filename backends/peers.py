@@ -5,7 +5,8 @@ Set-up, when a job has more than one process (two rounds of the engine's ``main`
   0) (process 0)     generates the job's peer token, unless ``Config.peer_token`` is set, and broadcasts it
                      (round ``peer token``; a process with ``Config.peer_token`` set uses its own);
   1) (every process) starts a transport server over its store; an ``all_gather`` round ``peer addresses``
-                     gives every process every server's address;
+                     gives every process every server's address and CURVE public key ("" without CURVE:
+                     ``Config.peer_security``, ``jaxckpt.backends.curve``);
   2) (on restore)    connects to a peer on first use, then fetches its manifest and chunk ranges.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import secrets
 import threading
 
 from jaxckpt.core import manifest as mf
-from jaxckpt.config import Config
+from jaxckpt.config import Config, peer_uses_curve
 from jaxckpt.core.collective import Channel, Collective
 from jaxckpt.core.coordination import Coordinator
 from jaxckpt.errors import ManifestError, PeerError
@@ -39,9 +40,12 @@ class Peers:
             channel = Collective.for_job(coordinator, config.job_id, config.commit_timeout_s).channel("main")
         self._transport = get_transport()
         self._token = self._exchange_token(channel)
-        self.server = self._transport.serve(store, token=self._token, host=config.peer_bind)
+        self.server = self._transport.serve(store, token=self._token, host=config.peer_bind,
+                                            curve=peer_uses_curve(config.peer_bind, config.peer_security))
         try:
-            self._addresses = [str(a) for a in channel.all_gather("peer addresses", self.server.address)]
+            published = channel.all_gather("peer addresses", [self.server.address, self.server.public_key])
+            self._addresses = [str(a) for a, _ in published]
+            self._keys = [str(k) for _, k in published]
         except BaseException:
             self.server.close()
             raise
@@ -69,7 +73,8 @@ class Peers:
                     raise PeerError(f"process {process}: no such process in a job of {len(self._addresses)}")
                 address = self._addresses[process]
                 c = self._clients[process] = self._transport.connect(address, token=self._token,
-                                                                     timeout_s=self._config.peer_timeout_s)
+                                                                     timeout_s=self._config.peer_timeout_s,
+                                                                     server_key=self._keys[process])
             return c
 
     def manifests(self, step: int, own: mf.Manifest, sources: dict[int, ByteSource]) -> list[mf.Manifest]:

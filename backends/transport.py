@@ -13,8 +13,11 @@ A manifest is paged: each reply carries at most one frame from ``offset`` and th
 own process. ``held`` lists every (process, step) the source holds as ``jaxckpt.core.sources.HeldEntry`` wire lists.
 
 Every request carries the job's shared token, compared with ``hmac.compare_digest``; a request with a wrong
-or missing token is refused (logged, nothing served). Requests are at most ``MAX_REQUEST_BYTES``; a read
-returns at most ``frame_bytes`` per reply and the client splits larger ranges (bounded messages both ways).
+or missing token is refused (logged, nothing served). With ``curve=True`` (``serve``) and a ``server_key``
+(``connect``) the connection is ZeroMQ CURVE (``jaxckpt.backends.curve``): encrypted, the server proven by the
+key published for its address, the client by the job's key, any other key refused in the handshake.
+Requests are at most ``MAX_REQUEST_BYTES``; a read returns at most ``frame_bytes`` per reply and the client
+splits larger ranges (bounded messages both ways).
 Every wait has a time-out. The server thread sends zero-copy from a pinned ``store.open(step)`` view and keeps
 the view pinned until ZeroMQ has finished with the bytes, so a step deleted meanwhile is never torn.
 """
@@ -51,6 +54,11 @@ CONNECT_TIMEOUT_S = 2.0
 
 class PeerUnreachableError(PeerTimeoutError):
     """Nothing accepted a connection at the peer's address (a dead agent's stale address, most likely)."""
+
+
+class PeerHandshakeError(PeerUnreachableError):
+    """A CURVE handshake with the peer's address failed: the server there does not hold the key published for
+    that address (an impostor, or another server that took a dead one's port), or it refused this job's key."""
 
 
 class SnapshotSource(abc.ABC):
@@ -110,6 +118,7 @@ class PeerServer(abc.ABC):
     """Serves one store's committed snapshots at ``address`` until closed."""
 
     address: str
+    public_key: str = ""  # its CURVE public key (Z85), "" when it speaks no CURVE
 
     @abc.abstractmethod
     def close(self) -> None: ...
@@ -146,12 +155,15 @@ class Transport(abc.ABC):
     name: ClassVar[str] = ""
 
     @abc.abstractmethod
-    def serve(self, store: Store | SnapshotSource, *, token: bytes, host: str = "127.0.0.1") -> PeerServer:
-        """Start serving ``store`` (a Store or any SnapshotSource) on ``host`` (an ephemeral port); returns at once."""
+    def serve(self, store: Store | SnapshotSource, *, token: bytes, host: str = "127.0.0.1",
+              curve: bool = False) -> PeerServer:
+        """Start serving ``store`` (a Store or any SnapshotSource) on ``host`` (an ephemeral port); returns at once.
+        ``curve``: speak CURVE only, with a key pair made here (its public half is ``server.public_key``)."""
 
     @abc.abstractmethod
-    def connect(self, address: str, *, token: bytes, timeout_s: float) -> PeerClient:
-        """A client of the server at ``address`` (connects lazily; the first request may time out)."""
+    def connect(self, address: str, *, token: bytes, timeout_s: float, server_key: str = "") -> PeerClient:
+        """A client of the server at ``address`` (connects lazily; the first request may time out).
+        ``server_key``: the CURVE public key published for that address ("": no CURVE)."""
 
 
 def get_transport(name: str = "zmq", **options: Any) -> Transport:
@@ -171,13 +183,14 @@ class ZmqTransport(Transport):
         self.frame_bytes = frame_bytes
         self.window = window
 
-    def serve(self, store: Store | SnapshotSource, *, token: bytes, host: str = "127.0.0.1") -> "ZmqServer":
+    def serve(self, store: Store | SnapshotSource, *, token: bytes, host: str = "127.0.0.1",
+              curve: bool = False) -> "ZmqServer":
         source = store if isinstance(store, SnapshotSource) else StoreSource(store)
-        return ZmqServer(source, token=token, host=host, frame_bytes=self.frame_bytes)
+        return ZmqServer(source, token=token, host=host, frame_bytes=self.frame_bytes, curve=curve)
 
-    def connect(self, address: str, *, token: bytes, timeout_s: float) -> "ZmqClient":
+    def connect(self, address: str, *, token: bytes, timeout_s: float, server_key: str = "") -> "ZmqClient":
         return ZmqClient(address, token=token, timeout_s=timeout_s, frame_bytes=self.frame_bytes,
-                         window=self.window)
+                         window=self.window, server_key=server_key)
 
 
 class _Refused(Exception):
@@ -191,25 +204,59 @@ class ZmqServer(PeerServer):
 
     POLL_MS = 100
 
-    def __init__(self, source: SnapshotSource, *, token: bytes, host: str, frame_bytes: int) -> None:
+    def __init__(self, source: SnapshotSource, *, token: bytes, host: str, frame_bytes: int,
+                 curve: bool = False) -> None:
         if not token:
             raise PeerError("a peer server needs a non-empty token")
         self._source, self._token, self._frame_bytes = source, bytes(token), frame_bytes
+        self.refused_tokens = 0  # requests refused for a bad token (only the server thread counts)
+        self.refused_keys = 0  # CURVE handshakes refused for a key outside the job (only the ZAP thread counts)
+        self._domain = ""
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if curve:
+            self._curve(host)
         # Larger requests make ZeroMQ drop the connection before anything is buffered; smaller but still
         # oversized ones get a clear "too-large" reply below.
         self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
-        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        try:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        except BaseException:
+            self._sock.close(linger=0)
+            self._forget_domain()
+            raise
         # A wildcard bind is reached from other hosts under this host's name.
         self.address = f"tcp://{socket.gethostname() if host in ('*', '0.0.0.0') else host}:{port}"
         self._stop = threading.Event()
         self._pinned: list[tuple[zmq.MessageTracker, SnapshotView]] = []
-        self.refused = 0  # requests refused for a bad token (tests and metrics read it)
         self.served = 0
         self._thread = threading.Thread(target=self._run, name="jaxckpt-peer-server", daemon=True)
         self._thread.start()
-        log.info("serving snapshots of %s at %s", source.label, self.address)
+        log.info("serving snapshots of %s at %s%s", source.label, self.address,
+                 f" (CURVE, key {self.public_key})" if curve else "")
+
+    @property
+    def refused(self) -> int:
+        """Requests and connections refused: a wrong or missing token, or a CURVE key outside the job."""
+        return self.refused_tokens + self.refused_keys
+
+    def _curve(self, host: str) -> None:
+        from jaxckpt.backends import curve
+
+        curve.require_curve(f"a CURVE peer server on {host!r}")
+        public, secret = zmq.curve_keypair()  # the secret goes into the socket only
+        self._sock.curve_server = True
+        self._sock.curve_secretkey = secret
+        self._sock.curve_publickey = public
+        self.public_key = public.decode()
+        self._domain = curve.register_domain(curve.client_keys(self._token)[0], self._refuse_key)
+        self._sock.zap_domain = self._domain.encode()
+
+    def _refuse_key(self, key: bytes) -> None:
+        self.refused_keys += 1
+        if self.refused_keys <= 10 or self.refused_keys % 1000 == 0:
+            log.warning("peer server at %s refused a CURVE client key outside the job (%s; %d keys refused so "
+                        "far)", getattr(self, "address", "?"), key.decode(errors="replace"), self.refused_keys)
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -261,10 +308,10 @@ class ZmqServer(PeerServer):
             rid = req.get("id") if isinstance(req.get("id"), int) else None
             token = req.get("token")
             if not isinstance(token, bytes) or not hmac.compare_digest(token, self._token):
-                self.refused += 1
-                if self.refused <= 10 or self.refused % 1000 == 0:
+                self.refused_tokens += 1
+                if self.refused_tokens <= 10 or self.refused_tokens % 1000 == 0:
                     log.warning("refused a request from %s: wrong or missing token (%d refused so far)",
-                                _peer_address(ident), self.refused)
+                                _peer_address(ident), self.refused_tokens)
                 raise _Refused("auth", "refused: wrong or missing token")
             self._serve(ident, rid, req)
         except _Refused as e:
@@ -336,10 +383,21 @@ class ZmqServer(PeerServer):
         """Stop serving; in-flight replies are dropped (clients time out or retry elsewhere)."""
         self._stop.set()
         self._thread.join(timeout=5)
+        self._forget_domain()
+
+    def _forget_domain(self) -> None:
+        if self._domain:
+            from jaxckpt.backends import curve
+
+            curve.unregister_domain(self._domain)
+            self._domain = ""
 
 
 class _Done:
     done = True
+
+
+_MONITORS = itertools.count(1)  # inproc monitor endpoints must be unique in the process
 
 
 _DONE: Any = _Done()
@@ -362,13 +420,18 @@ def _nonneg(req: dict, key: str) -> int:
 class ZmqClient(PeerClient):
     """A DEALER socket to one peer; requests carry ids so late replies to timed-out requests are dropped."""
 
-    def __init__(self, address: str, *, token: bytes, timeout_s: float, frame_bytes: int, window: int) -> None:
+    def __init__(self, address: str, *, token: bytes, timeout_s: float, frame_bytes: int, window: int,
+                 server_key: str = "") -> None:
         self.address = address
         self._token, self._timeout, self._frame_bytes, self._window = bytes(token), timeout_s, frame_bytes, window
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, frame_bytes + _HEADER_SLACK)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a live connection: see _send
+        self._monitor: zmq.Socket | None = None
+        self.server_key = server_key
+        if server_key:
+            self._curve(server_key)
         self._sock.connect(address)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -384,14 +447,54 @@ class ZmqClient(PeerClient):
             self._sock.send(msgpack.packb({"v": VERSION, "id": rid, "token": self._token, "op": op, **fields},
                                           use_bin_type=True), zmq.NOBLOCK)
         except zmq.Again:
+            failed = self._handshake_failure(what)
+            if failed is not None:
+                raise failed from None
             raise PeerUnreachableError(f"peer {self.address}: no reply to {what} within {wait:g}s: nothing accepted "
                                        f"a connection at that address") from None
         return rid
+
+    def _curve(self, server_key: str) -> None:
+        from jaxckpt.backends import curve
+
+        curve.require_curve(f"a CURVE client of {self.address}")
+        if not curve.valid_public_key(server_key):
+            self._sock.close(linger=0)
+            raise PeerError(f"peer {self.address}: published CURVE key {server_key[:48]!r} is not a Z85 public key")
+        public, secret = curve.client_keys(self._token)
+        self._sock.curve_serverkey = server_key.encode()
+        self._sock.curve_publickey = public
+        self._sock.curve_secretkey = secret
+        # Handshake failures are events, not errors: a monitor lets a failed request say which one it met.
+        failures = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        self._monitor = self._sock.get_monitor_socket(failures, addr=f"inproc://jaxckpt-peer-monitor-{next(_MONITORS)}")
+
+    def _handshake_failure(self, what: str) -> PeerHandshakeError | None:
+        """The error for the CURVE handshakes that failed since the last look, None if none did."""
+        if self._monitor is None:
+            return None
+        from zmq.utils.monitor import recv_monitor_message
+
+        seen: set[int] = set()
+        while self._monitor.poll(0):
+            seen.add(recv_monitor_message(self._monitor)["event"])
+        if zmq.EVENT_HANDSHAKE_FAILED_AUTH in seen:
+            return PeerHandshakeError(f"peer {self.address} refused the CURVE key of this job for {what}: it serves "
+                                      f"another job (another peer token)")
+        if seen:
+            return PeerHandshakeError(f"peer {self.address} failed the CURVE handshake for {what}: the server there "
+                                      f"does not hold the key {self.server_key} published for that address (or "
+                                      f"does not speak CURVE); nothing was sent to it")
+        return None
 
     def _recv(self, want: set[int], deadline: float, what: str) -> tuple[int, dict, zmq.Frame | None]:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self._sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+                failed = self._handshake_failure(what)  # the server changed under a live connection
+                if failed is not None:
+                    raise failed
                 raise PeerTimeoutError(f"peer {self.address}: no reply to {what} within {self._timeout:g}s")
             frames = self._sock.recv_multipart(copy=False)
             try:
@@ -481,4 +584,7 @@ class ZmqClient(PeerClient):
         with self._lock:
             if not self._closed:
                 self._closed = True
+                if self._monitor is not None:
+                    self._sock.disable_monitor()
+                    self._monitor.close(linger=0)
                 self._sock.close(linger=0)

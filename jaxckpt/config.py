@@ -15,6 +15,8 @@ log = logging.getLogger("jaxckpt.config")
 
 STORES = ("memory", "shm")  # built into jaxckpt.core.registry; other names must be registered there
 PROTECTIONS = ("none", "replica", "parity", "xor-group", "hybrid")
+# Config.peer_security: how peer connections (trainers' and node agents' snapshot servers) are protected.
+PEER_SECURITY = ("auto", "curve", "insecure-token")
 ENV_PREFIX = "JAXCKPT_"
 MAX_JOB_ID = 128
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
@@ -63,6 +65,10 @@ class Config:
     peer_token: str = dataclasses.field(default="", repr=False)
     peer_bind: str = "127.0.0.1"
     peer_timeout_s: float = 30.0
+    # "auto": ZeroMQ CURVE (encrypted, both ends authenticated by key: jaxckpt.backends.curve) when peer_bind
+    # leaves loopback, the token alone on loopback; "curve": always; "insecure-token": never, even off
+    # loopback (the token then crosses the network in clear text in every request).
+    peer_security: str = "auto"
     # store="shm": the node agent's directory (socket, lock, shared-memory segments); "" = a per-job directory
     # under /dev/shm. Simulated nodes on one machine each get their own (JAXCKPT_SHM_DIR).
     shm_dir: str = ""
@@ -101,6 +107,7 @@ class Config:
             if not 0 < getattr(self, name) <= MAX_TIMEOUT_S:
                 raise ConfigError(f"Config.{name}={getattr(self, name)!r}: must be positive and at most "
                                   f"{MAX_TIMEOUT_S:g} (a week)")
+        check_peer_security(self.peer_bind, self.peer_security)
         if self.shm_dir and not os.path.isabs(self.shm_dir):
             raise ConfigError(f"Config.shm_dir={self.shm_dir!r}: must be an absolute path")
         if not self.job_id or any(c not in _JOB_ID_CHARS for c in self.job_id):
@@ -173,6 +180,38 @@ _ENV_NOT_FIELDS = frozenset({"JAXCKPT_LOG_LEVEL", "JAXCKPT_LAUNCH_SPEC",
 _PEER_NOTE = ("; peers are not a store: every multi-process job serves its snapshots to the other processes "
               "over the peer transport, whichever store holds them")
 _JOB_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address ``host`` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    h = host.strip().strip("[]")
+    if h == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False  # a host name, a wildcard ("*") or an interface name: other hosts may reach it
+
+
+def peer_uses_curve(bind: str, security: str) -> bool:
+    """Whether peer servers bound to ``bind`` under ``Config.peer_security=security`` speak CURVE."""
+    return security == "curve" or (security == "auto" and not is_loopback(bind))
+
+
+def check_peer_security(bind: str, security: str) -> None:
+    """ConfigError unless peers bound to ``bind`` are protected as ``security`` says and this pyzmq can do it."""
+    if security not in PEER_SECURITY:
+        raise ConfigError(f"Config.peer_security={security!r}: expected one of {', '.join(PEER_SECURITY)}")
+    if peer_uses_curve(bind, security):
+        import zmq  # only here: a job bound to loopback never needs it at Config()
+
+        if not zmq.has("curve"):
+            raise ConfigError(f"Config.peer_bind={bind!r} with peer_security={security!r} needs ZeroMQ CURVE, "
+                              f"which this libzmq ({zmq.zmq_version()}) lacks; bind to loopback, install a "
+                              f"pyzmq with CURVE, or opt out with peer_security='insecure-token' (the peer "
+                              f"token then crosses the network in clear text)")
 
 
 def _field_types() -> dict[str, type]:

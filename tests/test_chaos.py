@@ -40,6 +40,9 @@ def test_quick_profile_recovers_from_every_fault_with_no_wrong_restore_and_no_ha
     assert {k.removesuffix(" (jax)") for k in rep["faults"]} == available, table  # every kind was exercised
     assert rep["saves_not_resumed"] == 0, table  # saving came back after every agent and budget fault
     assert rep["unavailable"] == {}  # peer-delay and peer-drop run through jaxckpt/tools/chaos/proxy.py
+    # every peer connection spoke CURVE: every agent the driver started published a key
+    assert rep["profile"]["peer_security"] == "curve", table
+    assert rep["agents_by_peer_security"].get("curve", 0) >= 3 and "token" not in rep["agents_by_peer_security"]
     assert chaos.ok(rep)
     for r in rep["results"]:
         assert r["checks"] >= 1 and r["restored"] is None or r["restored"] <= r["trained"], r

@@ -13,8 +13,9 @@ directory committed, listens on a Unix socket (mode 0600) and serves each connec
              process's committed slot, which the reader maps read-only (zero-copy); its pins go with it.
 
 Peers on other nodes read the same memory over the peer transport (agent_serve.py): the agent serves every
-committed slot of its node, token-authenticated, on ``--peer-bind`` (loopback by default), and publishes its
-address in ``peer.addr`` next to ``peer.token``.
+committed slot of its node, token-authenticated, on ``--peer-bind`` (loopback by default; off loopback with
+ZeroMQ CURVE, ``--peer-security``, jaxckpt.backends.curve), and publishes its address and CURVE public key in
+``peer.addr`` next to ``peer.token``.
 
 Peers must run as our uid (checked with SO_PEERCRED). On SIGTERM or SIGINT (or ``shutdown``) it stops
 listening, unlinks every segment and record, removes its directory and exits 0. It logs to a file.
@@ -44,7 +45,7 @@ from jaxckpt.backends.agent.protocol import (LOCK_NAME, PID_NAME, SOCKET_NAME, V
                                              default_log_path, ensure_private_dir, open_segment, recv_msg,
                                              send_msg)
 from jaxckpt.backends.agent.table import Limits, Refused, SlotTable
-from jaxckpt.config import Config
+from jaxckpt.config import PEER_SECURITY, Config, peer_uses_curve
 
 log = logging.getLogger("jaxckpt.backends.agent.daemon")
 
@@ -74,8 +75,10 @@ class Agent:
     """The agent of ``job`` in ``directory``; :meth:`run` serves until stopped."""
 
     def __init__(self, job: str, directory: str, *, node: str = "", node_budget: int = 0,
-                 peer_bind: str | None = "127.0.0.1", message_timeout_s: float = MESSAGE_TIMEOUT_S) -> None:
-        Config(job_id=job)  # validates the job id (it names files)
+                 peer_bind: str | None = "127.0.0.1", message_timeout_s: float = MESSAGE_TIMEOUT_S,
+                 peer_security: str = "auto") -> None:
+        # validates the job id (it names files), and refuses a bind off loopback that could not be protected
+        Config(job_id=job, peer_bind=peer_bind or "127.0.0.1", peer_security=peer_security)
         self.job, self.dir = job, os.path.abspath(directory)
         self.node = node or socket.gethostname()
         self.generation = secrets.token_hex(8)
@@ -89,6 +92,7 @@ class Agent:
         self._lock_fd: int | None = None
         self._listener: socket.socket | None = None
         self.peer_bind = peer_bind  # None: serve no peers
+        self.peer_security = peer_security  # Config.peer_security of the peer server
         self.message_timeout_s = message_timeout_s
         self.peer_server = None
         self.snapshots = None  # agent_serve.AgentSnapshots once serving
@@ -155,10 +159,12 @@ class Agent:
             from jaxckpt.backends.transport import get_transport
 
             token = agent_serve.load_or_make_token(self.dir)
-            self.peer_server = get_transport().serve(self.snapshots, token=token, host=self.peer_bind)
+            self.peer_server = get_transport().serve(self.snapshots, token=token, host=self.peer_bind,
+                                                     curve=peer_uses_curve(self.peer_bind, self.peer_security))
             agent_serve.write_peer_info(self.dir, {"address": self.peer_server.address, "node": self.node,
                                                    "job": self.job, "generation": self.generation,
-                                                   "pid": os.getpid(), "directory": self.dir})
+                                                   "pid": os.getpid(), "directory": self.dir,
+                                                   "server_key": self.peer_server.public_key})
         except Exception:  # noqa: BLE001 - the node's trainers are served without it; restores say what is missing
             log.exception("agent %s: cannot serve peers on %s", self.generation, self.peer_bind)
 
@@ -409,6 +415,8 @@ class Agent:
                     "generation": self.generation, "started": self.started, "now": time.time(),
                     "trainers": trainers, "adoption": self.adoption,
                     "peer_address": self.peer_server.address if self.peer_server else None,
+                    "peer_key": self.peer_server.public_key if self.peer_server else "",
+                    "peer_refused": self.peer_server.refused if self.peer_server else 0,
                     "pulled_bytes": self.pulled_bytes,
                     **self.table.status()}, None
         if op == "manifest":
@@ -460,6 +468,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log", default="", help="log file (default: in the temp directory, named after --dir)")
     p.add_argument("--peer-bind", default="127.0.0.1",
                    help="address peers read this node's snapshots on (default loopback; 'none': do not serve)")
+    p.add_argument("--peer-security", default="auto", choices=PEER_SECURITY,
+                   help="Config.peer_security of the peer server (default auto: CURVE off loopback)")
     p.add_argument("--message-timeout-s", type=float, default=MESSAGE_TIMEOUT_S,
                    help="a request must arrive whole within this long of its first byte, else the connection is "
                         f"dropped (default {MESSAGE_TIMEOUT_S:g})")
@@ -485,7 +495,7 @@ def run_cli(args: argparse.Namespace) -> int:
     try:
         return Agent(args.job, directory, node=args.node, node_budget=args.budget_bytes,
                      peer_bind=None if args.peer_bind == "none" else args.peer_bind,
-                     message_timeout_s=args.message_timeout_s).run()
+                     message_timeout_s=args.message_timeout_s, peer_security=args.peer_security).run()
     except Exception:
         log.exception("agent of job %s in %s failed", args.job, directory)
         raise

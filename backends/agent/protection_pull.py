@@ -7,7 +7,8 @@ parity stripes it computed from its own device copies, and sends ``pull`` on tha
   plan      the encoded protection plan of the step (``jaxckpt.protection.plan.encode_plan``);
   tasks     ``[[kind, id, offset], ...]``: the ``xor-group`` stripes and ``replica`` copy blocks this process
             builds, and where each goes in the slot;
-  sources   ``{process: [address, token] | None}``: where each saving process's chunks are (None: this node);
+  sources   ``{process: [address, token] | [address, token, CURVE key] | None}``: where each saving process's
+            chunks are (None: this node), with the CURVE public key its agent published ("" or absent: none);
   rate      bytes per second the pulls of this slot's owner may take (``Config.protection_bandwidth``;
             0: unlimited), through one token bucket per owner that the agent keeps across pulls
             (:class:`Buckets`): a bucket per pull would start each one with a full burst, so frequent small
@@ -41,29 +42,30 @@ log = logging.getLogger("jaxckpt.backends.agent.protection_pull")
 MAX_TASKS = 1 << 16
 
 
-_clients: dict[tuple[str, bytes], Any] = {}  # one client per peer agent, kept across requests (connections)
+_clients: dict[tuple[str, bytes, str], Any] = {}  # one client per peer agent, kept across requests (connections)
 _clients_lock = threading.Lock()
 MAX_CLIENTS = 64
 FETCH_THREADS = 4
 PARALLEL_BYTES = 8 << 20  # below this a pull fetches its sources one after another
 
 
-def _client(address: str, token: bytes, timeout_s: float):
+def _client(address: str, token: bytes, timeout_s: float, server_key: str = ""):
     from jaxckpt.backends.transport import get_transport
 
     with _clients_lock:
-        c = _clients.get((address, token))
+        c = _clients.get((address, token, server_key))
         if c is None:
             if len(_clients) >= MAX_CLIENTS:  # the oldest goes: a job's peers are few, stale ones pile up
                 _clients.pop(next(iter(_clients))).close()
-            c = _clients[(address, token)] = get_transport().connect(address, token=token, timeout_s=timeout_s)
+            c = _clients[(address, token, server_key)] = get_transport().connect(
+                address, token=token, timeout_s=timeout_s, server_key=server_key)
         return c
 
 
 def _forget(address: str, token: bytes, client) -> None:
     with _clients_lock:
-        if _clients.get((address, token)) is client:
-            del _clients[(address, token)]
+        for key in [k for k, v in _clients.items() if v is client]:
+            del _clients[key]
     client.close()
 
 
@@ -84,7 +86,7 @@ class _Sources:
 
     def _remote(self, q: int):
         where = self.sources[q]
-        return where[0], where[1], _client(where[0], where[1], self.timeout)
+        return where[0], where[1], _client(where[0], where[1], self.timeout, where[2] if len(where) > 2 else "")
 
     def _manifest(self, q: int) -> None:
         if q not in self.sources:
@@ -174,9 +176,11 @@ def pull_into(buffer: memoryview, msg: dict, step: int, local, *, buckets: "Buck
     sources: dict[int, Any] = {}
     for k, v in raw.items():
         q = int(k)
-        if v is not None and not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)
-                                  and v[0].startswith("tcp://") and isinstance(v[1], bytes) and v[1]):
-            raise TypeError(f"step {step}: the source of process {q} must be [tcp address, token] or nil")
+        if v is not None and not (isinstance(v, list) and len(v) in (2, 3) and isinstance(v[0], str)
+                                  and v[0].startswith("tcp://") and isinstance(v[1], bytes) and v[1]
+                                  and (len(v) == 2 or isinstance(v[2], str))):
+            raise TypeError(f"step {step}: the source of process {q} must be [tcp address, token(, CURVE key)] "
+                            f"or nil")
         sources[q] = v
     plan = decode_plan(msg["plan"], source=f"step {step} protection plan")
     timeout, rate = float(msg.get("timeout", 30.0)), float(msg.get("rate", 0) or 0)

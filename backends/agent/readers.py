@@ -58,7 +58,7 @@ def local_agents(job: str, directories: list[str]) -> list[AgentInfo]:
             log.warning("agent at %s serves job %r, not %r: not used", d, info.get("job"), job)
             continue
         out.append(AgentInfo(info["address"], info["node"], job, info["generation"], info["directory"],
-                             info["token"]))
+                             info["token"], info.get("server_key", "")))
     return out
 
 
@@ -165,7 +165,8 @@ class RemoteAgentHolder(Holder):
                 raise PeerError(f"{self.name}: closed")
             if self._made < self._max:
                 self._made += 1
-                c = self._transport.connect(self.info.address, token=self.info.token, timeout_s=self._timeout)
+                c = self._transport.connect(self.info.address, token=self.info.token, timeout_s=self._timeout,
+                                            server_key=self.info.server_key)
                 self._all.append(c)
                 return c
         try:

@@ -7,7 +7,9 @@ files in the agent's directory (mode 0600, like everything there) tell restoring
   peer.token   the token its server accepts: written by the trainer that spawns the agent when
                ``Config.peer_token`` is set, else made by the agent (``JAXCKPT_PEER_TOKEN``, or random); an
                agent restarted on the directory keeps it
-  peer.addr    msgpack map: address, node, job, generation, pid, directory; written once the server listens
+  peer.addr    msgpack map: address, node, job, generation, pid, directory, and ``server_key``, the CURVE
+               public key of the server ("" without CURVE; its secret key never leaves the agent process, and
+               a restarted agent makes a new pair and writes a new file); written once the server listens
 
 A restoring process reads these files for its own node's agent and for ``Config.agent_dirs``, and exchanges
 what it found with the other processes of its job through the coordination service (``jaxckpt.core.catalog``).
@@ -110,7 +112,8 @@ def read_peer_info(directory: str) -> dict[str, Any] | None:
     except Exception as e:  # noqa: BLE001 - msgpack raises several types on garbage
         log.warning("malformed %s in %s: %s", PEER_NAME, directory, e)
         return None
-    if not isinstance(info, dict) or not all(isinstance(info.get(k), str) for k in ("address", "node", "generation")):
+    if not isinstance(info, dict) or not all(isinstance(info.get(k), str) for k in ("address", "node", "generation")) \
+            or not isinstance(info.get("server_key", ""), str):
         log.warning("malformed %s in %s", PEER_NAME, directory)
         return None
     return {**info, "token": token, "directory": directory}

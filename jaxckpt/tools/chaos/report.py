@@ -61,7 +61,8 @@ def render(rep: Mapping[str, Any], command: str, machine: Mapping[str, Any] | No
         machine_line(result), "",
         f"Job: {p['nodes']} simulated nodes x {p['procs_per_node']} numpy trainer process(es), each node with its "
         f"own agent (`store=\"shm\"`, node memory budget), protection `{p['protection']}`, a snapshot every "
-        f"{interval} step(s) of {p['step_time_s'] * 1000:g} ms, peer time-out {p['peer_timeout_s']:g} s, every "
+        f"{interval} step(s) of {p['step_time_s'] * 1000:g} ms, peer time-out {p['peer_timeout_s']:g} s, peer "
+        f"security `{p.get('peer_security', 'auto')}`, every "
         f"driver wait {p['timeout_s']:g} s; plus {rep['jax_trials']} trials of a `jaxckpt.Checkpointer` trainer "
         f"restoring onto another mesh each time. Seed {rep['seed']}; the run took {rep['seconds'] / 60:.1f} min.", "",
         f"Result: **{rep['recoveries']} of {rep['trials']} faults recovered from, {rep['wrong_restores']} wrong "

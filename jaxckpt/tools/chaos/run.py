@@ -72,9 +72,13 @@ class Profile:
     protection: str = "none"  # Config.protection of the numpy trainers (then node loss must keep protected steps)
     timeout_s: float = 60.0  # every wait of the driver, and the trainers' commit time-out
     peer_timeout_s: float = 5.0  # the trainers' Config.peer_timeout_s (a dead agent costs this much per request)
+    # Config.peer_security of the trainers and agents: "curve" runs every peer connection (restores, protection
+    # pulls, the peer faults' proxy) through ZeroMQ CURVE, as a job bound off loopback does
+    peer_security: str = "auto"
 
 
-PROFILES = {"quick": Profile(trials=50, jax_trials=2, nodes=2, procs_per_node=1, protection="hybrid"),
+PROFILES = {"quick": Profile(trials=50, jax_trials=2, nodes=2, procs_per_node=1, protection="hybrid",
+                             peer_security="curve"),
             "long": Profile(trials=500, jax_trials=20, nodes=3, procs_per_node=1, interval=2, protection="hybrid")}
 
 
@@ -207,6 +211,7 @@ class ChaosRun:
         self.unattributed = Counter()  # wrong restores and hangs of the first incarnation (no fault before it)
         self.budget = self._node_budget()
         self.peer_proxy = None  # (proxy, node dir, its peer info, node) while a peer fault's trial runs
+        self.agent_keys = Counter()  # agents started, by whether their peer.addr published a CURVE key
 
     def _node_budget(self) -> int:
         """Room for keep + pending + three spare snapshots of every process of a node: ample unless filled."""
@@ -256,7 +261,8 @@ class ChaosRun:
         log_path = os.path.join(self.tmp, f"agent-{os.path.basename(d)}.log")
         p = self.agents[d] = subprocess.Popen(
             deathsig.command([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d, "--log",
-                              log_path, "--budget-bytes", str(self.budget), "--node", os.path.basename(d)]),
+                              log_path, "--budget-bytes", str(self.budget), "--node", os.path.basename(d),
+                              "--peer-security", self.profile.peer_security]),
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         # Listening means its pid file and peer file are written (in that order, before the socket); the socket
         # file of the agent it replaces may still be there, so only a connection tells.
@@ -272,6 +278,10 @@ class ChaosRun:
                     tail = ""
                 raise RuntimeError(f"the agent of {d} did not start (exit code {p.poll()}); its log ends:\n{tail}")
             time.sleep(0.005)
+        from jaxckpt.backends.agent import serve as agent_serve
+
+        info = agent_serve.read_peer_info(d) or {}
+        self.agent_keys["curve" if info.get("server_key") else "token"] += 1
 
     @staticmethod
     def _listening(d: str, pid: int) -> bool:
@@ -290,7 +300,7 @@ class ChaosRun:
                 "step_time_s": self.profile.step_time_s, "timeout_s": self.profile.timeout_s,
                 "coord_dir": os.path.join(self.tmp, f"coord-{self.epoch}"), "process_count": self.n, "mode": mode,
                 "protection": self.profile.protection, "agent_dirs": os.path.join(self.base, "node*"),
-                "peer_timeout_s": self.profile.peer_timeout_s}
+                "peer_timeout_s": self.profile.peer_timeout_s, "peer_security": self.profile.peer_security}
         if mode == "jax":  # every incarnation restores onto another mesh than the last one saved from
             return [{**base, "job": self.job + "-jax", "node_dir": self.jax_dir, "process": 0, "process_count": 1,
                      "devices": (4, 2)[self.epoch % 2], "fault": fault}]
@@ -468,7 +478,7 @@ def report(run: ChaosRun, seconds: float) -> dict:
             "recoveries": total["recovered"], "wrong_restores": wrong, "hangs": hangs,
             "unexpected_losses": total["unexpected_loss"], "steps_lost": total["lost"],
             "max_steps_lost": total["max_lost"], "relaunches": total["relaunches"],
-            "saves_not_resumed": total["saves_not_resumed"],
+            "saves_not_resumed": total["saves_not_resumed"], "agents_by_peer_security": dict(run.agent_keys),
             "unavailable": {k: f.unavailable for k, f in FAULTS.items() if f.inject is None},
             "results": [asdict(r) for r in run.results]}
 

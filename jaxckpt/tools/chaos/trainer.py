@@ -135,7 +135,8 @@ class Trainer:
         return Config(store="shm-chaos", job_id=s["job"], shm_dir=s["node_dir"], keep=s.get("keep", 2),
                       max_pending_saves=1, workers=1, chunk_bytes=CHUNK_BYTES, commit_timeout_s=s["timeout_s"],
                       peer_timeout_s=s.get("peer_timeout_s", s["timeout_s"]), peer_token=s.get("token", ""),
-                      protection=s.get("protection", "none"), agent_dirs=s.get("agent_dirs", ""))
+                      protection=s.get("protection", "none"), agent_dirs=s.get("agent_dirs", ""),
+                      peer_security=s.get("peer_security", "auto"))
 
     def run(self) -> int:
         from jaxckpt.core.engine import CheckpointEngine
@@ -345,7 +346,7 @@ def jax_run(spec: dict) -> int:
         return arrays, {k: st[k] for k in ("count", "lr")}
 
     cfg = Config(store="shm", job_id=spec["job"], shm_dir=spec["node_dir"], keep=2,
-                 commit_timeout_s=spec["timeout_s"])
+                 commit_timeout_s=spec["timeout_s"], peer_security=spec.get("peer_security", "auto"))
     ckpt = jaxckpt.Checkpointer(cfg)
     step = ckpt.latest_step()
     first = 1
