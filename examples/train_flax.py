@@ -10,10 +10,12 @@ What runs (each a separate Python process started by this one, which only watche
 1. Run 1: the trainer builds ``jaxckpt.Checkpointer(Config(store="shm", ...))`` (which starts the node agent, a
    separate daemon holding snapshots in shared memory), trains on a data x model mesh (4 x 2) and calls
    ``ckpt.save(step + 1, state)`` after every step. Right after ``save(K)`` returns for ``K = --kill-at`` the
-   trainer stops itself (SIGSTOP: every thread frozen where it is, the background copy of step K included; no
-   print in between, so the copy cannot finish first) and this driver SIGKILLs it. How we know the kill landed
-   while the snapshot was in flight: the agent logs that process 0's writer of step K disconnected mid-write and
-   discards the half-written slot, and the relaunched trainer finds an older step as the newest committed one.
+   trainer stops itself (SIGSTOP: every thread frozen where it is, the background copy of step K included; only
+   a clock read and the signal call run between save() and the stop, microseconds, where copying and committing
+   a step take milliseconds) and this driver SIGKILLs it: a kill at a moment chosen, not left to a timer. How we know it
+   landed while the snapshot was in flight (checked, and the run fails otherwise): the exit status is -9, the
+   agent logs that process 0's writer of step K disconnected mid-write and discards the half-written slot, and
+   the relaunched trainer finds an older step as the newest committed one.
 2. Run 2: the same trainer program, relaunched. It finds the agent's committed snapshot, restores it (onto the
    training shardings) and trains to the end, saving every step.
 3. Uninterrupted run, in a third process: the same training without checkpointing, the reference for the
@@ -40,6 +42,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import signal  # noqa: E402
+import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -66,7 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timing-steps", type=int, default=8,
                    help="timed steps with and (as many) without a snapshot every step (default 8)")
-    p.add_argument("--timing-block", type=int, default=4, help="timed steps per block; kinds alternate (default 4)")
+    p.add_argument("--timing-block", type=int, default=2,
+                   help="timed steps per block; the kinds alternate, so load that drifts hits both (default 2)")
     p.add_argument("--restore-reps", type=int, default=3,
                    help="restores by jaxckpt and by Orbax, alternated (default 3)")
     p.add_argument("--mtbf-node-hours", type=float, default=24.0,
@@ -271,7 +275,7 @@ def reference(o: dict) -> None:
         finally:
             orbax.close()
     _emit("timings", first_save=first_save, latency=latency, times=times, save_calls=save_calls,
-          restores=restores, equal=equal, orbax_save=orbax_save, snapshot_step=step)
+          restores=restores, equal=equal, orbax_save=orbax_save)
 
 
 # ------------------------------------------------------------------------------------------------ the driver
@@ -454,9 +458,7 @@ def _reference(display: Display, child: Child, steps: int, timed: int) -> dict:
 
 
 def _median(xs: list[float]) -> float:
-    import numpy as np
-
-    return float(np.median(xs)) if xs else float("nan")
+    return statistics.median(xs) if xs else float("nan")
 
 
 def _span(a: int, b: int) -> str:
