@@ -19,11 +19,22 @@ from jaxckpt.core import manifest as mf
 from jaxckpt.config import Config, peer_uses_curve
 from jaxckpt.core.collective import Channel, Collective
 from jaxckpt.core.coordination import Coordinator
-from jaxckpt.errors import ManifestError, PeerError
+from jaxckpt.errors import ConfigError, ManifestError, PeerError
 from jaxckpt.core.fetch import ByteSource
 from jaxckpt.core.store import Store
 
 log = logging.getLogger("jaxckpt.backends.peers")
+
+
+def _same_security(keys: list[str], addresses: list[str]) -> None:
+    """ConfigError (the same on every process: they all see the same list) unless every server speaks CURVE or
+    none does: a client without CURVE gets no connection from a CURVE server, only a time-out."""
+    plain = [q for q, k in enumerate(keys) if not k]
+    if plain and len(plain) < len(keys):
+        curve = [q for q, k in enumerate(keys) if k]
+        raise ConfigError(f"peer servers disagree on CURVE: process(es) {curve} speak it, {plain} do not (e.g. "
+                          f"process {plain[0]} at {addresses[plain[0]]}); set Config.peer_bind and "
+                          f"Config.peer_security alike on every process")
 
 
 class Peers:
@@ -46,6 +57,7 @@ class Peers:
             published = channel.all_gather("peer addresses", [self.server.address, self.server.public_key])
             self._addresses = [str(a) for a, _ in published]
             self._keys = [str(k) for _, k in published]
+            _same_security(self._keys, self._addresses)
         except BaseException:
             self.server.close()
             raise

@@ -11,7 +11,8 @@
   protected (ConfigError naming peer_bind and the opt-out);
 - a node agent bound off loopback serves with CURVE: its key is published in peer.addr, a remote reader
   verifies it, a reader of another job is refused and counted in the agent's status;
-- a 2-process JAX job with CURVE on saves and restores through its peers bit for bit.
+- a 2-process JAX job with CURVE on saves and restores through its peers bit for bit; one whose processes
+  disagree on CURVE is refused on every process at start.
 """
 from __future__ import annotations
 
@@ -432,3 +433,27 @@ def test_a_two_process_job_saves_and_restores_bit_for_bit_over_curve():
     assert all(v["served"] >= 1 and v["refused"] == 0 for v in values), values
     if HOST != "0.0.0.0":
         assert all(v["address"].startswith(f"tcp://{HOST}:") for v in values), values
+
+
+def mixed_job(job_id: str):
+    """Runs in each of 2 launched processes: process 0 asks for CURVE, process 1 does not."""
+    import jax
+
+    import jaxckpt
+    from jaxckpt.errors import ConfigError as Refused
+
+    me = jax.process_index()
+    cfg = jaxckpt.Config(job_id=job_id, peer_security="curve" if me == 0 else "auto", commit_timeout_s=60.0)
+    try:
+        jaxckpt.Checkpointer(cfg).close()
+        return ""
+    except Refused as e:
+        return str(e)
+
+
+def test_a_job_whose_processes_disagree_on_curve_is_refused_on_every_process():
+    values = expect_ok(launch(mixed_job, nodes=2, procs_per_node=1, devices_per_proc=1,
+                              args=(f"mixed-{uuid.uuid4().hex[:6]}",), timeout=180))
+    for v in values:
+        assert "peer servers disagree on CURVE: process(es) [0] speak it, [1] do not" in v, values
+        assert "Config.peer_security alike on every process" in v, values
