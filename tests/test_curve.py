@@ -10,7 +10,8 @@
 - Config: the mode's values, loopback detection, and the refusal of a bind off loopback that cannot be
   protected (ConfigError naming peer_bind and the opt-out);
 - a node agent bound off loopback serves with CURVE: its key is published in peer.addr, a remote reader
-  verifies it, a reader of another job is refused and counted in the agent's status;
+  verifies it, a reader of another job is refused and counted in the agent's status; an agent a trainer's
+  store spawns follows the trainer's peer_bind into CURVE;
 - a 2-process JAX job with CURVE on saves and restores through its peers bit for bit; one whose processes
   disagree on CURVE is refused on every process at start.
 """
@@ -457,3 +458,27 @@ def test_a_job_whose_processes_disagree_on_curve_is_refused_on_every_process():
     for v in values:
         assert "peer servers disagree on CURVE: process(es) [0] speak it, [1] do not" in v, values
         assert "Config.peer_security alike on every process" in v, values
+
+
+def test_an_agent_spawned_by_a_trainer_bound_off_loopback_speaks_curve():
+    """The store spawns its node's agent with the trainer's peer_bind and peer_security."""
+    job = "curvespawn"
+    base = f"/dev/shm/jaxckpt-curvetest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.makedirs(base, mode=0o700)
+    d = os.path.join(base, "node0")
+    try:
+        store = ShmStore(Config(store="shm", job_id=job, shm_dir=d, peer_bind=HOST))
+        try:
+            assert store.metrics["agent_spawns"] == 1
+            _wait_for(lambda: read_peer_info(d) is not None, "the spawned agent's peer.addr")
+            info = read_peer_info(d)
+            assert valid_public_key(info["server_key"]), info
+            if HOST != "0.0.0.0":
+                assert info["address"].startswith(f"tcp://{HOST}:"), info
+        finally:
+            store.close()
+        assert proto.stop_agent(d, job, timeout_s=30)
+    finally:
+        left = remove_agents(base, also=[d])
+        shutil.rmtree(base, ignore_errors=True)
+    assert not left
