@@ -3,7 +3,7 @@
 Imported, never copied: ``CheckpointerTestBase`` (v0, ``orbax/checkpoint/_src/checkpointers/
 checkpointer_test_utils.py``) with its ``checkpointer(handler, **kwargs)`` hook mapped to ``SnapshotHandler``, and
 the v1 ``training.Checkpointer`` base (``orbax/checkpoint/experimental/v1/_src/training/checkpointer_test_base.py``)
-run inside a context whose ``pytree`` checkpointable is jaxckpt's v1 handler.
+run with its default (``state``) checkpointable registered, once, to jaxckpt's v1 handler.
 
 What a user expects, and so what the hook does: an Orbax user who registers ``SnapshotHandler`` once keeps the
 args they already pass (``PyTreeSave``/``StandardSave``, ``PyTreeRestore(restore_args=...)``/``StandardRestore``,

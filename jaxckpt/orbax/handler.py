@@ -181,9 +181,11 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
                   "custom_metadata": custom}
         write = ocp.multihost.is_primary_host(self._primary_host)
 
-        def commit() -> None:
+        def commit(also: tuple[str, ...] = ()) -> None:
             if write:
-                (directory / MARKER_NAME).write_text(json.dumps(marker, separators=(",", ":")))
+                text = json.dumps(marker, separators=(",", ":"))
+                for name in (MARKER_NAME, *also):
+                    (directory / name).write_text(text)
             with self._lock:
                 self._marked.add(snap)
         return handle, commit
@@ -226,8 +228,10 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
         p = lay.plan(marker["layout"], item, restore_args, partial=partial, strict=strict, rich=self.rich_types)
         if step in held or persister is None:
             out = self.checkpointer.restore(p.target, step=step)
-        else:  # the persistent tier reads whole steps: no skipped leaves there
-            out = self.checkpointer._restore(lay.plan(marker["layout"]).target, step).state
+        else:  # the persistent tier reads whole steps: skipped leaves are read as saved, then dropped
+            whole = lay.plan(marker["layout"]).target
+            target = jax.tree_util.tree_map(lambda t, w: w if t is lay.SKIP else t, p.target, whole)
+            out = self.checkpointer._restore(target, step).state
         return p.finish(lay.flat_values(out))
 
     def metadata(self, directory: epath.Path) -> "SnapshotMetadata | None":

@@ -11,13 +11,13 @@ A v1 user registers it once and keeps the rest of their code::
         ckptr.save(step, state)                                       # unchanged
         state = ckptr.load(ckptr.latest, abstract_state)              # unchanged
 
-The default ``pytree`` checkpointable (what ``Checkpointer.save(step, state)`` writes) then goes to jaxckpt's
+The default checkpointable (``STATE``, Orbax's ``STATE_CHECKPOINTABLE_KEY``) (what ``Checkpointer.save(step, state)`` writes) then goes to jaxckpt's
 memory, with a small marker in Orbax's item directory; other checkpointables keep Orbax's handlers (so a
 standard pytree saved under another name beside it is written by Orbax as usual). ``context()`` is an
-``ocp.Context`` whose handler registry is the global one with the ``pytree`` name sent to
+``ocp.Context`` whose handler registry is the global one with that name sent to
 :class:`SnapshotPyTreeHandler`; pass ``checkpointable_name=`` to use another name, or build the registry with
-:func:`registry`. Orbax's global registry already names ``pytree`` (its ``PyTreeHandler``), so a global
-``register_handler`` cannot take that name: the context is the supported way.
+:func:`registry`. Orbax's global registry already names it (its ``PyTreeHandler``), so ``register_handler`` cannot take that
+name: use the context, or :func:`register`, which swaps that one entry of the global registry.
 
 Semantics are those of :class:`jaxckpt.orbax.SnapshotHandler` (the v0 handler this wraps): the step is the one
 Orbax writes, ``overwrite=True`` works, a load without ``abstract_state`` returns the saved tree (numpy leaves as
@@ -32,6 +32,7 @@ import threading
 from typing import Any, Awaitable
 
 from etils import epath
+from orbax.checkpoint.experimental.v1._src.layout import checkpoint_layout
 
 from jaxckpt.config import Config
 from jaxckpt.errors import UnsupportedLeafError
@@ -43,7 +44,9 @@ log = logging.getLogger("jaxckpt.orbax.v1")
 
 __all__ = ["SnapshotPyTreeHandler", "configure", "context", "register", "registry"]
 
-STATE = "pytree"  # v1's default checkpointable name (checkpoint_layout.STATE_CHECKPOINTABLE_KEY)
+# v1's default checkpointable name, the one ``Checkpointer.save(step, state)`` and ``load(step)`` use.
+STATE = checkpoint_layout.STATE_CHECKPOINTABLE_KEY
+PYTREE_METADATA_FILE = checkpoint_layout.PYTREE_METADATA_FILE
 
 _lock = threading.Lock()
 _handler: SnapshotHandler | None = None
@@ -88,7 +91,9 @@ class SnapshotPyTreeHandler:
         async def background() -> None:
             await directory.await_creation()
             await asyncio.to_thread(handle.result)
-            commit()
+            # v1's Checkpointer.metadata(step) only looks at an item with a pytree metadata file (AUTO layout
+            # resolution), then asks the handler recorded for it (this one): the marker under that name too.
+            commit(also=(PYTREE_METADATA_FILE,))
         return background()
 
     async def load(self, directory: Any, abstract_checkpointable: Any = None) -> Awaitable[Any]:
