@@ -150,6 +150,32 @@ def test_processes_in_different_rounds_fail_instead_of_mixing_results(tmp_path):
     assert all(isinstance(e, CoordinationError) and "process 1 is in round 'commit 6' instead" in str(e) for e in out)
 
 
+def test_a_process_that_skips_a_numbered_round_fails_that_round_only(tmp_path):
+    """Commit rounds are numbered by step: a process whose save was refused before it reported the step (so it
+    never joins that round) costs that step, not every later one."""
+    n, timeout = 3, 0.3
+
+    def body(c):
+        ch, got = c.channel("commit"), {}
+        for step in (1, 2, 3, 4, 5):
+            if step == 3 and c.process_index == 2:
+                continue
+            try:
+                got[step] = ch.reduce(f"commit {step}", True, all, number=step, timeout_s=timeout)
+            except CoordinationError as e:
+                got[step] = str(e)
+        c.close()
+        return got
+
+    out, _ = _run(n, str(tmp_path), body, timeout_s=timeout)
+    for p in range(n):
+        assert [out[p][s] for s in (1, 2, 4, 5)] == [True] * 4, out[p]
+    assert "process 2 did not arrive" in out[0][3] and out[0][3] == out[1][3] and 3 not in out[2]
+    assert _keys(str(tmp_path)) == []
+    with pytest.raises(ValueError, match="round numbers must grow"):
+        Collective(LocalCoordinator(), "jaxckpt/t/0", 1.0).channel("commit").reduce("x", 1, sum, number=-1)
+
+
 def test_channels_are_independent_and_numbered_on_their_own(tmp_path):
     def body(c):
         a, b = c.channel("commit"), c.channel("protect")

@@ -15,7 +15,9 @@ sequence of rounds (``commit``, ``protect``, ``persist``, ``main``): its rounds 
 happen in the same order on every process; channels are independent, so the commit thread never waits for a
 round of the protection thread.
 
-One round ``n`` of channel ``ch`` (:meth:`Channel.reduce`; broadcast, all_gather and barrier are reductions):
+One round ``n`` of channel ``ch`` (:meth:`Channel.reduce`; broadcast, all_gather and barrier are reductions;
+``n`` is the channel's next number, or one the caller gives that every process agrees on, e.g. the step being
+committed, so that a process that skipped a round fails only that one):
   0) (every follower) sets ``<ns>/<ch>/<n>/<process>`` to its contribution (the round's name, and its value or
      the error the callable it contributes raised);
   1) (leader)   reads and deletes those N-1 keys, waiting at most the round's time-out in all; computes the
@@ -195,7 +197,8 @@ class Channel:
     def __init__(self, collective: Collective, name: str) -> None:
         self._c = collective
         self.name = name
-        self.rounds = 0
+        self.rounds = 0  # rounds run
+        self._next = 0  # the lowest number the next round may have
         self._lock = threading.Lock()
         self._unacked: list[tuple[str, set[int]]] = []  # leader: results and late keys -> followers to see first
         self._closed = False
@@ -212,25 +215,32 @@ class Channel:
         return f"round {name!r} #{n} of channel {self.name!r} ({self._c.namespace})"
 
     # ------------------------------------------------------------------------------------------ the rounds
-    def reduce(self, name: str, value: Any, fn: Callable[[list], Any], timeout_s: float | None = None) -> Any:
+    def reduce(self, name: str, value: Any, fn: Callable[[list], Any], timeout_s: float | None = None, *,
+               number: int | None = None) -> Any:
         """Every process contributes ``value`` (or ``value()``'s result, when callable: an exception it raises
         is the contribution), the leader maps the N contributions (by process) to ``fn(values)``, every process
         returns that. Raises :class:`CoordinationError`, the same on every process, when a process raised, did
-        not arrive within the time-out, or ``fn`` raised."""
-        return self._round(name, value, fn, timeout_s, publish=True)
+        not arrive within the time-out, or ``fn`` raised.
 
-    def all_gather(self, name: str, value: Any, timeout_s: float | None = None) -> list:
+        ``number``: the round's number, when the caller has one every process agrees on (the step of a commit):
+        larger than the channel's last, it may skip numbers, and a process that skipped a round then fails only
+        that round instead of shifting every later one. Default: the channel's next number."""
+        return self._round(name, value, fn, timeout_s, publish=True, number=number)
+
+    def all_gather(self, name: str, value: Any, timeout_s: float | None = None, *, number: int | None = None
+                   ) -> list:
         """Every process's ``value``, by process, on every process."""
-        return self._round(name, value, list, timeout_s, publish=True)
+        return self._round(name, value, list, timeout_s, publish=True, number=number)
 
-    def broadcast(self, name: str, value: Any, timeout_s: float | None = None) -> Any:
+    def broadcast(self, name: str, value: Any, timeout_s: float | None = None, *, number: int | None = None
+                  ) -> Any:
         """The leader's ``value`` on every process (the followers' ``value`` is ignored; pass None)."""
         mine = value if self.process_index == 0 else None
-        return self._round(name, mine, lambda xs: xs[0], timeout_s, publish=True)
+        return self._round(name, mine, lambda xs: xs[0], timeout_s, publish=True, number=number)
 
-    def barrier(self, name: str, timeout_s: float | None = None) -> None:
+    def barrier(self, name: str, timeout_s: float | None = None, *, number: int | None = None) -> None:
         """Return once every process has reached this round (or raise as :meth:`reduce` does)."""
-        self._round(name, None, lambda xs: None, timeout_s, publish=True)
+        self._round(name, None, lambda xs: None, timeout_s, publish=True, number=number)
 
     def gather(self, name: str, value: Any, timeout_s: float | None = None) -> list | None:
         """One way: the leader returns every process's ``value``, the followers return None at once, without
@@ -239,11 +249,14 @@ class Channel:
         return self._round(name, value, list, timeout_s, publish=False)
 
     def _round(self, name: str, value: Any, fn: Callable[[list], Any], timeout_s: float | None,
-               publish: bool, closing: bool = False) -> Any:
+               publish: bool, closing: bool = False, number: int | None = None) -> Any:
         with self._lock:
             if self._closed:
-                raise CoordinationError(f"{self._describe(name, self.rounds)}: the channel is closed")
-            n = self.rounds
+                raise CoordinationError(f"{self._describe(name, self._next)}: the channel is closed")
+            if number is not None and (not isinstance(number, int) or number < self._next):
+                raise ValueError(f"{self._describe(name, number)}: round numbers must grow (next is {self._next})")
+            n = self._next if number is None else number
+            self._next = n + 1
             self.rounds += 1
             timeout = self._c.timeout_s if timeout_s is None else float(timeout_s)
             ok, payload = True, value
@@ -257,7 +270,8 @@ class Channel:
                     raise CoordinationError(f"{self._describe(name, n)}: process 0 raised {payload}",
                                             processes=(0,), round_name=name, round_number=n)
                 return _apply(fn, [payload], self._describe(name, n), name, n)
-            base = f"{self._c.namespace}/{self.name}/{n}"
+            # the close round has keys of its own: the processes may have skipped different numbered rounds
+            base = f"{self._c.namespace}/{self.name}/{'close' if closing else n}"
             if self.process_index == 0:
                 return self._lead(name, n, base, ok, payload, fn, timeout, publish, closing)
             return self._follow(name, n, base, ok, payload, timeout, publish)

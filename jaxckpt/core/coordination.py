@@ -150,8 +150,9 @@ class CommitTracker:
                 self._cv.notify_all()
 
     def _agree(self, step: int, ok: bool) -> bool:
-        # A round names its step: processes that disagree on the step order fail the round, never mix steps.
-        return bool(self._channel.reduce(f"commit {step}", bool(ok), all, timeout_s=self._timeout))
+        # Numbered by the step: a process that never reported a step (a save refused before it) fails that
+        # step's round only.
+        return bool(self._channel.reduce(f"commit {step}", bool(ok), all, timeout_s=self._timeout, number=step))
 
     def close(self) -> None:
         self._queue.put(None)

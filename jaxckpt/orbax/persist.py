@@ -388,7 +388,7 @@ class Persister:
         """Process 0's decision for ``step``, the same on every process (a ``broadcast`` round of the engine's
         ``persist`` channel, jaxckpt.core.collective: O(processes) at process 0, O(1) elsewhere)."""
         try:
-            return bool(self.engine.collective.channel("persist").broadcast(f"persist {step}", mine,
+            return bool(self.engine.collective.channel("persist").broadcast(f"persist {step}", mine, number=step,
                                                                             timeout_s=self.config.commit_timeout_s))
         except CommitError as e:  # CoordinationError: a process (process 0, say) did not take part in time
             log.error("step %d: no persist decision: %s", step, e)

@@ -235,7 +235,7 @@ class Protector:
             told = step in self._told  # its skip is published already (_on_commit)
             self._told.discard(step)
         try:
-            go = bool(self._channel.broadcast(f"decide {step}", not stale if self.p == 0 else None))
+            go = bool(self._channel.broadcast(f"decide {step}", not stale if self.p == 0 else None, number=2 * step))
         except CommitError as e:  # CoordinationError: process 0 (or another process) did not take part in time
             log.error("step %d: no protection decision on process %d: %s", step, self.p, e)
             return None
@@ -364,7 +364,7 @@ class Protector:
 
     def _announce(self, step: int, ok: bool) -> None:
         try:  # protected only when protected on every process (a reduce round of the protect channel)
-            done = bool(self._channel.reduce(f"announce {step}", bool(ok), all))
+            done = bool(self._channel.reduce(f"announce {step}", bool(ok), all, number=2 * step + 1))
         except CommitError as e:  # CoordinationError: a process did not announce in time
             log.error("step %d: protection not announced by every process: %s", step, e)
             done = False
