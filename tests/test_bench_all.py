@@ -30,7 +30,8 @@ SCHEMA = {
     "parity": ({"mode", "setup", "memcpy_gbps", "results"}, "results"),
     "save": ({"mode", "setup", "memcpy_gbps", "results"}, "results"),
     "restore": ({"mode", "setup", "memcpy_gbps", "memcpy_gbps_stats", "results", "skipped"}, "results"),
-    "scaling": ({"mode", "setup", "memcpy_gbps", "memcpy_gbps_stats", "by_size", "by_procs", "skipped"}, "by_size"),
+    "scaling": ({"mode", "setup", "memcpy_gbps", "memcpy_gbps_stats", "by_size", "by_procs", "commit", "skipped"},
+                "by_size"),
     "memory": ({"mode", "setup", "stores", "protection", "skipped"}, "stores"),
     "torch": ({"mode", "setup", "memcpy_gbps", "results"}, "results"),
     "stall": ({"mode", "memcpy_gbps", "procs", "steps", "warmup", "results"}, "results"),
@@ -125,6 +126,13 @@ def test_new_benchmarks_cover_what_the_issues_ask(suite):
                             rs["orbax_tmpfs"]["restore_s"]["median"] / rs["shm"]["restore_s"]["median"])
     sc = r["scaling"]
     assert [x["procs"] for x in sc["by_procs"]] == [2, 4]
+    # The commit protocol: O(processes) key-value operations per step at the leader, O(1) at a follower, and
+    # live keys bounded by the process count, not the steps.
+    assert [c["procs"] for c in sc["commit"]] == [2, 4]
+    for c in sc["commit"]:
+        assert 0 < c["leader_ops_per_step"] <= 4 * c["procs"], c
+        assert 0 < c["follower_ops_per_step"]["max"] <= 3, c
+        assert c["live_keys"] <= 4 * c["procs"] and c["commit_latency_s"]["n"] == c["steps"], c
     assert all(len(x["processes"]) == x["procs"] for x in sc["by_procs"])
     assert all(x["held_bytes"] >= x["size_bytes"] for x in sc["by_size"])
     assert {"save_call_largest_over_smallest", "snapshot_largest_over_smallest",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import TYPE_CHECKING, Callable, Protocol
 
 from jaxckpt.errors import CommitError
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from jaxckpt.core.collective import Channel
 
 log = logging.getLogger("jaxckpt.core.coordination")
+
+TIMES_KEPT = 1024  # steps whose commit timings a tracker keeps
 
 
 class Coordinator(Protocol):
@@ -90,6 +93,9 @@ class CommitTracker:
         self._latest: int | None = None
         self._outcome: dict[int, bool] = {}
         self._settled: set[int] = set()  # decided steps whose on_commit hook (retention) has run
+        # step -> (local done, decided) on time.monotonic(), which all processes of one host share: the commit
+        # protocol's latency is read off these (jaxckpt bench scaling). Bounded: the newest TIMES_KEPT steps.
+        self._times: dict[int, tuple[float, float]] = {}
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="jaxckpt-commit", daemon=True)
         self._thread.start()
@@ -113,7 +119,12 @@ class CommitTracker:
 
     def local_done(self, step: int, ok: bool) -> None:
         """Report this process's outcome for ``step`` (called from a snapshot thread)."""
-        self._queue.put((step, ok))
+        self._queue.put((step, ok, time.monotonic()))
+
+    def times(self) -> dict[int, tuple[float, float]]:
+        """For the newest decided steps: (local done, decided here), in ``time.monotonic()`` seconds."""
+        with self._cv:
+            return dict(self._times)
 
     def wait(self, step: int, timeout_s: float | None = None) -> bool:
         """Block until ``step`` is decided; True if it committed. Raises CommitError on time-out."""
@@ -129,13 +140,16 @@ class CommitTracker:
             item = self._queue.get()
             if item is None:
                 return
-            step, ok = item
+            step, ok, t_done = item
             try:
                 committed = self._agree(step, ok)
             except Exception as e:  # noqa: BLE001 - a failed agreement aborts the step, never the job
                 log.error("step %d: commit agreement failed: %s", step, e)
                 committed = False
             with self._cv:
+                self._times[step] = (t_done, time.monotonic())
+                if len(self._times) > TIMES_KEPT:
+                    del self._times[min(self._times)]
                 self._outcome[step] = committed
                 if committed and (self._latest is None or step > self._latest):
                     self._latest = step

@@ -28,9 +28,12 @@ from jaxckpt.tools.bench.save import parse_size
 log = logging.getLogger("jaxckpt.tools.bench")
 
 FULL = {"sizes": "64M,128M,256M,512M,1G,2G,4G", "max_size": "4G", "procs": "2,4,8", "bytes_per_proc": "128M",
-        "repeats": 5, "warmup": 2, "memcpy_bytes": 512 << 20, "memcpy_repeats": 10}
+        "repeats": 5, "warmup": 2, "memcpy_bytes": 512 << 20, "memcpy_repeats": 10, "commit_steps": 200}
 QUICK = {"sizes": "1M,2M,4M", "max_size": "4G", "procs": "2,4", "bytes_per_proc": "1M", "repeats": 3, "warmup": 1,
-         "memcpy_bytes": 32 << 20, "memcpy_repeats": 5}
+         "memcpy_bytes": 32 << 20, "memcpy_repeats": 5, "commit_steps": 20}
+COMMIT_BYTES = 64 << 10  # per process in the commit-protocol phase: small, so the protocol is what is timed
+# The paper extrapolation of BENCHMARKS.md: process counts, and a coordination-service operation's cost there.
+EXTRAPOLATE = (1024, 8192)
 SLOTS = 2  # keep=1: one committed snapshot plus the one being written
 MEMORY_MARGIN = 1536 << 20
 CHECK_LIMIT = 1 << 30  # restores are checked bit for bit up to this size
@@ -50,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bytes-per-proc", default=None,
                    help=f"state bytes per process in the process sweep (default {FULL['bytes_per_proc']})")
     p.add_argument("--repeats", type=int, default=None, help=f"timed saves (default {FULL['repeats']})")
+    p.add_argument("--commit-steps", type=int, default=None,
+                   help=f"steps of the commit-protocol phase per process count (default {FULL['commit_steps']}; 0 = "
+                        f"skip it)")
     runner.output_arguments(p, "scaling", "tiny sizes, two process counts: seconds, for CI", timeout=1800.0)
     p.set_defaults(run=run)
 
@@ -57,8 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def options(args: argparse.Namespace) -> dict[str, Any]:
     """Effective settings: explicit flags over the --quick or full defaults."""
     out = dict(QUICK if args.quick else FULL)
-    for k in ("sizes", "max_size", "procs", "bytes_per_proc", "repeats"):
-        if getattr(args, k) is not None:
+    for k in ("sizes", "max_size", "procs", "bytes_per_proc", "repeats", "commit_steps"):
+        if getattr(args, k, None) is not None:
             out[k] = getattr(args, k)
     out["sizes"] = [parse_size(s) for s in str(out["sizes"]).split(",") if s.strip()]
     out["max_size"] = parse_size(str(out["max_size"]))
@@ -77,7 +83,8 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
 def command(args: argparse.Namespace) -> str:
     """The command line that repeats this run."""
     return runner.command_line("scaling", args, (("--sizes", "sizes"), ("--max-size", "max_size"), ("--procs", "procs"),
-                                                 ("--bytes-per-proc", "bytes_per_proc"), ("--repeats", "repeats")))
+                                                 ("--bytes-per-proc", "bytes_per_proc"), ("--repeats", "repeats"),
+                                                 ("--commit-steps", "commit_steps")))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,6 +121,13 @@ def measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float) -
                                timeout=timeout))
         by_procs.append(_merge_procs(n, per))
         gc.collect()
+    commit = []
+    for n in opts["procs"] if opts.get("commit_steps", 0) > 0 else ():
+        log.info("bench scaling: commit protocol, %d processes x %d steps", n, opts["commit_steps"])
+        cspec = {"steps": opts["commit_steps"], "job": f"bench-commit-{os.getpid()}-{n}"}
+        per = expect_ok(launch(commit_phase, nodes=1, procs_per_node=n, devices_per_proc=1, args=(cspec,),
+                               timeout=timeout))
+        commit.append(merge_commit(n, per))
     return {"bench": "scaling", "mode": "quick" if quick else "full", "machine": machine, "date": report.now_utc(),
             "ratios": _ratios(by_size, by_procs),
             "command": cmd,
@@ -122,7 +136,7 @@ def measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float) -
                       "check_limit": CHECK_LIMIT,
                       "jaxckpt_config": "Config() defaults (store=memory, keep=1)"},
             "memcpy_gbps": mem["median"], "memcpy_gbps_stats": mem, "by_size": by_size, "by_procs": by_procs,
-            "skipped": skipped}
+            "commit": commit, "skipped": skipped}
 
 
 def _ratios(by_size: list[Mapping[str, Any]], by_procs: list[Mapping[str, Any]]) -> dict[str, float]:
@@ -246,6 +260,75 @@ def procs_phase(spec: dict) -> dict:
     return row
 
 
+def commit_phase(spec: dict) -> dict:
+    """One process of the commit-protocol phase: a tiny state saved every step; what the protocol cost it."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax._src import distributed
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jaxckpt import Checkpointer, Config
+
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    rows = max(1, COMMIT_BYTES // (4 * COLS)) * jax.device_count()
+    x = jax.device_put(jnp.ones((rows, COLS), jnp.float32), NamedSharding(mesh, P("x", None)))
+    with Checkpointer(Config(job_id=spec["job"])) as ck:
+        for step in range(1, 4):  # warm-up: first-save set-up and the plan are not the protocol
+            ck.save(step, {"x": x})
+        ck.wait()
+        before = ck.engine.collective.stats()
+        first = 4
+        for step in range(first, first + spec["steps"]):
+            ck.save(step, {"x": x})
+            ck.wait()
+        after = ck.engine.collective.stats()
+        times = {s: t for s, t in ck.engine.commit_times().items() if s >= first}
+        live = None
+        if jax.process_index() == 0:
+            live = len(distributed.global_state.client.key_value_dir_get_bytes(f"jaxckpt/{spec['job']}/"))
+    ops = {k: after.get(k, 0) - before.get(k, 0) for k in ("sets", "gets", "try_gets", "deletes", "rounds")}
+    return {"process": jax.process_index(), "steps": spec["steps"], "ops": ops,
+            "times": {str(s): list(t) for s, t in times.items()}, "live_keys": live}
+
+
+def merge_commit(n: int, per: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """Key-value operations per step at the leader and at a follower; latency from the last process's local
+    done to the step decided on every process (``time.monotonic()`` is one clock for the processes of a host)."""
+    steps = per[0]["steps"]
+
+    def per_step(p: Mapping[str, Any]) -> float:
+        o = p["ops"]
+        return (o["sets"] + o["gets"] + o["try_gets"] + o["deletes"]) / steps
+
+    leader = next(p for p in per if p["process"] == 0)
+    followers = [per_step(p) for p in per if p["process"] != 0]
+    common = set.intersection(*(set(p["times"]) for p in per))
+    lat = [max(p["times"][s][1] for p in per) - max(p["times"][s][0] for p in per) for s in sorted(common)]
+    return {"procs": n, "steps": steps, "leader_ops_per_step": per_step(leader),
+            "follower_ops_per_step": report.summarize(followers) if followers else None,
+            "leader_ops": leader["ops"], "commit_latency_s": report.summarize(lat), "live_keys": leader["live_keys"]}
+
+
+def extrapolate(commit: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """On paper: ops per step at the leader grow linearly in processes (fit on the measured counts), a follower's
+    stay constant; the leader's time per step is its ops times the measured cost of one operation (latency /
+    leader ops at the largest measured count). An estimate, labelled as such wherever it is shown."""
+    if len(commit) < 2:
+        return []
+    a, b = commit[0], commit[-1]
+    slope = (b["leader_ops_per_step"] - a["leader_ops_per_step"]) / (b["procs"] - a["procs"])
+    base = a["leader_ops_per_step"] - slope * a["procs"]
+    per_op = b["commit_latency_s"]["median"] / b["leader_ops_per_step"]
+    fol = b["follower_ops_per_step"]["median"] if b["follower_ops_per_step"] else 0.0
+    out = []
+    for n in EXTRAPOLATE:
+        ops = base + slope * n
+        out.append({"procs": n, "leader_ops_per_step": ops, "follower_ops_per_step": fol,
+                    "leader_s_per_step": ops * per_op, "per_op_s": per_op})
+    return out
+
+
 # --------------------------------------------------------------------------------------------------- markdown
 def render(result: Mapping[str, Any]) -> str:
     """The BENCHMARKS.md section of a ``bench scaling`` result (every number from the JSON)."""
@@ -297,6 +380,30 @@ def render(result: Mapping[str, Any]) -> str:
                           f"{fn(q['save_call_most_over_fewest_procs'])}x, snapshot "
                           f"{fn(q['snapshot_most_over_fewest_procs'])}x, local copy "
                           f"{fn(q['snapshot_worker_most_over_fewest_procs'])}x (flat = 1x)."]
+    if result.get("commit"):
+        c0 = result["commit"][0]
+        parts += ["", f"Commit protocol: each process (1 CPU device, one simulated node) saves a "
+                      f"{fs(COMMIT_BYTES)} share every step and waits for the commit, {c0['steps']} steps after 3 "
+                      f"warm-up steps. Key-value operations (sets, gets, deletes) per step counted by the collective "
+                      f"wrapper; latency = from the last process's local done to the step decided on every process; "
+                      f"live keys = coordination-service keys under the job's prefix after the run.", ""]
+        rows = []
+        for r in result["commit"]:
+            f = r["follower_ops_per_step"]
+            rows.append([str(r["procs"]), fn(r["leader_ops_per_step"]), fn(f["median"]) if f else "-",
+                         fm(r["commit_latency_s"]), str(r["live_keys"])])
+        parts.append(report.table(["processes", "kv ops per step, leader", "kv ops per step, follower",
+                                   "commit latency ms", "live keys after"], rows))
+        ex = extrapolate(result["commit"])
+        if ex:
+            parts += ["", "On paper (not measured): leader ops per step fitted linearly on the measured counts, a "
+                          "follower's constant, the leader's time = ops x the cost of one operation measured at the "
+                          f"largest count ({fn(ex[0]['per_op_s'] * 1e3)} ms here, one loaded machine; a dedicated "
+                          "coordination service is faster):", ""]
+            parts.append(report.table(["processes", "kv ops per step, leader", "kv ops per step, follower",
+                                       "leader time per step (estimate)"],
+                                      [[str(e["procs"]), fn(e["leader_ops_per_step"]), fn(e["follower_ops_per_step"]),
+                                        f"{fn(e['leader_s_per_step'] * 1e3)} ms"] for e in ex]))
     return "\n".join(parts)
 
 
