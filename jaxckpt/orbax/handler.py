@@ -31,7 +31,9 @@ snapshot memory no longer holds raises :class:`jaxckpt.errors.StepNotFoundError`
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import os
 import logging
 import threading
 from typing import Any
@@ -54,31 +56,48 @@ __all__ = ["SnapshotHandler", "SnapshotRestore", "SnapshotSave", "MARKER_NAME", 
 MARKER_NAME = "jaxckpt_snapshot.json"
 MARKER_FORMAT = "jaxckpt-orbax-snapshot"
 MARKER_VERSION = 1
+MAX_JOB_PREFIX = 64  # of the default job id, in a per-root one (Config bounds job ids' length)
 # Orbax's own args an Orbax user already passes: SnapshotHandler takes them as they are.
 _STANDARD_SAVE = (ocp.args.StandardSave, ocp.args.PyTreeSave)
 _STANDARD_RESTORE = (ocp.args.StandardRestore, ocp.args.PyTreeRestore)
 _TMP = ocp.path.step.TMP_DIR_SUFFIX
 
 _default: Checkpointer | None = None
+_per_root: dict[str, Checkpointer] = {}
 _default_lock = threading.Lock()
 
 
-def default_checkpointer() -> Checkpointer:
-    """The process-wide Checkpointer (``Config().with_env()``) shared by every handler built without arguments.
+def _is_open(ck: Checkpointer | None) -> bool:
+    if ck is None:
+        return False
+    try:
+        ck.engine.check_open()
+        return True
+    except ClosedError:
+        return False
 
-    Sharing it means ``registry.add(item, SnapshotSave)`` and ``registry.add(item, SnapshotRestore)``, which make
-    two handler instances, still restore what the other saved.
+
+def default_checkpointer(root: epath.PathLike | None = None) -> Checkpointer:
+    """The Checkpointer (``Config().with_env()``) shared by handlers built without arguments.
+
+    Without ``root``: one per process. With ``root`` (a CheckpointManager's directory): one per root, whose job
+    id is the process default's with a digest of the root appended, so two managers in one process keep their
+    own steps and retention (``Config.keep``) while ``registry.add(item, SnapshotSave)`` and
+    ``registry.add(item, SnapshotRestore)``, which make two handler instances of one manager, still share one.
     """
     global _default
     with _default_lock:
-        if _default is not None:
-            try:
-                _default.engine.check_open()
-            except ClosedError:
-                _default = None
-        if _default is None:
-            _default = Checkpointer(Config())
-        return _default
+        if root is None:
+            if not _is_open(_default):
+                _default = Checkpointer(Config())
+            return _default
+        key = os.path.abspath(os.fspath(root))
+        ck = _per_root.get(key)
+        if not _is_open(ck):
+            base = Config().with_env()
+            digest = hashlib.sha1(key.encode()).hexdigest()[:10]
+            ck = _per_root[key] = Checkpointer(base.replace(job_id=f"{base.job_id[:MAX_JOB_PREFIX]}-{digest}"))
+        return ck
 
 
 def _final_name(name: str) -> str:
@@ -108,10 +127,13 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
     """
 
     def __init__(self, checkpointer: Checkpointer | None = None, *, config: Config | None = None,
-                 primary_host: int = 0, rich_types: bool = True) -> None:
+                 primary_host: int = 0, rich_types: bool = True, directory: epath.PathLike | None = None) -> None:
         if checkpointer is not None and config is not None:
             raise TypeError("SnapshotHandler: pass a checkpointer or a config, not both")
         self._owned = checkpointer is None and config is not None
+        # Built without arguments: the Checkpointer is the one of the manager directory of the first item
+        # directory seen (default_checkpointer(root)); until then, the process-wide one.
+        self._unbound = checkpointer is None and config is None
         if checkpointer is None:
             checkpointer = Checkpointer(config) if config is not None else default_checkpointer()
         self.checkpointer = checkpointer
@@ -124,6 +146,8 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
         # Orbax deleted (max_to_keep) from one it has not yet renamed into place.
         self._dirs: dict[int, tuple[epath.Path, epath.Path, SaveHandle]] = {}
         self._marked: set[int] = set()  # steps whose commit future ran: their directory existed
+        if directory is not None:
+            self.forget_lost_steps(directory)
 
     # ------------------------------------------------------------------------------------------------ save
     async def async_save(self, directory: epath.Path, args: "SnapshotSave") -> list[ocp.future.Future]:
@@ -136,7 +160,20 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
             f.result()
 
     def _start_save(self, directory: epath.Path, args: Any) -> list[ocp.future.Future]:
-        handle, commit = self.begin_save(directory, args)
+        try:
+            handle, commit = self.begin_save(directory, args)
+        except Exception as e:
+            # Orbax started creating the directory and waits, on a thread of its own, for this save's commit
+            # futures: raising here would leave that thread waiting (the process would not exit for minutes,
+            # even with a second future taking the signal). A future that takes the signal and then fails ends
+            # the save the way any asynchronous failure does: wait_until_finished() (or the next save) raises
+            # this error, and the step is never listed.
+            error = e
+
+            async def failed() -> None:
+                raise error
+            log.error("save into %s refused: %s", directory, e)
+            return [ocp.future.CommitFutureAwaitingContractedSignals(failed(), name="jaxckpt_commit_refused")]
 
         async def committed() -> None:
             # The item directory exists by now: the future awaited Orbax's creation signal.
@@ -144,10 +181,20 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
             commit()
         return [ocp.future.CommitFutureAwaitingContractedSignals(committed(), name=f"jaxckpt_commit_{handle.step}")]
 
+    def _bind(self, directory: epath.Path, root: epath.Path | None = None) -> None:
+        if not self._unbound:
+            return
+        if root is None and step_from_directory(directory) is not None:
+            root = directory.parent.parent
+        if root is not None:
+            self.checkpointer = default_checkpointer(root)
+            self._unbound = False
+
     def begin_save(self, directory: epath.Path, args: Any) -> tuple[SaveHandle, Any]:
         """Start the snapshot of ``args``' state for the item ``directory`` (returns once the state is pinned):
         its handle, and the function that records it (the marker) once the handle is done and the directory
         exists. Front ends (v0 here, ``jaxckpt.orbax.v1``) wrap the two in their own kind of future."""
+        self._bind(directory)
         if isinstance(args, SnapshotSave):
             state, save_args, custom, explicit = args.state, args.save_args, args.custom_metadata, args.step
         elif isinstance(args, _STANDARD_SAVE):
@@ -208,6 +255,7 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
         From memory; with ``Config.persistent_dir``, a step memory no longer holds comes from that tier.
         """
         directory = epath.Path(directory)
+        self._bind(directory)
         marker = self.read_marker(directory)
         step, job = marker["step"], marker["job_id"]
         if job != self.checkpointer.config.job_id:
@@ -266,6 +314,35 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
         return marker
 
     # ------------------------------------------------------------------------------------------- retention
+    def forget_lost_steps(self, root: epath.PathLike) -> list[int]:
+        """Rename away (``<step dir>.jaxckpt-lost``) the step directories under ``root`` whose snapshot is gone:
+        saved by this job, not held in memory (a restarted job with ``store="memory"``) and not persisted.
+        Orbax then no longer lists them, so a resume (``latest_step()`` then ``restore()``) starts from the
+        newest step that can be restored, or fresh. ``SnapshotHandler(directory=root)`` does this when built;
+        build it before the CheckpointManager, which lists steps when it is built. Returns the steps."""
+        root = epath.Path(root)
+        self._bind(root, root)
+        if not root.exists() or not ocp.multihost.is_primary_host(self._primary_host):
+            return []
+        held = set(self.checkpointer.store.steps())
+        persister = self.checkpointer.persister
+        persisted = set(persister.steps()) if persister is not None else set()
+        lost = []
+        for step_dir in sorted(p for p in root.iterdir() if p.is_dir() and _TMP not in p.name):
+            for item in (p for p in step_dir.iterdir() if (p / MARKER_NAME).exists()):
+                try:
+                    marker = self.read_marker(item)
+                except ManifestError:
+                    continue
+                if marker["job_id"] == self.checkpointer.config.job_id and marker["step"] not in held | persisted:
+                    step_dir.rename(step_dir.parent / f"{step_dir.name}.jaxckpt-lost")
+                    log.warning("%s: the snapshot of step %s is gone (not in memory, not persisted); renamed to "
+                                "%s.jaxckpt-lost so Orbax no longer lists it", step_dir, marker["step"],
+                                step_dir.name)
+                    lost.append(marker.get("orbax_step", marker["step"]))
+                    break
+        return lost
+
     def prune(self) -> list[int]:
         """Free the snapshots of steps whose Orbax item directory is gone (``max_to_keep``); returns them."""
         dropped = []

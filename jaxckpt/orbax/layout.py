@@ -170,6 +170,8 @@ def _want(path: str, saved: dict, t: Any, ra: Any, strict: bool) -> Want:
     kind, shape, dtype, sharding = None, None, None, None
     if isinstance(t, (jax.ShapeDtypeStruct, jax.Array)):
         kind, shape, dtype, sharding = "jax", tuple(t.shape), t.dtype, getattr(t, "sharding", None)
+        if sharding is None and saved["kind"] in ("numpy", "numpy_scalar"):
+            kind = "numpy"  # Orbax: a leaf saved as numpy, asked for without a sharding, comes back as numpy
     elif isinstance(t, np.ndarray) or _numpy_abstract(t):
         kind, shape, dtype = "numpy", tuple(t.shape), np.dtype(t.dtype)
     elif isinstance(t, (bool, int, float, str, bytes, np.generic)) or (
