@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import select
 import shutil
 import socket
 import subprocess
@@ -178,6 +179,8 @@ def test_a_server_without_the_published_key_is_not_trusted(curve_server):
     imp = subprocess.Popen([sys.executable, "-c", IMPOSTOR, TOKEN.decode()], stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, text=True)
     try:
+        ready, _, _ = select.select([imp.stdout], [], [], WAIT_S)
+        assert ready, f"the impostor did not start within {WAIT_S:g}s"
         address = imp.stdout.readline().strip()
         assert address.startswith("tcp://127.0.0.1:"), address
         c = t.connect(address, token=TOKEN, timeout_s=2.0, server_key=server.public_key)
@@ -247,10 +250,14 @@ class _Recorder:
                 return
             with self._lock:
                 self.data += piece
-            try:
-                dst.sendall(piece)
-            except OSError:
-                return
+            view = memoryview(piece)
+            while view and not self._stop.is_set():  # both sockets time out every 0.1 s: a slow reader is waited for
+                try:
+                    view = view[dst.send(view):]
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return
 
     def close(self) -> None:
         self._stop.set()
