@@ -19,6 +19,9 @@ STATS = {"median", "min", "max", "p10", "p90", "n"}
 JAXCKPT_KEYS = {"save_call_s", "snapshot_s", "snapshot_worker_s", "restore_s", "snapshot_gbps", "snapshot_vs_memcpy"}
 ORBAX_KEYS = {"save_call_s", "total_s", "restore_s"}
 RATIO_KEYS = {"save_call_orbax_over_jaxckpt", "total_orbax_over_jaxckpt", "restore_orbax_over_jaxckpt"}
+SWEEP_TIMES = {"jaxckpt_save_call_s", "wrap_step_save_s", "plain_step_call_s", "wrap_step_call_s", "orbax_save_call_s"}
+SWEEP_KEYS = SWEEP_TIMES | {"leaves", "shards", "size_bytes", "view_s_per_shard", "orbax_over_jaxckpt",
+                            "orbax_over_wrap_step_save"}
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +65,15 @@ def _check_schema(res, sizes, mode):
         assert math.isclose(r["ratios"]["save_call_orbax_over_jaxckpt"],
                             o["save_call_s"]["median"] / j["save_call_s"]["median"])
         assert math.isclose(j["snapshot_vs_memcpy"], j["snapshot_gbps"] / res["memcpy_gbps"])
+    sweep = res["leaf_sweep"]  # the leaf-count sweep: same total bytes, more and more leaves
+    assert [r["leaves"] for r in sweep["rows"]] == [8, 64] and sweep["total_bytes"] == 1 << 20
+    for r in sweep["rows"]:
+        assert set(r) == SWEEP_KEYS, set(r) ^ SWEEP_KEYS
+        for k in SWEEP_TIMES:
+            _check_stats(r[k], f"sweep {r['leaves']}/{k}")
+        assert r["shards"] == 8 * r["leaves"]  # every leaf is split over all 8 devices
+        assert abs(r["size_bytes"] - sweep["total_bytes"]) <= sweep["total_bytes"] // 8
+        assert math.isclose(r["orbax_over_jaxckpt"], r["orbax_save_call_s"]["median"] / r["jaxckpt_save_call_s"]["median"])
     nums = report.numbers(res)
     assert len(nums) > 50
     bad = [(p, v) for p, v in nums if not (math.isfinite(v) and v > 0)]
@@ -86,11 +98,16 @@ def test_quick_run_updates_only_its_section(quick):
 
 def test_markdown_table_from_json(quick):
     md = report.render(quick["json"])
-    rows = [line for line in md.splitlines() if line.startswith("|")]
+    sizes_md, sweep_md = md.split("#### save() against the number of leaves")
+    rows = [line for line in sizes_md.splitlines() if line.startswith("|")]
     assert len(rows) == 2 + 2  # header, rule, one row per size
     ncols = rows[0].count("|")
     assert all(r.count("|") == ncols for r in rows)
     assert rows[2].startswith("| 1 MiB |") and rows[3].startswith("| 4 MiB |")
+    sweep_rows = [line for line in sweep_md.splitlines() if line.startswith("|")]
+    assert len(sweep_rows) == 2 + 2 and sweep_rows[0].startswith("| leaves | local shards | jaxckpt save() ms |")
+    assert sweep_rows[2].startswith("| 8 | 64 |") and sweep_rows[3].startswith("| 64 | 512 |")
+    assert all(r.count("|") == sweep_rows[0].count("|") for r in sweep_rows)
     assert f"Command: `{quick['json']['command']}`" in md
     assert f"orbax-checkpoint {quick['json']['machine']['versions']['orbax-checkpoint']}" in md
     # A full run's result renders without the placeholder banner.
@@ -183,3 +200,10 @@ def test_parse_size():
         parse_size("lots")
     with pytest.raises(ValueError, match="must be positive"):
         parse_size("0M")
+
+
+def test_bad_leaf_counts_are_refused_before_measuring():
+    proc = subprocess.run([sys.executable, "-m", "jaxckpt.tools.bench.save", "--quick", "--leaf-counts", "8,lots"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "bad --leaf-counts '8,lots'" in proc.stderr

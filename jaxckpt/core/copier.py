@@ -54,6 +54,7 @@ class SnapshotResult:
 # Copy and checksum in blocks that stay in the core's cache: the checksum then reads what the copy just wrote
 # from cache instead of from memory (measured here: 12 GB/s against 9 GB/s for copy-then-checksum of 256 MB).
 BLOCK_BYTES = 512 << 10
+BATCH_BYTES, BATCH_TASKS = 1 << 20, 256  # chunks smaller than this are handed to a worker together
 
 
 def copy_and_checksum(out: np.ndarray, src: np.ndarray) -> int:
@@ -140,41 +141,52 @@ class Copier:
                 fut.set_result(SnapshotResult(crcs, time.perf_counter() - t0))
             done.set()
 
-        def work(i: int, task: CopyTask) -> None:
-            try:
-                if not errors:
-                    src = task.fetch()
-                    crcs[i] = copy_and_checksum(dst[task.offset:task.offset + task.nbytes], src)
-            except BaseException as e:  # noqa: BLE001 - delivered through the future
-                errors.append(e)
-            finally:
-                # Drop this chunk's reference to its source now: a view released early lets a later donating
-                # step reuse that buffer instead of allocating a fresh one.
-                task.fetch = task.start = None  # type: ignore[assignment]
-                src = None
-                with self._cv:
-                    self._inflight -= task.nbytes
-                    pending[0] -= 1
-                    last = pending[0] == 0
-                    self._cv.notify_all()
-                if last:
-                    finish()
+        def work(lo: int, hi: int, nbytes: int) -> None:
+            for i in range(lo, hi):
+                task = tasks[i]
+                try:
+                    if not errors:
+                        src = task.fetch()
+                        crcs[i] = copy_and_checksum(dst[task.offset:task.offset + task.nbytes], src)
+                except BaseException as e:  # noqa: BLE001 - delivered through the future
+                    errors.append(e)
+                finally:
+                    # Drop this chunk's reference to its source now: a view released early lets a later
+                    # donating step reuse that buffer instead of allocating a fresh one.
+                    task.fetch = task.start = None  # type: ignore[assignment]
+                    src = None
+            with self._cv:
+                self._inflight -= nbytes
+                pending[0] -= hi - lo
+                last = pending[0] == 0
+                self._cv.notify_all()
+            if last:
+                finish()
 
         if not tasks:
             finish()
             return
-        for i, task in enumerate(tasks):
+        # Small chunks (a state of many small leaves) go to the workers in batches of up to BATCH_BYTES: one
+        # hand-over per chunk would cost more than its copy and keep the GIL busy while the step runs.
+        lo, n, limit = 0, len(tasks), min(BATCH_BYTES, self._budget)
+        while lo < n:
+            hi, nbytes = lo + 1, tasks[lo].nbytes
+            while hi < n and hi - lo < BATCH_TASKS and nbytes + tasks[hi].nbytes <= limit:
+                nbytes += tasks[hi].nbytes
+                hi += 1
             with self._cv:
-                # One task may exceed the budget alone; it then runs with nothing else in flight.
-                while self._inflight and self._inflight + task.nbytes > self._budget:
+                # One batch may exceed the budget alone; it then runs with nothing else in flight.
+                while self._inflight and self._inflight + nbytes > self._budget:
                     self._cv.wait()
-                self._inflight += task.nbytes
-            try:
-                if task.start is not None and not errors:
-                    task.start()
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
-            self._pool.submit(work, i, task)
+                self._inflight += nbytes
+            for task in tasks[lo:hi]:
+                try:
+                    if task.start is not None and not errors:
+                        task.start()
+                except BaseException as e:  # noqa: BLE001
+                    errors.append(e)
+            self._pool.submit(work, lo, hi, nbytes)
+            lo = hi
         done.wait()
 
     def close(self) -> None:

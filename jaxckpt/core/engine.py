@@ -14,7 +14,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Hashable, Iterator
 
 import numpy as np
 
@@ -58,7 +58,7 @@ class _Prepared:
     chunk_leaf: list[int]
     chunk_slices: list[tuple[slice, ...]]
     devices: list[frozenset[int]]  # per array leaf, the local devices its chunks are read from
-    key: tuple = ()  # the layout key (protection plans are kept per layout)
+    key: Hashable = ()  # the layout key (protection plans are kept per layout)
     copies: tuple = ()  # per local chunk (leaf index, device, slice of the device's shard, slot offset, nbytes)
 
 
@@ -185,7 +185,7 @@ class CheckpointEngine:
         sources = [r.sources(devs) if devs else {} for r, devs in zip(records, begun.prep.devices)]
         return self.start(begun, lambda: sources, values, order)
 
-    def begin(self, step: int, key: tuple, records: Callable[[], list[ArrayRecord]], t0: float | None = None
+    def begin(self, step: int, key: Hashable, records: Callable[[], list[ArrayRecord]], t0: float | None = None
               ) -> "Reservation | SaveHandle":
         """The part of a save that can refuse it, run first so that a refusal leaves nothing behind: checks the
         step and that the engine is open, waits for room (``max_pending_saves``), plans (once per ``key``:
@@ -272,7 +272,7 @@ class CheckpointEngine:
             except CommitError:  # decided as failed in the end; the loop looks again
                 pass
 
-    def _prepare(self, key: tuple, make_records: Callable[[], list[ArrayRecord]]) -> _Prepared:
+    def _prepare(self, key: Hashable, make_records: Callable[[], list[ArrayRecord]]) -> _Prepared:
         prep = self._prepared.get(key)
         if prep is not None:
             return prep

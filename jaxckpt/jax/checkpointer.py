@@ -34,6 +34,7 @@ class _Begun:
     res: Reservation | SaveHandle  # a SaveHandle when the store was unreachable (skipped, decided)
     values: list[mf.LeafMeta]
     persist: bool
+    failed: SaveHandle | None = None  # set by _cancel: the handle holding the error
 
 
 class Checkpointer:
@@ -120,7 +121,7 @@ class Checkpointer:
             return
         if begun.persist:
             self.persister.forget(begun.res.step)
-        self.engine.cancel(begun.res, error)
+        begun.failed = self.engine.cancel(begun.res, error)
 
     def wrap_step(self, fn: Callable, *, state_argnum: int = 0, donate_argnums: Sequence[int] = (0,),
                   **jit_kwargs: Any) -> Callable:
@@ -130,7 +131,8 @@ class Checkpointer:
         A save that is refused (StepError, ClosedError, UnsupportedLeafError, BudgetExceededError) raises
         before the program runs: nothing was donated, the arguments are intact and the step did not run, so the
         caller can run it again without ``save_step``. A failure after the program ran (reading the copies)
-        returns the step's output; the save's handle holds the error and ``wait()`` raises it."""
+        returns the step's output; the save's handle holds the error and ``wait()`` raises it. The wrapped
+        function's ``last_save`` attribute is the SaveHandle of its latest call with ``save_step``."""
         return wrap_step(self, fn, state_argnum=state_argnum, donate_argnums=donate_argnums, **jit_kwargs)
 
     def wait(self, timeout: float | None = None) -> None:

@@ -32,7 +32,7 @@ class FusedTarget(Protocol):
 
     def _start(self, begun: Any, leaves: list[Any], owned: bool, exclude_s: float = 0.0) -> Any: ...
 
-    def _cancel(self, begun: Any, error: BaseException) -> None: ...
+    def _cancel(self, begun: Any, error: BaseException) -> None: ...  # sets begun.failed, the failed handle
 
 
 def _host_sharding(x: Any) -> Any:
@@ -88,10 +88,13 @@ def wrap_step(target: FusedTarget, fn: Callable, *, state_argnum: int = 0,
         if len(begun.plan.jax_leaves) != len(leaves):
             copy = [c if i in begun.plan.jax_leaves else orig for i, (orig, c) in enumerate(zip(leaves, copy))]
         try:
-            target._start(begun, copy, owned=True, exclude_s=ran)
+            call.last_save = target._start(begun, copy, owned=True, exclude_s=ran)
         except Exception as e:  # noqa: BLE001 - the state was donated: the output must reach the caller
+            call.last_save = begun.failed
             log.error("step %s: the fused snapshot failed after the step ran (%s: %s); training goes on, "
                       "wait() raises it", save_step, type(e).__name__, e)
         return out
 
+    call.last_save = None  # the SaveHandle of the latest call with save_step (its save_call_seconds: the
+    # calling thread's time in the save, the program excluded)
     return call

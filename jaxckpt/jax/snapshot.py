@@ -18,6 +18,7 @@ jaxckpt's own (the fused path's host copies) needs no pin at all: its views are 
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -40,6 +41,9 @@ def _array_type() -> type:
     return type(jax.numpy.zeros(()))
 
 
+_array_key: Callable[[Any], Any] | None = None  # (aval, sharding) of a jax.Array; set on first use (needs jax)
+
+
 def _leaf_key(x: Any) -> Any:
     """What a leaf contributes to the layout key: everything its record, kind and plan depend on."""
     if isinstance(x, jax.Array):
@@ -51,9 +55,36 @@ def _leaf_key(x: Any) -> Any:
     return type(x)  # a plain value: saved by value, its kind checked on every save
 
 
-def layout_key(leaves: list[Any], treedef: Any) -> tuple:
+class LayoutKey:
+    """A state layout as a dict key: the treedef and per leaf ``_leaf_key``, hashed once (a save looks it up
+    in three caches; a tuple of thousands of avals would be hashed again for each)."""
+
+    __slots__ = ("treedef", "parts", "_hash")
+
+    def __init__(self, treedef: Any, parts: tuple) -> None:
+        self.treedef, self.parts = treedef, parts
+        self._hash = hash((treedef, parts))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LayoutKey) and self._hash == other._hash and self.treedef == other.treedef \
+            and self.parts == other.parts
+
+
+def layout_key(leaves: list[Any], treedef: Any) -> LayoutKey:
     """The cache key of a flattened state: equal keys promise the same plan."""
-    return (treedef, tuple(map(_leaf_key, leaves)))
+    global _array_key
+    if _array_key is None:
+        # ``sharding`` is a Python property over ``_sharding``; the attribute itself is a third cheaper
+        probe = jax.numpy.zeros(())
+        _array_key = operator.attrgetter("aval", "_sharding" if hasattr(probe, "_sharding") else "sharding")
+    try:  # all jax arrays (the common state): one C-level pass; other leaves have no ``aval``
+        parts = tuple(map(_array_key, leaves))
+    except AttributeError:
+        parts = tuple(map(_leaf_key, leaves))
+    return LayoutKey(treedef, parts)
 
 
 def _record(leaf: Leaf) -> ArrayRecord:
@@ -74,7 +105,7 @@ def _record(leaf: Leaf) -> ArrayRecord:
 class TreePlan:
     """One state layout: leaves by kind and path, and (once the engine planned it) where each array is read."""
 
-    key: tuple
+    key: LayoutKey
     treedef: Any
     leaves: tuple[Leaf, ...]  # paths and kinds (values None: a plan must not keep a state alive)
     shardings: tuple[Any, ...]  # per leaf, a jax leaf's sharding (None for the others)
@@ -84,6 +115,7 @@ class TreePlan:
     order: tuple[str, ...]
     # Filled on the first save: per array record, how its sources are taken (see ``Saver._reads``).
     reads: tuple | None = field(default=None, repr=False)
+    eager: tuple[int, ...] = field(default=(), repr=False)
 
     def records(self, leaves: list[Any]) -> list[ArrayRecord]:
         """The engine's records (layouts and metadata; their sources are not used: see ``Saver.pins``)."""
@@ -107,9 +139,9 @@ class Saver:
 
     def __init__(self) -> None:
         self._plans: dict[tuple, TreePlan] = {}
-        self._view = _fast_view()
+        self._raw, self._unwrap = _fast_view()
 
-    def plan(self, leaves: list[Any], treedef: Any, key: tuple | None = None, tree: Any = None) -> TreePlan:
+    def plan(self, leaves: list[Any], treedef: Any, key: LayoutKey | None = None, tree: Any = None) -> TreePlan:
         """The plan of a flattened state (``tree`` is needed only for a layout not seen before). Raises
         UnsupportedLeafError naming the path of a leaf it cannot hold."""
         key = layout_key(leaves, treedef) if key is None else key
@@ -131,10 +163,11 @@ class Saver:
         self._plans[key] = got
         return got
 
-    def _reads(self, plan: TreePlan, devices: list[frozenset[int]]) -> tuple:
-        """Per array record: ("view", leaf, positions in ``_arrays``, device ids) for a CPU jax array,
-        ("copy", leaf) for numpy, ("same", leaf) for a numpy scalar, ("sources", leaf, devs) otherwise, or
-        ("none",) when this process reads nothing of it."""
+    def _reads(self, plan: TreePlan, devices: list[frozenset[int]]) -> tuple[tuple, tuple[int, ...]]:
+        """Per array record: ("view", leaf, positions in ``_arrays``, device ids, all positions?) for a CPU jax
+        array, ("copy", leaf) for numpy, ("same", leaf) for a numpy scalar, ("sources", leaf, devs) otherwise,
+        or ("none",) when this process reads nothing of it; and the records an owned state still takes at once
+        (numpy leaves are the caller's memory even there)."""
         out = []
         for i, devs in zip(plan.arrays, devices):
             lf = plan.leaves[i]
@@ -147,53 +180,57 @@ class Saver:
             elif lf.kind == "jax" and shards.needs_private_hosts(plan.shardings[i]):
                 order = shards.local_order(plan.shardings[i])
                 pos = tuple(k for k, d in enumerate(order) if d in devs)
-                out.append(("view", i, pos, tuple(order[k] for k in pos)))
+                out.append(("view", i, pos, tuple(order[k] for k in pos), pos == tuple(range(len(order)))))
             else:
                 out.append(("sources", i, devs))
-        return tuple(out)
+        return tuple(out), tuple(j for j, r in enumerate(out) if r[0] in ("copy", "same"))
 
     def pins(self, plan: TreePlan, devices: list[frozenset[int]], leaves: list[Any], owned: bool
              ) -> Callable[[], list[Sources]]:
         """Take now what must be taken before ``save()`` returns; return the function (run on the dispatcher
-        thread) that makes the engine's sources from it."""
+        thread) that makes the engine's sources from it. ``owned``: the jax leaves are jaxckpt's own copies
+        (the fused path), so only numpy leaves are taken now."""
         if plan.reads is None:
-            plan.reads = self._reads(plan, devices)
-        reads = plan.reads
-        view = self._view
+            plan.reads, plan.eager = self._reads(plan, devices)
+        reads, raw = plan.reads, self._raw
         taken: list[Any] = [None] * len(reads)
+        if owned:
+            for j in plan.eager:
+                taken[j] = _take(reads[j], leaves)
+            return lambda: _sources(reads, taken, leaves, plan, raw, self._unwrap)
         for j, r in enumerate(reads):
             what = r[0]
-            if what == "view":
-                if owned:  # jaxckpt's own copy: nothing else can write it, the workers take the views
-                    taken[j] = leaves[r[1]]
-                else:
-                    arrs = leaves[r[1]]._arrays
-                    taken[j] = [view(arrs[p]) for p in r[2]]
-            elif what == "copy":
-                taken[j] = _copy_numpy(leaves[r[1]])
-            elif what == "same":
-                taken[j] = np.asarray(leaves[r[1]])
+            if what == "view":  # the one per-shard cost of a save (see the module docstring)
+                arrs = leaves[r[1]]._arrays
+                taken[j] = list(map(raw, arrs)) if r[4] else [raw(arrs[p]) for p in r[2]]
             elif what == "sources":
-                lf = plan.leaves[r[1]]
-                taken[j] = (leaves[r[1]], lf.kind, r[2]) if owned and lf.kind == "jax" else \
-                    shards.local_sources(leaves[r[1]], lf.kind, r[2])
-        return lambda: _sources(reads, taken, owned, view)
+                taken[j] = shards.local_sources(leaves[r[1]], plan.leaves[r[1]].kind, r[2])
+            elif what != "none":
+                taken[j] = _take(r, leaves)
+        return lambda: _sources(reads, taken, None, plan, raw, self._unwrap)
 
 
-def _sources(reads: tuple, taken: list[Any], owned: bool, view: Callable) -> list[Sources]:
+def _take(r: tuple, leaves: list[Any]) -> np.ndarray:
+    return _copy_numpy(leaves[r[1]]) if r[0] == "copy" else np.asarray(leaves[r[1]])
+
+
+def _sources(reads: tuple, taken: list[Any], owned: list[Any] | None, plan: TreePlan, raw: Callable,
+             unwrap: Callable) -> list[Sources]:
+    """The engine's sources, on the dispatcher thread; ``owned``: the fused path's copies, read from here."""
     out: list[Sources] = []
     for r, t in zip(reads, taken):
         what = r[0]
         if what == "view":
-            if owned:
-                arrs = t._arrays
-                out.append({d: (lambda a=arrs[p]: view(a), None) for p, d in zip(r[2], r[3])})
+            if owned is not None:
+                arrs = owned[r[1]]._arrays
+                out.append({d: (lambda a=arrs[p]: unwrap(raw(a)), None) for p, d in zip(r[2], r[3])})
             else:
-                out.append({d: (lambda v=v: v, None) for v, d in zip(t, r[3])})
+                out.append({d: (lambda v=unwrap(v): v, None) for v, d in zip(t, r[3])})
         elif what in ("copy", "same"):
             out.append({HOST: (lambda a=t: a, None)})
         elif what == "sources":
-            out.append(shards.local_sources(t[0], t[1], t[2], True) if isinstance(t, tuple) else t)
+            out.append(t if owned is None else
+                       shards.local_sources(owned[r[1]], plan.leaves[r[1]].kind, r[2], True))
         else:
             out.append({})
     taken.clear()
@@ -208,10 +245,11 @@ def _copy_numpy(x: np.ndarray) -> np.ndarray:
     return hostbuf.copy(arr)
 
 
-def _fast_view() -> Callable[[Any], np.ndarray]:
-    """``np.asarray`` of a single-device CPU array, without the Python of ``__array__`` where jaxlib has the
-    direct call (a third of the per-shard cost here)."""
+def _fast_view() -> tuple[Callable[[Any], Any], Callable[[Any], np.ndarray]]:
+    """(take, unwrap): ``unwrap(take(a))`` is ``np.asarray`` of a single-device CPU array. Where jaxlib has the
+    direct call, ``take`` is that (it returns (array, copied)), skipping the Python of ``__array__``: a third of
+    the per-shard cost here; the unwrapping runs on the dispatcher thread."""
     direct = getattr(_array_type(), "_single_device_array_to_np_array_did_copy", None)
     if direct is None:
-        return np.asarray
-    return lambda a: direct(a)[0]
+        return np.asarray, lambda v: v
+    return direct, lambda t: t[0]

@@ -212,6 +212,9 @@ def render_save(result: Mapping[str, Any]) -> str:
     parts += ["", "save(): time the call blocks the caller. snapshot: from the save() call until `wait()` returns "
               "(the step is committed in host memory); Orbax total: until `wait_until_finished()` returns. "
               "GB/s = 1e9 bytes per second of snapshot time; ratios are of medians within this run."]
+    if result.get("leaf_sweep"):
+        from jaxckpt.tools.bench.save_leaves import render as render_sweep  # that module imports this one
+        parts += ["", render_sweep(result["leaf_sweep"])]
     return "\n".join(parts)
 
 

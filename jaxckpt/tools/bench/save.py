@@ -3,6 +3,8 @@
 For each state size (a dict of float32 arrays sharded over 8 CPU devices) it measures jaxckpt ``save()`` call
 time, time until ``wait()`` returns, and restore time onto the same shardings; Orbax ``AsyncCheckpointer``
 (StandardSave to tmpfs) save-call, total and restore time; and the machine's memcpy bandwidth as the limit.
+Then the leaf-count sweep (``jaxckpt.tools.bench.save_leaves``): save() call time of jaxckpt (plain and
+``wrap_step``) and Orbax against the number of leaves at the same total bytes.
 Results go to JSON; the BENCHMARKS.md section is rendered from that JSON (``jaxckpt.tools.bench.report``).
 
 JAX must see 8 CPU devices, set before it initialises: if this process has already imported jax, the
@@ -23,7 +25,7 @@ import tempfile
 import time
 from typing import Any
 
-from jaxckpt.tools.bench import memcpy, report, runner
+from jaxckpt.tools.bench import memcpy, report, runner, save_leaves
 
 log = logging.getLogger("jaxckpt.tools.bench")
 
@@ -48,6 +50,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"timed repeats per size (default {FULL['repeats']}, --quick {QUICK['repeats']})")
     p.add_argument("--warmup", type=int, default=None,
                    help=f"untimed rounds first, at least 1 (default {FULL['warmup']}, --quick {QUICK['warmup']})")
+    lf, lq = save_leaves.FULL, save_leaves.QUICK
+    p.add_argument("--leaf-counts", default=None,
+                   help=f"leaf counts of the sweep, comma-separated; 'none' skips it (default {lf['leaf_counts']}, "
+                        f"--quick {lq['leaf_counts']})")
+    p.add_argument("--leaf-total", default=None,
+                   help=f"total state size of the sweep (default {lf['leaf_total']}, --quick {lq['leaf_total']})")
+    p.add_argument("--leaf-repeats", type=int, default=None,
+                   help=f"timed repeats per leaf count (default {lf['leaf_repeats']}, --quick {lq['leaf_repeats']})")
     runner.output_arguments(p, "save", "tiny sizes, few repeats: seconds, for CI")
     p.set_defaults(run=run)
 
@@ -67,12 +77,21 @@ def parse_size(text: str) -> int:
 
 def options(args: argparse.Namespace) -> dict[str, Any]:
     """Effective settings: explicit flags over the --quick or full defaults."""
-    base = QUICK if args.quick else FULL
+    base = {**QUICK, **save_leaves.QUICK} if args.quick else {**FULL, **save_leaves.FULL}
     out = dict(base)
-    for k in ("sizes", "repeats", "warmup"):
-        if getattr(args, k) is not None:
+    for k in ("sizes", "repeats", "warmup", "leaf_counts", "leaf_total", "leaf_repeats"):
+        if getattr(args, k, None) is not None:
             out[k] = getattr(args, k)
     out["sizes"] = [parse_size(s) for s in str(out["sizes"]).split(",") if s.strip()]
+    counts = str(out["leaf_counts"]).strip().lower()
+    try:
+        out["leaf_counts"] = [] if counts == "none" else [int(c) for c in counts.split(",") if c.strip()]
+    except ValueError:
+        raise ValueError(f"bad --leaf-counts {out['leaf_counts']!r}: expected e.g. 8,128,1024 or none") from None
+    out["leaf_total"] = parse_size(str(out["leaf_total"]))
+    if any(c < 1 for c in out["leaf_counts"]) or out["leaf_repeats"] < 1:
+        raise ValueError(f"bench save needs leaf counts >= 1 and --leaf-repeats >= 1 (got {out['leaf_counts']}, "
+                         f"{out['leaf_repeats']})")
     # At least one warm-up round: the first Orbax save and the first jaxckpt plan carry one-off set-up costs.
     if not out["sizes"] or out["repeats"] < 1 or out["warmup"] < 1:
         raise ValueError(f"bench save needs at least one size, --repeats >= 1 and --warmup >= 1 "
@@ -83,9 +102,11 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
 def forwarded(args: argparse.Namespace) -> list[str]:
     """The options of ``args`` as command-line words, so a subprocess or a reader can repeat the run."""
     words = ["--quick"] if args.quick else []
-    for flag, key in (("--sizes", "sizes"), ("--repeats", "repeats"), ("--warmup", "warmup"), ("--json", "json"),
-                      ("--update-md", "update_md"), ("--from-json", "from_json")):
-        if getattr(args, key) is not None:
+    for flag, key in (("--sizes", "sizes"), ("--repeats", "repeats"), ("--warmup", "warmup"),
+                      ("--leaf-counts", "leaf_counts"), ("--leaf-total", "leaf_total"),
+                      ("--leaf-repeats", "leaf_repeats"), ("--json", "json"), ("--update-md", "update_md"),
+                      ("--from-json", "from_json")):
+        if getattr(args, key, None) is not None:
             words += [flag, str(getattr(args, key))]
     return words
 
@@ -149,7 +170,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                  "total %.1f ms, restore %.1f ms", report.fmt_size(nbytes), j["save_call_s"]["median"] * 1e3,
                  j["snapshot_s"]["median"] * 1e3, gbps, j["restore_s"]["median"] * 1e3,
                  o["save_call_s"]["median"] * 1e3, o["total_s"]["median"] * 1e3, o["restore_s"]["median"] * 1e3)
-    return {
+    sweep = None
+    if opts["leaf_counts"]:
+        log.info("bench save: leaf-count sweep %s at %s in total", opts["leaf_counts"],
+                 report.fmt_size(opts["leaf_total"]))
+        sweep = save_leaves.measure(opts, opts["warmup"])
+    out = {
         "bench": "save",
         "mode": "quick" if args.quick else "full",
         "machine": machine,
@@ -164,6 +190,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "memcpy_gbps_stats": mem,
         "results": results,
     }
+    if sweep is not None:
+        out["leaf_sweep"] = sweep
+    return out
 
 
 def _spec_text(spec: tuple) -> str:

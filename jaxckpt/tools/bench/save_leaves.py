@@ -1,0 +1,187 @@
+"""The leaf-count sweep of ``jaxckpt bench save``: save() call time against the number of leaves, same total bytes.
+
+For each leaf count (a dict of float32 arrays, same total bytes, shardings rotating over ``save.SPECS`` on the
+2x4 mesh of 8 CPU devices) it measures, in one run: jaxckpt's plain ``save()`` call; ``wrap_step``: the wrapped
+step's call with and without ``save_step`` and the part of the call spent in the save (``last_save``'s
+``save_call_seconds``: the calling thread's time outside the compiled program); Orbax ``AsyncCheckpointer``'s save
+call (StandardSave to tmpfs); and the cost of one zero-copy host view of a device buffer (what a plain save must
+take per shard read before it returns, so that a donating next step leaves the buffer alone).
+jax is imported inside the functions: the caller (``save.measure``) has configured 8 CPU devices first.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import shutil
+import time
+from typing import Any, Mapping
+
+from jaxckpt.tools.bench import report
+
+log = logging.getLogger("jaxckpt.tools.bench")
+
+FULL = {"leaf_counts": "8,128,1024,4096", "leaf_total": "64M", "leaf_repeats": 5}
+QUICK = {"leaf_counts": "8,64", "leaf_total": "1M", "leaf_repeats": 3}
+
+
+def make_state(n_leaves: int, total_bytes: int) -> dict[str, Any]:
+    """``n_leaves`` float32 arrays of about ``total_bytes`` together, each sharded over all 8 devices."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jaxckpt.tools.bench.save import DEVICES, MESH, SPECS
+
+    mesh = Mesh(np.array(jax.devices()[:DEVICES]).reshape(MESH), ("data", "model"))
+    per_leaf = max(DEVICES * DEVICES, total_bytes // 4 // n_leaves)
+    cols = 64 if per_leaf >= 64 * 64 else DEVICES
+    rows = max(DEVICES, per_leaf // cols // DEVICES * DEVICES)
+    host = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols)
+    state = {f"layer{i:05d}/w": jax.device_put(host + np.float32(i), NamedSharding(mesh, P(*SPECS[i % len(SPECS)])))
+             for i in range(n_leaves)}
+    return jax.block_until_ready(state)
+
+
+def _step(state: dict[str, Any]) -> dict[str, Any]:
+    import jax
+    return jax.tree.map(lambda x: x * 0.5 + 1.0, state)
+
+
+def bench_plain(state: dict[str, Any], repeats: int, warmup: int) -> dict[str, Any]:
+    """jaxckpt ``save()`` call seconds, the state unchanged between saves."""
+    from jaxckpt import Checkpointer, Config
+
+    call = []
+    with Checkpointer(Config()) as ck:
+        for i in range(max(warmup, 2) + repeats):
+            t0 = time.perf_counter()
+            ck.save(i + 1, state)
+            t1 = time.perf_counter()
+            ck.wait()
+            if i >= max(warmup, 2):
+                call.append(t1 - t0)
+    return report.summarize(call)
+
+
+def bench_wrap_step(state: dict[str, Any], repeats: int, warmup: int) -> dict[str, Any]:
+    """The wrapped (donating) step: plain call, call with ``save_step``, and the save's part of the latter."""
+    import jax
+    import jax.numpy as jnp
+    from jaxckpt import Checkpointer, Config
+
+    state = jax.tree.map(jnp.copy, state)  # donated below: the caller's state stays
+    plain, fused, save = [], [], []
+    with Checkpointer(Config()) as ck:
+        step = ck.wrap_step(_step)
+        for i in range(max(warmup, 2) + repeats):
+            t0 = time.perf_counter()
+            state = step(state)
+            t1 = time.perf_counter()
+            jax.block_until_ready(state)
+            t2 = time.perf_counter()
+            state = step(state, save_step=i + 1)
+            t3 = time.perf_counter()
+            jax.block_until_ready(state)
+            ck.wait()
+            if i >= max(warmup, 2):
+                plain.append(t1 - t0)
+                fused.append(t3 - t2)
+                save.append(step.last_save.save_call_seconds)
+    del state
+    return {"plain_step_call_s": report.summarize(plain), "wrap_step_call_s": report.summarize(fused),
+            "wrap_step_save_s": report.summarize(save)}
+
+
+def bench_orbax_call(state: dict[str, Any], repeats: int, warmup: int) -> dict[str, Any]:
+    """Orbax AsyncCheckpointer save() call seconds (StandardSave to tmpfs)."""
+    import orbax.checkpoint as ocp
+
+    from jaxckpt.tools.bench.save import _tmpfs_dir
+
+    call = []
+    root = _tmpfs_dir()
+    ckptr = ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler())
+    try:
+        for i in range(warmup + repeats):
+            path = os.path.join(root, f"r{i}")
+            t0 = time.perf_counter()
+            ckptr.save(path, args=ocp.args.StandardSave(state))
+            t1 = time.perf_counter()
+            ckptr.wait_until_finished()
+            shutil.rmtree(path)
+            if i >= warmup:
+                call.append(t1 - t0)
+    finally:
+        ckptr.close()
+        shutil.rmtree(root, ignore_errors=True)
+    return report.summarize(call)
+
+
+def view_seconds_per_shard(state: dict[str, Any], repeats: int = 3) -> float:
+    """Seconds per zero-copy host view of one local device buffer (best of ``repeats`` passes over the state)."""
+    import numpy as np
+
+    from jaxckpt.jax.snapshot import _fast_view
+
+    take, _ = _fast_view()
+    arrays = [x._arrays for x in state.values()]
+    n = sum(len(a) for a in arrays)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        views = [take(a) for arrs in arrays for a in arrs]
+        best = min(best, time.perf_counter() - t0)
+        del views
+    return best / max(n, 1) if n else float(np.nan)
+
+
+def measure(opts: Mapping[str, Any], warmup: int) -> dict[str, Any]:
+    """The sweep's result object (``leaf_sweep`` in the ``bench save`` JSON)."""
+    rows = []
+    for n in opts["leaf_counts"]:
+        state = make_state(n, opts["leaf_total"])
+        nbytes = sum(x.nbytes for x in state.values())
+        shards = sum(len(x.sharding.addressable_devices) for x in state.values())
+        reps = opts["leaf_repeats"]
+        plain = bench_plain(state, reps, warmup)
+        gc.collect()
+        wrapped = bench_wrap_step(state, reps, warmup)
+        gc.collect()
+        orbax = bench_orbax_call(state, reps, warmup)
+        view = view_seconds_per_shard(state)
+        del state
+        gc.collect()
+        row = {"leaves": n, "shards": shards, "size_bytes": nbytes, "jaxckpt_save_call_s": plain, **wrapped,
+               "orbax_save_call_s": orbax, "view_s_per_shard": view,
+               "orbax_over_jaxckpt": orbax["median"] / plain["median"],
+               "orbax_over_wrap_step_save": orbax["median"] / wrapped["wrap_step_save_s"]["median"]}
+        rows.append(row)
+        log.info("%d leaves (%d shards, %s): save() %.2f ms, wrap_step save %.2f ms (step %.1f ms, with save %.1f "
+                 "ms), Orbax save() %.1f ms; one shard view %.2f us", n, shards, report.fmt_size(nbytes),
+                 plain["median"] * 1e3, wrapped["wrap_step_save_s"]["median"] * 1e3,
+                 wrapped["plain_step_call_s"]["median"] * 1e3, wrapped["wrap_step_call_s"]["median"] * 1e3,
+                 orbax["median"] * 1e3, view * 1e6)
+    return {"total_bytes": opts["leaf_total"], "repeats": opts["leaf_repeats"], "rows": rows}
+
+
+def render(sweep: Mapping[str, Any]) -> str:
+    """The sweep's table and its reading, for the ``bench save`` section."""
+    rows = []
+    for r in sweep["rows"]:
+        rows.append([str(r["leaves"]), str(r["shards"]), report.fmt_ms(r["jaxckpt_save_call_s"]),
+                     report.fmt_ms(r["wrap_step_save_s"]), report.fmt_ms(r["plain_step_call_s"]),
+                     report.fmt_ms(r["wrap_step_call_s"]), report.fmt_ms(r["orbax_save_call_s"]),
+                     f"{report.fmt_num(r['orbax_over_jaxckpt'])}x", f"{report.fmt_num(r['orbax_over_wrap_step_save'])}x",
+                     report.fmt_num(r["view_s_per_shard"] * 1e6)])
+    return "\n".join([
+        f"#### save() against the number of leaves ({report.fmt_size(sweep['total_bytes'])} in total, "
+        f"median (min–max) of {sweep['repeats']} repeats)", "",
+        report.table(["leaves", "local shards", "jaxckpt save() ms", "wrap_step save ms", "step ms",
+                      "step with save_step ms", "Orbax save() ms", "Orbax/save()", "Orbax/wrap_step save",
+                      "us per shard view"], rows), "",
+        "wrap_step save: the calling thread's time in the save during a call with `save_step` (the compiled "
+        "program excluded); step / step with save_step: the wrapped donating step's call without and with it. "
+        "A plain save() must take one zero-copy view of each shard it reads before it returns (so that a "
+        "donating next step leaves the buffer alone): the last column is that cost, measured in the same run.",
+    ])
