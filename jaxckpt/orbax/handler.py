@@ -11,9 +11,15 @@ Usage inside a plain ``ocp.CheckpointManager``::
     state = mngr.restore(step, args=ocp.args.Composite(state=SnapshotRestore(target)))["state"]
 
 The snapshot's bytes live in the wrapped :class:`jaxckpt.Checkpointer`'s store; the item directory Orbax hands the
-handler receives only a small JSON marker (``jaxckpt_snapshot.json``: step, job id, bytes, process count), so
-Orbax's own step bookkeeping (``all_steps``, ``latest_step``, ``max_to_keep`` deleting step directories) works as
-usual. Restore follows the marker to the in-memory snapshot, onto the target's shardings.
+handler receives only a small JSON marker (``jaxckpt_snapshot.json``: step, job id, bytes, process count, and the
+saved tree's layout, ``jaxckpt.orbax.layout``), so Orbax's own step bookkeeping (``all_steps``, ``latest_step``,
+``max_to_keep`` deleting step directories) works as usual. Restore follows the marker to the in-memory snapshot.
+
+Orbax's args and semantics. Besides ``SnapshotSave``/``SnapshotRestore`` the handler takes the args an Orbax user
+already passes (``StandardSave``/``PyTreeSave`` with ``save_args`` and ``custom_metadata``,
+``StandardRestore``/``PyTreeRestore`` with ``restore_args``, ``partial_restore``, ``strict``), so registering it
+for an item is the only change, and restores as Orbax's pytree handlers do: see ``jaxckpt.orbax.layout``.
+``metadata()`` gives Orbax's ``.tree`` (``ArrayMetadata`` with shardings) and ``.custom_metadata``.
 
 The step number. Orbax does not pass the step to item handlers, only a directory such as
 ``<root>/<step>.orbax-checkpoint-tmp/<item>.orbax-checkpoint-tmp``. ``SnapshotSave(state, step=k)`` sets it
@@ -21,12 +27,18 @@ explicitly; without it the step is parsed from the parent (step) directory's nam
 ``step_from_checkpoint_name``, the function its standard name format uses to list steps, so with that format the
 snapshot's step is the step ``CheckpointManager.all_steps()`` reports. Pass ``step=`` with a custom
 ``step_name_format`` or when using the handler outside a CheckpointManager (a bare ``ocp.Checkpointer`` saving
-to a user's path is recognised and refused without it). The marker records the step, so restore never parses.
+to a user's path is recognised and refused without it; with Orbax's standard args the next free step is taken,
+as Orbax's handlers need no step). The marker records the step, so restore never parses. A step Orbax writes
+again (``overwrite``, ``delete(s)`` then ``save(s)``, a second manager on the same Checkpointer) is snapshotted
+as the next free jaxckpt step, which its marker names.
 
 Retention. ``Config.keep`` bounds the snapshots held in memory (set it to at least ``max_to_keep`` to restore
 every step Orbax lists). When Orbax deletes a step directory the handler frees that step's snapshot at its next
 save or restore, and in any case restore only serves a step through a marker Orbax still holds; a marker whose
-snapshot memory no longer holds raises :class:`jaxckpt.errors.StepNotFoundError` naming the step.
+snapshot memory no longer holds raises :class:`jaxckpt.errors.StepNotFoundError` naming the step, unless
+``Config.persistent_dir`` holds it (then it is read from there). After a restart that lost memory
+(``store="memory"``), ``SnapshotHandler(directory=root)`` renames away the steps that cannot be restored, so
+``latest_step()`` names one that can (or None: start fresh).
 """
 from __future__ import annotations
 
@@ -51,7 +63,8 @@ from jaxckpt.orbax import layout as lay
 
 log = logging.getLogger("jaxckpt.orbax")
 
-__all__ = ["SnapshotHandler", "SnapshotRestore", "SnapshotSave", "MARKER_NAME", "default_checkpointer"]
+__all__ = ["SnapshotHandler", "SnapshotMetadata", "SnapshotRestore", "SnapshotSave", "MARKER_NAME",
+           "default_checkpointer"]
 
 MARKER_NAME = "jaxckpt_snapshot.json"
 MARKER_FORMAT = "jaxckpt-orbax-snapshot"
