@@ -64,17 +64,19 @@ def _row(path: str, meta: ArrayMeta, step: int, process: int) -> Box:
     return Box((process,) + (0,) * (len(meta.shape) - 1), (process + 1,) + tuple(meta.shape[1:]))
 
 
-def _into(meta: ArrayMeta, dest: torch.Tensor, then: Any, box: Box | None = None) -> ArrayRequest:
-    """Copy ``box`` (default: the whole array) into ``dest`` (any device) and return ``then``. A contiguous CPU
-    tensor is assembled into directly (one copy, however many saved chunks make the box); others get the host
-    box copied in."""
+def _into(meta: ArrayMeta, dest: torch.Tensor, then: Any, box: Box | None = None,
+          done: Callable[[torch.Tensor], Any] | None = None) -> ArrayRequest:
+    """Copy ``box`` (default: the whole array) into ``dest`` (any device) and return ``then`` (or ``done(dest)``).
+    A contiguous CPU tensor is assembled into directly (one copy, however many saved chunks make the box);
+    others get the host box copied in."""
+    finish = (lambda: done(dest)) if done is not None else (lambda: then)
     if dest.device.type == "cpu" and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg():
-        return ArrayRequest.whole(meta, lambda _: then, box=box, out=numpy_view(dest))
+        return ArrayRequest.whole(meta, lambda _: finish(), box=box, out=numpy_view(dest))
 
     def copy(host: np.ndarray) -> Any:
         with torch.no_grad():
             dest.copy_(from_numpy(host, dest.dtype))
-        return then
+        return finish()
     return ArrayRequest.whole(meta, copy, box=box)
 
 
@@ -82,15 +84,16 @@ def _host(meta: ArrayMeta, dtype: torch.dtype, device: torch.device, then: Calla
           box: Box | None = None, shape: tuple[int, ...] | None = None) -> ArrayRequest:
     """A new tensor of ``box`` (default: the whole array) on ``device`` (meta: CPU), reshaped to ``shape``.
 
-    On CPU the tensor is the private host box itself; for another device the host box may be a view of the
-    saved bytes, copied once by the transfer."""
-    on_cpu = device.type in ("cpu", "meta")
+    On CPU the box is assembled straight into a new tensor; for another device the host box may be a view of
+    the saved bytes, copied once by the transfer."""
+    if device.type in ("cpu", "meta"):
+        new = torch.empty((box or Box.full(meta.shape)).shape, dtype=dtype)
+        return _into(meta, new, None, box, lambda t: then(t.reshape(shape) if shape is not None else t))
 
     def make(host: np.ndarray) -> Any:
         t = from_numpy(host, dtype)
-        t = t.reshape(shape) if shape is not None else t
-        return then(t if on_cpu else t.to(device))
-    return ArrayRequest.whole(meta, make, private=on_cpu, box=box)
+        return then((t.reshape(shape) if shape is not None else t).to(device))
+    return ArrayRequest.whole(meta, make, box=box)
 
 
 def _tensor(path: str, meta: ArrayMeta, t: torch.Tensor, in_place: bool) -> ArrayRequest:

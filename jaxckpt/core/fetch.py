@@ -29,6 +29,9 @@ log = logging.getLogger("jaxckpt.core.fetch")
 
 __all__ = ["ByteSource", "ChunkReader", "Source", "assemble", "buffer_source"]
 
+# A chunk under this size read from this node's memory is read on the calling thread during a prefetch.
+INLINE_BYTES = 256 << 10
+
 # What a failing source raises; anything else is a bug and propagates at once.
 SOURCE_ERRORS = (ChecksumError, PeerError, StepNotFoundError, StoreUnavailableError, OSError)
 
@@ -211,10 +214,35 @@ class ChunkReader:
             for path, c in todo:
                 self.raw(path, c)
             return
-        with ThreadPoolExecutor(max_workers=min(self._workers, len(todo)), thread_name_prefix="jaxckpt-fetch") as ex:
-            futures = [ex.submit(self.raw, path, c) for path, c in todo]
-        for f in futures:
-            f.result()  # the first failure, in plan order
+        # A small chunk from this node's memory costs less to read than to hand to a thread: those are read
+        # here while the pool fetches the rest.
+        inline = [self._cheap(c) for _, c in todo]
+        pooled = [pc for pc, cheap in zip(todo, inline) if not cheap]
+        errors: dict[int, BaseException] = {}
+        ex = ThreadPoolExecutor(max_workers=min(self._workers, len(pooled)), thread_name_prefix="jaxckpt-fetch") \
+            if pooled else None
+        try:
+            futures = {i: ex.submit(self.raw, path, c) for i, ((path, c), cheap) in enumerate(zip(todo, inline))
+                       if not cheap} if ex is not None else {}
+            for i, ((path, c), cheap) in enumerate(zip(todo, inline)):
+                if cheap:
+                    try:
+                        self.raw(path, c)
+                    except Exception as e:  # noqa: BLE001 - raised below, in plan order, once all have ended
+                        errors[i] = e
+        finally:
+            if ex is not None:
+                ex.shutdown(wait=True)
+        for i, f in futures.items():
+            if f.exception() is not None:
+                errors[i] = f.exception()
+        if errors:
+            raise errors[min(errors)]  # the first failure, in plan order
+
+    def _cheap(self, chunk: ChunkMeta) -> bool:
+        """Whether ``chunk`` is small and its first source is this node's memory (kinds local and node)."""
+        sources = self._sources.get(chunk.process)
+        return chunk.nbytes < INLINE_BYTES and bool(sources) and sources[0].kind in ("local", "node")
 
     def finish(self) -> RestoreReport:
         """The report, with the time since this reader was made."""

@@ -35,7 +35,7 @@ from jaxckpt.core.dtypes import dtype_from_name
 from jaxckpt.core.fetch import ChunkReader, assemble
 from jaxckpt.core.manifest import ArrayMeta, ChunkMeta, Manifest
 from jaxckpt.core.plan import HOST, Assembly
-from jaxckpt.core.timeline import RestoreTimeline
+from jaxckpt.core.timeline import RestoreTimeline, Tally
 
 if TYPE_CHECKING:
     from jaxckpt.core.engine import CheckpointEngine
@@ -86,6 +86,20 @@ class _Job:
     plans: list[Assembly]
     dtype: np.dtype
     nbytes: int
+    big: list[Assembly]  # boxes whose assembly copies at least PARALLEL_BYTES
+    big_bytes: int
+
+
+def _job(request: ArrayRequest, plans: list[Assembly]) -> _Job:
+    dtype = dtype_from_name(request.meta.dtype)
+    sizes = [a.box.size * dtype.itemsize for a in plans]
+    out, big = request.out or {}, []
+    for a, n in zip(plans, sizes):
+        # A box that is exactly one saved chunk is a view unless it must be private or go into ``out``.
+        copies = request.private or a.box in out or not a.whole_chunk
+        if copies and n >= PARALLEL_BYTES:
+            big.append(a)
+    return _Job(request, plans, dtype, sum(sizes), big, sum(a.box.size for a in big) * dtype.itemsize)
 
 
 def restore_step(engine: "CheckpointEngine", step: int | None,
@@ -113,43 +127,45 @@ def restore_leaves(items: Iterable[ArrayRequest | Any], reader: ChunkReader, *, 
     timeline = reader.report.timeline
     jobs: list[Any] = []
     chunks: list[tuple[str, ChunkMeta]] = []
-    for item in items:
-        if not isinstance(item, ArrayRequest):
-            jobs.append(item)
-            continue
-        t0 = time.perf_counter()
-        plans = _plan.plan_restore(item.meta, item.needed, step=step, prefer_process=process)
-        dtype = dtype_from_name(item.meta.dtype)
-        nbytes = sum(a.box.size for a in plans) * dtype.itemsize
-        chunks += [(item.meta.path, r.chunk) for a in plans for r in a.reads]
-        timeline.record("plan", t0, time.perf_counter(), nbytes)
-        jobs.append(_Job(item, plans, dtype, nbytes))
+    planning = Tally("plan")
+    try:
+        for item in items:
+            if not isinstance(item, ArrayRequest):
+                jobs.append(item)
+                continue
+            t0 = time.perf_counter()
+            plans = _plan.plan_restore(item.meta, item.needed, step=step, prefer_process=process)
+            job = _job(item, plans)
+            chunks += [(item.meta.path, r.chunk) for a in plans for r in a.reads]
+            planning.add(t0, time.perf_counter(), job.nbytes)
+            jobs.append(job)
+    finally:
+        planning.flush(timeline)
     reader.prefetch(chunks)
     return _build(jobs, reader, timeline)
 
 
-def _copies(a: Assembly, job: _Job) -> int:
-    """Bytes assembling ``a`` copies, as far as is known before (a lent private chunk may copy none)."""
-    r = job.request
-    if a.whole_chunk and not r.private and (r.out is None or a.box not in r.out):
-        return 0
-    return a.box.size * job.dtype.itemsize
-
-
-def _assemble(a: Assembly, job: _Job, reader: ChunkReader, timeline: RestoreTimeline) -> np.ndarray:
+def _assemble(a: Assembly, job: _Job, reader: ChunkReader, tally: Tally | None = None,
+              timeline: RestoreTimeline | None = None) -> np.ndarray:
+    """One host box; timed into ``tally`` (this thread's) or straight into ``timeline`` (a pool thread)."""
     t0 = time.perf_counter()
     out = job.request.out.get(a.box) if job.request.out is not None else None
     host = assemble(a, job.dtype, reader, job.request.private, out=out)
-    timeline.record("assemble", t0, time.perf_counter(), a.box.size * job.dtype.itemsize)
+    nbytes = a.box.size * job.dtype.itemsize
+    if tally is not None:
+        tally.add(t0, time.perf_counter(), nbytes)
+    else:
+        timeline.record("assemble", t0, time.perf_counter(), nbytes)
     return host
 
 
 def _build(jobs: list[Any], reader: ChunkReader, timeline: RestoreTimeline) -> list[Any]:
     """Assemble and make every job in order, big boxes of the next arrays assembled ahead on the pool."""
     out: list[Any] = []
-    ahead: dict[int, dict[Box, Future]] = {}  # job index -> its boxes being assembled on the pool
+    ahead: dict[int, dict[Box, Future]] = {}  # job index -> its big boxes being assembled on the pool
     ahead_bytes, nxt = 0, 0
     pool = _pool()
+    assembling, making = Tally("assemble"), Tally("device_put")
     try:
         for i, job in enumerate(jobs):
             if not isinstance(job, _Job):
@@ -157,21 +173,24 @@ def _build(jobs: list[Any], reader: ChunkReader, timeline: RestoreTimeline) -> l
                 continue
             while nxt < len(jobs) and (nxt <= i or ahead_bytes < LOOKAHEAD_BYTES):
                 j = jobs[nxt]
-                if isinstance(j, _Job):
-                    big = [a for a in j.plans if _copies(a, j) >= PARALLEL_BYTES]
-                    # A lone big box of the array needed now is assembled here: a task would only add a hop.
-                    if big and not (nxt == i and len(big) == 1):
-                        ahead[nxt] = {a.box: pool.submit(_assemble, a, j, reader, timeline) for a in big}
-                        ahead_bytes += sum(_copies(a, j) for a in big)
+                # A lone big box of the array needed now is assembled here: a task would only add a hop.
+                if isinstance(j, _Job) and j.big and not (nxt == i and len(j.big) == 1):
+                    ahead[nxt] = {a.box: pool.submit(_assemble, a, j, reader, None, timeline) for a in j.big}
+                    ahead_bytes += j.big_bytes
                 nxt += 1
-            mine = ahead.pop(i, {})
-            hosts = {a.box: mine[a.box].result() if a.box in mine else _assemble(a, job, reader, timeline)
-                     for a in job.plans}
-            ahead_bytes -= sum(_copies(a, job) for a in job.plans if a.box in mine)
+            mine = ahead.pop(i, None)
+            if mine is None:
+                hosts = {a.box: _assemble(a, job, reader, assembling) for a in job.plans}
+            else:
+                hosts = {a.box: mine[a.box].result() if a.box in mine else _assemble(a, job, reader, assembling)
+                         for a in job.plans}
+                ahead_bytes -= job.big_bytes
             t0 = time.perf_counter()
             out.append(job.request.make(hosts))
-            timeline.record("device_put", t0, time.perf_counter(), job.nbytes)
+            making.add(t0, time.perf_counter(), job.nbytes)
     finally:
+        assembling.flush(timeline)
+        making.flush(timeline)
         # After an error no assembly may outlive the restore: the chunks it reads are views of sources that
         # are released when the step closes.
         for fs in ahead.values():

@@ -55,13 +55,18 @@ class RestoreTimeline:
 
     def record(self, name: str, start: float, end: float, nbytes: int = 0, count: int = 1) -> None:
         """Add one operation of phase ``name`` that ran from ``start`` to ``end`` (``time.perf_counter``)."""
+        self.add(name, start, end, max(0.0, end - start), nbytes, count)
+
+    def add(self, name: str, first: float, last: float, busy_s: float, nbytes: int, count: int) -> None:
+        """Add ``count`` operations of phase ``name`` that ran between ``first`` and ``last`` for ``busy_s``
+        seconds in all (a caller's own tally of many small operations, recorded once)."""
         with self._lock:
             p = self.phases.setdefault(name, Phase())
-            p.busy_s += max(0.0, end - start)
+            p.busy_s += busy_s
             p.nbytes += nbytes
             p.count += count
-            p._first = start if p._first is None else min(p._first, start)
-            p._last = end if p._last is None else max(p._last, end)
+            p._first = first if p._first is None else min(p._first, first)
+            p._last = last if p._last is None else max(p._last, last)
             p.seconds = max(0.0, p._last - p._first)
 
     def read(self, kind: str, start: float, end: float, nbytes: int, count: int = 1) -> None:
@@ -90,3 +95,25 @@ class RestoreTimeline:
                     size = f"{p.nbytes} bytes " if p.nbytes else ""
                     parts.append(f"{name} {size}{p.seconds:.3f}s")
         return ", ".join(parts) or "none"
+
+
+class Tally:
+    """Operations of one phase timed on one thread, recorded into a timeline at once (``flush``)."""
+
+    __slots__ = ("name", "first", "last", "busy_s", "nbytes", "count")
+
+    def __init__(self, name: str) -> None:
+        self.name, self.first, self.last, self.busy_s, self.nbytes, self.count = name, None, 0.0, 0.0, 0, 0
+
+    def add(self, start: float, end: float, nbytes: int) -> None:
+        if self.first is None:
+            self.first = start
+        self.last = end
+        self.busy_s += end - start
+        self.nbytes += nbytes
+        self.count += 1
+
+    def flush(self, timeline: "RestoreTimeline") -> None:
+        if self.count:
+            timeline.add(self.name, self.first, self.last, self.busy_s, self.nbytes, self.count)
+        self.first, self.busy_s, self.nbytes, self.count = None, 0.0, 0, 0
