@@ -513,9 +513,13 @@ def run_chaos(profile: str = "quick", seed: int = 0, **kw: Any) -> dict:
 # ---------------------------------------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``jaxckpt chaos [--profile quick|long] [--seed N] [--trials N] [--jax-trials N] [--faults K,..] [--json]``."""
-    p.add_argument("--profile", choices=sorted(PROFILES), default="quick",
+    from jaxckpt.tools.chaos import soak
+
+    p.add_argument("--profile", choices=sorted([*PROFILES, *soak.PROFILES]), default="quick",
                    help="quick: 50 trials + 2 JAX trials on 2 nodes (CI); long: 500 + 20 on 3 nodes; both with "
-                        "protection hybrid")
+                        "protection hybrid; soak: 20,000 steps on 3 nodes with a fault every 4,000, sampling every "
+                        "process for growth (jaxckpt/tools/chaos/soak.py); soak-quick: 300 steps")
+    p.add_argument("--steps", type=int, default=None, help="soak profiles: steps to train (default: the profile's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trials", type=int, default=None, help="numpy-trainer trials (default: the profile's)")
     p.add_argument("--jax-trials", type=int, default=None, help="JAX-trainer trials (default: the profile's)")
@@ -536,6 +540,10 @@ def run_cli(args: argparse.Namespace) -> int:
     """Exit 0 when every fault was recovered from, with no wrong restore, no hang and no unexpected loss."""
     if args.from_json:
         return _render_kept(args)
+    from jaxckpt.tools.chaos import soak
+
+    if args.profile in soak.PROFILES:
+        return soak.run_cli(args)
     faults = [f for f in args.faults.split(",") if f] or None
     profile = PROFILES[args.profile]
     if args.protection is not None:
@@ -557,6 +565,10 @@ def _render_kept(args: argparse.Namespace) -> int:
 
     try:
         record = read_json(args.from_json)
+        if isinstance(record, dict) and record.get("bench") == "soak":  # jaxckpt/tools/chaos/soak.py renders it
+            from jaxckpt.tools.chaos import soak
+
+            return soak.render_kept(args, record)
         md = chaos_report.render_record(record)
     except (OSError, ValueError, KeyError) as e:
         print(f"jaxckpt chaos --from-json {args.from_json}: {e}", file=sys.stderr)

@@ -159,7 +159,8 @@ class Trainer:
             return RESTART
         first = self.first = (restored or 0) + 1
         if "after" in self.fault:  # the after-th snapshot step from here on
-            saves = [s for s in range(first, first + 100 * self.spec["interval"]) if s % self.spec["interval"] == 0]
+            span = (self.fault["after"] + 100) * self.spec["interval"]  # a soak pushes "after" past its segment
+            saves = [s for s in range(first, first + span) if s % self.spec["interval"] == 0]
             self.fault["step"] = saves[self.fault["after"] - 1]
         self.train(eng, first)
         eng.close()
@@ -215,6 +216,8 @@ class Trainer:
             self.step = step
             arrays, values = state(s["seed"], step, self.n)  # the step's work
             time.sleep(s["step_time_s"])
+            if s.get("test_leak"):
+                self.test_leak(s["test_leak"])
             self.emit("trained", step=step)
             if step % s["interval"] == 0:
                 leaves = [mf.LeafMeta(k, (("key", k),), v) for k, v in values.items()]
@@ -230,6 +233,16 @@ class Trainer:
             h.wait_local(s["timeout_s"])
         self.drain(pending, wait=True)
         self.emit("done", step=self.step)
+
+    def test_leak(self, leak: dict) -> None:
+        """A TEST FAULT, for tests/test_soak.py only: leak ``per_step`` open fds (kind "fds") or ``kib`` KiB of
+        written memory (kind "memory") every step, so that the soak's growth detector has a real leak to find."""
+        held = self.__dict__.setdefault("_test_leaked", [])
+        for _ in range(int(leak.get("per_step", 1))):
+            if leak["kind"] == "fds":
+                held.append(os.open(os.devnull, os.O_RDONLY))
+            else:  # written, not zero-filled: calloc'd pages would never become resident
+                held.append(bytearray(b"\x5a") * (int(leak.get("kib", 64)) << 10))
 
     def report_protected(self, eng) -> None:
         """Emit the newest step whose redundancy is in place on every node, when it changes."""
