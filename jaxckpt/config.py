@@ -78,6 +78,9 @@ class Config:
     # service. ``restore_workers`` chunk fetches run in parallel per process.
     agent_dirs: str = ""
     restore_workers: int = 4
+    # Multi-process JAX restores onto a target: arrays replicated over processes are formed by XLA's collective
+    # from the share each node holds (jaxckpt.core.routes) instead of fetched whole by every process.
+    restore_collective: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

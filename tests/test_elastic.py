@@ -11,6 +11,7 @@ the memory. New jobs with their own coordination service then restore, with no f
 A second job is SIGKILLed mid-training (a save in flight), relaunched with the same 4 processes, restores from its
 node agents and continues bit for bit. Agents are stopped and /dev/shm cleaned by the module fixture.
 """
+import dataclasses
 import os
 import re
 import shutil
@@ -257,10 +258,14 @@ def relaunch_job(base: str, job: str):
         latest = ck.latest_step()
         ref = _trained(mesh, latest)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), ref)
+        got = ck.restore({**abstract, "step": 0})  # through the collective (the default)
+        collective = ck.last_restore_report.to_dict()
+        restored_collective = got["step"] == latest and _same({k: got[k] for k in ("params", "opt")}, ref)
+        ck.config = dataclasses.replace(ck.config, restore_collective=False)  # each process fetches what it needs
         got = ck.restore({**abstract, "step": 0})
         assert got["step"] == latest
         report = ck.last_restore_report.to_dict()
-        restored = _same({k: got[k] for k in ("params", "opt")}, ref)
+        restored = _same({k: got[k] for k in ("params", "opt")}, ref) and restored_collective
         st, train = {k: got[k] for k in ("params", "opt")}, _train_step()
         for step in range(latest + 1, 7):  # continue training, saving as before
             st = train(st)
@@ -268,7 +273,8 @@ def relaunch_job(base: str, job: str):
         continued = _same(st, _trained(mesh, 6))
         steps = ck.all_steps()
         multihost_utils.sync_global_devices("continued")
-    return {"latest": latest, "restored": restored, "continued": continued, "report": report, "steps": steps}
+    return {"latest": latest, "restored": restored, "continued": continued, "report": report, "steps": steps,
+            "collective": collective}
 
 
 # ---------------------------------------------------------------------------------------- pure planning
@@ -357,9 +363,14 @@ def test_agents_serve_their_node_with_a_private_token(saved):
             conn.close()
 
 
+# The fetch path (every process reads what it needs from whichever agent holds it); the collective path of the
+# same restores is tested below and in tests/test_restore_collective.py.
+FETCH_ENV = {**ENV, "JAXCKPT_RESTORE_COLLECTIVE": "0"}
+
+
 def test_restore_4_to_2_processes_tensor_parallel(saved):
     values = expect_ok(launch(restore_job, nodes=2, procs_per_node=1, devices_per_proc=2,
-                              args=(BASE, JOB, [1, 4], "tp"), env=ENV, timeout=180))
+                              args=(BASE, JOB, [1, 4], "tp"), env=FETCH_ENV, timeout=180))
     assert [v["latest"] for v in values] == [3, 3]  # step 4 lacks process 3: the newest step held for all is 3
     for v in values:
         r = v["report"]
@@ -370,9 +381,23 @@ def test_restore_4_to_2_processes_tensor_parallel(saved):
         assert set(r["bytes_by_process"]) == {"0", "1", "2", "3"}
 
 
+def test_restore_4_to_2_processes_through_the_collective(saved):
+    """The same restore with the collective: each new process reads only its node's agent (the old processes of
+    its node); what it lacks the collective brings, so nothing crosses the host transport."""
+    values = expect_ok(launch(restore_job, nodes=2, procs_per_node=1, devices_per_proc=2,
+                              args=(BASE, JOB, [1, 4], "tp"), env=ENV, timeout=180))
+    assert [v["latest"] for v in values] == [3, 3]
+    for v in values:
+        r = v["report"]
+        assert r["step"] == 3 and not r["fallbacks"]
+        assert set(r["bytes_by_kind"]) <= {"local", "node"} and r["transport_bytes"] == 0, r["bytes_by_kind"]
+        assert "collective" in r["routes"].values() and r["collective_bytes"] > 0, r["routes"]
+        assert r["timeline"]["collective"]["nbytes"] == r["collective_bytes"]
+
+
 def test_restore_4_to_8_processes_on_4_nodes_other_mesh(saved):
     values = expect_ok(launch(restore_job, nodes=4, procs_per_node=2, devices_per_proc=1,
-                              args=(BASE, JOB, [2, 4], "mixed"), env=ENV, timeout=240))
+                              args=(BASE, JOB, [2, 4], "mixed"), env=FETCH_ENV, timeout=240))
     assert [v["latest"] for v in values] == [3] * 8
     for i, v in enumerate(values):
         kinds = set(v["report"]["bytes_by_kind"])
@@ -408,7 +433,11 @@ def test_corrupt_agent_memory_is_routed_around_or_named(saved):
             f.seek(chunk.offset + 5)
             f.write(bytes([byte ^ 0x40]))
         values = expect_ok(launch(corrupt_job, nodes=1, procs_per_node=2, devices_per_proc=1,
-                                  args=(BASE, JOB, mirror), env=ENV, timeout=180))
+                                  args=(BASE, JOB, mirror), env=FETCH_ENV, timeout=180))
+        # through the collective: node 1's chunks are read by one process each, so one process meets the corrupt
+        # chunk; every process still raises its ChecksumError (the others naming that process)
+        collective = expect_ok(launch(corrupt_job, nodes=1, procs_per_node=2, devices_per_proc=1,
+                                      args=(BASE, JOB, mirror), env=ENV, timeout=180))
     finally:
         proto.stop_agent(mirror, JOB, timeout_s=30)
         agent.wait(timeout=30)
@@ -425,6 +454,12 @@ def test_corrupt_agent_memory_is_routed_around_or_named(saved):
         assert v["latest"] == 3 and len(r["fallbacks"]) == 1 and "params/w: step 3 chunk of process 2" in \
             r["fallbacks"][0] and "read from remote source agent of node ~mirror1" in r["fallbacks"][0]
         assert any("~mirror1" in s for s in r["bytes_by_source"])
+    for v in collective:
+        assert re.search(rf"params/w: step 3 chunk {box} of process 2 failed its crc32c "
+                         rf"check \(corrupt\) at agent of node .* at tcp://", v["error"]), v["error"]
+        assert v["latest"] == 3 and v["report"]["routes"]["params/w"] == "collective"
+    assert sum(len(v["report"]["fallbacks"]) for v in collective) == 1
+    assert sum(any("~mirror1" in s for s in v["report"]["bytes_by_source"]) for v in collective) == 1
     assert agent.returncode == 0 and not os.path.exists(mirror)
 
 
@@ -448,3 +483,7 @@ def test_same_job_restarts_after_sigkill_from_its_node_agents():
         assert v["restored"] and v["continued"] and v["steps"] == [5, 6]
         kinds = v["report"]["bytes_by_kind"]
         assert kinds.get("local", 0) > 0 and kinds.get("node", 0) > 0 and kinds.get("remote", 0) > 0, kinds
+        # through the collective the other node's share is not fetched: own and node memory only
+        c = v["collective"]
+        assert set(c["bytes_by_kind"]) <= {"local", "node"} and c["transport_bytes"] == 0, c["bytes_by_kind"]
+        assert c["collective_bytes"] > 0 and "collective" in c["routes"].values(), c["routes"]

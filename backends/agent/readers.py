@@ -186,8 +186,11 @@ class RemoteAgentHolder(Holder):
 
     def open(self, process: int, step: int) -> Opened:
         manifest = self._with_client(lambda c: c.manifest(step, process))
+        # Each read returns memory of its own (received frames), never rewritten: the restored arrays may keep
+        # it instead of a copy (Source.lend).
         return Opened(manifest, lambda offset, nbytes: self._with_client(lambda c: c.read(step, offset, nbytes,
-                                                                                           process)))
+                                                                                           process)),
+                      lend=lambda: True)
 
     def close(self) -> None:
         with self._lock:

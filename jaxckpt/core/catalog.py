@@ -83,7 +83,8 @@ class _PeerHolder(Holder):
     def open(self, process: int, step: int) -> Opened:
         c = self._peers.client(self._q)
         self.name = f"process {self._q} ({c.address})"
-        return Opened(c.manifest(step), lambda offset, nbytes: c.read(step, offset, nbytes))
+        return Opened(c.manifest(step), lambda offset, nbytes: c.read(step, offset, nbytes),
+                      lend=lambda: True)  # each read is memory of its own (received frames)
 
 
 class _Lazy:
@@ -490,7 +491,7 @@ class Catalog:
                 crc = crc32c(o.manifest)
                 alts = [h2 for h2 in holders[i + 1:]
                         if h2.kind == "peer" or any(x.crc == crc for hh, x in by_q[q] if hh is h2)]
-                return q, m, [Source(h.kind, h.name, h.node, o.read)] + \
+                return q, m, [Source(h.kind, h.name, h.node, o.read, o.lend)] + \
                     [Source(h2.kind, h2.name, h2.node, _Lazy(h2, q, step, crc, opened)) for h2 in alts]
             if len(failures) == 1:  # the one holder's own error (a refused token, a gone step), unchanged
                 h, e = failures[0]

@@ -31,6 +31,8 @@ __all__ = ["ByteSource", "ChunkReader", "Source", "assemble", "buffer_source"]
 
 # A chunk under this size read from this node's memory is read on the calling thread during a prefetch.
 INLINE_BYTES = 256 << 10
+# Fetch threads of one prefetch at most (``workers`` per source read over the transport).
+MAX_FETCH_THREADS = 32
 
 # What a failing source raises; anything else is a bug and propagates at once.
 SOURCE_ERRORS = (ChecksumError, PeerError, StepNotFoundError, StoreUnavailableError, OSError)
@@ -217,13 +219,17 @@ class ChunkReader:
         # A small chunk from this node's memory costs less to read than to hand to a thread: those are read
         # here while the pool fetches the rest.
         inline = [self._cheap(c) for _, c in todo]
-        pooled = [pc for pc, cheap in zip(todo, inline) if not cheap]
+        pooled = [i for i, cheap in enumerate(inline) if not cheap]
+        # Every source at once: chunks are handed out round-robin over their first sources (the plan lists them
+        # by saving process), and ``workers`` requests are in flight per source over the transport.
+        first = [self._first(todo[i][1]) for i in pooled]
+        far = {f for f in first if f is not None and f.kind not in ("local", "node")}
+        threads = min(len(pooled), MAX_FETCH_THREADS, self._workers * max(1, len(far)))
         errors: dict[int, BaseException] = {}
-        ex = ThreadPoolExecutor(max_workers=min(self._workers, len(pooled)), thread_name_prefix="jaxckpt-fetch") \
-            if pooled else None
+        ex = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="jaxckpt-fetch") if pooled else None
         try:
-            futures = {i: ex.submit(self.raw, path, c) for i, ((path, c), cheap) in enumerate(zip(todo, inline))
-                       if not cheap} if ex is not None else {}
+            futures = {i: ex.submit(self.raw, *todo[i]) for i in _round_robin(pooled, first)} \
+                if ex is not None else {}
             for i, ((path, c), cheap) in enumerate(zip(todo, inline)):
                 if cheap:
                     try:
@@ -239,6 +245,15 @@ class ChunkReader:
         if errors:
             raise errors[min(errors)]  # the first failure, in plan order
 
+    def local_processes(self) -> list[int]:
+        """The saving processes whose bytes this reader reads first from this node's memory (source kinds
+        ``local`` and ``node``): what this process can contribute to a collective restore without transport."""
+        return sorted(q for q, s in self._sources.items() if s and s[0].kind in ("local", "node"))
+
+    def _first(self, chunk: ChunkMeta) -> Source | None:
+        sources = self._sources.get(chunk.process)
+        return sources[0] if sources else None
+
     def _cheap(self, chunk: ChunkMeta) -> bool:
         """Whether ``chunk`` is small and its first source is this node's memory (kinds local and node)."""
         sources = self._sources.get(chunk.process)
@@ -248,6 +263,24 @@ class ChunkReader:
         """The report, with the time since this reader was made."""
         self.report.seconds = time.perf_counter() - self._t0
         return self.report
+
+
+def _round_robin(items: list[int], keys: list[Source | None]) -> list[int]:
+    """``items`` reordered to take one of each key in turn (keeping their order within a key)."""
+    groups: dict[str, list[int]] = {}
+    for i, k in zip(items, keys):
+        groups.setdefault(k.name if k is not None else "", []).append(i)
+    out: list[int] = []
+    queues = [iter(g) for g in groups.values()]
+    while queues:
+        alive = []
+        for q in queues:
+            i = next(q, None)
+            if i is not None:
+                out.append(i)
+                alive.append(q)
+        queues = alive
+    return out
 
 
 def assemble(a: Assembly, dtype: np.dtype, reader: ChunkReader, private: bool = False,

@@ -15,6 +15,13 @@ driver then, for one opened step (``CheckpointEngine.open``):
   4. records bytes and seconds per phase in the reader's report (``report.timeline``, a
      :class:`jaxckpt.core.timeline.RestoreTimeline`), which the engine keeps as ``last_restore_report``.
 
+With a ``gather`` (a multi-process front end's collective, :class:`Gather`), arrays whose request carries a
+target ``layout`` are routed first (``jaxckpt.core.routes.plan_route``, after one round in which every process
+says which saving processes it reads from its node's memory): an array routed ``collective`` is not fetched;
+this process reads only the chunks it contributes, lays them into its rows of the staging array, and after a
+round in which every process confirms its rows are ready, ``gather.run`` forms the target's arrays with the
+framework's collective. The route of every array and the bytes the collective brought go to the report.
+
 Numpy only: the front ends' frameworks appear here only behind ``make``.
 """
 from __future__ import annotations
@@ -25,24 +32,28 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from jaxckpt.core import hostbuf
 from jaxckpt.core import plan as _plan
+from jaxckpt.core import routes as _routes
 from jaxckpt.core.box import Box
 from jaxckpt.core.dtypes import dtype_from_name
 from jaxckpt.core.fetch import ChunkReader, assemble
 from jaxckpt.core.manifest import ArrayMeta, ChunkMeta, Manifest
 from jaxckpt.core.plan import HOST, Assembly
 from jaxckpt.core.timeline import RestoreTimeline, Tally
+from jaxckpt import errors as _errors
+from jaxckpt.errors import CoordinationError
 
 if TYPE_CHECKING:
     from jaxckpt.core.engine import CheckpointEngine
 
 log = logging.getLogger("jaxckpt.core.restore")
 
-__all__ = ["ArrayRequest", "restore_leaves", "restore_step"]
+__all__ = ["ArrayRequest", "Gather", "Staged", "restore_leaves", "restore_step"]
 
 # A box whose assembly copies at least this much goes to the thread pool; smaller ones (and zero-copy views)
 # are cheaper inline than a task.
@@ -70,6 +81,10 @@ class ArrayRequest:
     make: Callable[[dict[Box, np.ndarray]], Any]
     private: bool = False
     out: Mapping[Box, np.ndarray] | None = None
+    # Where the target array lives over all processes (jaxckpt.core.routes): with a Gather, the array may be
+    # formed by the collective; ``target`` is the front end's own description of it (a sharding), for ``run``.
+    layout: "_routes.TargetLayout | None" = None
+    target: Any = None
 
     @classmethod
     def whole(cls, meta: ArrayMeta, make: Callable[[np.ndarray], Any], *, private: bool = False,
@@ -78,6 +93,31 @@ class ArrayRequest:
         box = Box.full(meta.shape) if box is None else box
         return cls(meta, {box: [HOST]}, lambda hosts: make(hosts[box]), private,
                    None if out is None else {box: out})
+
+
+@dataclass
+class Staged:
+    """An array routed to the collective: its request, its route, and this process's staging rows (device id ->
+    a 1-d host array of ``route.row_elements`` elements, for this process's devices among ``route.devices``)."""
+
+    request: ArrayRequest
+    route: "_routes.Route"
+    rows: dict[int, np.ndarray]
+
+
+class Gather(Protocol):
+    """A front end's collective (e.g. ``jaxckpt.jax.gather.JaxGather``)."""
+
+    process_count: int
+
+    def all_gather(self, name: str, value: Any) -> list:
+        """Every process's ``value`` (or the error ``value()`` raised, raised everywhere), by process."""
+
+    def local_devices(self, devices: Sequence[int]) -> list[int]:
+        """The ids among ``devices`` that are this process's."""
+
+    def run(self, staged: list[Staged]) -> list[Any]:
+        """The front end's arrays of ``staged``, formed by one collective program per device set."""
 
 
 @dataclass
@@ -120,14 +160,21 @@ def _pool() -> ThreadPoolExecutor:
 
 
 def restore_leaves(items: Iterable[ArrayRequest | Any], reader: ChunkReader, *, step: int,
-                   process: int) -> list[Any]:
+                   process: int, gather: Gather | None = None) -> list[Any]:
     """The value of every item, in order: ``make``'s result for an :class:`ArrayRequest`, the item itself
     otherwise. ``items`` may be a generator: it is consumed (and each array planned) in order before any
-    chunk is fetched, so the first leaf that cannot be described or planned raises its error first."""
+    chunk is fetched, so the first leaf that cannot be described or planned raises its error first.
+
+    With ``gather`` in a job of several processes, every process must call this for the same target (the
+    routing rounds and the collective programs are collective); a process's own error still raises as is."""
     timeline = reader.report.timeline
+    if gather is not None and gather.process_count <= 1:
+        gather = None
     jobs: list[Any] = []
     chunks: list[tuple[str, ChunkMeta]] = []
+    pending: list[int] = []  # jobs that may go by the collective, routed once every process has planned
     planning = Tally("plan")
+    error: Exception | None = None
     try:
         for item in items:
             if not isinstance(item, ArrayRequest):
@@ -136,13 +183,118 @@ def restore_leaves(items: Iterable[ArrayRequest | Any], reader: ChunkReader, *, 
             t0 = time.perf_counter()
             plans = _plan.plan_restore(item.meta, item.needed, step=step, prefer_process=process)
             job = _job(item, plans)
-            chunks += [(item.meta.path, r.chunk) for a in plans for r in a.reads]
+            if gather is not None and item.layout is not None:
+                pending.append(len(jobs))
+            else:
+                chunks += [(item.meta.path, r.chunk) for a in plans for r in a.reads]
             planning.add(t0, time.perf_counter(), job.nbytes)
             jobs.append(job)
+    except Exception as e:
+        if gather is None:
+            raise
+        error = e  # the other processes learn of it in the routing round instead of waiting for it there
     finally:
         planning.flush(timeline)
-    reader.prefetch(chunks)
+    staged: dict[int, Staged] = {}
+    if gather is not None:
+        staged = _route(jobs, pending, chunks, reader, gather, error, process)
+    try:
+        reader.prefetch(chunks)
+        rows = _stage(staged, reader, timeline)
+    except Exception as e:
+        if not staged:
+            raise
+        error = e
+    if staged:
+        _agree(gather, "restore staged", error)
+        t0 = time.perf_counter()
+        values = gather.run([Staged(jobs[i].request, r.route, rows[i]) for i, r in staged.items()])
+        timeline.record("collective", t0, time.perf_counter(), reader.report.collective_bytes, len(values))
+        for i, v in zip(staged, values):
+            jobs[i] = v  # made: handed back as it is
     return _build(jobs, reader, timeline)
+
+
+def _agree(gather: Gather, name: str, error: Exception | None, value: Any = None) -> list:
+    """Every process's ``value`` (a round of ``gather``). When a process failed, every process raises: that
+    process its own error, the others an error of the same ``jaxckpt.errors`` class naming the process."""
+    got = gather.all_gather(name, [None if error is None else [type(error).__name__, str(error)], value])
+    if error is not None:
+        raise error
+    failed = [(p, e) for p, (e, _) in enumerate(got) if e is not None]
+    if failed:
+        p, (kind, message) = failed[0]
+        raise _peer_error(kind, f"process {p} of the restore failed: {message}")
+    return [v for _, v in got]
+
+
+def _peer_error(kind: str, message: str) -> Exception:
+    """An error of the ``jaxckpt.errors`` class named ``kind`` (CoordinationError if there is none)."""
+    cls = getattr(_errors, kind, None)
+    if isinstance(cls, type) and issubclass(cls, _errors.JaxckptError):
+        try:
+            return cls(message)
+        except TypeError:  # a class that carries more than a message
+            pass
+    return CoordinationError(message)
+
+
+def _route(jobs: list[Any], pending: list[int], chunks: list[tuple[str, ChunkMeta]], reader: ChunkReader,
+           gather: Gather, error: Exception | None, process: int) -> dict[int, "_Routed"]:
+    """Route every pending job (one round: which saving processes each process reads from its node's memory);
+    the chunks each needs are added to ``chunks``; the jobs routed to the collective are returned."""
+    held = _agree(gather, "restore holders", error, reader.local_processes())
+    t0 = time.perf_counter()
+    holders: dict[int, list[int]] = {}
+    for p, qs in enumerate(held):
+        for q in qs:
+            holders.setdefault(q, []).append(p)
+    report, load, out = reader.report, {}, {}
+    for i in pending:
+        job: _Job = jobs[i]
+        req = job.request
+        route = _routes.plan_route(req.meta, req.layout, holders, process_count=gather.process_count, load=load)
+        report.routes[req.meta.path] = route.kind if route.kind == _routes.COLLECTIVE else \
+            f"{route.kind}: {route.reason}"
+        if route.kind != _routes.COLLECTIVE:
+            chunks += [(req.meta.path, r.chunk) for a in job.plans for r in a.reads]
+            continue
+        chunks += [(req.meta.path, c.chunk) for c in route.mine(process)]
+        report.collective_bytes += _routes.received_elements(route, req.layout, process) * job.dtype.itemsize
+        out[i] = _Routed(route, job.dtype, gather.local_devices(route.devices))
+    n = sum(1 for i in pending if i in out)
+    if pending:
+        log.info("step %d on process %d: %d of %d array(s) formed by collective (%d bytes brought), the others "
+                 "fetched", report.step, process, n, len(pending), report.collective_bytes)
+    report.timeline.record("plan", t0, time.perf_counter(), 0, 0)
+    return out
+
+
+@dataclass
+class _Routed:
+    route: "_routes.Route"
+    dtype: np.dtype
+    devices: list[int]  # this process's staging rows
+
+
+def _stage(staged: dict[int, _Routed], reader: ChunkReader, timeline: RestoreTimeline) -> dict[int, dict]:
+    """This process's staging rows of every collective array, filled with the chunks it contributes."""
+    out: dict[int, dict[int, np.ndarray]] = {}
+    tally = Tally("assemble")
+    try:
+        for i, r in staged.items():
+            t0 = time.perf_counter()
+            rows = {d: hostbuf.empty(r.route.row_elements, r.dtype) for d in r.devices}
+            n = 0
+            for c in r.route.mine(reader.report.process):
+                src = reader.array(r.route.path, c.chunk, r.dtype).reshape(-1)
+                rows[c.device][c.offset:c.offset + src.size] = src
+                n += src.nbytes
+            out[i] = rows
+            tally.add(t0, time.perf_counter(), n)
+    finally:
+        tally.flush(timeline)
+    return out
 
 
 def _assemble(a: Assembly, job: _Job, reader: ChunkReader, tally: Tally | None = None,

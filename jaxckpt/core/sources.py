@@ -189,6 +189,10 @@ class RestoreReport:
     bytes_by_process: dict[int, int] = field(default_factory=dict)  # by saving process
     fallbacks: list[str] = field(default_factory=list)  # one line per failed read that another source replaced
     seconds: float = 0.0
+    # Multi-process restores (jaxckpt.core.routes): each routed array's path -> "collective" or "fetch: <why>",
+    # and the bytes of this process's target shards that the collective brought from other processes.
+    routes: dict[str, str] = field(default_factory=dict)
+    collective_bytes: int = 0
     # Bytes and seconds per phase (discover, plan, reads by source kind, rebuild, device put, ...).
     timeline: RestoreTimeline = field(default_factory=RestoreTimeline, compare=False, repr=False)
 
@@ -196,11 +200,20 @@ class RestoreReport:
     def nbytes(self) -> int:
         return sum(self.bytes_by_kind.values())
 
+    @property
+    def transport_bytes(self) -> int:
+        """Chunk bytes this process fetched over the host transport (another node's agent, another process)."""
+        return self.bytes_by_kind.get("remote", 0) + self.bytes_by_kind.get("peer", 0)
+
     def summary(self) -> str:
         """One line for the log."""
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.bytes_by_kind.items(), key=lambda kv: RANK.get(kv[0], 99)))
         nodes = ", ".join(f"{k} {v}" for k, v in sorted(self.bytes_by_node.items()))
         fb = f"; {len(self.fallbacks)} fallback(s): {self.fallbacks[0]}" if self.fallbacks else ""
+        if self.routes:
+            n = sum(1 for r in self.routes.values() if r == "collective")
+            fb = f"; {n} of {len(self.routes)} routed array(s) by collective ({self.collective_bytes} bytes " \
+                 f"brought), host transport {self.transport_bytes} bytes" + fb
         return (f"step {self.step} on process {self.process}: {self.chunks} chunks, {self.nbytes} bytes in "
                 f"{self.seconds:.3f}s; by source kind: {kinds or 'none'}; by node: {nodes or 'none'}; phases: "
                 f"{self.timeline.summary()}{fb}")
@@ -212,7 +225,9 @@ class RestoreReport:
                 "bytes_by_kind": dict(self.bytes_by_kind), "bytes_by_node": dict(self.bytes_by_node),
                 "bytes_by_source": dict(self.bytes_by_source),
                 "bytes_by_process": {str(k): v for k, v in self.bytes_by_process.items()},
-                "fallbacks": list(self.fallbacks), "seconds": self.seconds, "timeline": self.timeline.to_dict()}
+                "fallbacks": list(self.fallbacks), "seconds": self.seconds, "timeline": self.timeline.to_dict(),
+                "routes": dict(self.routes), "collective_bytes": self.collective_bytes,
+                "transport_bytes": self.transport_bytes}
 
 
 def plan_fetch(chunks: Iterable[tuple[str, ChunkMeta]], sources: Mapping[int, Sequence[Source]],

@@ -6,7 +6,7 @@ Phases, in the order a restore meets them (numpy only, no I/O):
   ``plan``              for every array, the saved chunks that cover the boxes this process needs (once each)
   ``local_reads``       chunk bytes read from this process's store or this node's agent (source kinds
                         ``local``, ``node``), verified
-  ``collective``        bytes moved by the framework's collectives (none yet: kept so reports keep one shape)
+  ``collective``        bytes of this process's target shards the framework's collective brought (jaxckpt.core.routes)
   ``peer_fetches``      chunk bytes fetched from another node's agent or another process (``remote``, ``peer``)
   ``rebuild``           chunk bytes rebuilt from parity or copies on surviving nodes (``rebuild``)
   ``persistent_reads``  chunk bytes read from the persistent tier through a chunk reader (``persistent``)

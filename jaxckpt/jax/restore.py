@@ -18,9 +18,10 @@ from jaxckpt.core.box import Box
 from jaxckpt.core.dtypes import dtype_from_name, dtype_name
 from jaxckpt.core.fetch import ChunkReader
 from jaxckpt.core.manifest import ArrayMeta, LeafMeta, Manifest, check_target_paths, merge_chunks
-from jaxckpt.core.restore import ArrayRequest, restore_leaves
+from jaxckpt.core.restore import ArrayRequest, Gather, restore_leaves
 from jaxckpt.errors import ManifestError, TargetMismatchError
 from jaxckpt.jax import shards
+from jaxckpt.jax.gather import target_layout
 from jaxckpt.jax.tree import flatten, nested
 
 log = logging.getLogger("jaxckpt.jax.restore")
@@ -38,16 +39,20 @@ def _target_spec(path: str, t: Any) -> tuple[str, tuple[int, ...] | None, Any, A
     return "value", None, None, None
 
 
-def _on(meta: ArrayMeta, sharding: Any, then: Callable[[Any], Any] = lambda x: x) -> ArrayRequest:
+def _on(meta: ArrayMeta, sharding: Any, then: Callable[[Any], Any] = lambda x: x, *,
+        collective: bool = False) -> ArrayRequest:
     """A request for the saved bytes of ``meta`` laid out on ``sharding`` (None: one host array, possibly a
-    view of the saved bytes), handed to ``then``."""
+    view of the saved bytes), handed to ``then``. ``collective``: the array itself is the leaf, so the restore
+    may form it with the collective (``jaxckpt.jax.gather``) instead."""
     if sharding is None:
         return ArrayRequest.whole(meta, then)
     dtype, private = dtype_from_name(meta.dtype), shards.needs_private_hosts(sharding)
 
     def make(hosts: dict[Box, np.ndarray]) -> Any:
         return then(shards.make_array(meta.shape, dtype, sharding, hosts, private=private))
-    return ArrayRequest(meta, shards.needed_boxes(meta.shape, sharding), make, private=private)
+    layout = target_layout(meta.shape, sharding) if collective else None
+    return ArrayRequest(meta, shards.needed_boxes(meta.shape, sharding), make, private=private, layout=layout,
+                        target=sharding)
 
 
 def _keys(path: str, meta: ArrayMeta, t: Any, step: int) -> ArrayRequest:
@@ -91,7 +96,7 @@ def _request(path: str, meta: ArrayMeta, t: Any, step: int) -> ArrayRequest:
                                   f"(JAX would narrow it to 32 bits); restore it onto a numpy target or enable x64")
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return _on(meta, sharding)
+    return _on(meta, sharding, collective=True)
 
 
 def _value(path: str, saved: LeafMeta, t: Any) -> Any:
@@ -118,8 +123,11 @@ def _describe(t: Any) -> str:
     return f"a {type(t).__name__} value"
 
 
-def restore_tree(target: Any, manifests: list[Manifest], reader: ChunkReader, *, step: int, process: int) -> Any:
-    """The pytree of ``target``'s structure filled from the snapshot described by ``manifests``."""
+def restore_tree(target: Any, manifests: list[Manifest], reader: ChunkReader, *, step: int, process: int,
+                 gather: Gather | None = None) -> Any:
+    """The pytree of ``target``'s structure filled from the snapshot described by ``manifests``; with
+    ``gather`` (a job of several processes), replicated arrays are formed by the collective
+    (``jaxckpt.core.routes``), and every process must restore the same target."""
     own = next((m for m in manifests if m.process == process), manifests[0])
     # On CPU every restored buffer needs memory of its own (see shards.make_array): copy while verifying.
     reader.private_copies = jax.devices()[0].platform == "cpu"
@@ -135,7 +143,7 @@ def restore_tree(target: Any, manifests: list[Manifest], reader: ChunkReader, *,
     out = restore_leaves((SKIP if leaf.value is SKIP else _request(leaf.path, arrays[leaf.path], leaf.value, step)
                           if leaf.path in arrays else _value(leaf.path, values[leaf.path], leaf.value)
                           for leaf in leaves),
-                         reader, step=step, process=process)
+                         reader, step=step, process=process, gather=gather)
     result = jax.tree_util.tree_unflatten(treedef, out)
     t0 = time.perf_counter()
     jax.block_until_ready([x for x in out if isinstance(x, jax.Array)])

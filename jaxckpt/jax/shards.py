@@ -143,8 +143,9 @@ def make_array(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.S
                 hosts[i] = hostbuf.copy(h)
             used.add(id(h))
     # One batched transfer for all local devices instead of a device_put per shard.
-    arrays = jax.device_put(hosts, [dev for dev, _ in local])
-    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+    arrays = jax.device_put(hosts, [dev for dev, _ in local]) if hosts else []
+    # dtype: a sharding none of whose devices are this process's leaves it no shard to take it from
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)
 
 
 def needed_boxes(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> dict[Box, list[int]]:
