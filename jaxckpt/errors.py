@@ -107,10 +107,13 @@ class CoordinationError(CommitError):
     """A cross-process round failed: a process raised in it or did not arrive in time (raised on every process).
 
     ``processes`` are the processes that failed, ``round_name`` and ``round_number`` the round
-    (``jaxckpt.core.collective``); the message names all of them.
+    (``jaxckpt.core.collective``); the message names all of them. ``errors`` maps each failed process to the
+    class name of the exception it raised ("" when it did not arrive in time); on the process that raised, the
+    exception itself is the ``__cause__``.
     """
 
     def __init__(self, message: str, *, processes: tuple[int, ...] = (), round_name: str = "",
-                 round_number: int = -1) -> None:
+                 round_number: int = -1, errors: dict[int, str] | None = None) -> None:
         super().__init__(message)
         self.processes, self.round_name, self.round_number = tuple(processes), round_name, round_number
+        self.errors = dict(errors or {})

@@ -104,6 +104,8 @@ def test_an_error_in_one_process_is_raised_on_every_process_naming_it(tmp_path):
     assert isinstance(err, CoordinationError) and isinstance(err, CommitError)
     assert err.processes == (2,) and err.round_name == "boom" and err.round_number == 1
     assert "round 'boom' #1 of channel 'commit'" in str(err) and "process 2 raised ValueError: disk on fire" in str(err)
+    assert all(e.errors == {2: "ValueError"} for e, _ in out)  # what it raised, by class name, everywhere ...
+    assert isinstance(out[2][0].__cause__, ValueError) and out[0][0].__cause__ is None  # ... and itself there
     assert all(after == list(range(n)) for _, after in out)
     assert _keys(str(tmp_path)) == []
 
@@ -424,7 +426,7 @@ def failing_round_job(timeout_s: float):
     try:
         ch.reduce("boom", mine, sum)
     except CoordinationError as e:
-        out["boom"] = [str(e), list(e.processes), e.round_name, e.round_number]
+        out["boom"] = [str(e), list(e.processes), e.round_name, e.round_number, e.errors]
     t0 = time.monotonic()
     if p != 3:
         try:
@@ -441,8 +443,8 @@ def test_a_process_that_raises_makes_every_process_raise_the_same_error():
                               timeout=120))
     boom = {tuple(map(str, v["boom"])) for v in values}
     assert len(boom) == 1, boom  # the same error on every process
-    message, processes, name, number = values[0]["boom"]
-    assert processes == [2] and name == "boom" and number == 1
+    message, processes, name, number, errors = values[0]["boom"]
+    assert processes == [2] and name == "boom" and number == 1 and {int(q): k for q, k in errors.items()} == {2: "RuntimeError"}
     assert "round 'boom' #1 of channel 'main' (jaxckpt/fail/0): process 2 raised RuntimeError: process 2 cannot " \
            "go on" == message
     late = {v["late"][0] for v in values[:3]}

@@ -259,22 +259,28 @@ class Channel:
             self._next = n + 1
             self.rounds += 1
             timeout = self._c.timeout_s if timeout_s is None else float(timeout_s)
-            ok, payload = True, value
+            ok, payload, mine = True, value, None
             if callable(value):
                 try:
                     payload = value()
                 except Exception as e:  # noqa: BLE001 - the contribution is the error, raised everywhere
-                    ok, payload = False, f"{type(e).__name__}: {e}"
-            if self.process_count == 1:
-                if not ok:
-                    raise CoordinationError(f"{self._describe(name, n)}: process 0 raised {payload}",
-                                            processes=(0,), round_name=name, round_number=n)
-                return _apply(fn, [payload], self._describe(name, n), name, n)
-            # the close round has keys of its own: the processes may have skipped different numbered rounds
-            base = f"{self._c.namespace}/{self.name}/{'close' if closing else n}"
-            if self.process_index == 0:
-                return self._lead(name, n, base, ok, payload, fn, timeout, publish, closing)
-            return self._follow(name, n, base, ok, payload, timeout, publish)
+                    ok, payload, mine = False, [type(e).__name__, str(e)], e
+            try:
+                if self.process_count == 1:
+                    if not ok:
+                        raise CoordinationError(f"{self._describe(name, n)}: process 0 raised {_said(payload)}",
+                                                processes=(0,), round_name=name, round_number=n,
+                                                errors={0: payload[0]})
+                    return _apply(fn, [payload], self._describe(name, n), name, n)
+                # the close round has keys of its own: the processes may have skipped different numbered rounds
+                base = f"{self._c.namespace}/{self.name}/{'close' if closing else n}"
+                if self.process_index == 0:
+                    return self._lead(name, n, base, ok, payload, fn, timeout, publish, closing)
+                return self._follow(name, n, base, ok, payload, timeout, publish)
+            except CoordinationError as e:
+                if mine is not None:  # where it was raised, the original stays reachable as the cause
+                    raise e from mine
+                raise
 
     def _follow(self, name: str, n: int, base: str, ok: bool, payload: Any, timeout: float, publish: bool) -> Any:
         c = self._c
@@ -294,15 +300,16 @@ class Channel:
                                     round_number=n) from None
         done, result = _unpack(raw)
         if not done:
-            failed, message = result
-            raise CoordinationError(message, processes=tuple(failed), round_name=name, round_number=n)
+            failed, message, errors = result
+            raise CoordinationError(message, processes=tuple(failed), round_name=name, round_number=n,
+                                    errors={int(q): str(k) for q, k in errors.items()})
         return result
 
     def _lead(self, name: str, n: int, base: str, ok: bool, payload: Any, fn: Callable[[list], Any],
               timeout: float, publish: bool, closing: bool) -> Any:
         c, what = self._c, self._describe(name, n)
         values: list[Any] = [payload] + [None] * (self.process_count - 1)
-        failures: list[tuple[int, str]] = [] if ok else [(0, f"raised {payload}")]
+        failures: list[tuple[int, str, str]] = [] if ok else [(0, f"raised {_said(payload)}", payload[0])]
         seen: set[int] = set()
         deadline = time.monotonic() + timeout
         for q in range(1, self.process_count):
@@ -317,7 +324,7 @@ class Channel:
                 log.warning("%s: could not read the contribution of process %d: %s", what, q, e)
                 raw = None
             if raw is None:
-                failures.append((q, f"did not arrive within {timeout:g}s"))
+                failures.append((q, f"did not arrive within {timeout:g}s", ""))
                 with c._lock:
                     c._absent.add(q)
                 self._unacked.append((key, {q}))  # its late key, deleted once it is seen again
@@ -329,25 +336,26 @@ class Channel:
             try:
                 their_name, their_ok, their_payload = _unpack(raw)
             except Exception as e:  # noqa: BLE001
-                failures.append((q, f"sent an unreadable contribution ({e})"))
+                failures.append((q, f"sent an unreadable contribution ({e})", ""))
                 continue
             if their_name != name:
-                failures.append((q, f"is in round {their_name!r} instead (the processes ran different rounds)"))
+                failures.append((q, f"is in round {their_name!r} instead (the processes ran different rounds)", ""))
             elif not their_ok:
-                failures.append((q, f"raised {their_payload}"))
+                failures.append((q, f"raised {_said(their_payload)}", str(their_payload[0])))
             else:
                 values[q] = their_payload
         self._retire(seen)
         if failures:
-            failed = tuple(q for q, _ in failures)
-            message = f"{what}: " + "; ".join(f"process {q} {why}" for q, why in failures)
-            out, error = [False, [list(failed), message]], CoordinationError(
-                message, processes=failed, round_name=name, round_number=n)
+            failed = tuple(q for q, _, _ in failures)
+            message = f"{what}: " + "; ".join(f"process {q} {why}" for q, why, _ in failures)
+            errors = {q: kind for q, _, kind in failures}
+            out, error = [False, [list(failed), message, errors]], CoordinationError(
+                message, processes=failed, round_name=name, round_number=n, errors=errors)
         else:
             try:
                 result = _apply(fn, values, what, name, n)
             except CoordinationError as e:
-                out, error = [False, [[0], str(e)]], e
+                out, error = [False, [[0], str(e), e.errors]], e
             else:
                 out, error = [True, result], None
         if publish:
@@ -403,4 +411,14 @@ def _apply(fn: Callable[[list], Any], values: list, what: str, name: str, n: int
         return fn(values)
     except Exception as e:  # noqa: BLE001 - the leader's reduction failed: every process hears of it
         raise CoordinationError(f"{what}: process 0 raised {type(e).__name__}: {e} while reducing",
-                                processes=(0,), round_name=name, round_number=n) from e
+                                processes=(0,), round_name=name, round_number=n,
+                                errors={0: type(e).__name__}) from e
+
+
+def _said(payload: Any) -> str:
+    """A contributed error ([exception class name, message]) as the message names it."""
+    try:
+        kind, text = payload
+        return f"{kind}: {text}"
+    except (TypeError, ValueError):
+        return str(payload)
