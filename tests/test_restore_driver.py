@@ -143,9 +143,10 @@ def test_every_array_is_planned_exactly_once_in_both_front_ends(mesh, monkeypatc
         same_bits(back["w"].numpy(), tstate["w"].numpy(), "w")
         assert torch.equal(back["h"], tstate["h"]) and torch.equal(back["g"].get_state(), gen.get_state())
         calls.clear()
-        ptr = target["w"].data_ptr()
+        ptr, version = target["w"].data_ptr(), target["w"]._version
         tck.restore(target, in_place=True)  # many saved chunks per tensor, assembled into the tensor itself
         assert calls == {"w": 1, "h": 1, "g": 1} and target["w"].data_ptr() == ptr
+        assert target["w"]._version > version  # autograd sees the write, as it would an in-place copy_
         same_bits(target["w"].numpy(), tstate["w"].numpy(), "w in place")
         report = tck.last_restore_report
     assert report.timeline["plan"].count == 3 and report.timeline["local_reads"].nbytes == report.nbytes

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from torch.autograd.graph import increment_version
 from torch.distributed.tensor import DTensor
 
 from jaxckpt.core.box import Box
@@ -71,7 +72,11 @@ def _into(meta: ArrayMeta, dest: torch.Tensor, then: Any, box: Box | None = None
     others get the host box copied in."""
     finish = (lambda: done(dest)) if done is not None else (lambda: then)
     if dest.device.type == "cpu" and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg():
-        return ArrayRequest.whole(meta, lambda _: finish(), box=box, out=numpy_view(dest))
+        def written(_: np.ndarray) -> Any:
+            # Written through a numpy view: tell autograd, as the in-place copy_ it replaces would have.
+            increment_version(dest)
+            return finish()
+        return ArrayRequest.whole(meta, written, box=box, out=numpy_view(dest))
 
     def copy(host: np.ndarray) -> Any:
         with torch.no_grad():
