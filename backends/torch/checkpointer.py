@@ -240,7 +240,20 @@ class Checkpointer:
         nested dicts/lists of CPU tensors come back (optimizer ``state`` keys stay ints).
         """
         return restore_step(self.engine, step, lambda step, manifests, reader: restore_state(
-            target, manifests, reader, step=step, process=self.engine.process_index, in_place=in_place))
+            target, manifests, reader, step=step, process=self.engine.process_index, in_place=in_place,
+            gather=self._gather(target)))
+
+    def _gather(self, target: Any) -> Any:
+        """The collective of a multi-rank restore onto a target (the default process group, its ranks the
+        engine's processes), else None."""
+        import torch.distributed as dist
+
+        if target is None or self.engine.process_count <= 1 or not self.config.restore_collective or \
+                not dist.is_available() or not dist.is_initialized() or \
+                dist.get_world_size() != self.engine.process_count or dist.get_rank() != self.engine.process_index:
+            return None
+        from jaxckpt.backends.torch.gather import TorchGather
+        return TorchGather(self.engine.collective.channel("restore"))
 
     def close(self) -> None:
         """Finish in-flight saves, stop the threads and free the store (unless the engine was passed in)."""

@@ -7,6 +7,7 @@ its tensor from the host box) or a ready value.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from typing import Any, Callable
@@ -24,6 +25,7 @@ from jaxckpt.core.restore import ArrayRequest, restore_leaves
 from jaxckpt.errors import TargetMismatchError
 
 from jaxckpt.backends.torch import dtensor as dt
+from jaxckpt.backends.torch.gather import replicated_layout
 from jaxckpt.backends.torch.dtypes import dtype_name, from_numpy, numpy_view, torch_dtype
 from jaxckpt.backends.torch.tree import Leaf, flatten, nested, rebuild
 
@@ -222,9 +224,29 @@ def _untargeted(meta: ArrayMeta, step: int, process: int) -> ArrayRequest:
     return _host(meta, dtype, torch.device("cpu"), lambda x: x, box=box, shape=shape)
 
 
+def _by_collective(req: Any, leaf: Leaf, in_place: bool, world: int) -> Any:
+    """A plain tensor's request that may also be formed by the collective (``backends.torch.gather``): every
+    rank needs the whole tensor; ``target`` makes the leaf from the whole host array."""
+    if not isinstance(req, ArrayRequest) or leaf.kind != "tensor" or req.meta.kind in ROW_KINDS:
+        return req
+    t = leaf.value
+
+    def finish(full: np.ndarray) -> Any:
+        if in_place and t.device.type != "meta":
+            with torch.no_grad():
+                t.copy_(from_numpy(full, t.dtype))
+            return t
+        out = from_numpy(full, t.dtype)  # ``full`` is memory of its own
+        if t.device.type not in ("cpu", "meta"):
+            out = out.to(t.device)
+        return torch.nn.Parameter(out, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else out
+    return dataclasses.replace(req, layout=replicated_layout(tuple(req.meta.shape), world), target=finish)
+
+
 def restore_state(target: Any, manifests: list[Manifest], reader: ChunkReader, *, step: int, process: int,
-                  in_place: bool = False) -> Any:
-    """The state saved at ``step``, shaped like ``target`` (see :meth:`Checkpointer.restore`)."""
+                  in_place: bool = False, gather: Any = None) -> Any:
+    """The state saved at ``step``, shaped like ``target`` (see :meth:`Checkpointer.restore`); with ``gather``
+    (a ``TorchGather``, every rank restoring the same target), plain tensors are formed by the collective."""
     own = next((m for m in manifests if m.process == process), manifests[0])
     arrays = merge_chunks(manifests)
     values = {v.path: v for v in own.leaves}
@@ -238,6 +260,9 @@ def restore_state(target: Any, manifests: list[Manifest], reader: ChunkReader, *
             return nested(list(zip(keypaths, out)))
         leaves = flatten(target)
         check_target_paths((leaf.path for leaf in leaves), own, step)
-        out = iter(restore_leaves((_request(leaf, arrays, values, step, process, in_place) for leaf in leaves),
-                                  reader, step=step, process=process))
+        world = gather.process_count if gather is not None else 1
+        requests = (_request(leaf, arrays, values, step, process, in_place) for leaf in leaves)
+        if gather is not None:
+            requests = (_by_collective(r, leaf, in_place, world) for r, leaf in zip(requests, leaves))
+        out = iter(restore_leaves(requests, reader, step=step, process=process, gather=gather))
         return rebuild(target, lambda _: next(out))
