@@ -91,16 +91,21 @@ class Copier:
         self._dispatcher.start()
 
     def submit(self, slot: Slot, tasks: list[CopyTask] | Callable[[], list[CopyTask]],
-               release: Callable[[], None] | None = None) -> Future:
+               release: Callable[[], None] | None = None,
+               on_done: Callable[[Future], None] | None = None) -> Future:
         """Copy every task into ``slot``; the future resolves to a SnapshotResult (crcs in task order).
 
         ``tasks`` may be a function returning them: it then runs on the dispatcher thread, so the caller pays
         nothing per chunk (an exception it raises fails the future).
 
         ``release`` runs once all copies are done (or failed): the caller drops its views of the source
-        buffers there, so a donating step can reuse them as early as possible.
+        buffers there, so a donating step can reuse them as early as possible. ``on_done(future)`` is
+        attached before the work is queued (so the caller can queue it last: waking the dispatcher may cost
+        the caller its core on a busy machine).
         """
         fut: Future = Future()
+        if on_done is not None:
+            fut.add_done_callback(on_done)
         self._queue.put((slot, tasks, release, fut))
         return fut
 

@@ -232,13 +232,13 @@ class CheckpointEngine:
             got = sources()
             handle.parity = self.protection.on_save(step, prep.key, [m.path for m in prep.metas], got)
             sources = lambda got=got: got  # noqa: E731
-        fut = self._snap.submit(res.slot, functools.partial(_copy_tasks, prep, sources))
-        del sources  # the tasks hold the only references, each dropped as soon as its chunk is copied
-        fut.add_done_callback(lambda f: self._local_finished(f, handle, res.slot, prep, values, order))
         self._last_step = step
         with self._lock:
             self._pending.append(handle)
         handle.save_call_seconds = time.perf_counter() - res.t0
+        # Last: from here the dispatcher runs (and on a loaded machine may take the caller's core for a while).
+        self._snap.submit(res.slot, functools.partial(_copy_tasks, prep, sources),
+                          on_done=lambda f: self._local_finished(f, handle, res.slot, prep, values, order))
         return handle
 
     def cancel(self, res: "Reservation", error: BaseException) -> SaveHandle:
