@@ -57,6 +57,9 @@ def test_quick_soak_samples_every_process_finds_nothing_growing_and_renders_its_
     assert pids[segments[0]] != pids[segments[1]]
     assert rep["fitted"] == len(rep["series"]) and all(
         isinstance(s["fit"]["slope"], float) and s["fit"]["band"] >= 0 for s in rep["series"])
+    # judged: all but the agents' first segment (their warm-up); the agents are judged in the second
+    assert rep["judged"] == len(rep["series"]) - len(AGENTS) * len(soak.PROC_METRICS + soak.AGENT_METRICS)
+    assert all(s["judged"] == (s["role"] != "agent" or s["segment"] == segments[1]) for s in rep["series"])
     by = {(s["proc"], s["metric"], s["segment"]): s["values"] for s in rep["series"]}
     assert min(by[("trainer 1", "rss", segments[1])]) > 10 << 20  # a Python process with numpy loaded
     assert min(by[("agent node0", "shm_bytes", segments[1])]) > 0  # the node's snapshots, resident in tmpfs

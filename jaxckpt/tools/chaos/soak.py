@@ -23,7 +23,10 @@ is a new process, and an agent (which lives across trainer incarnations) starts 
 incarnation too, since its state between segments is what a fault and a restart left. Each series is fitted on its
 steady part: the samples at least ``warmup_steps`` after the segment's first step (start-up: imports, first
 allocations, the keep and pending slots filling up). A series with fewer than MIN_POINTS samples there is
-reported, not judged. The run's length comes from the segments: ``steps // fault_every`` of them, so
+reported, not judged; so are an agent process's series in its first segment, its warm-up: an agent starts with
+the job (or after its restart) and its heap climbs over its first few thousand steps, then stays flat (measured:
+flat over 11,000 steps of one segment, and level from its second segment on), and it is judged in every later
+segment and across them (below). A trainer is a new process in every segment and is judged in each. The run's length comes from the segments: ``steps // fault_every`` of them, so
 ``steps // fault_every - 1`` faults (and the last incarnation, which checks the last fault, trains one too).
 
 **The rule for growth** (:func:`fit`). Least squares y = a + b x with x in thousands of steps; b is the slope per
@@ -361,7 +364,13 @@ def across_segments(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
 def soak_report(run: SoakRun, chaos_rep: dict, seconds: float) -> dict:
     """The soak's report: its plan, the chaos report of its faults, every series with its fit, the verdict."""
     fits = [fit_series(s, run.plan.warmup_steps) for s in run.sampler.series.values()]
-    growing = [f"{f['proc']} {f['metric']} (segment {f['segment']})" for f in fits if f["fit"] and f["fit"]["growth"]]
+    first: dict[tuple[str, int], int] = {}  # an agent process's first segment: its warm-up
+    for f in fits:
+        if f["role"] == "agent":
+            first[(f["proc"], f["pid"])] = min(first.get((f["proc"], f["pid"]), f["segment"]), f["segment"])
+    for f in fits:
+        f["judged"] = f["fit"] is not None and first.get((f["proc"], f["pid"])) != f["segment"]
+    growing = [f"{f['proc']} {f['metric']} (segment {f['segment']})" for f in fits if f["judged"] and f["fit"]["growth"]]
     across = across_segments(fits)
     growing += [f"{a['proc']} {a['metric']} (across segments {a['segments'][1]}..{a['segments'][-1]})"
                 for a in across if a["growth"]]
@@ -371,15 +380,15 @@ def soak_report(run: SoakRun, chaos_rep: dict, seconds: float) -> dict:
             "segments": run.segments, "faults": [{k: r[k] for k in ("kind", "detail", "recovered", "lost")}
                                                  for r in chaos_rep["results"]],
             "chaos_ok": chaos.ok(chaos_rep), "incidents": run.incidents, "growing": growing,
-            "fitted": sum(f["fit"] is not None for f in fits), "tolerance": {k: asdict(v) for k, v in TOLERANCE.items()},
-            "z": Z, "across_segments": across, "series": [s | {"fit": f["fit"], "first_step": f["first_step"]}
+            "fitted": sum(f["fit"] is not None for f in fits), "judged": sum(f["judged"] for f in fits), "tolerance": {k: asdict(v) for k, v in TOLERANCE.items()},
+            "z": Z, "across_segments": across, "series": [s | {k: f[k] for k in ("fit", "judged", "first_step")}
                                for s, f in zip(run.sampler.series.values(), fits)],
             "chaos": {k: v for k, v in chaos_rep.items() if k != "results"}}
 
 
 def ok(rep: Mapping[str, Any]) -> bool:
-    """Nothing grew, something was judged, no incident, and every chaos check passed."""
-    return rep["chaos_ok"] and not rep["growing"] and not rep["incidents"] and rep["fitted"] > 0
+    """Nothing grew, some series were judged, no incident, and every chaos check passed."""
+    return rep["chaos_ok"] and not rep["growing"] and not rep["incidents"] and rep["judged"] > 0
 
 
 def run_soak(profile: str = "soak-quick", seed: int = 0, steps: int | None = None, **kw: Any) -> dict:
@@ -417,13 +426,15 @@ def format_summary(rep: Mapping[str, Any]) -> str:
     lines = [f"jaxckpt chaos soak: seed {rep['seed']}, {rep['steps_trained']} steps in {len(rep['segments'])} "
              f"segments at {rep['steps_per_s']:g} steps/s, {len(rep['faults'])} faults "
              f"({', '.join(f['kind'] for f in rep['faults']) or 'none'}), {rep['seconds']} s; chaos checks "
-             f"{'passed' if rep['chaos_ok'] else 'FAILED'}; {len(rep['growing'])} of {rep['fitted']} series grow"]
+             f"{'passed' if rep['chaos_ok'] else 'FAILED'}; {len(rep['growing'])} of {rep['judged']} judged series "
+             f"grow"]
     lines += [f"  incident: {i}" for i in rep["incidents"]]
     for s in rep["series"]:
         f = s["fit"]
         if f is not None:
             unit = "B" if s["metric"] in BYTES else ""
-            lines.append(f"  {'GROWS' if f['growth'] else 'flat '} {s['proc']:<12} {s['metric']:<9} segment "
+            verdict = ("GROWS" if f["growth"] else "flat ") if s["judged"] else "warm-up"
+            lines.append(f"  {verdict:<7} {s['proc']:<12} {s['metric']:<9} segment "
                          f"{s['segment']:<3} slope {f['slope']:>12.1f}{unit} +- {f['band']:.1f}{unit} per 1000 steps "
                          f"over {f['span_steps']} steps (level {f['level']:.0f}{unit})")
     return "\n".join(lines)

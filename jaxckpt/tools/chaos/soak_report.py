@@ -48,7 +48,7 @@ def rows(rep: Mapping[str, Any]) -> list[list[str]]:
     for role in ROLES:
         for metric in METRICS:
             series = [s for s in rep["series"] if s["role"] == role and s["metric"] == metric]
-            fitted = [s for s in series if s["fit"]]
+            fitted = [s for s in series if s.get("judged", bool(s["fit"]))]
             if not series:
                 continue
             tol = rep["tolerance"][metric]
@@ -60,7 +60,7 @@ def rows(rep: Mapping[str, Any]) -> list[list[str]]:
                         f"({worst['proc']}, segment {worst['segment']})"
             else:
                 level = slope = "-"
-            grew = sum(bool(s["fit"] and s["fit"]["growth"]) for s in series)
+            grew = sum(bool(s in fitted and s["fit"]["growth"]) for s in series)
             out.append([role, f"`{metric}`", f"{len(fitted)} of {len(series)}", level, slope,
                         f"{_fmt(metric, tol['per_1000_steps'])} / {_fmt(metric, tol['total'])}",
                         f"**{grew}**" if grew else "0"])
@@ -74,7 +74,7 @@ def render(rep: Mapping[str, Any], command: str, machine: Mapping[str, Any] | No
 
     p, plan, c = rep["profile"], rep["soak"], rep["chaos"]
     kinds = ", ".join(f"`{f['kind']}`" for f in rep["faults"]) or "none"
-    fitted, grew = rep["fitted"], len(rep["growing"])
+    fitted, grew = rep.get("judged", rep["fitted"]), len(rep["growing"])
     passed = ok(rep)
     parts = [
         f"### `jaxckpt chaos --profile soak`: {rep['steps_trained']:,} steps, {len(rep['faults'])} faults, "
@@ -88,12 +88,13 @@ def render(rep: Mapping[str, Any], command: str, machine: Mapping[str, Any] | No
         f"two segments ({kinds}), every restore checked bit for bit. Sampled every {plan['sample_every']} steps; "
         f"each series fitted after the first {plan['warmup_steps']} steps of its segment. Seed {rep['seed']}; the "
         f"run took {rep['seconds'] / 60:.1f} min.", "",
-        f"Result: **{grew} of {fitted} fitted series grow**; faults: {c['recoveries']} of {c['trials']} recovered "
+        f"Result: **{grew} of {fitted} judged series grow**; faults: {c['recoveries']} of {c['trials']} recovered "
         f"from, {c['wrong_restores']} wrong restores, {c['hangs']} hangs, {c['unexpected_losses']} unexpected losses"
         + (f"; incidents: {'; '.join(rep['incidents'])}" if rep["incidents"] else "") + ". "
         + ("Every check passed." if passed else "**Not every check passed**" +
-           (f" (growing: {', '.join(rep['growing'])})." if rep["growing"] else ".")), "",
-        table(["process", "metric", "series fitted", "level (median)", "steepest slope per 1,000 steps ± band",
+           (f" (growing: {', '.join(rep['growing'][:6])}" + (f" and {grew - 6} more" if grew > 6 else "") + ")."
+            if rep["growing"] else ".")), "",
+        table(["process", "metric", "series judged", "level (median)", "steepest slope per 1,000 steps ± band",
                "tolerance per 1,000 steps / total", "growing"], rows(rep)), "",
     ]
     across = rep.get("across_segments", [])
@@ -110,7 +111,8 @@ def render(rep: Mapping[str, Any], command: str, machine: Mapping[str, Any] | No
         parts += [f"![soak: every sampled series over the run](docs/bench/{plot})", ""]
     parts.append(
         "A series is one metric of one process in one segment (a restarted trainer is a new process; an agent's "
-        "series restart with each segment, since what lies between two segments is a fault and a restart). Slope: "
+        "series restart with each segment, since what lies between two segments is a fault and a restart; an agent "
+        "process's first segment is its warm-up, not judged). Slope: "
         "least squares over the segment's steady part, per 1,000 steps; band: "
         f"{rep['z']:g} standard errors, widened for the residuals' lag-1 autocorrelation. A series grows when its "
         "slope exceeds its band, the tolerance per 1,000 steps, and (times the fitted span) the total tolerance "
