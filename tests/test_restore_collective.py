@@ -290,3 +290,35 @@ def test_rule_routes_each_array_and_says_why():
     assert routes.plan_route(meta, full, {0: [0, 1], 1: [0, 1]}, process_count=2).reason.startswith("local")
     # a host target
     assert routes.plan_route(meta, None, holders, process_count=2).kind == routes.FETCH
+
+
+def test_prefetch_reads_every_transport_source_at_once():
+    """Chunks of two processes served over the transport: ``workers`` requests in flight per source, handed out
+    in turn, so both sources are read at once (the first three reads meet at a barrier: with one pool of
+    ``workers`` threads over chunks listed by process, they never would)."""
+    import threading
+
+    from jaxckpt.core.checksum import crc32c
+    from jaxckpt.core.fetch import ChunkReader
+    from jaxckpt.core.sources import Source
+
+    data = {q: np.arange(64, dtype=np.uint8) + q for q in (0, 1)}
+    meet = threading.Barrier(3, timeout=30)
+    seen, lock = [], threading.Lock()
+
+    def source(q):
+        def read(offset, nbytes):
+            with lock:
+                seen.append(q)
+                first = len(seen) <= 3
+            if first:
+                meet.wait()  # raises BrokenBarrierError (a failed read) unless three reads are in flight at once
+            return memoryview(data[q][offset:offset + nbytes].tobytes())
+        return [Source("remote", f"agent {q}", f"node{q}", read)]
+
+    chunks = [("w", ChunkMeta(Box((i,), (i + 8,)), i, 8, crc32c(data[q][i:i + 8].tobytes()), q))
+              for q in (0, 1) for i in range(0, 64, 8)]
+    reader = ChunkReader({0: source(0), 1: source(1)}, 1, workers=2)
+    reader.prefetch(chunks)
+    assert reader.report.chunks == 16 and reader.report.bytes_by_kind == {"remote": 128}
+    assert set(seen[:3]) == {0, 1}  # both sources among the first requests

@@ -93,7 +93,8 @@ class JaxGather:
 def _signature(s: Staged) -> tuple:
     """What the program of one array depends on: shape, dtype, row length and where each chunk goes."""
     meta, r = s.request.meta, s.route
-    return (tuple(meta.shape), dtype_from_name(meta.dtype), r.row_elements, tuple((c.row, c.offset, c.chunk.box.start, c.chunk.box.stop) for c in r.contributions))
+    return (tuple(meta.shape), dtype_from_name(meta.dtype), r.row_elements,
+            tuple((c.row, c.offset, c.chunk.box.start, c.chunk.box.stop) for c in r.contributions))
 
 
 @functools.lru_cache(maxsize=64)
