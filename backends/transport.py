@@ -37,6 +37,7 @@ import numpy as np
 import zmq
 
 from jaxckpt.errors import PeerError, PeerTimeoutError, StepNotFoundError  # PeerTimeoutError: re-exported
+from jaxckpt.core import hostbuf
 from jaxckpt.core.manifest import MAX_MANIFEST_BYTES
 from jaxckpt.core.store import SnapshotView, Store
 
@@ -551,7 +552,8 @@ class ZmqClient(PeerClient):
         what = f"step {step} range {offset}+{nbytes}" + (f" of process {process}" if process is not None else "")
         parts = [(o, min(self._frame_bytes, offset + nbytes - o))
                  for o in range(offset, offset + nbytes, self._frame_bytes)] or [(offset, 0)]
-        out = None if len(parts) == 1 else np.empty(nbytes, dtype=np.uint8)
+        # Frames land in one aligned buffer of the range's own (a restore keeps it as the array's memory: lent)
+        out = None if len(parts) == 1 else hostbuf.empty(nbytes, np.uint8)
         with self._lock:
             self._check_open()
             deadline = time.monotonic() + self._timeout
