@@ -24,9 +24,9 @@ incarnation too, since its state between segments is what a fault and a restart 
 steady part: the samples at least ``warmup_steps`` after the segment's first step (start-up: imports, first
 allocations, the keep and pending slots filling up). A series with fewer than MIN_POINTS samples there is
 reported, not judged; so are an agent process's series in its first segment, its warm-up: an agent starts with
-the job (or after its restart) and its heap climbs over its first few thousand steps, then stays flat (measured:
-flat over 11,000 steps of one segment, and level from its second segment on), and it is judged in every later
-segment and across them (below). A trainer is a new process in every segment and is judged in each. The run's length comes from the segments: ``steps // fault_every`` of them, so
+the job (or after its restart) and its heap climbs over its first ~4,000 steps, then stays flat (measured: level
+from step 4,000 to 12,000 of one 12,000-step segment, and from its second segment on), and it is judged in every
+later segment and across them (below). A trainer is a new process in every segment and is judged in each. The run's length comes from the segments: ``steps // fault_every`` of them, so
 ``steps // fault_every - 1`` faults (and the last incarnation, which checks the last fault, trains one too).
 
 **The rule for growth** (:func:`fit`). Least squares y = a + b x with x in thousands of steps; b is the slope per
@@ -281,9 +281,14 @@ class SoakRun(chaos.ChaosRun):
                 s["test_leak"] = self.test_leaks[s["process"]]
         return specs
 
-    def launch(self, prev, mode, fault=None, target=-1):  # noqa: ANN001 - ChaosRun.launch's
+    def launch(self, prev: chaos.TrialResult | None, mode: str, fault: dict | None = None,
+               target: int = -1) -> chaos.Incarnation | None:
+        """ChaosRun.launch, then the incarnation's segment (unless the fault strikes in its restore)."""
         inc = super().launch(prev, mode, fault, target)
-        if inc is not None and not (fault is not None and fault.get("phase") == "restore"):
+        if inc is None:
+            self.incidents.append(f"incarnation {self.epoch}: the job could not restore and train "
+                                  f"(relaunched {chaos.MAX_RELAUNCH} times)")
+        elif not (fault is not None and fault.get("phase") == "restore"):
             self._segment(inc)  # a fault in the restore leaves its damage to the fault's own handling: no segment
         return inc
 
