@@ -26,8 +26,9 @@ allocations, the keep and pending slots filling up). A series with fewer than MI
 reported, not judged; so are an agent process's series in its first segment, its warm-up: an agent starts with
 the job (or after its restart) and its heap climbs over its first ~4,000 steps, then stays flat (measured: level
 from step 4,000 to 12,000 of one 12,000-step segment, and from its second segment on), and it is judged in every
-later segment and across them (below). A trainer is a new process in every segment and is judged in each. The run's length comes from the segments: ``steps // fault_every`` of them, so
-``steps // fault_every - 1`` faults (and the last incarnation, which checks the last fault, trains one too).
+later segment and across them (below). A trainer is a new process in every segment and is judged in each. The
+run's length comes from the segments: ``steps // fault_every`` of them, so ``steps // fault_every - 1`` faults (the
+last incarnation, which checks the last fault, trains one too).
 
 **The rule for growth** (:func:`fit`). Least squares y = a + b x with x in thousands of steps; b is the slope per
 1,000 steps. Its noise band is ``Z`` standard errors, the standard error taken from the residuals and widened for
@@ -40,12 +41,13 @@ level are not independent. A series **grows** when all three hold:
                                                 memory, 256 KiB of tmpfs, 2 of a count, 6 keys).
 So the tolerated slope is max(rate, total / span): over the soak's 3,000-step fits the rate governs memory (and
 counts to within 0.67 per 1,000 steps), while a quick run's 100-step fits tolerate its start-up drift (a few
-MiB per 1,000 steps) and still catch a leak of a KiB or an fd per step. A falling series never fails. An agent lives across segments: its steady level per segment (the fitted
-median) must not rise from its second segment (the first is its warm-up) to its last by more than the total
-tolerance (:func:`across_segments`): what a fault and a restart leave behind each time. The run fails on any
-growing series, on a stall (no step trained for the driver's
-time-out), on a trainer that ended during a segment without a fault, and on any failed chaos check (wrong
-restore, hang, unexpected loss, unrecovered fault).
+MiB per 1,000 steps) and still catch a leak of 8 KiB or of an fd per step. A falling series never fails.
+
+An agent lives across segments: its steady level per segment (the fitted median) must not rise from its second
+segment (the first is its warm-up) to its last by more than the total tolerance (:func:`across_segments`): what a
+fault and a restart leave behind each time. The run fails on any growing series, on a stall (no step trained for
+the driver's time-out), on a trainer that ended during a segment without a fault, on an incarnation that could not
+restore, and on any failed chaos check (wrong restore, hang, unexpected loss, unrecovered fault).
 
     jaxckpt chaos --profile soak --seed 0 [--steps 20000] [--json] [--update-md BENCHMARKS.md]
     jaxckpt chaos --profile soak-quick                    # 2 segments of 150 steps, 1 fault (tests/test_soak.py)
@@ -375,7 +377,8 @@ def soak_report(run: SoakRun, chaos_rep: dict, seconds: float) -> dict:
             first[(f["proc"], f["pid"])] = min(first.get((f["proc"], f["pid"]), f["segment"]), f["segment"])
     for f in fits:
         f["judged"] = f["fit"] is not None and first.get((f["proc"], f["pid"])) != f["segment"]
-    growing = [f"{f['proc']} {f['metric']} (segment {f['segment']})" for f in fits if f["judged"] and f["fit"]["growth"]]
+    growing = [f"{f['proc']} {f['metric']} (segment {f['segment']})" for f in fits
+               if f["judged"] and f["fit"]["growth"]]
     across = across_segments(fits)
     growing += [f"{a['proc']} {a['metric']} (across segments {a['segments'][1]}..{a['segments'][-1]})"
                 for a in across if a["growth"]]
@@ -385,7 +388,8 @@ def soak_report(run: SoakRun, chaos_rep: dict, seconds: float) -> dict:
             "segments": run.segments, "faults": [{k: r[k] for k in ("kind", "detail", "recovered", "lost")}
                                                  for r in chaos_rep["results"]],
             "chaos_ok": chaos.ok(chaos_rep), "incidents": run.incidents, "growing": growing,
-            "fitted": sum(f["fit"] is not None for f in fits), "judged": sum(f["judged"] for f in fits), "tolerance": {k: asdict(v) for k, v in TOLERANCE.items()},
+            "fitted": sum(f["fit"] is not None for f in fits), "judged": sum(f["judged"] for f in fits),
+            "tolerance": {k: asdict(v) for k, v in TOLERANCE.items()},
             "z": Z, "across_segments": across, "series": [s | {k: f[k] for k in ("fit", "judged", "first_step")}
                                for s, f in zip(run.sampler.series.values(), fits)],
             "chaos": {k: v for k, v in chaos_rep.items() if k != "results"}}
