@@ -72,6 +72,17 @@ def test_restore_paths_and_recovery(run):
     assert rs["resharded"]["processes"] == 2 and rs["local"]["processes"] == 4
     assert rs["peers"]["sources"].get("rebuild", 0) > 0  # the lost node's chunks came from parity or copies
     assert rs["local"]["sources"].get("rebuild", 0) == 0
+    # the timeline of every restore path; the data-parallel half is formed by the collective from each node's
+    # share, so a local restore moves nothing over the host transport
+    for key in ("local", "peers", "resharded"):  # the persistent tier restores through Orbax: no chunk reader
+        t = rs[key]["timeline"]
+        assert t["phases"]["discover"]["seconds"] > 0 and "device_put" in t["phases"], key
+    assert rs["local"]["timeline"]["transport_bytes"] == 0 and rs["local"]["timeline"]["collective_bytes"] > 0
+    assert rs["local"]["timeline"]["phases"]["collective"]["nbytes"] == rs["local"]["timeline"]["collective_bytes"]
+    assert rs["peers"]["timeline"]["collective_bytes"] > 0
+    lb = res["loopback"]
+    assert lb["tcp"]["gbps"] > 0 and lb["transport"]["gbps"] > 0
+    assert math.isclose(lb["transport_over_tcp"], lb["transport"]["gbps"] / lb["tcp"]["gbps"])
     for key in ("local", "peers", "resharded", "persistent", "orbax_standard", "orbax_emergency_dp"):
         assert rs[key]["restore_s"]["n"] >= 1, key
     em = rs["orbax_emergency"]
@@ -101,6 +112,7 @@ def test_markdown_and_plots(run, tmp_path):
     assert body in text and "\nold\n" not in text and "Quick run" in body
     assert "None" not in body and "nan" not in body
     for words in ("jaxckpt, via peers", "Orbax StandardRestore", "Orbax emergency", "Parity floor",
+                  "Restore timeline", "raw TCP",
                   "kill → first step", res["machine"]["loadavg_at_start"]):
         assert words in body, words
     if plots.available():

@@ -18,7 +18,7 @@ from jaxckpt.core.coordination import Coordinator, LocalCoordinator
 from jaxckpt.core.engine import CheckpointEngine, Reservation, SaveHandle
 from jaxckpt.jax.fused import wrap_step
 from jaxckpt.core.restore import restore_step
-from jaxckpt.jax.gather import JaxGather
+from jaxckpt.jax.gather import JaxGather, gather_for
 from jaxckpt.jax.restore import restore_tree
 from jaxckpt.jax.snapshot import Saver, TreePlan
 
@@ -172,9 +172,7 @@ class Checkpointer:
 
     def _gather(self, target: Any) -> JaxGather | None:
         """The collective of a multi-process restore onto a target (``jaxckpt.core.routes``), else None."""
-        if target is None or self.engine.process_count <= 1 or not self.config.restore_collective:
-            return None
-        return JaxGather(self.engine.collective.channel("restore"))
+        return gather_for(self.engine, target)
 
     def _restore(self, target: Any, step: int | None):
         """A ``jaxckpt.orbax.persist.Restored``: state, extra state, step and source (memory or persistent)."""

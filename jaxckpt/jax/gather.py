@@ -9,6 +9,10 @@ device interconnect on accelerators), cuts each saved chunk out of its row and w
 ``out_shardings`` the targets' shardings, so each device keeps only its shard. The program is a pure copy
 (slices and dynamic-update-slices, no arithmetic): the result is bit for bit the saved bytes.
 
+On CPU devices, several per process, the program runs on one device per process instead (XLA:CPU runs one gloo
+rank per device, so a gather over every device would carry each byte to a process once per local device), and
+each process copies its devices' shards out of its whole copy in memory.
+
 Programs are cached per (chunk table, shardings): a second restore of the same layout compiles nothing.
 """
 from __future__ import annotations
@@ -22,15 +26,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxckpt.core import hostbuf
 from jaxckpt.core.box import Box
 from jaxckpt.core.collective import Channel
 from jaxckpt.core.dtypes import dtype_from_name
 from jaxckpt.core.restore import Staged
 from jaxckpt.core.routes import TargetLayout
+from jaxckpt.jax import shards
 
 log = logging.getLogger("jaxckpt.jax.gather")
 
-__all__ = ["JaxGather", "target_layout"]
+__all__ = ["JaxGather", "gather_for", "target_layout"]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -43,6 +49,14 @@ def target_layout(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> Ta
     # In the sharding's own device order: a jitted program's inputs must have the outputs' device assignment.
     order = getattr(sharding, "_device_assignment", None) or sorted(index, key=lambda d: d.id)
     return TargetLayout(tuple((d.id, d.process_index, Box.from_index(index[d], shape)) for d in order))
+
+
+def gather_for(engine: Any, target: Any) -> "JaxGather | None":
+    """The collective of ``engine``'s restore onto ``target`` in a multi-process job (``Config.restore_collective``),
+    else None. Every process restoring the same target must get one (the restore's rounds are collective)."""
+    if target is None or engine.process_count <= 1 or not engine.config.restore_collective:
+        return None
+    return JaxGather(engine.collective.channel("restore"))
 
 
 class JaxGather:
@@ -75,6 +89,10 @@ class JaxGather:
                     out[i] = jax.make_array_from_single_device_arrays(s.request.meta.shape, s.request.target, [],
                                                                       dtype=dtype_from_name(s.request.meta.dtype))
                 continue
+            per_process = [self._devices[d].process_index for d in devices]
+            if all(self._devices[d].platform == "cpu" for d in devices) and len(set(per_process)) < len(devices):
+                self._by_leaders(devices, idx, staged, out)
+                continue
             mesh = Mesh(np.array([self._devices[d] for d in devices]), ("rows",))
             rows_sharding = NamedSharding(mesh, PartitionSpec("rows"))
             inputs = []
@@ -88,6 +106,44 @@ class JaxGather:
             for i, x in zip(idx, program(*inputs)):
                 out[i] = x
         return out
+
+
+    def _by_leaders(self, devices: tuple[int, ...], idx: list[int], staged: list[Staged], out: list[Any]) -> None:
+        """CPU devices, several per process: XLA:CPU runs a collective rank per device, so an all-gather over
+        every device would carry each byte to each process once per local device. Here the program runs on one
+        device per process (its rows laid side by side in one row), forms each whole array there, and each
+        process copies its devices' shards out of that copy in memory."""
+        procs: list[int] = []
+        leader: dict[int, int] = {}
+        slot: dict[int, tuple[int, int]] = {}  # device id -> (its process's row, its place in that row)
+        for d in devices:
+            p = self._devices[d].process_index
+            if p not in leader:
+                leader[p] = d
+                procs.append(p)
+            slot[d] = (procs.index(p), sum(1 for r, _ in slot.values() if r == procs.index(p)))
+        k = 1 + max(j for _, j in slot.values())
+        mesh = Mesh(np.array([self._devices[leader[p]] for p in procs]), ("rows",))
+        rows_sharding, whole = NamedSharding(mesh, PartitionSpec("rows")), NamedSharding(mesh, PartitionSpec())
+        me, mine = self._devices[leader[self._me]], self.local_devices(devices)
+        inputs, signatures = [], []
+        for i in idx:
+            s, meta = staged[i], staged[i].request.meta
+            n, dtype = s.route.row_elements, dtype_from_name(meta.dtype)
+            row = hostbuf.empty(k * n, dtype)
+            for d in mine:
+                row[slot[d][1] * n:(slot[d][1] + 1) * n] = s.rows[d]
+            inputs.append(jax.make_array_from_single_device_arrays(
+                (len(procs), k * n), rows_sharding, [jax.device_put(row.reshape(1, -1), me)]))
+            pieces = tuple((slot[devices[c.row]][0], slot[devices[c.row]][1] * n + c.offset, c.chunk.box.start,
+                            c.chunk.box.stop) for c in s.route.contributions)
+            signatures.append((tuple(meta.shape), dtype, k * n, pieces))
+        program = _program(tuple(signatures), mesh, (whole,) * len(idx))
+        for i, full in zip(idx, program(*inputs)):
+            meta, target = staged[i].request.meta, staged[i].request.target
+            host = np.asarray(full.addressable_data(0))  # a view of this process's whole copy
+            boxes = shards.needed_boxes(meta.shape, target)
+            out[i] = shards.make_array(meta.shape, host.dtype, target, {b: host[b.slices()] for b in boxes})
 
 
 def _signature(s: Staged) -> tuple:

@@ -55,6 +55,7 @@ from jaxckpt.core.dtypes import dtype_from_name
 from jaxckpt.core.engine import CheckpointEngine
 from jaxckpt.errors import (ChecksumError, CommitError, ManifestError, NoCheckpointError, PeerError, PlanError,
                             StepError, StepNotFoundError, TargetMismatchError, UnsupportedLeafError)
+from jaxckpt.jax.gather import gather_for
 from jaxckpt.jax.restore import restore_tree
 from jaxckpt.jax.tree import Leaf, flatten, nested
 from jaxckpt.core.manifest import LeafMeta, Manifest
@@ -276,7 +277,8 @@ def restore(engine: CheckpointEngine, persister: "Persister | None", target: Any
     step = _step_number(step)
     try:
         with engine.open(step) as (step, manifests, reader):
-            state = restore_tree(target, manifests, reader, step=step, process=engine.process_index)
+            state = restore_tree(target, manifests, reader, step=step, process=engine.process_index,
+                                 gather=gather_for(engine, target))
             extra = extra_of(next((m for m in manifests if m.process == engine.process_index), manifests[0]))
         log.info("restored step %d from memory in %.3fs (bytes by source process: %s)", step,
                  time.perf_counter() - t0, reader.bytes_by_process)

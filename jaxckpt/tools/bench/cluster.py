@@ -143,6 +143,10 @@ def measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float) -
     recoveries: list[dict[str, Any]] = []
     job = None
     t_start = time.perf_counter()
+    from jaxckpt.tools.bench.loopback import probe
+    loopback = probe(256 << 20)  # the bandwidth the host transport could have on this machine
+    log.info("bench cluster: loopback raw TCP %.2f GB/s, peer transport %.2f GB/s", loopback["tcp"]["gbps"],
+             loopback["transport"]["gbps"])
     try:
         log.info("bench cluster: %s state on %d nodes x %d processes: saves, policies %s", report.fmt_size(size),
                  opts["nodes"], opts["procs_per_node"], ", ".join(policies))
@@ -191,7 +195,7 @@ def measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float) -
         _cleanup(base, disk, policies, opts["nodes"])
     out = aggregate(results, recoveries, spec)
     return {"bench": "cluster", "mode": "quick" if quick else "full", "machine": machine, "date": report.now_utc(),
-            "command": cmd,
+            "command": cmd, "loopback": loopback,
             "setup": {"nodes": opts["nodes"], "procs_per_node": opts["procs_per_node"], "devices_per_proc": devices,
                       "mesh": spec["mesh"], "reshard_mesh": spec["reshard_mesh"], "arrays": opts["arrays"],
                       "state_bytes": size, "policies": policies, "keep_policy": KEEP_POLICY,

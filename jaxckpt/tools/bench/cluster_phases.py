@@ -306,8 +306,26 @@ def _timed_restores(ck: Any, tgt: Any, n: int, step: int | None, before: Any = N
 
 
 def _sources(ck: Any) -> dict[str, int]:
+    """Bytes read by source kind, and the bytes the collective brought (as "collective")."""
     rep = ck.last_restore_report
-    return dict(rep.to_dict().get("bytes_by_kind", {})) if rep is not None else {}
+    if rep is None:
+        return {}
+    out = dict(rep.bytes_by_kind)
+    if rep.collective_bytes:
+        out["collective"] = rep.collective_bytes
+    return out
+
+
+def _timeline(ck: Any) -> dict[str, Any]:
+    """The last restore's timeline (bytes and seconds per phase), host-transport bytes and its routes."""
+    rep = ck.last_restore_report
+    if rep is None:
+        return {}
+    routes: dict[str, int] = {}
+    for r in rep.routes.values():
+        routes[r] = routes.get(r, 0) + 1
+    return {"phases": rep.timeline.to_dict(), "transport_bytes": rep.transport_bytes,
+            "collective_bytes": rep.collective_bytes, "routes": routes, "seconds": rep.seconds}
 
 
 def _drop_cache(root: str) -> None:
@@ -327,7 +345,8 @@ def reshard_phase(spec: dict) -> dict:
         step = ck.latest_step()
         times, got = _timed_restores(ck, tgt, spec["repeats"], None)
         check(got, spec, step, "resharded restore")
-        out = {"process": info.process_id, "step": step, "restore_s": times, "sources": _sources(ck)}
+        out = {"process": info.process_id, "step": step, "restore_s": times, "sources": _sources(ck),
+               "timeline": _timeline(ck)}
         del got
         barrier("cluster-resharded")
     write_result(spec, f"reshard-p{info.process_id}", out)
@@ -347,7 +366,7 @@ def local_phase(spec: dict) -> dict:
     step = ck.latest_step()
     times, st = _timed_restores(ck, tgt, spec["repeats"], step)
     check(st, spec, step, "local restore")
-    sources = _sources(ck)
+    sources, timeline = _sources(ck), _timeline(ck)
     std_path = os.path.join(spec["orbax_std"], "ckpt")
     std = ocp.Checkpointer(ocp.StandardCheckpointHandler())
     std_times, got = [], None
@@ -361,7 +380,7 @@ def local_phase(spec: dict) -> dict:
     del got
     barrier("cluster-local-restored")
     write_result(spec, f"local-p{info.process_id}", {
-        "process": info.process_id, "step": step, "restore_s": times, "sources": sources,
+        "process": info.process_id, "step": step, "restore_s": times, "sources": sources, "timeline": timeline,
         "orbax_standard_restore_s": std_times})
     train_until_killed(spec, ck, st, step, "local", info)
     return {}
@@ -410,7 +429,7 @@ def _recovered(spec: dict, role: str, persistent: bool) -> tuple[Any, Any, Any, 
     got = jax.block_until_ready(ck.restore(tgt, step=step))
     first = time.perf_counter() - t0
     t_restored = time.time()
-    sources = _sources(ck)
+    sources, timeline = _sources(ck), _timeline(ck)
     st = jax.block_until_ready(train_step()(got))
     t_step = time.time()
     check(st, spec, step + 1, f"{role} restore (checked after one step: x + 1 is exact)")
@@ -420,7 +439,7 @@ def _recovered(spec: dict, role: str, persistent: bool) -> tuple[Any, Any, Any, 
     stamps = {"entry": t_entry, "created": t_created, "opened": t_open, "restored": t_restored,
               "first_step": t_step}
     out = {"process": info.process_id, "step": step, "restore_s": [first] + later, "sources": sources,
-           "stamps": stamps}
+           "timeline": timeline, "stamps": stamps}
     return info, ck, st, step + 1, out
 
 

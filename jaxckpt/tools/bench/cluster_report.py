@@ -33,6 +33,31 @@ def _sum_sources(rows: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     return out
 
 
+def _sum_timelines(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One restore's timeline over every process: bytes summed, seconds of the slowest process, per phase;
+    host-transport and collective bytes summed; the transport's rate (its bytes over the longest fetch span)."""
+    tls = [r["timeline"] for r in rows if r.get("timeline")]
+    if not tls:
+        return {}
+    phases: dict[str, dict[str, float]] = {}
+    for t in tls:
+        for name, p in t["phases"].items():
+            q = phases.setdefault(name, {"nbytes": 0, "seconds": 0.0})
+            q["nbytes"] += p["nbytes"]
+            q["seconds"] = max(q["seconds"], p["seconds"])
+    routes: dict[str, int] = {}
+    for t in tls:
+        for k, v in t.get("routes", {}).items():
+            routes[k] = max(routes.get(k, 0), v)
+    peer = phases.get("peer_fetches", {"nbytes": 0, "seconds": 0.0})
+    out = {"phases": {name: {k: v for k, v in p.items() if v} for name, p in phases.items() if any(p.values())},
+           "transport_bytes": sum(t["transport_bytes"] for t in tls),
+           "collective_bytes": sum(t["collective_bytes"] for t in tls), "routes": routes}
+    if peer["nbytes"] and peer["seconds"]:
+        out["transport_gbps"] = peer["nbytes"] / peer["seconds"] / 1e9
+    return out
+
+
 def _first_error(rows: Sequence[Mapping[str, Any]]) -> str | None:
     """The earliest error of a failed collective operation: the cause (the others fail because of it)."""
     errs = sorted((r.get("t", 0.0), r["error"]) for r in rows if "error" in r)
@@ -114,12 +139,13 @@ def aggregate(results: Mapping[str, Any], recoveries: Sequence[Mapping[str, Any]
     restore: dict[str, Any] = {}
     for name, rows in (("local", results["local"]), ("resharded", results["reshard"])):
         restore[name] = {"restore_s": s(_slowest([r["restore_s"] for r in rows])), "step": rows[0]["step"],
-                         "sources": _sum_sources(rows), "processes": len(rows)}
+                         "sources": _sum_sources(rows), "processes": len(rows), "timeline": _sum_timelines(rows)}
     for kind in ("peers", "persistent"):
         jobs = [v for k, v in results["recovered"].items() if k.startswith(kind)]
         restore[kind] = {"restore_s": s([t for rows in jobs for t in _slowest([r["restore_s"] for r in rows])]),
                          "first_s": s([max(r["restore_s"][0] for r in rows) for rows in jobs]),
-                         "step": jobs[0][0]["step"], "sources": _sum_sources(jobs[0]), "processes": len(jobs[0])}
+                         "step": jobs[0][0]["step"], "sources": _sum_sources(jobs[0]), "processes": len(jobs[0]),
+                         "timeline": _sum_timelines(jobs[0])}
     restore["orbax_standard"] = {"restore_s": s(_slowest([r["orbax_standard_restore_s"] for r in results["local"]])),
                                  "step": spec["orbax_std_step"], "processes": len(results["local"])}
     for key, rows, step in (("orbax_emergency", results["emergency"], spec["orbax_em_step"]),
@@ -220,6 +246,7 @@ def render(result: Mapping[str, Any]) -> str:
             f" (first {fm(r['first_s'])})" if "first_s" in r else ""), src, f"{fn(ratio)}x" if ratio else "–"])
     parts.append(report.table(["path", "step", "restore ms", "bytes read by source (all processes)",
                                "Orbax StandardRestore / this"], rows))
+    parts += _timeline_section(result)
     for key, what in (("orbax_emergency", "the whole state"), ("orbax_emergency_dp", "the data-parallel half")):
         if rs[key].get("error"):
             parts += ["", f"Orbax emergency restore of {what} failed: `{_one_line(rs[key]['error'])}`."]
@@ -261,6 +288,42 @@ def render(result: Mapping[str, Any]) -> str:
                   f"the training loop and skip steps to keep up). Events: {events}. Ratios are of medians within this "
                   f"run."]
     return "\n".join(parts)
+
+
+TIMELINE_PHASES = ("discover", "plan", "local_reads", "collective", "peer_fetches", "rebuild", "persistent_reads",
+                   "assemble", "device_put")
+
+
+def _timeline_section(result: Mapping[str, Any]) -> list[str]:
+    """Per restore path: every phase's bytes (all processes) and seconds (slowest process), host-transport bytes
+    per restore, and the transport's rate beside raw loopback TCP measured in the same run."""
+    fm, fn, fs = report.fmt_ms, report.fmt_num, report.fmt_size
+    rows = []
+    for key, label in PATHS:
+        t = result["restore"].get(key, {}).get("timeline")
+        if not t:
+            continue
+        cells = []
+        for name in TIMELINE_PHASES:
+            p = t["phases"].get(name, {})
+            nbytes, sec = p.get("nbytes", 0), p.get("seconds", 0.0)
+            cells.append(f"{fs(nbytes) if nbytes else '–'} / {sec * 1e3:.0f}" if nbytes or sec else "–")
+        routed = ", ".join(f"{v} {k}" for k, v in sorted(t.get("routes", {}).items())) or "–"
+        rate = f"{fn(t['transport_gbps'])}" if t.get("transport_gbps") else "–"
+        rows.append([key, *cells, fs(t["transport_bytes"]), rate, routed])
+    if not rows:
+        return []
+    out = ["", "Restore timeline (first restore of each path; bytes over all processes / ms of the slowest process, "
+               "per phase; phases overlap):", "",
+           report.table(["path", *TIMELINE_PHASES, "host transport bytes", "transport GB/s in restore",
+                         "arrays by route (per process)"], rows)]
+    lb = result.get("loopback")
+    if lb:
+        out += ["", f"Loopback, same run ({lb['tcp']['streams']} streams of {fs(lb['tcp']['bytes'])}): raw TCP "
+                    f"{fn(lb['tcp']['gbps'])} GB/s; the peer transport (ZeroMQ, {lb['transport']['streams']} clients "
+                    f"reading {fs(lb['transport']['chunk_bytes'])} ranges) {fn(lb['transport']['gbps'])} GB/s = "
+                    f"{fn(lb['transport_over_tcp'] * 100)}% of raw TCP."]
+    return out
 
 
 def _one_line(text: str, limit: int = 300) -> str:

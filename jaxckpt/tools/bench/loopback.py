@@ -1,0 +1,148 @@
+"""The host transport beside raw loopback TCP, measured in the same run (``jaxckpt bench cluster``).
+
+Two probes of one process, ``streams`` senders at once over 127.0.0.1:
+
+  * raw TCP: each stream a plain socket pair, ``sendall`` of one buffer, received with ``recv_into`` straight
+    into a preallocated buffer: the ceiling any host transport on this machine can reach;
+  * the peer transport (``jaxckpt.backends.transport``, ZeroMQ, as restores use it): a peer server over an
+    in-memory snapshot, ``streams`` clients each reading ranges of ``chunk_bytes``, as a restore's fetch threads do.
+
+Each returns bytes, seconds and GB/s; the bench reports the transport's share of the raw bandwidth.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+__all__ = ["tcp_gbps", "transport_gbps"]
+
+
+def tcp_gbps(nbytes: int = 256 << 20, streams: int = 4, piece: int = 4 << 20) -> dict[str, Any]:
+    """Raw loopback TCP: ``streams`` connections each carrying ``nbytes / streams``, received into a buffer."""
+    per = max(piece, nbytes // streams)
+    src = np.random.default_rng(0).integers(0, 255, per, dtype=np.uint8).tobytes()
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.listen(streams)
+    port = listener.getsockname()[1]
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(src)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def receive(conn: socket.socket) -> None:
+        buf = bytearray(per)
+        view, got = memoryview(buf), 0
+        try:
+            with conn:
+                while got < per:
+                    n = conn.recv_into(view[got:], min(piece, per - got))
+                    if n == 0:
+                        raise ConnectionError(f"stream ended after {got} of {per} bytes")
+                    got += n
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    try:
+        t0 = time.perf_counter()
+        senders = [threading.Thread(target=send, daemon=True) for _ in range(streams)]
+        for t in senders:
+            t.start()
+        receivers = []
+        for _ in range(streams):
+            conn, _ = listener.accept()
+            r = threading.Thread(target=receive, args=(conn,), daemon=True)
+            r.start()
+            receivers.append(r)
+        for t in senders + receivers:
+            t.join(120)
+        seconds = time.perf_counter() - t0
+    finally:
+        listener.close()
+    if errors:
+        raise RuntimeError(f"loopback TCP probe failed: {errors[0]}")
+    total = per * streams
+    return {"bytes": total, "seconds": seconds, "gbps": total / seconds / 1e9, "streams": streams}
+
+
+def _snapshot_source(buf: memoryview) -> Any:
+    """One immutable snapshot held in memory (process 0, step 1), as the peer server serves a store's."""
+    from jaxckpt.backends.transport import SnapshotSource
+    from jaxckpt.core.store import SnapshotView
+
+    class View(SnapshotView):
+        def __init__(self) -> None:
+            self.step, self.manifest, self.buffer = 1, b"", buf
+
+        def close(self) -> None:
+            pass
+
+    class Source(SnapshotSource):
+        label = "loopback probe"
+
+        def steps(self, process: int | None) -> list[int]:
+            return [1]
+
+        def open(self, process: int | None, step: int) -> SnapshotView | None:
+            return View() if step == 1 else None
+
+        def held(self) -> list[list]:
+            return []
+    return Source()
+
+
+def transport_gbps(nbytes: int = 256 << 20, streams: int = 4, chunk_bytes: int = 16 << 20) -> dict[str, Any]:
+    """The peer transport: ``streams`` clients reading ``nbytes`` in ``chunk_bytes`` ranges from one server."""
+    from jaxckpt.backends.transport import get_transport
+
+    buf = memoryview(np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8))
+    source = _snapshot_source(buf)
+    token = os.urandom(16)
+    transport = get_transport()
+    server = transport.serve(source, token=token)
+    clients = [transport.connect(server.address, token=token, timeout_s=60.0, server_key=getattr(server, "public_key",
+                                                                                                   ""))
+               for _ in range(streams)]
+    ranges = [(o, min(chunk_bytes, nbytes - o)) for o in range(0, nbytes, chunk_bytes)]
+    errors: list[BaseException] = []
+
+    def pull(i: int) -> None:
+        try:
+            for o, n in ranges[i::streams]:
+                got = clients[i].read(1, o, n)
+                if len(got) != n:
+                    raise RuntimeError(f"range {o}+{n}: {len(got)} bytes")
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    try:
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=pull, args=(i,), daemon=True) for i in range(streams)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        seconds = time.perf_counter() - t0
+    finally:
+        for c in clients:
+            c.close()
+        server.close()
+    if errors:
+        raise RuntimeError(f"peer transport probe failed: {errors[0]}")
+    return {"bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9, "streams": streams,
+            "chunk_bytes": chunk_bytes}
+
+
+def probe(nbytes: int = 256 << 20, streams: int = 4) -> dict[str, Any]:
+    """Both probes, the transport's share of raw TCP."""
+    raw = tcp_gbps(nbytes, streams)
+    zmq = transport_gbps(nbytes, streams)
+    return {"tcp": raw, "transport": zmq, "transport_over_tcp": zmq["gbps"] / raw["gbps"]}
