@@ -28,6 +28,7 @@ from typing import Any
 
 from jaxckpt.backends.agent.protocol import (AgentConnection, agent_dir, default_log_path, ensure_private_dir,
                                              open_segment, spawn_agent)
+from jaxckpt.core.history import trim
 from jaxckpt.config import Config
 from jaxckpt.errors import ClosedError, StepError, StepNotFoundError, StoreUnavailableError
 from jaxckpt.core.capabilities import AgentHolders, NodeAgent, ProtectionSlots
@@ -187,6 +188,7 @@ class ShmStore(Store):
         gen = self.agent.get("generation", "")
         for s in steps:
             self._known[s] = gen
+        trim(self._known)
 
     def _skip(self, step: int, e: Exception) -> StoreUnavailableError:
         self.metrics["saves_skipped"] += 1
@@ -234,6 +236,7 @@ class ShmStore(Store):
                 raise self._skip(slot.step, e) from None
             del self._writing[slot.step]
             self._known[slot.step] = tok.generation
+            trim(self._known)
 
     def pull(self, slot: Slot, **fields: Any) -> dict:
         """Have the agent build protection blocks into ``slot`` (backends/agent/protection_pull.py); its reply (one crc32c

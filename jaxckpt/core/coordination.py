@@ -24,6 +24,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, Protocol
 
+from jaxckpt.core.history import trim
 from jaxckpt.errors import CommitError
 
 if TYPE_CHECKING:
@@ -93,6 +94,10 @@ class CommitTracker:
         self._latest: int | None = None
         self._outcome: dict[int, bool] = {}
         self._settled: set[int] = set()  # decided steps whose on_commit hook (retention) has run
+        # Bounded (jaxckpt.core.history): steps up to _floor were decided and trimmed; of those, the ones that
+        # did not commit stay known in _old_failed (itself bounded: a failure that old is no one's concern).
+        self._floor = -1
+        self._old_failed: set[int] = set()
         # step -> (local done, decided) on time.monotonic(), which all processes of one host share: the commit
         # protocol's latency is read off these (jaxckpt bench scaling). Bounded: the newest TIMES_KEPT steps.
         self._times: dict[int, tuple[float, float]] = {}
@@ -106,7 +111,21 @@ class CommitTracker:
 
     def decided(self, step: int) -> bool:
         with self._cv:
-            return step in self._settled
+            return step in self._settled or step <= self._floor
+
+    def _outcome_of(self, step: int) -> bool:
+        out = self._outcome.get(step)
+        return (step not in self._old_failed) if out is None else out
+
+    def _trim(self) -> None:
+        # Holding the condition. Settled steps only: an undecided step is never dropped.
+        dropped = trim(self._settled)
+        if dropped:
+            self._floor = max(self._floor, dropped[-1])
+            for s in dropped:
+                if not self._outcome.pop(s, True):
+                    self._old_failed.add(s)
+            trim(self._old_failed)
 
     def adopt(self, step: int) -> None:
         """Take ``step`` as committed by every process (agreed at start-up from the steps a node agent held)."""
@@ -131,9 +150,9 @@ class CommitTracker:
         timeout_s = self._timeout * 2 if timeout_s is None else timeout_s
         with self._cv:
             # Settled, not just decided: after wait() the retention of the step is done and visible.
-            if not self._cv.wait_for(lambda: step in self._settled, timeout=timeout_s):
+            if not self._cv.wait_for(lambda: step in self._settled or step <= self._floor, timeout=timeout_s):
                 raise CommitError(f"step {step}: no commit decision within {timeout_s:.0f}s")
-            return self._outcome[step]
+            return self._outcome_of(step)
 
     def _run(self) -> None:
         while True:
@@ -161,6 +180,7 @@ class CommitTracker:
                     log.exception("step %d: post-commit hook failed", step)
             with self._cv:
                 self._settled.add(step)
+                self._trim()
                 self._cv.notify_all()
 
     def _agree(self, step: int, ok: bool) -> bool:

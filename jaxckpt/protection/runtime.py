@@ -46,6 +46,7 @@ import numpy as np
 from jaxckpt.protection import parity
 from jaxckpt.core.capabilities import NodeAgent, ProtectionSlots
 from jaxckpt.core.checksum import crc32c
+from jaxckpt.core.history import trim
 from jaxckpt.errors import AgentError, CommitError, PeerError
 from jaxckpt.core.plan import ArrayLayout, SavePlan
 from jaxckpt.protection.plan import (ProtectionPlan, SavedChunk, encode_plan, plan_for_config,
@@ -253,6 +254,7 @@ class Protector:
         # its parity future runs on (not cancelled: a front end may wait for it before reusing its buffers)
         with self._cond:
             self._skipped.add(step)
+            trim(self._skipped)
             self._pending.discard(step)
             self._cond.notify_all()
         log.debug("step %d: protection skipped: %d newer steps are committed", step, self.config.keep)
@@ -271,6 +273,7 @@ class Protector:
                 log.error("step %d: protection failed on process %d: %s", step, self.p, e)
                 with self._cond:
                     self._failed[step] = e
+                    trim(self._failed)
                     self._pending.discard(step)
                     self._cond.notify_all()
                 return
@@ -307,6 +310,7 @@ class Protector:
             log.error("step %d: protection failed on process %d: %s", step, self.p, e)
             with self._cond:
                 self._failed[step] = e
+                trim(self._failed)
             self._announce(step, False)
         finally:
             with self._cond:
@@ -373,8 +377,10 @@ class Protector:
             newest = max(self._protected, default=None)
             if done:
                 self._protected = sorted(set(self._protected) | {step})
+                trim(self._protected)
             else:
                 self._failed.setdefault(step, CommitError(f"step {step}: protection not complete on every node"))
+                trim(self._failed)
             self._cond.notify_all()
         if done and (newest is None or step > newest):
             # Until a newer step is protected, this one is all a lost node can be rebuilt from: its local bytes
@@ -396,6 +402,7 @@ class Protector:
         with self._cond:
             if complete:
                 self._protected = sorted(set(self._protected) | {step})
+                trim(self._protected)
             else:
                 self._fallbacks.append(step)
 
