@@ -382,6 +382,10 @@ class CheckpointEngine:
         if self.protection is not None:  # ... and protected (or its protection failed, which is logged)
             self.protection.wait(timeout=timeout)
 
+    def commit_times(self) -> dict[int, tuple[float, float]]:
+        """Newest steps' (local done, decided here) in ``time.monotonic()`` seconds (the commit protocol's latency)."""
+        return self._tracker.times()
+
     def latest_step(self) -> int | None:
         """The newest step committed by every process, or None."""
         return self._tracker.latest()
