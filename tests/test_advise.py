@@ -69,3 +69,26 @@ def test_cli_prints_the_same_advice_and_refuses_bad_durations():
     r = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "advise", "--mtbf-node", "1d", "--nodes", "0",
                         "--step-time", "1", "--overhead", "0"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "nodes=0 must be an int >= 1" in r.stderr
+
+
+def test_checkpointer_advises_from_its_own_measured_saves():
+    import numpy as np
+
+    import jaxckpt
+    from jaxckpt.core.advise import advise_interval as formula
+
+    with jaxckpt.Checkpointer(jaxckpt.Config(keep=2)) as ck:
+        with pytest.raises(ConfigError, match=r"step_time_s, overhead_s not measured yet"):
+            ck.advise_interval(mtbf_node_s=86400.0, nodes=64)
+        state = {"w": np.arange(1 << 16, dtype=np.float32)}
+        for step in range(6):
+            ck.save(step, state)
+            ck.wait()
+        m = ck.engine.costs.measured(ck.engine.commit_times())
+        assert {"overhead_s", "step_time_s", "latency_s"} <= set(m)
+        assert m["overhead_s"] > 0 and m["step_time_s"] > 0 and m["latency_s"] >= 0
+        a = ck.advise_interval(mtbf_node_s=86400.0, nodes=64, restart_s=30.0)
+        # The same numbers through the formula: the advice is the formula of what was measured.
+        assert a == formula(mtbf_node_s=86400.0, nodes=64, restart_s=30.0, **m)
+        given = ck.advise_interval(mtbf_node_s=1e5, nodes=100, step_time_s=0.5, overhead_s=0.01, latency_s=0.0)
+        assert given.interval_steps == 9  # the hand-worked case above, whatever this job measured

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from jaxckpt.core import manifest as mf
 from jaxckpt.core.box import Box
 from jaxckpt.config import Config
+from jaxckpt.core.advise import IntervalAdvice
 from jaxckpt.core.dtypes import dtype_from_name
 from jaxckpt.core.dtypes import dtype_name as np_dtype_name
 from jaxckpt.core.coordination import Coordinator, LocalCoordinator
@@ -222,6 +223,16 @@ class Checkpointer:
         return self.engine.all_steps()
 
     # --------------------------------------------------------------------------------------------- restore
+    def advise_interval(self, mtbf_node_s: float, nodes: int, *, step_time_s: float | None = None,
+                        overhead_s: float | None = None, latency_s: float | None = None,
+                        restart_s: float = 0.0) -> "IntervalAdvice":
+        """How often to snapshot so that the expected lost time is least (Young/Daly; ``jaxckpt.core.advise``
+        states the formula and its assumptions), for ``nodes`` nodes failing every ``mtbf_node_s`` seconds on
+        average. The step time, the per-snapshot overhead (what save() blocks) and the save -> committed latency
+        are this job's own measured medians unless given; ``restart_s``: relaunch + restore time."""
+        return self.engine.advise_interval(mtbf_node_s, nodes, step_time_s=step_time_s, overhead_s=overhead_s,
+                                           latency_s=latency_s, restart_s=restart_s)
+
     @property
     def last_restore_report(self):
         """Where the last restore read its bytes and where its time went (a ``jaxckpt.core.sources.RestoreReport``

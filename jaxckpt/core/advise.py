@@ -20,7 +20,11 @@ overhead is tiny the answer is "every step".
 from __future__ import annotations
 
 import math
+import statistics
+import threading
+from collections import deque
 from dataclasses import dataclass
+from typing import Mapping
 
 from jaxckpt.errors import ConfigError
 
@@ -86,3 +90,49 @@ def advise_interval(*, mtbf_node_s: float, nodes: int, step_time_s: float, overh
     return IntervalAdvice(interval_steps=k, interval_s=k * step_time_s, optimum_s=tau, job_mtbf_s=m,
                           overhead_s=overhead_s, step_time_s=step_time_s, latency_s=latency_s, restart_s=restart_s,
                           lost_fraction=w(k), lost_fraction_every_step=w(1))
+
+
+class SaveCosts:
+    """What a job's own saves cost, measured as it runs (the engine records every save() call): the inputs of
+    :func:`advise_interval` a user does not have to guess. Bounded to the newest ``keep`` saves."""
+
+    def __init__(self, keep: int = 256) -> None:
+        self._saves: deque[tuple[int, float, float]] = deque(maxlen=keep)  # (step, call start, call seconds)
+        self._lock = threading.Lock()
+
+    def record(self, step: int, started: float, call_s: float) -> None:
+        """One save() call of ``step`` that started at ``started`` (``time.monotonic()``) and blocked ``call_s``."""
+        with self._lock:
+            self._saves.append((step, started, call_s))
+
+    def measured(self, decided: Mapping[int, tuple[float, float]]) -> dict[str, float]:
+        """Medians over the recorded saves: ``overhead_s`` (what save() blocked the caller), ``step_time_s`` (time
+        per step between save() calls, less that overhead) and ``latency_s`` (save() called -> committed, from
+        ``decided``: step -> (local done, decided) on ``time.monotonic()``); keys missing when not measurable."""
+        with self._lock:
+            saves = list(self._saves)
+        out: dict[str, float] = {}
+        if saves:
+            out["overhead_s"] = statistics.median(c for _, _, c in saves)
+        per_step = [(t1 - t0) / (s1 - s0) for (s0, t0, _), (s1, t1, _) in zip(saves, saves[1:]) if s1 > s0]
+        if per_step:
+            out["step_time_s"] = max(statistics.median(per_step) - out["overhead_s"], 1e-9)
+        lat = [decided[s][1] - t for s, t, _ in saves if s in decided]
+        if lat:
+            out["latency_s"] = max(statistics.median(lat), 0.0)
+        return out
+
+    def advise(self, decided: Mapping[int, tuple[float, float]], *, mtbf_node_s: float, nodes: int,
+               step_time_s: float | None = None, overhead_s: float | None = None, latency_s: float | None = None,
+               restart_s: float = 0.0) -> IntervalAdvice:
+        """:func:`advise_interval` with what was not given taken from the measured saves (``ConfigError`` when a
+        value is neither given nor measurable yet: at least two saves of different steps are needed)."""
+        m = self.measured(decided)
+        given = {"step_time_s": step_time_s, "overhead_s": overhead_s, "latency_s": latency_s}
+        args = {k: (v if v is not None else m.get(k)) for k, v in given.items()}
+        missing = [k for k in ("step_time_s", "overhead_s") if args[k] is None]
+        if missing:
+            raise ConfigError(f"advise_interval: {', '.join(missing)} not measured yet (save at least two steps "
+                              f"first) and not given")
+        return advise_interval(mtbf_node_s=mtbf_node_s, nodes=nodes, step_time_s=args["step_time_s"],
+                               overhead_s=args["overhead_s"], latency_s=args["latency_s"] or 0.0, restart_s=restart_s)

@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxckpt.core import manifest as mf
 from jaxckpt.config import Config
+from jaxckpt.core.advise import IntervalAdvice, SaveCosts
 from jaxckpt.core.collective import Collective
 from jaxckpt.core.coordination import CommitTracker, Coordinator
 from jaxckpt.errors import (ClosedError, CommitError, NoCheckpointError, StepError, StepNotFoundError,
@@ -145,6 +146,7 @@ class CheckpointEngine:
                                collective=self.collective)
         self.last_restore_report = None  # jaxckpt.core.sources.RestoreReport of the last open() (restore)
         self._snap = Copier(config.workers, config.inflight_bytes)
+        self.costs = SaveCosts()  # this job's measured save costs: what advise_interval reads
         self._tracker = CommitTracker(self.collective.channel("commit"), config.commit_timeout_s,
                                       on_commit=self._after_commit)
         self._prepared: dict[tuple, _Prepared] = {}
@@ -236,6 +238,7 @@ class CheckpointEngine:
         with self._lock:
             self._pending.append(handle)
         handle.save_call_seconds = time.perf_counter() - res.t0
+        self.costs.record(step, time.monotonic() - handle.save_call_seconds, handle.save_call_seconds)
         # Last: from here the dispatcher runs (and on a loaded machine may take the caller's core for a while).
         self._snap.submit(res.slot, functools.partial(_copy_tasks, prep, sources),
                           on_done=lambda f: self._local_finished(f, handle, res.slot, prep, values, order))
@@ -381,6 +384,12 @@ class CheckpointEngine:
                 # a skipped save (the store's agent was gone) is logged and counted, not a failure of wait()
         if self.protection is not None:  # ... and protected (or its protection failed, which is logged)
             self.protection.wait(timeout=timeout)
+
+    def advise_interval(self, mtbf_node_s: float, nodes: int, **given: float) -> IntervalAdvice:
+        """The snapshot interval that minimises expected lost time (jaxckpt.core.advise: Young/Daly) for nodes
+        failing every ``mtbf_node_s`` seconds, from this job's measured save costs unless ``given``
+        (``step_time_s``, ``overhead_s``, ``latency_s``, ``restart_s``)."""
+        return self.costs.advise(self._tracker.times(), mtbf_node_s=mtbf_node_s, nodes=nodes, **given)
 
     def commit_times(self) -> dict[int, tuple[float, float]]:
         """Newest steps' (local done, decided here) in ``time.monotonic()`` seconds (the commit protocol's latency)."""

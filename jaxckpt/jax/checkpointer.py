@@ -14,6 +14,7 @@ import jax
 
 from jaxckpt.core import manifest as mf
 from jaxckpt.config import Config
+from jaxckpt.core.advise import IntervalAdvice
 from jaxckpt.core.coordination import Coordinator, LocalCoordinator
 from jaxckpt.core.engine import CheckpointEngine, Reservation, SaveHandle
 from jaxckpt.jax.fused import wrap_step
@@ -150,6 +151,16 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         """Committed steps still held, ascending."""
         return self.engine.all_steps()
+
+    def advise_interval(self, mtbf_node_s: float, nodes: int, *, step_time_s: float | None = None,
+                        overhead_s: float | None = None, latency_s: float | None = None,
+                        restart_s: float = 0.0) -> "IntervalAdvice":
+        """How often to snapshot so that the expected lost time is least (Young/Daly; ``jaxckpt.core.advise``
+        states the formula and its assumptions), for ``nodes`` nodes failing every ``mtbf_node_s`` seconds on
+        average. The step time, the per-snapshot overhead (what save() blocks) and the save -> committed latency
+        are this job's own measured medians unless given; ``restart_s``: relaunch + restore time."""
+        return self.engine.advise_interval(mtbf_node_s, nodes, step_time_s=step_time_s, overhead_s=overhead_s,
+                                           latency_s=latency_s, restart_s=restart_s)
 
     @property
     def last_restore_report(self):
