@@ -161,7 +161,7 @@ class CheckpointEngine:
         self._holds: dict[int, int] = {}
         self._deferred: set[int] = set()
         # Config.protection (jaxckpt.protection.runtime): needs node agents; registers its rebuild holder before
-        # _recover so that a restarted job counts steps it can rebuild from protection.
+        # _adopt so that a restarted job counts steps it can rebuild from protection.
         self.protection = None
         if config.protection != "none" and self.store.supports(ProtectionSlots):
             from jaxckpt.protection.runtime import Protector
@@ -171,7 +171,7 @@ class CheckpointEngine:
                         config.protection, config.store)
         if self.store.survives_process:
             try:
-                self._recover()
+                self._adopt()
             except BaseException:
                 self.close()
                 raise
@@ -407,7 +407,7 @@ class CheckpointEngine:
         return [s for s in committed if s in held]
 
     # ------------------------------------------------------------------------------------------- recovery
-    def _recover(self) -> None:
+    def _adopt(self) -> None:
         """Adopt the steps a store that survives the process (a node agent) kept from an earlier run of it.
 
         Own steps are the held ones this process saved as the same process of a job of the same size (their
