@@ -406,7 +406,7 @@ class CheckpointEngine:
         held = set(self.store.steps())  # a step deleted from the store directly (e.g. by the Orbax handler)
         return [s for s in committed if s in held]
 
-    # ------------------------------------------------------------------------------------------- recovery
+    # ---------------------------------------------------------------------------------------------- adoption
     def _adopt(self) -> None:
         """Adopt the steps a store that survives the process (a node agent) kept from an earlier run of it.
 

@@ -110,9 +110,10 @@ class JaxGather:
 
     def _by_leaders(self, devices: tuple[int, ...], idx: list[int], staged: list[Staged], out: list[Any]) -> None:
         """CPU devices, several per process: XLA:CPU runs a collective rank per device, so an all-gather over
-        every device would carry each byte to each process once per local device. Here the program runs on one
-        device per process (its rows laid side by side in one row), forms each whole array there, and each
-        process copies its devices' shards out of that copy in memory."""
+        every device would carry each byte to each process once per local device. Here every array's rows of a
+        process are laid side by side in one byte row on one device of that process, one all-gather program
+        (the same for every layout of that many bytes: compiled once) carries them all, and each process cuts
+        the saved chunks out of its copy into the whole arrays in memory and hands its devices their shards."""
         procs: list[int] = []
         leader: dict[int, int] = {}
         slot: dict[int, tuple[int, int]] = {}  # device id -> (its process's row, its place in that row)
@@ -123,27 +124,39 @@ class JaxGather:
                 procs.append(p)
             slot[d] = (procs.index(p), sum(1 for r, _ in slot.values() if r == procs.index(p)))
         k = 1 + max(j for _, j in slot.values())
-        mesh = Mesh(np.array([self._devices[leader[p]] for p in procs]), ("rows",))
-        rows_sharding, whole = NamedSharding(mesh, PartitionSpec("rows")), NamedSharding(mesh, PartitionSpec())
-        me, mine = self._devices[leader[self._me]], self.local_devices(devices)
-        inputs, signatures = [], []
+        layout, total = [], 0  # per array: (byte offset of its part of the row, elements per device row, dtype)
         for i in idx:
-            s, meta = staged[i], staged[i].request.meta
-            n, dtype = s.route.row_elements, dtype_from_name(meta.dtype)
-            row = hostbuf.empty(k * n, dtype)
-            for d in mine:
-                row[slot[d][1] * n:(slot[d][1] + 1) * n] = s.rows[d]
-            inputs.append(jax.make_array_from_single_device_arrays(
-                (len(procs), k * n), rows_sharding, [jax.device_put(row.reshape(1, -1), me)]))
-            pieces = tuple((slot[devices[c.row]][0], slot[devices[c.row]][1] * n + c.offset, c.chunk.box.start,
-                            c.chunk.box.stop) for c in s.route.contributions)
-            signatures.append((tuple(meta.shape), dtype, k * n, pieces))
-        program = _program(tuple(signatures), mesh, (whole,) * len(idx))
-        for i, full in zip(idx, program(*inputs)):
+            n, dtype = staged[i].route.row_elements, dtype_from_name(staged[i].request.meta.dtype)
+            layout.append((total, n, dtype))
+            total += -(-k * n * dtype.itemsize // 64) * 64
+        row = hostbuf.empty(total, np.uint8)
+        for i, (off, n, dtype) in zip(idx, layout):
+            for d in self.local_devices(devices):
+                at = off + slot[d][1] * n * dtype.itemsize
+                row[at:at + n * dtype.itemsize] = staged[i].rows[d].view(np.uint8)
+        mesh = Mesh(np.array([self._devices[leader[p]] for p in procs]), ("rows",))
+        staging = jax.make_array_from_single_device_arrays(
+            (len(procs), total), NamedSharding(mesh, PartitionSpec("rows")),
+            [jax.device_put(row.reshape(1, -1), self._devices[leader[self._me]])])
+        gathered = _all_gather(mesh, total)(staging)
+        rows = np.asarray(gathered.addressable_data(0))  # every process's row, in this process's memory
+        for i, (off, n, dtype) in zip(idx, layout):
             meta, target = staged[i].request.meta, staged[i].request.target
-            host = np.asarray(full.addressable_data(0))  # a view of this process's whole copy
+            mine = rows[:, off:off + k * n * dtype.itemsize].view(dtype)
+            full = hostbuf.empty(meta.shape, dtype)
+            for c in staged[i].route.contributions:
+                r, j = slot[devices[c.row]]
+                box = c.chunk.box
+                full[box.slices()] = mine[r, j * n + c.offset:j * n + c.offset + box.size].reshape(box.shape)
             boxes = shards.needed_boxes(meta.shape, target)
-            out[i] = shards.make_array(meta.shape, host.dtype, target, {b: host[b.slices()] for b in boxes})
+            # ``full`` is memory of its own: each distinct box may be given to a device as it is
+            out[i] = shards.make_array(meta.shape, dtype, target, {b: full[b.slices()] for b in boxes}, private=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _all_gather(mesh: Mesh, nbytes: int) -> Any:
+    """A program that gathers one byte row per device of ``mesh`` onto every one of them."""
+    return jax.jit(lambda rows: rows, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
 def _signature(s: Staged) -> tuple:
