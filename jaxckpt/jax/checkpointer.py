@@ -183,7 +183,7 @@ class Checkpointer:
 
     def _gather(self, target: Any) -> JaxGather | None:
         """The collective of a multi-process restore onto a target (``jaxckpt.core.routes``), else None."""
-        return gather_for(self.engine, target)
+        return gather_for(self.engine, target, self.config)
 
     def _restore(self, target: Any, step: int | None):
         """A ``jaxckpt.orbax.persist.Restored``: state, extra state, step and source (memory or persistent)."""

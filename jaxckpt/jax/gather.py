@@ -51,10 +51,11 @@ def target_layout(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> Ta
     return TargetLayout(tuple((d.id, d.process_index, Box.from_index(index[d], shape)) for d in order))
 
 
-def gather_for(engine: Any, target: Any) -> "JaxGather | None":
-    """The collective of ``engine``'s restore onto ``target`` in a multi-process job (``Config.restore_collective``),
-    else None. Every process restoring the same target must get one (the restore's rounds are collective)."""
-    if target is None or engine.process_count <= 1 or not engine.config.restore_collective:
+def gather_for(engine: Any, target: Any, config: Any = None) -> "JaxGather | None":
+    """The collective of ``engine``'s restore onto ``target`` in a multi-process job (``Config.restore_collective``
+    of ``config``, default the engine's), else None. Every process restoring the same target must get one (the
+    restore's rounds are collective)."""
+    if target is None or engine.process_count <= 1 or not (config or engine.config).restore_collective:
         return None
     return JaxGather(engine.collective.channel("restore"))
 
