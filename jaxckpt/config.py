@@ -78,9 +78,12 @@ class Config:
     # service. ``restore_workers`` chunk fetches run in parallel per process.
     agent_dirs: str = ""
     restore_workers: int = 4
-    # Multi-process JAX restores onto a target: arrays replicated over processes are formed by XLA's collective
-    # from the share each node holds (jaxckpt.core.routes) instead of fetched whole by every process.
-    restore_collective: bool = True
+    # Multi-process restores onto a target: arrays replicated over processes are formed by the framework's
+    # collective (XLA, or torch's process group) from the share each node holds (jaxckpt.core.routes) instead of
+    # fetched whole by every process over the host transport. Off by default: on CPU the collective (gloo) runs
+    # over loopback TCP too and measured 2.5x slower than the fetch (BENCHMARKS.md, bench cluster); turn it on
+    # where the device interconnect is faster than the hosts' network (GPUs, TPUs).
+    restore_collective: bool = False
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -22,7 +22,8 @@ STATS = {"median", "min", "max", "p10", "p90", "n"}
 # sends none, and RSS growth when the allocator reuses pages it already had.
 MAY_BE_ZERO = {"process", "exit_code", "extra_bytes_per_node", "sent_bytes_per_node", "extra_over_data",
                "rss_growth_bytes", "cycle", "steps_lost",
-               "transport_bytes", "collective_bytes"}  # a restore may need neither (all local, one process)
+               "transport_bytes", "collective_bytes",  # a restore may need neither (all local, one process)
+               "try_gets", "live_keys"}  # the commit protocol polls no key; all keys of a round may be gone
 SIGNED = ("overhead_pct_",)  # step-time overhead vs the baseline: within noise it can be below zero
 EXPECTED = [n for n in bench_all.BENCHES if n != "torch" or importlib.util.find_spec("torch") is not None]
 PROSE = "# Benchmarks\n\nprose before\n\n<!-- bench:save:begin -->\nold\n<!-- bench:save:end -->\n\nprose after\n"

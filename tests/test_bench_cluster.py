@@ -30,7 +30,8 @@ def run(tmp_path_factory):
     md.write_text(PROSE)
     before = _ours()
     proc = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "bench", "cluster", "--quick", "--json",
-                           str(d / "cluster.json"), "--update-md", str(md), "--plain-dir", str(d)],
+                           str(d / "cluster.json"), "--update-md", str(md), "--plain-dir", str(d),
+                           "--restore-collective"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return {"dir": d, "md": md, "result": report.read_json(d / "cluster.json"), "left": _ours() - before,

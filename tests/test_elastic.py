@@ -258,7 +258,7 @@ def relaunch_job(base: str, job: str):
         latest = ck.latest_step()
         ref = _trained(mesh, latest)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), ref)
-        got = ck.restore({**abstract, "step": 0})  # through the collective (the default)
+        got = ck.restore({**abstract, "step": 0})  # through the collective (COLLECTIVE_ENV)
         collective = ck.last_restore_report.to_dict()
         restored_collective = got["step"] == latest and _same({k: got[k] for k in ("params", "opt")}, ref)
         ck.config = dataclasses.replace(ck.config, restore_collective=False)  # each process fetches what it needs
@@ -366,6 +366,7 @@ def test_agents_serve_their_node_with_a_private_token(saved):
 # The fetch path (every process reads what it needs from whichever agent holds it); the collective path of the
 # same restores is tested below and in tests/test_restore_collective.py.
 FETCH_ENV = {**ENV, "JAXCKPT_RESTORE_COLLECTIVE": "0"}
+COLLECTIVE_ENV = {**ENV, "JAXCKPT_RESTORE_COLLECTIVE": "1"}  # off by default (slower on CPU): these test it
 
 
 def test_restore_4_to_2_processes_tensor_parallel(saved):
@@ -385,7 +386,7 @@ def test_restore_4_to_2_processes_through_the_collective(saved):
     """The same restore with the collective: each new process reads only its node's agent (the old processes of
     its node); what it lacks the collective brings, so nothing crosses the host transport."""
     values = expect_ok(launch(restore_job, nodes=2, procs_per_node=1, devices_per_proc=2,
-                              args=(BASE, JOB, [1, 4], "tp"), env=ENV, timeout=180))
+                              args=(BASE, JOB, [1, 4], "tp"), env=COLLECTIVE_ENV, timeout=180))
     assert [v["latest"] for v in values] == [3, 3]
     for v in values:
         r = v["report"]
@@ -437,7 +438,7 @@ def test_corrupt_agent_memory_is_routed_around_or_named(saved):
         # through the collective: node 1's chunks are read by one process each, so one process meets the corrupt
         # chunk; every process still raises its ChecksumError (the others naming that process)
         collective = expect_ok(launch(corrupt_job, nodes=1, procs_per_node=2, devices_per_proc=1,
-                                      args=(BASE, JOB, mirror), env=ENV, timeout=180))
+                                      args=(BASE, JOB, mirror), env=COLLECTIVE_ENV, timeout=180))
     finally:
         proto.stop_agent(mirror, JOB, timeout_s=30)
         agent.wait(timeout=30)
@@ -476,7 +477,7 @@ def test_same_job_restarts_after_sigkill_from_its_node_agents():
     bad = [r for r in killed if not r.killed or r.reported]
     assert not bad, [(r.process_id, r.returncode, r.error, r.output[-1500:]) for r in bad]
     values = expect_ok(launch(relaunch_job, nodes=2, procs_per_node=2, devices_per_proc=1, args=(BASE, KILL_JOB),
-                              env=ENV, timeout=180))
+                              env=COLLECTIVE_ENV, timeout=180))
     latest = values[0]["latest"]
     assert latest in (3, 4) and all(v["latest"] == latest for v in values)
     for v in values:

@@ -66,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                             ("--persist-interval", "persist_interval", "steps between persists while training")):
         p.add_argument(flag, default=None, type=str if key == "size" else int,
                        help=f"{what} (default {FULL[key]}, --quick {QUICK[key]})")
+    p.add_argument("--restore-collective", action="store_true",
+                   help="restores form replicated arrays with the collective (Config.restore_collective)")
     p.add_argument("--plain-dir", default=None,
                    help="the disk directory for Orbax and the persistent tier (default: the temp directory)")
     runner.output_arguments(p, "cluster", "a small state, one recovery cycle: about a minute, for CI", timeout=1800.0)
@@ -80,6 +82,7 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
             out[k] = getattr(args, k)
     out["size"] = parse_size(str(out["size"]))
     out["plain_dir"] = args.plain_dir or tempfile.gettempdir()
+    out["restore_collective"] = bool(getattr(args, "restore_collective", False))
     if out["nodes"] < 2 or out["procs_per_node"] < 1:
         raise ValueError(f"bench cluster needs at least 2 nodes (got {out['nodes']}) and 1 process per node")
     for k in ("steps", "repeats", "recoveries", "persist_interval"):
@@ -124,7 +127,7 @@ def measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float) -
         "persist_interval": opts["persist_interval"], "orbax_std": os.path.join(disk, "orbax-standard"),
         "orbax_em_persistent": os.path.join(disk, "orbax-emergency-persistent"), "max_train_steps": MAX_TRAIN_STEPS,
         "settle_steps": 2 * opts["persist_interval"],
-        "cycle": 0, "last": False}
+        "cycle": 0, "last": False, "restore_collective": opts["restore_collective"]}
     size = state_bytes(spec)
     # Measured peak about (procs + 12) x state: the replicated half on every process (and a restored copy), the
     # agents' slots and protection, Orbax's local checkpoints on RAM disk (whole state and half), persist copies.

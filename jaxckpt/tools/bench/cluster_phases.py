@@ -123,7 +123,8 @@ def config(spec: dict, job: str, node: int, protection: str, persistent: bool = 
                   agent_dirs=f"{base}/{job}-node*", keep=2 if persistent else 1, protection=protection,
                   commit_timeout_s=300.0, peer_timeout_s=120.0,
                   persistent_dir=spec["persistent_dir"] if persistent else "",
-                  persistent_interval=spec["persist_interval"] if persistent else 0, persistent_keep=2)
+                  persistent_interval=spec["persist_interval"] if persistent else 0, persistent_keep=2,
+                  restore_collective=spec.get("restore_collective", False))
 
 
 def write_result(spec: dict, name: str, value: dict) -> None:
