@@ -486,7 +486,8 @@ class ZmqClient(PeerClient):
         if seen:
             return PeerHandshakeError(f"peer {self.address} failed the CURVE handshake for {what}: the server there "
                                       f"does not hold the key {self.server_key} published for that address (or "
-                                      f"does not speak CURVE); nothing was sent to it")
+                                      f"does not speak CURVE, or it closed during the handshake); nothing was "
+                                      f"sent to it")
         return None
 
     def _recv(self, want: set[int], deadline: float, what: str) -> tuple[int, dict, zmq.Frame | None]:

@@ -83,6 +83,8 @@ class TransportTests:
                    for r in caplog.records)
         assert connect().manifest(3) == b"manifest-of-step-3"  # the server keeps serving good peers
 
+    CLOSED_SERVER_ERROR = "no reply"  # what a request to a server closed under the client says
+
     def test_timeouts_are_bounded(self, served):
         store, server, data, connect = served
         t = self.make_transport()
@@ -96,7 +98,7 @@ class TransportTests:
             nobody.close()
         c = connect(timeout_s=0.5)
         server.close()
-        with pytest.raises(PeerError, match="no reply"):
+        with pytest.raises(PeerError, match=self.CLOSED_SERVER_ERROR):
             c.steps()
 
 
