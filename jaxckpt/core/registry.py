@@ -56,19 +56,23 @@ def get_store_class(name: str) -> type:
         target = name  # "module:Class" names a class directly, as Config.store allows
     if target is None:
         raise BackendNotFoundError(f"no store named {name!r} (known: {', '.join(sorted(_known))})")
+    cls = _import_target(target, f"store {name!r}", f"pip install 'jaxckpt[{name}]' or install ", detail=True)
+    _loaded[name] = cls
+    return cls
+
+
+def _import_target(target: str | type, what: str, install: str, *, detail: bool = False) -> type:
+    """The class a ``"module:Class"`` registry entry names, imported now; errors say what to install."""
     if isinstance(target, type):
         return target
     module, _, attr = target.partition(":")
     try:
-        cls = getattr(importlib.import_module(module), attr)
+        return getattr(importlib.import_module(module), attr)
     except ImportError as e:
-        raise BackendNotFoundError(f"store {name!r} needs {e.name!r}, which is not installed "
-                                   f"(pip install 'jaxckpt[{name}]' or install {e.name})") from None
+        raise BackendNotFoundError(f"{what} needs {e.name!r}, which is not installed ({install}{e.name})") from None
     except (AttributeError, ValueError):
-        raise BackendNotFoundError(f"store {name!r}: {target!r} names no class (module {module!r}, "
-                                   f"attribute {attr!r})") from None
-    _loaded[name] = cls
-    return cls
+        where = f" (module {module!r}, attribute {attr!r})" if detail else ""
+        raise BackendNotFoundError(f"{what}: {target!r} names no class{where}") from None
 
 
 def _load_entry_points() -> None:
@@ -98,15 +102,6 @@ def get_part(group: str, name: str) -> type:
     target = _parts.get(group, {}).get(name)
     if target is None:
         raise BackendNotFoundError(f"no {group} named {name!r} (known: {', '.join(sorted(_parts.get(group, {})))})")
-    if isinstance(target, type):
-        return target
-    module, _, attr = target.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module), attr)
-    except ImportError as e:
-        raise BackendNotFoundError(f"{group} {name!r} needs {e.name!r}, which is not installed "
-                                   f"(install {e.name})") from None
-    except AttributeError:
-        raise BackendNotFoundError(f"{group} {name!r}: {target!r} names no class") from None
+    cls = _import_target(target, f"{group} {name!r}", "install ")
     _loaded_parts[(group, name)] = cls
     return cls
