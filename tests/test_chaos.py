@@ -3,8 +3,8 @@
 - the quick profile: 50 seeded trials of every available fault kind over a 2-node, 2-process job with shm
   agents and protection "hybrid", plus 2 JAX-trainer trials: every fault recovered from, 0 wrong restores,
   0 hangs, 0 committed steps lost to faults that destroy nothing, and no protected step lost with a node;
-- without protection, 8 trials of the faults that destroy data: steps with bad bytes are dropped (the job
-  relaunches past them), wiped memory is lost, and still no wrong restore and no hang;
+- without protection, 8 trials of the faults that destroy data: steps with bad bytes are passed over inside the
+  restore (no relaunch), wiped memory is lost, and still no wrong restore and no hang;
 - a fast process must not run ahead of the commit protocol: found by chaos (a trainer killed after running
   several locally committed steps ahead of a slow peer had its agent free the newest globally committed step on
   disconnect); fixed in CheckpointEngine._throttle, pinned here with two engines and real agents.
@@ -54,8 +54,9 @@ def test_quick_profile_recovers_from_every_fault_with_no_wrong_restore_and_no_ha
 
 
 def test_without_protection_bad_steps_are_dropped_and_wiped_nodes_start_over():
-    """Without protection a corrupt chunk or record costs its step (the job relaunches past it) and a wiped
-    node's memory costs every step it held; still no wrong restore, no hang."""
+    """Without protection a corrupt chunk or record costs its step (the restore falls back past it inside the
+    same call, never by a relaunch) and a wiped node's memory costs every step it held; still no wrong
+    restore, no hang."""
     profile = dataclasses.replace(chaos.PROFILES["quick"], protection="none")
     run = chaos.ChaosRun(profile, seed=3, trials=8, jax_trials=0,
                          faults=["corrupt-chunk", "corrupt-record", "kill-agent-wipe", "node-loss"])
@@ -63,7 +64,8 @@ def test_without_protection_bad_steps_are_dropped_and_wiped_nodes_start_over():
     table = chaos.format_table(rep)
     print(table)
     assert rep["trials"] == 8 and chaos.ok(rep), table
-    assert rep["faults"].get("corrupt-chunk", {}).get("relaunches", 0) >= 1, table  # fell back past the step
+    for kind in ("corrupt-chunk", "corrupt-record"):  # bad bytes cost no relaunch (jaxckpt.core.fallback)
+        assert rep["faults"].get(kind, {}).get("relaunches", 0) == 0, table
 
 
 def test_cli_parses_the_profiles_and_refuses_unknown_faults():

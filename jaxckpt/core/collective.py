@@ -91,6 +91,16 @@ class Collective:
         # died): close() does not wait for them
         self._absent: set[int] = set()
         self._closed = False
+        # Added to every numbered round's number (numbers derived from steps): raised when the job agreed to
+        # forget steps (jaxckpt.core.fallback), so that saving those step numbers again gives new round numbers.
+        self.number_shift = 0
+
+    def shift_numbers(self, by: int) -> None:
+        """Add ``by`` (> 0) to the numbers of all later numbered rounds; every process must do the same."""
+        if by <= 0:
+            raise ValueError(f"round numbers must grow: shift by {by}")
+        with self._lock:
+            self.number_shift += int(by)
 
     @classmethod
     def for_job(cls, coordinator: Coordinator, job_id: str, timeout_s: float) -> "Collective":
@@ -253,6 +263,8 @@ class Channel:
         with self._lock:
             if self._closed:
                 raise CoordinationError(f"{self._describe(name, self._next)}: the channel is closed")
+            if number is not None and isinstance(number, int):
+                number += self._c.number_shift
             if number is not None and (not isinstance(number, int) or number < self._next):
                 raise ValueError(f"{self._describe(name, number)}: round numbers must grow (next is {self._next})")
             n = self._next if number is None else number

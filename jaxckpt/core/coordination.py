@@ -136,6 +136,17 @@ class CommitTracker:
                 self._latest = step
             self._cv.notify_all()
 
+    def forget(self, step: int, latest: int | None) -> None:
+        """Forget decided ``step`` (every process agreed it cannot be restored: ``jaxckpt.core.fallback``); the
+        newest committed step becomes ``latest`` if ``step`` was the newest. A later save may reuse the number."""
+        with self._cv:
+            self._outcome.pop(step, None)
+            self._settled.discard(step)
+            self._times.pop(step, None)
+            if self._latest == step:
+                self._latest = latest
+            self._cv.notify_all()
+
     def local_done(self, step: int, ok: bool) -> None:
         """Report this process's outcome for ``step`` (called from a snapshot thread)."""
         self._queue.put((step, ok, time.monotonic()))

@@ -370,6 +370,33 @@ class CheckpointEngine:
         if free:
             self.store.delete(step)
 
+    def newest_begun(self) -> int | None:
+        """The newest step this process began to save (or adopted); later saves must be newer."""
+        with self._lock:
+            return self._last_step
+
+    def forget_newer(self, restored: int, steps: list[int], begun: int | None) -> None:
+        """Forget the committed ``steps`` (newer than ``restored``) and free their bytes here: every process
+        agreed they cannot be restored bit for bit (``jaxckpt.core.fallback``), so the job goes on from
+        ``restored`` and may save those numbers again. ``begun`` is the newest step any process began to save:
+        rounds numbered by step (commit, protection, persist) are shifted past every number used so far."""
+        with self._lock:
+            self._committed = [s for s in self._committed if s not in steps]
+            self._pending = deque(h for h in self._pending if h.step not in steps)  # decided long ago
+            for s in steps:
+                self._holds.pop(s, None)
+                self._deferred.discard(s)
+            if self._last_step is not None and begun is not None and self._last_step <= begun:
+                self._last_step = restored  # no newer save began here: the next one may be restored + 1
+        top = max(begun if begun is not None else restored, *steps)
+        # Protection numbers its rounds 2 * step and 2 * step + 1: the shift covers both.
+        self.collective.shift_numbers(2 * (top - restored) + 2)
+        for s in steps:
+            self._tracker.forget(s, restored)
+            self.store.delete(s)
+        log.warning("process %d forgot step(s) %s, which no process could restore; the job goes on from step %d",
+                    self.process_index, sorted(steps), restored)
+
     # ----------------------------------------------------------------------------------------------- wait
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save so far is decided; raise the first failure."""

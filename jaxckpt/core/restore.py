@@ -41,12 +41,11 @@ from jaxckpt.core import plan as _plan
 from jaxckpt.core import routes as _routes
 from jaxckpt.core.box import Box
 from jaxckpt.core.dtypes import dtype_from_name
+from jaxckpt.core.fallback import agree_outcome, peer_error
 from jaxckpt.core.fetch import ChunkReader, assemble
 from jaxckpt.core.manifest import ArrayMeta, ChunkMeta, Manifest
 from jaxckpt.core.plan import HOST, Assembly
 from jaxckpt.core.timeline import RestoreTimeline, Tally
-from jaxckpt import errors as _errors
-from jaxckpt.errors import CoordinationError
 
 if TYPE_CHECKING:
     from jaxckpt.core.engine import CheckpointEngine
@@ -145,13 +144,47 @@ def _job(request: ArrayRequest, plans: list[Assembly]) -> _Job:
 def restore_step(engine: "CheckpointEngine", step: int | None,
                  fill: Callable[[int, list[Manifest], ChunkReader], Any]) -> Any:
     """Open ``step`` (default: the latest committed) on ``engine`` and return ``fill(step, manifests, reader)``,
-    the front end's state built through :func:`restore_leaves`; the engine keeps the report."""
+    the front end's state built through :func:`restore_leaves`; the engine keeps the report.
+
+    With ``step=None`` every process of a job must call this (one round, ``jaxckpt.core.fallback``): when the
+    newest step cannot be read bit for bit on some process, every process falls back to the newest older step
+    they all hold, in this same call, and the report's ``skipped`` says why."""
     t0 = time.perf_counter()
-    with engine.open(step) as (step, manifests, reader):
-        out = fill(step, manifests, reader)
-    log.info("restored step %d in %.3fs (bytes by source process: %s)", step, time.perf_counter() - t0,
-             reader.bytes_by_process)
+    skipped: list[str] = []
+    passed: list[int] = []
+    want, begun = step, None
+    while True:
+        error: Exception | None = None
+        out, at = None, None
+        try:
+            with engine.open(want) as (at, manifests, reader):
+                out = fill(at, manifests, reader)
+        except Exception as e:  # noqa: BLE001 - every process hears of it in the outcome round, then it raises
+            if step is not None:
+                raise
+            error = e
+        if step is not None:
+            break
+        tried = at if at is not None else _attempted(engine, want)
+        decided = agree_outcome(engine, tried, error)
+        if decided.fallback is None:
+            break
+        skipped.append(decided.skipped)
+        passed.append(tried)
+        want = decided.fallback
+        begun = max(b for b in (begun, decided.newest_begun, tried) if b is not None)
+    if passed:
+        engine.forget_newer(at, passed, begun)
+    if engine.last_restore_report is not None:
+        engine.last_restore_report.skipped = skipped
+    log.info("restored step %d in %.3fs (bytes by source process: %s)%s", at, time.perf_counter() - t0,
+             reader.bytes_by_process, f"; passed over: {'; '.join(skipped)}" if skipped else "")
     return out
+
+
+def _attempted(engine: "CheckpointEngine", want: int | None) -> int | None:
+    """The step an attempt that failed before it opened one was for."""
+    return want if want is not None else engine.latest_step()
 
 
 @functools.lru_cache(maxsize=1)
@@ -224,19 +257,8 @@ def _agree(gather: Gather, name: str, error: Exception | None, value: Any = None
     failed = [(p, e) for p, (e, _) in enumerate(got) if e is not None]
     if failed:
         p, (kind, message) = failed[0]
-        raise _peer_error(kind, f"process {p} of the restore failed: {message}")
+        raise peer_error(kind, f"process {p} of the restore failed: {message}")
     return [v for _, v in got]
-
-
-def _peer_error(kind: str, message: str) -> Exception:
-    """An error of the ``jaxckpt.errors`` class named ``kind`` (CoordinationError if there is none)."""
-    cls = getattr(_errors, kind, None)
-    if isinstance(cls, type) and issubclass(cls, _errors.JaxckptError):
-        try:
-            return cls(message)
-        except TypeError:  # a class that carries more than a message
-            pass
-    return CoordinationError(message)
 
 
 def _route(jobs: list[Any], pending: list[int], chunks: list[tuple[str, ChunkMeta]], reader: ChunkReader,

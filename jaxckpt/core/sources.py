@@ -193,6 +193,8 @@ class RestoreReport:
     # and the bytes of this process's target shards that the collective brought from other processes.
     routes: dict[str, str] = field(default_factory=dict)
     collective_bytes: int = 0
+    # Newer steps a restore of the newest one passed over (jaxckpt.core.fallback): one line each, saying why.
+    skipped: list[str] = field(default_factory=list)
     # Bytes and seconds per phase (discover, plan, reads by source kind, rebuild, device put, ...).
     timeline: RestoreTimeline = field(default_factory=RestoreTimeline, compare=False, repr=False)
 
@@ -210,6 +212,8 @@ class RestoreReport:
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.bytes_by_kind.items(), key=lambda kv: RANK.get(kv[0], 99)))
         nodes = ", ".join(f"{k} {v}" for k, v in sorted(self.bytes_by_node.items()))
         fb = f"; {len(self.fallbacks)} fallback(s): {self.fallbacks[0]}" if self.fallbacks else ""
+        if self.skipped:
+            fb += f"; passed over {len(self.skipped)} newer step(s): {'; '.join(self.skipped)}"
         if self.routes:
             n = sum(1 for r in self.routes.values() if r == "collective")
             fb = f"; {n} of {len(self.routes)} routed array(s) by collective ({self.collective_bytes} bytes " \
@@ -226,7 +230,7 @@ class RestoreReport:
                 "bytes_by_source": dict(self.bytes_by_source),
                 "bytes_by_process": {str(k): v for k, v in self.bytes_by_process.items()},
                 "fallbacks": list(self.fallbacks), "seconds": self.seconds, "timeline": self.timeline.to_dict(),
-                "routes": dict(self.routes), "collective_bytes": self.collective_bytes,
+                "routes": dict(self.routes), "collective_bytes": self.collective_bytes, "skipped": list(self.skipped),
                 "transport_bytes": self.transport_bytes}
 
 

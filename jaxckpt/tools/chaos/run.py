@@ -105,6 +105,7 @@ class TrialResult:
     unexpected_loss: bool = False
     hang: bool = False
     relaunches: int = 0
+    fell_back: int = 0  # newer steps a restore passed over for bad bytes, inside the call (no relaunch)
     saves_resumed: bool | None = None  # agent and budget faults: a save committed after the fault was over
     seconds: float = 0.0  # wall time of the trial, from its incarnation's launch to the job's stop
 
@@ -355,6 +356,7 @@ class ChaosRun:
             self.unattributed["wrong"] += len(wrong)
             return
         prev.restored, prev.checks = step, prev.checks + 1
+        prev.fell_back += len({e["why"] for e in inc.of("restore-fell-back")})  # the same line on every process
         prev.wrong += len(wrong)
         prev.recovered = prev.checks > 0 and prev.wrong == 0
         prev.lost = max(prev.lost, prev.trained - (step or 0))
@@ -464,7 +466,7 @@ def report(run: ChaosRun, seconds: float) -> dict:
         row = rows.setdefault(r.kind + (" (jax)" if r.mode == "jax" else ""), Counter())
         row.update({k: int(v) for k, v in dict(
             trials=1, recovered=r.recovered, wrong=r.wrong, hangs=r.hang, unexpected_loss=r.unexpected_loss,
-            lost=r.lost, relaunches=r.relaunches, saves_not_resumed=r.saves_resumed is False,
+            lost=r.lost, relaunches=r.relaunches, fell_back=r.fell_back, saves_not_resumed=r.saves_resumed is False,
             jax=r.mode == "jax").items()})
         row["max_lost"] = max(row["max_lost"], r.lost)
     total = Counter()
@@ -478,6 +480,7 @@ def report(run: ChaosRun, seconds: float) -> dict:
             "recoveries": total["recovered"], "wrong_restores": wrong, "hangs": hangs,
             "unexpected_losses": total["unexpected_loss"], "steps_lost": total["lost"],
             "max_steps_lost": total["max_lost"], "relaunches": total["relaunches"],
+            "fell_back_in_restore": total["fell_back"],
             "saves_not_resumed": total["saves_not_resumed"], "agents_by_peer_security": dict(run.agent_keys),
             "unavailable": {k: f.unavailable for k, f in FAULTS.items() if f.inject is None},
             "results": [asdict(r) for r in run.results]}
@@ -489,12 +492,14 @@ def format_table(rep: dict) -> str:
     head = (f"jaxckpt chaos: seed {rep['seed']}, {rep['trials']} trials ({rep['jax_trials']} with a JAX trainer) "
             f"on {p['nodes']} nodes x {p['procs_per_node']} trainer(s), a snapshot every {p['interval']} "
             f"step(s), protection {p['protection']}, {rep['seconds']} s")
-    cols = ("fault", "trials", "recovered", "wrong", "hangs", "relaunches", "lost mean/max", "unexpected loss")
+    cols = ("fault", "trials", "recovered", "wrong", "hangs", "relaunches", "fell back", "lost mean/max",
+            "unexpected loss")
     total = {"trials": rep["trials"], "recovered": rep["recoveries"], "wrong": rep["wrong_restores"],
-             "hangs": rep["hangs"], "relaunches": rep["relaunches"], "lost": rep["steps_lost"],
+             "hangs": rep["hangs"], "relaunches": rep["relaunches"], "fell_back": rep.get("fell_back_in_restore", 0),
+             "lost": rep["steps_lost"],
              "max_lost": rep["max_steps_lost"], "unexpected_loss": rep["unexpected_losses"]}
     rows = [(kind, r["trials"], r.get("recovered", 0), r.get("wrong", 0), r.get("hangs", 0), r.get("relaunches", 0),
-             f"{r.get('lost', 0) / max(1, r['trials']):.1f}/{r.get('max_lost', 0)}", r.get("unexpected_loss", 0))
+             r.get("fell_back", 0), f"{r.get('lost', 0) / max(1, r['trials']):.1f}/{r.get('max_lost', 0)}", r.get("unexpected_loss", 0))
             for kind, r in [*rep["faults"].items(), ("total", total)]]
     widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
 

@@ -9,10 +9,11 @@ same function to check every restore bit for bit, outside the system under test.
 Call order of one incarnation (every process):
   0) recovery: the engine agrees with the other processes on the steps every process still holds;
   1) restore the newest agreed step: every array whole (other processes' chunks through the peer transport),
-     reported as a digest; the processes check that they all restored the same step. A step that fails its
-     integrity checks (checksum, manifest, plan) is deleted once every process is done reading, and the
-     incarnation ends with exit code RESTART; so does any other failure. The driver starts a new one, which
-     agrees on what is left (so it falls back past a corrupt step);
+     reported as a digest; the processes check that they all restored the same step. A step whose bytes
+     cannot be had (checksum, manifest, a holder gone) is passed over inside the same restore, for the newest
+     older step every process holds (jaxckpt.core.fallback). Only when none is left is the step deleted once
+     every process is done reading, and the incarnation ends with exit code RESTART; so does any other
+     failure. The driver starts a new one, which agrees on what is left;
   2) train: step after step, a snapshot every ``interval`` steps, until killed.
 Events go to stdout as JSON lines. ``fault`` makes the process act at a phase of a save or of the restore
 (SIGKILL itself, or SIGKILL its node's agent, with or without its memory): points no outside timer can hit.
@@ -167,36 +168,42 @@ class Trainer:
         return 0
 
     def restore(self, eng) -> int | None | str | tuple:
-        """The newest agreed step, restored; None if there is none; ("integrity", step) if that step's bytes are
-        bad (deleted after the agreement, so that the next incarnation falls back past it); "failed" otherwise."""
+        """The newest agreed step, restored (a step whose bytes cannot be had falls back inside the restore,
+        ``jaxckpt.core.fallback``); None if there is none; ("integrity", step) if no step's bytes are good
+        (deleted after the agreement, so that the next incarnation falls back past it); "failed" otherwise."""
+        from jaxckpt.core.restore import restore_step
+
         step = eng.latest_step()
         if step is None:
             self.emit("fresh")
             return None
         try:
-            arrays, values = self.read(eng, step)
-        except INTEGRITY as e:
+            step, arrays, values = restore_step(eng, None, self.read)
+        except INTEGRITY as e:  # no older step to fall back to: the one that failed last is the newest left
+            step = eng.latest_step() if eng.latest_step() is not None else step
             self.emit("restore-failed", step=step, error=f"{type(e).__name__}: {e}", integrity=True)
             return ("integrity", step)
         except JaxckptError as e:  # unreachable peer or agent: try again in a new incarnation
             self.emit("restore-failed", step=step, error=f"{type(e).__name__}: {e}", integrity=False)
             return "failed"
+        for line in eng.last_restore_report.skipped:
+            self.emit("restore-fell-back", why=line)
         self.emit("restored", step=step, digest=digest(arrays, values))
         return step
 
-    def read(self, eng, step: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        with eng.open(step) as (step, manifests, reader):
-            own = next(m for m in manifests if m.process == self.p)
-            arrays = {}
-            for i, (path, a) in enumerate(sorted(mf.merge_chunks(manifests).items())):
-                arr = np.empty(a.shape, dtype=dtype_from_name(a.dtype))
-                for c in a.chunks:
-                    arr[tuple(slice(lo, hi) for lo, hi in zip(c.box.start, c.box.stop))] = \
-                        reader.array(path, c, arr.dtype)
-                arrays[path] = arr
-                if i == 1:
-                    self.hook("restore")
-            return arrays, {v.path: v.value for v in own.leaves}
+    def read(self, step: int, manifests: list, reader) -> tuple[int, dict[str, np.ndarray], dict[str, Any]]:
+        """Every array whole, from the chunks of every process (the ``fill`` of ``restore_step``)."""
+        own = next(m for m in manifests if m.process == self.p)
+        arrays = {}
+        for i, (path, a) in enumerate(sorted(mf.merge_chunks(manifests).items())):
+            arr = np.empty(a.shape, dtype=dtype_from_name(a.dtype))
+            for c in a.chunks:
+                arr[tuple(slice(lo, hi) for lo, hi in zip(c.box.start, c.box.stop))] = \
+                    reader.array(path, c, arr.dtype)
+            arrays[path] = arr
+            if i == 1:
+                self.hook("restore")
+        return step, arrays, {v.path: v.value for v in own.leaves}
 
     def agree(self, eng, restored) -> str:
         """Every process restored the same step (a ``reduce`` round of the engine's ``main`` channel)."""
@@ -368,12 +375,16 @@ def jax_run(spec: dict) -> int:
         target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) if k in specs else v
                   for k, v in target.items()}
         try:
-            got = ckpt.restore(target, step=step)
+            got = ckpt.restore(target)  # the newest: bad bytes fall back to an older step inside the call
         except JaxckptError as e:
+            step = ckpt.latest_step() if ckpt.latest_step() is not None else step
             emit("restore-failed", step=step, error=f"{type(e).__name__}: {e}", integrity=isinstance(e, INTEGRITY))
             if isinstance(e, INTEGRITY):
-                ckpt.store.delete(step)  # bad bytes: the next incarnation falls back past this step
+                ckpt.store.delete(step)  # bad bytes and nothing older: the next incarnation starts over
             return RESTART
+        step = ckpt.last_restore_report.step
+        for line in ckpt.last_restore_report.skipped:
+            emit("restore-fell-back", why=line)
         ok = all(got[k].sharding == target[k].sharding for k in specs)
         emit("restored", step=step, digest=digest(*to_host(got)) if ok else "wrong shardings")
         first = step + 1

@@ -1,0 +1,112 @@
+"""When the newest step cannot be read bit for bit: fall back to an older one inside the same restore.
+
+A restore of the newest step (``step=None``) reads each chunk from the first of its sources that gives
+bytes matching the chunk's crc32c, the step's protection (a rebuild from parity or copies) among them
+(``jaxckpt.core.fetch``). Only when every source of some chunk failed, or a holder vanished mid-restore, or a
+manifest is corrupt, is the step lost to the job; a relaunch would then only fall back past it. So instead, in
+the same ``restore()`` call:
+
+  0) (every process) contributes its outcome (the step, and its error's class and message or None) and the
+     older committed steps it holds, in one ``all_gather`` round of the ``restored`` channel
+     (``jaxckpt.core.collective``; a single process has no round);
+  1) (every process, from the same contributions) decides alike: all restored the same step -> done; a process
+     met bad bytes (:data:`BAD_BYTES`) and no process failed otherwise -> the newest older step every process
+     holds; anything else -> every process raises (its own error, or one of the same class naming the process
+     that failed);
+  2) on a fallback every process restores the older step, which may itself fall back; once one is restored,
+     every process forgets the steps passed over (``CheckpointEngine.forget_newer``: their numbers may be
+     saved again, the numbered rounds of later steps shifted past every number used). The restore report's
+     ``skipped`` says which steps were passed over and why. When no step can be restored nothing is forgotten.
+
+A restore of an explicit step never falls back: the caller asked for that step.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from jaxckpt import errors as _errors
+from jaxckpt.errors import ChecksumError, ManifestError, NoCheckpointError, StepNotFoundError
+
+if TYPE_CHECKING:
+    from jaxckpt.core.engine import CheckpointEngine
+
+log = logging.getLogger("jaxckpt.core.fallback")
+
+__all__ = ["BAD_BYTES", "Outcome", "agree_outcome", "peer_error"]
+
+# The step's saved bytes cannot be had bit for bit: a chunk failed its checksum at every source (protection
+# included), a holder vanished (StepNotFoundError, DataLossError), a manifest is corrupt.
+BAD_BYTES = (ChecksumError, ManifestError, StepNotFoundError)
+CHANNEL = "restored"
+
+
+def is_bad_bytes(error: BaseException | None) -> bool:
+    """True for an error that says the step's bytes cannot be had (not that nothing was ever committed)."""
+    return isinstance(error, BAD_BYTES) and not isinstance(error, NoCheckpointError)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What every process decided after one attempt: ``fallback`` (the step to restore next) or None (done);
+    ``skipped``: one line naming the step passed over, the process that could not read it, and why."""
+
+    fallback: int | None
+    skipped: str = ""
+    newest_begun: int | None = None  # the newest step any process began to save (numbers to shift past)
+
+
+def agree_outcome(engine: "CheckpointEngine", step: int | None, error: BaseException | None) -> Outcome:
+    """One round (above) over this process's attempt at ``step``; raises what the job cannot get past."""
+    older = [s for s in engine.all_steps() if step is not None and s < step]
+    mine = [step, None if error is None else [type(error).__name__, str(error), is_bad_bytes(error)], older,
+            engine.newest_begun()]
+    if engine.process_count == 1:
+        got = [mine]
+    else:
+        try:
+            got = engine.collective.channel(CHANNEL).all_gather("restore outcome", mine)
+        except _errors.CoordinationError as e:  # a process died or is stuck: the job cannot agree on a step
+            if error is not None:
+                raise error from e
+            raise
+    failed = [(p, e) for p, (_, e, _, _) in enumerate(got) if e is not None]
+    steps = {s for s, _, _, _ in got}
+    if not failed:
+        if len(steps) > 1:  # cannot happen after an agreed commit; never hand back a torn job
+            raise _errors.CoordinationError(f"processes restored different steps: {[s for s, _, _, _ in got]}")
+        return Outcome(None)
+    p, (kind, message, bad) = failed[0]
+    if not all(b for _, (_, _, b) in failed) or len(steps) > 1:
+        _raise(error, p, kind, message, got[p][0])
+    common = set(got[0][2])
+    for _, _, held, _ in got[1:]:
+        common &= set(held)
+    fallback = max(common, default=None)
+    if fallback is None:
+        _raise(error, p, kind, message, got[p][0], "; no older step is held by every process")
+    line = f"step {got[p][0]}: process {p} could not read it ({kind}: {message}); fell back to step {fallback}"
+    log.warning("%s", line)
+    begun = [b for _, _, _, b in got if b is not None]
+    return Outcome(int(fallback), line, max(begun) if begun else None)
+
+
+def _raise(error: BaseException | None, p: int, kind: str, message: str, step: Any, why: str = "") -> None:
+    """This process's own error as it is (``why`` is logged), or one of the failed process's class naming it."""
+    if error is not None:
+        if why:
+            log.error("step %s: %s%s", step, error, why)
+        raise error
+    raise peer_error(kind, f"process {p} of the restore of step {step} failed: {message}{why}")
+
+
+def peer_error(kind: str, message: str) -> Exception:
+    """An error of the ``jaxckpt.errors`` class named ``kind`` (CoordinationError if there is none)."""
+    cls = getattr(_errors, kind, None)
+    if isinstance(cls, type) and issubclass(cls, _errors.JaxckptError):
+        try:
+            return cls(message)
+        except TypeError:  # a class that carries more than a message
+            pass
+    return _errors.CoordinationError(message)
