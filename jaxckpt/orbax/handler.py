@@ -282,7 +282,9 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
             raise StepNotFoundError(
                 f"step {step}: Orbax lists {directory} but jaxckpt memory (store "
                 f"{self.checkpointer.config.store!r}) no longer holds its snapshot (held steps: {held or 'none'}; "
-                f"Config.keep={self.checkpointer.config.keep}){where}")
+                f"Config.keep={self.checkpointer.config.keep}){where}; a restarted job has Orbax forget such "
+                f"steps with SnapshotHandler(directory=<the manager's directory>) built before the manager, or "
+                f"keeps them with Config.persistent_dir")
         item, restore_args, partial, strict = _restore_request(args)
         if "layout" not in marker:  # a marker written before layouts: jaxckpt's own target semantics
             return self.checkpointer.restore(item, step=step)
