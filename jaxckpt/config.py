@@ -84,6 +84,9 @@ class Config:
     # over loopback TCP too and measured 2.5x slower than the fetch (BENCHMARKS.md, bench cluster); turn it on
     # where the device interconnect is faster than the hosts' network (GPUs, TPUs).
     restore_collective: bool = False
+    # JAX's persistent compilation cache (jaxckpt.jax.compile_cache): a relaunched job loads its compiled step
+    # from this directory instead of compiling it again. "" leaves JAX's own setting alone.
+    compilation_cache_dir: str = ""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

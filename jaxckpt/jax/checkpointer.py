@@ -44,6 +44,9 @@ class Checkpointer:
 
     def __init__(self, config: Config | None = None, *, coordinator: Coordinator | None = None) -> None:
         config = (config or Config()).with_env()
+        if config.compilation_cache_dir:
+            from jaxckpt.jax.compile_cache import enable
+            enable(config.compilation_cache_dir)
         if coordinator is None:
             if jax.process_count() > 1:
                 from jaxckpt.jax.coordination import JaxCoordinator

@@ -398,9 +398,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--procs-per-node", type=int, default=1, help="processes per node (default 1)")
     p.add_argument("--devices-per-proc", type=int, default=2, help="CPU devices per process (default 2)")
     p.add_argument("--timeout", type=float, default=0.0, help="kill everything after this many seconds (0: never)")
+    p.add_argument("--compilation-cache", default="", metavar="DIR",
+                   help="JAX's persistent compilation cache for every process (Config.compilation_cache_dir through "
+                        "JAXCKPT_COMPILATION_CACHE_DIR): a relaunched job loads its compiled step instead of "
+                        "compiling it again")
     p.add_argument("cmd", nargs=argparse.REMAINDER,
                    help="the command each process runs; it calls jaxckpt.testing.init_from_env()")
     p.set_defaults(run=run_cli)
+
+
+def cache_env(directory: str) -> dict[str, str]:
+    """The environment that gives every launched process JAX's persistent compilation cache in ``directory``:
+    read by ``Config().with_env()`` (a Checkpointer turns it on) and by JAX itself (a process without one)."""
+    if not directory:
+        return {}
+    directory = os.path.abspath(directory)
+    return {"JAXCKPT_COMPILATION_CACHE_DIR": directory, "JAX_COMPILATION_CACHE_DIR": directory,
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -413,7 +427,7 @@ def run_cli(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     launch_dir = tempfile.mkdtemp(prefix="jaxckpt-launch-")
-    envs = _envs(args.nodes, args.procs_per_node, args.devices_per_proc, launch_dir, None)
+    envs = _envs(args.nodes, args.procs_per_node, args.devices_per_proc, launch_dir, cache_env(args.compilation_cache))
     job = Job([cmd] * len(envs), envs, procs_per_node=args.procs_per_node, launch_dir=launch_dir, owns_dir=True,
               forward_output=True)
     try:
