@@ -209,6 +209,7 @@ class ChaosRun:
         # The newest step reported protected since the last fault that destroyed data: it has its full redundancy,
         # so one node's memory lost later must not take it, whichever incarnation protected it.
         self.safe_protected = 0
+        self.protection_lags: list[tuple[int, float]] = []  # (steps, seconds) from commit to protected, per step
         self.unattributed = Counter()  # wrong restores and hangs of the first incarnation (no fault before it)
         self.budget = self._node_budget()
         self.peer_proxy = None  # (proxy, node dir, its peer info, node) while a peer fault's trial runs
@@ -372,6 +373,7 @@ class ChaosRun:
         inc.stop()
         self.trained_max = max(self.trained_max, inc.last("trained"))
         self.safe_protected = max(self.safe_protected, inc.last("protected"))
+        self.protection_lags += protection_lags(inc.events)
 
     def warm_up(self, inc: Incarnation, res: TrialResult) -> bool:
         """Let the job commit a random 1..3 more snapshots; False if it ended, or stalled (a hang)."""
@@ -459,6 +461,32 @@ class ChaosRun:
 
 
 # ------------------------------------------------------------------------------------------------- report
+def protection_lags(events: list[dict]) -> list[tuple[int, float]]:
+    """For each step reported protected: (newest step committed by then - the step, seconds from its last
+    process's commit to the first protected report covering it). Events carry the host's time.monotonic()."""
+    committed: dict[int, float] = {}  # step -> time the last process reported it committed
+    newest, out, covered = 0, [], 0
+    for e in sorted((e for e in events if "t" in e), key=lambda e: e["t"]):
+        if e["ev"] == "committed":
+            committed[e["step"]] = e["t"]
+            newest = max(newest, e["step"])
+        elif e["ev"] == "protected" and e["step"] > covered:
+            for s in sorted(s for s in committed if covered < s <= e["step"]):
+                out.append((newest - s, round(e["t"] - committed[s], 4)))
+            covered = e["step"]
+    return out
+
+
+def _lag_summary(lags: list[tuple[int, float]], interval: int) -> dict:
+    if not lags:
+        return {"steps": 0}
+    steps, secs = sorted(s for s, _ in lags), sorted(t for _, t in lags)
+    pick = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
+    return {"steps": len(lags), "median_s": pick(secs, 0.5), "p90_s": pick(secs, 0.9), "max_s": secs[-1],
+            "median_steps_behind": pick(steps, 0.5), "max_steps_behind": steps[-1],
+            "within_one_interval": sum(1 for s in steps if s <= interval) / len(steps)}
+
+
 def report(run: ChaosRun, seconds: float) -> dict:
     """Totals and per-kind rows of a finished run: what ``--json`` prints."""
     rows: dict[str, Counter] = {}
@@ -481,6 +509,7 @@ def report(run: ChaosRun, seconds: float) -> dict:
             "unexpected_losses": total["unexpected_loss"], "steps_lost": total["lost"],
             "max_steps_lost": total["max_lost"], "relaunches": total["relaunches"],
             "fell_back_in_restore": total["fell_back"],
+            "protection_lag": _lag_summary(run.protection_lags, run.profile.interval),
             "saves_not_resumed": total["saves_not_resumed"], "agents_by_peer_security": dict(run.agent_keys),
             "unavailable": {k: f.unavailable for k, f in FAULTS.items() if f.inject is None},
             "results": [asdict(r) for r in run.results]}
@@ -499,7 +528,8 @@ def format_table(rep: dict) -> str:
              "lost": rep["steps_lost"],
              "max_lost": rep["max_steps_lost"], "unexpected_loss": rep["unexpected_losses"]}
     rows = [(kind, r["trials"], r.get("recovered", 0), r.get("wrong", 0), r.get("hangs", 0), r.get("relaunches", 0),
-             r.get("fell_back", 0), f"{r.get('lost', 0) / max(1, r['trials']):.1f}/{r.get('max_lost', 0)}", r.get("unexpected_loss", 0))
+             r.get("fell_back", 0), f"{r.get('lost', 0) / max(1, r['trials']):.1f}/{r.get('max_lost', 0)}",
+             r.get("unexpected_loss", 0))
             for kind, r in [*rep["faults"].items(), ("total", total)]]
     widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
 
@@ -507,6 +537,12 @@ def format_table(rep: dict) -> str:
         return "  ".join(str(x).ljust(w) if i == 0 else str(x).rjust(w) for i, (x, w) in enumerate(zip(row, widths)))
     lines = [head, fmt(cols), *map(fmt, rows)]
     lines += [f"  (not run: {kind}: {why})" for kind, why in rep["unavailable"].items()]
+    lag = rep.get("protection_lag") or {}
+    if lag.get("steps"):
+        lines.append(f"commit -> protected, {lag['steps']} steps: median {lag['median_s'] * 1e3:.0f} ms, p90 "
+                     f"{lag['p90_s'] * 1e3:.0f} ms, max {lag['max_s'] * 1e3:.0f} ms; steps committed meanwhile: "
+                     f"median {lag['median_steps_behind']}, max {lag['max_steps_behind']}; within one snapshot "
+                     f"interval: {lag['within_one_interval']:.0%}")
     return "\n".join(lines)
 
 

@@ -113,7 +113,8 @@ class Trainer:
         self.fault = dict(spec.get("fault") or {})
 
     def emit(self, ev: str, **fields: Any) -> None:
-        sys.stdout.write(json.dumps({"ev": ev, "p": self.p, **fields}) + "\n")
+        # t: time.monotonic(), which every process of the host shares (the driver measures protection lag by it)
+        sys.stdout.write(json.dumps({"ev": ev, "p": self.p, "t": round(time.monotonic(), 4), **fields}) + "\n")
         sys.stdout.flush()
 
     def hook(self, phase: str) -> None:
