@@ -72,13 +72,17 @@ def agree_outcome(engine: "CheckpointEngine", step: int | None, error: BaseExcep
                 raise error from e
             raise
     failed = [(p, e) for p, (_, e, _, _) in enumerate(got) if e is not None]
-    steps = {s for s, _, _, _ in got}
+    if len({s for s, _, _, _ in got}) > 1:
+        # The processes do not agree on the newest step (one has nothing committed, say): never hand back a
+        # torn job, and never let some processes start fresh while others hold steps. The same error everywhere.
+        said = ", ".join(f"process {q}: {s if s is not None else 'nothing'}"
+                         + (f" ({e[0]})" if e is not None else "") for q, (s, e, _, _) in enumerate(got))
+        raise _errors.CoordinationError(f"the processes' newest steps differ ({said}); restore an explicit step "
+                                        f"or restart the job") from error
     if not failed:
-        if len(steps) > 1:  # cannot happen after an agreed commit; never hand back a torn job
-            raise _errors.CoordinationError(f"processes restored different steps: {[s for s, _, _, _ in got]}")
         return Outcome(None)
     p, (kind, message, bad) = failed[0]
-    if not all(b for _, (_, _, b) in failed) or len(steps) > 1:
+    if not all(b for _, (_, _, b) in failed):
         _raise(error, p, kind, message, got[p][0])
     common = set(got[0][2])
     for _, _, held, _ in got[1:]:

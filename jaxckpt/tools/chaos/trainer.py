@@ -37,7 +37,7 @@ from jaxckpt.backends.shm import ShmStore
 from jaxckpt.core.box import Box
 from jaxckpt.config import Config
 from jaxckpt.core.dtypes import dtype_from_name, dtype_name
-from jaxckpt.errors import ChecksumError, JaxckptError, ManifestError, PlanError
+from jaxckpt.errors import ChecksumError, JaxckptError, ManifestError, NoCheckpointError, PlanError
 from jaxckpt.core.plan import ArrayLayout, Placement
 from jaxckpt.core.registry import register_store
 
@@ -175,11 +175,11 @@ class Trainer:
         from jaxckpt.core.restore import restore_step
 
         step = eng.latest_step()
-        if step is None:
+        try:  # every process takes part in the restore's outcome round, one with nothing committed too
+            step, arrays, values = restore_step(eng, None, self.read)
+        except NoCheckpointError:  # every process has nothing (a partial "nothing" is a CoordinationError)
             self.emit("fresh")
             return None
-        try:
-            step, arrays, values = restore_step(eng, None, self.read)
         except INTEGRITY as e:  # no older step to fall back to: the one that failed last is the newest left
             step = eng.latest_step() if eng.latest_step() is not None else step
             self.emit("restore-failed", step=step, error=f"{type(e).__name__}: {e}", integrity=True)
