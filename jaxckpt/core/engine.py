@@ -426,6 +426,11 @@ class CheckpointEngine:
         """The newest step committed by every process, or None."""
         return self._tracker.latest()
 
+    def committed_steps(self) -> list[int]:
+        """Committed steps, ascending, without asking the store (whose agent may be down) whether it holds them."""
+        with self._lock:
+            return list(self._committed)
+
     def all_steps(self) -> list[int]:
         """Committed steps still held, ascending."""
         with self._lock:

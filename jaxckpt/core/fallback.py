@@ -59,7 +59,9 @@ class Outcome:
 
 def agree_outcome(engine: "CheckpointEngine", step: int | None, error: BaseException | None) -> Outcome:
     """One round (above) over this process's attempt at ``step``; raises what the job cannot get past."""
-    older = [s for s in engine.all_steps() if step is not None and s < step]
+    # Not all_steps(): that asks the store, and a store whose agent died mid-restore would hold this process
+    # back from the round while the others wait. A step the store no longer holds fails its attempt instead.
+    older = [s for s in engine.committed_steps() if step is not None and s < step]
     mine = [step, None if error is None else [type(error).__name__, str(error), is_bad_bytes(error)], older,
             engine.newest_begun()]
     if engine.process_count == 1:
