@@ -46,13 +46,15 @@ def render(rep: Mapping[str, Any], command: str, machine: Mapping[str, Any] | No
     for kind, rs in sorted(by_kind.items()):
         med, mx = _lost([r["lost"] for r in rs])
         rows.append([f"`{kind}`", str(len(rs)), str(sum(r["recovered"] for r in rs)), str(sum(r["wrong"] for r in rs)),
-                     str(sum(r["hang"] for r in rs)), str(sum(r["relaunches"] for r in rs)), med, mx,
+                     str(sum(r["hang"] for r in rs)), str(sum(r["relaunches"] for r in rs)),
+                     str(sum(r.get("fell_back", 0) for r in rs)), med, mx,
                      str(sum(r["lost"] > interval for r in rs)), str(sum(r["unexpected_loss"] for r in rs))])
     everything = rep["results"]
     med, mx = _lost([r["lost"] for r in everything])
     over = sum(r["lost"] > interval for r in everything)
     rows.append(["**all**", str(rep["trials"]), str(rep["recoveries"]), str(rep["wrong_restores"]), str(rep["hangs"]),
-                 str(rep["relaunches"]), med, mx, str(over), str(rep["unexpected_losses"])])
+                 str(rep["relaunches"]), str(rep.get("fell_back_in_restore", 0)), med, mx, str(over),
+                 str(rep["unexpected_losses"])])
     ok = not (rep["wrong_restores"] or rep["hangs"] or rep["unexpected_losses"]) and rep["recoveries"] == rep["trials"]
     result = {"machine": machine or machine_facts(), "date": date or now_utc()}
     parts = [
@@ -69,16 +71,26 @@ def render(rep: Mapping[str, Any], command: str, machine: Mapping[str, Any] | No
         f"restores, {rep['hangs']} hangs, {rep['unexpected_losses']} unexpected losses**; work lost per fault: "
         f"median {med} step(s), max {mx} (snapshot interval {interval}; {over} fault(s) lost more than the "
         f"interval). " + ("Every check passed." if ok else "**Not every check passed** (see the table)."), "",
-        table(["fault", "trials", "recovered", "wrong restores", "hangs", "relaunches", "work lost median",
+        table(["fault", "trials", "recovered", "wrong restores", "hangs", "relaunches", "fell back in restore",
+               "work lost median",
                "work lost max", f"lost > interval ({interval})", "unexpected loss"], rows), "",
         "Work lost = the newest step any process had trained when the job was stopped minus the step the next "
         "incarnation restored (the job is stopped at a random point, so this includes the steps trained since the "
-        "last committed snapshot). Relaunches: incarnations that could not restore (a step dropped for bad bytes, "
-        "a process killed in its restore) and were started again. A wrong restore is a digest that differs from the "
+        "last committed snapshot). Relaunches: incarnations that could not restore (a step dropped for bad bytes "
+        "with nothing older to fall back to, a process killed in its restore) and were started again. Fell back in "
+        "restore: newer steps a restore passed over for bad bytes inside the same call (jaxckpt.core.fallback), "
+        "with no relaunch. A wrong restore is a digest that differs from the "
         "state recomputed outside the system, or processes that restored different steps; a hang is any wait "
         "that ran past its time-out; an unexpected loss is a committed step (or, after a node's memory was lost, a "
         "protected step) that the restore did not get back although the fault did not destroy it.",
     ]
+    lag = rep.get("protection_lag") or {}
+    if lag.get("steps"):
+        parts += ["", f"Protection lag (commit -> protected, {lag['steps']} committed steps): median "
+                  f"{lag['median_s'] * 1e3:.0f} ms, p90 {lag['p90_s'] * 1e3:.0f} ms, max {lag['max_s'] * 1e3:.0f} ms "
+                  f"from a step's commit until it or a newer step was reported protected on every node; steps "
+                  f"committed meanwhile: median {lag['median_steps_behind']}, max {lag['max_steps_behind']}; within "
+                  f"one snapshot interval: {lag['within_one_interval']:.0%} of the steps."]
     return "\n".join(parts)
 
 
