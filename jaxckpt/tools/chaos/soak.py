@@ -67,6 +67,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from jaxckpt.core.history import STEPS_KEPT
 from jaxckpt.tools.chaos import run as chaos
 
 log = logging.getLogger("jaxckpt.tools.chaos.soak")
@@ -108,7 +109,11 @@ class SoakPlan:
 # The chaos Profile of the job (trials are set from the plan) and the plan of the soak.
 PROFILES: dict[str, tuple[chaos.Profile, SoakPlan]] = {
     "soak": (chaos.Profile(trials=0, jax_trials=0, nodes=3, procs_per_node=1, interval=1, protection="hybrid"),
-             SoakPlan(steps=20_000, fault_every=4_000, sample_every=50, warmup_steps=1_000)),
+             # The warm-up covers the bounded per-step records filling to their bound (jaxckpt.core.history:
+             # 2 * STEPS_KEPT entries, then trimmed) and the dict tables that hold them: the 2026-12-01 soak with
+             # a 1,000-step warm-up saw each trainer's RSS ramp 0.8 MiB to a plateau near step 3,000 of its
+             # segment (tracemalloc: the Python heap bounded, a sawtooth between 1,024 and 2,048 records).
+             SoakPlan(steps=24_000, fault_every=6_000, sample_every=50, warmup_steps=3 * STEPS_KEPT)),
     "soak-quick": (chaos.Profile(trials=0, jax_trials=0, nodes=3, procs_per_node=1, interval=1, protection="hybrid"),
                    SoakPlan(steps=300, fault_every=150, sample_every=5, warmup_steps=50)),
 }
