@@ -51,6 +51,7 @@ from typing import Any, Callable
 
 from jaxckpt.backends.agent import protocol as proto
 from jaxckpt.backends.agent.daemon import EXIT_ALREADY_RUNNING
+from jaxckpt.tools.chaos.lag import lag_summary, protection_lags
 from jaxckpt.tools.chaos.faults import DESTRUCTIVE, FAULTS, JAX_KINDS, NODE_LOSS, end_trial, wait_protected
 from jaxckpt.errors import JaxckptError
 from jaxckpt.tools import deathsig
@@ -461,32 +462,6 @@ class ChaosRun:
 
 
 # ------------------------------------------------------------------------------------------------- report
-def protection_lags(events: list[dict]) -> list[tuple[int, float]]:
-    """For each step reported protected: (newest step committed by then - the step, seconds from its last
-    process's commit to the first protected report covering it). Events carry the host's time.monotonic()."""
-    committed: dict[int, float] = {}  # step -> time the last process reported it committed
-    newest, out, covered = 0, [], 0
-    for e in sorted((e for e in events if "t" in e), key=lambda e: e["t"]):
-        if e["ev"] == "committed":
-            committed[e["step"]] = e["t"]
-            newest = max(newest, e["step"])
-        elif e["ev"] == "protected" and e["step"] > covered:
-            for s in sorted(s for s in committed if covered < s <= e["step"]):
-                out.append((newest - s, round(e["t"] - committed[s], 4)))
-            covered = e["step"]
-    return out
-
-
-def _lag_summary(lags: list[tuple[int, float]], interval: int) -> dict:
-    if not lags:
-        return {"steps": 0}
-    steps, secs = sorted(s for s, _ in lags), sorted(t for _, t in lags)
-    pick = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
-    return {"steps": len(lags), "median_s": pick(secs, 0.5), "p90_s": pick(secs, 0.9), "max_s": secs[-1],
-            "median_steps_behind": pick(steps, 0.5), "max_steps_behind": steps[-1],
-            "within_one_interval": sum(1 for s in steps if s <= interval) / len(steps)}
-
-
 def report(run: ChaosRun, seconds: float) -> dict:
     """Totals and per-kind rows of a finished run: what ``--json`` prints."""
     rows: dict[str, Counter] = {}
@@ -509,7 +484,7 @@ def report(run: ChaosRun, seconds: float) -> dict:
             "unexpected_losses": total["unexpected_loss"], "steps_lost": total["lost"],
             "max_steps_lost": total["max_lost"], "relaunches": total["relaunches"],
             "fell_back_in_restore": total["fell_back"],
-            "protection_lag": _lag_summary(run.protection_lags, run.profile.interval),
+            "protection_lag": lag_summary(run.protection_lags, run.profile.interval),
             "saves_not_resumed": total["saves_not_resumed"], "agents_by_peer_security": dict(run.agent_keys),
             "unavailable": {k: f.unavailable for k, f in FAULTS.items() if f.inject is None},
             "results": [asdict(r) for r in run.results]}
