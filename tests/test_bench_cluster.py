@@ -84,6 +84,17 @@ def test_restore_paths_and_recovery(run):
     lb = res["loopback"]
     assert lb["tcp"]["gbps"] > 0 and lb["transport"]["gbps"] > 0
     assert math.isclose(lb["transport_over_tcp"], lb["transport"]["gbps"] / lb["tcp"]["gbps"])
+    # the ceiling is the faster raw probe: between separate processes (as agents and trainers) or within one
+    assert lb["tcp_processes"]["processes"] == 2 * lb["tcp_processes"]["streams"]
+    assert lb["tcp"]["gbps"] == max(lb["tcp_processes"]["gbps"], lb["tcp_threads"]["gbps"])
+    # the restore's transport rate is over the union of the processes' fetch spans, never a shorter one
+    fetched = [k for k in ("local", "peers", "resharded")
+               if rs[k]["timeline"]["phases"].get("peer_fetches", {}).get("nbytes")]
+    assert fetched, "no restore path fetched over the host transport"
+    for key in fetched:
+        t = rs[key]["timeline"]
+        assert t["transport_span_s"] >= t["phases"]["peer_fetches"]["seconds"] > 0, key
+        assert math.isclose(t["transport_gbps"], t["phases"]["peer_fetches"]["nbytes"] / t["transport_span_s"] / 1e9)
     for key in ("local", "peers", "resharded", "persistent", "orbax_standard", "orbax_emergency_dp"):
         assert rs[key]["restore_s"]["n"] >= 1, key
     em = rs["orbax_emergency"]
@@ -113,7 +124,7 @@ def test_markdown_and_plots(run, tmp_path):
     assert body in text and "\nold\n" not in text and "Quick run" in body
     assert "None" not in body and "nan" not in body
     for words in ("jaxckpt, via peers", "Orbax StandardRestore", "Orbax emergency", "Parity floor",
-                  "Restore timeline", "raw TCP",
+                  "Restore timeline", "raw TCP", "between 8 processes", "The loopback floor",
                   "kill → first step", res["machine"]["loadavg_at_start"]):
         assert words in body, words
     if plots.available():

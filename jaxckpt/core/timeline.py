@@ -45,6 +45,13 @@ class Phase:
     def to_dict(self) -> dict:
         return {"seconds": self.seconds, "busy_s": self.busy_s, "nbytes": self.nbytes, "count": self.count}
 
+    @property
+    def span(self) -> tuple[float, float] | None:
+        """(first start, last end) in ``time.perf_counter`` seconds, or None for a phase that did nothing. On
+        Linux that clock is CLOCK_MONOTONIC, one clock for every process of a host: spans of processes on one
+        host compare (``jaxckpt bench cluster`` adds the transport's bytes of all processes over their union)."""
+        return None if self._first is None else (self._first, self._last)
+
 
 class RestoreTimeline:
     """Per-phase bytes and seconds of one restore (see the module docstring); safe to record from threads."""

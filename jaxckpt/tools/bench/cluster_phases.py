@@ -326,7 +326,8 @@ def _timeline(ck: Any) -> dict[str, Any]:
     for r in rep.routes.values():
         routes[r] = routes.get(r, 0) + 1
     return {"phases": rep.timeline.to_dict(), "transport_bytes": rep.transport_bytes,
-            "collective_bytes": rep.collective_bytes, "routes": routes, "seconds": rep.seconds}
+            "collective_bytes": rep.collective_bytes, "routes": routes, "seconds": rep.seconds,
+            "peer_span": rep.timeline["peer_fetches"].span}  # every process's on one host's monotonic clock
 
 
 def _drop_cache(root: str) -> None:

@@ -35,7 +35,8 @@ def _sum_sources(rows: Sequence[Mapping[str, Any]]) -> dict[str, int]:
 
 def _sum_timelines(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One restore's timeline over every process: bytes summed, seconds of the slowest process, per phase;
-    host-transport and collective bytes summed; the transport's rate (its bytes over the longest fetch span)."""
+    host-transport and collective bytes summed; the transport's rate: its bytes over the union of every
+    process's fetch span (one host's monotonic clock), or, for results without spans, over the longest span."""
     tls = [r["timeline"] for r in rows if r.get("timeline")]
     if not tls:
         return {}
@@ -53,8 +54,13 @@ def _sum_timelines(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     out = {"phases": {name: {k: v for k, v in p.items() if v} for name, p in phases.items() if any(p.values())},
            "transport_bytes": sum(t["transport_bytes"] for t in tls),
            "collective_bytes": sum(t["collective_bytes"] for t in tls), "routes": routes}
-    if peer["nbytes"] and peer["seconds"]:
-        out["transport_gbps"] = peer["nbytes"] / peer["seconds"] / 1e9
+    spans = [t["peer_span"] for t in tls if t.get("peer_span")]
+    union = max(e for _, e in spans) - min(s for s, _ in spans) if spans else 0.0
+    seconds = union if union > 0 and len(spans) == sum(1 for t in tls if t["phases"].get("peer_fetches", {})
+                                                        .get("nbytes")) else peer["seconds"]
+    if peer["nbytes"] and seconds:
+        out["transport_gbps"] = peer["nbytes"] / seconds / 1e9
+        out["transport_span_s"] = seconds
     return out
 
 
@@ -319,11 +325,42 @@ def _timeline_section(result: Mapping[str, Any]) -> list[str]:
                          "arrays by route (per process)"], rows)]
     lb = result.get("loopback")
     if lb:
-        out += ["", f"Loopback, same run ({lb['tcp']['streams']} streams of {fs(lb['tcp']['bytes'])}): raw TCP "
-                    f"{fn(lb['tcp']['gbps'])} GB/s; the peer transport (ZeroMQ, {lb['transport']['streams']} clients "
-                    f"reading {fs(lb['transport']['chunk_bytes'])} ranges) {fn(lb['transport']['gbps'])} GB/s = "
-                    f"{fn(lb['transport_over_tcp'] * 100)}% of raw TCP."]
+        between, within = lb.get("tcp_processes"), lb.get("tcp_threads")
+        how = (f" (between {between['processes']} processes {fn(between['gbps'])} GB/s, within one process "
+               f"{fn(within['gbps'])} GB/s; the faster is the ceiling)" if between and within else "")
+        out += ["", f"Loopback, same run ({lb['tcp']['streams']} streams of {fs(lb['tcp']['bytes'])} in all): raw TCP "
+                    f"{fn(lb['tcp']['gbps'])} GB/s{how}; the peer transport (ZeroMQ, "
+                    f"{lb['transport']['streams']} clients reading {fs(lb['transport']['chunk_bytes'])} ranges) "
+                    f"{fn(lb['transport']['gbps'])} GB/s = {fn(lb['transport_over_tcp'] * 100)}% of raw TCP. "
+                    "Transport GB/s in restore: the host-transport bytes of all processes over the union of their "
+                    "fetch spans."]
+        out += _floor_lines(result, lb["tcp"]["gbps"])
     return out
+
+
+def _floor_lines(result: Mapping[str, Any], tcp_gbps: float) -> list[str]:
+    """Per restore path, the time its host-transport bytes alone take at this run's raw loopback TCP rate: a
+    floor no host transport can beat on this machine, beside the restore and Orbax's restore."""
+    rs = result["restore"]
+    orbax = (rs.get("orbax_standard", {}).get("restore_s") or {}).get("median")
+    rows = []
+    for key, _label in PATHS:
+        t, r = rs.get(key, {}).get("timeline"), (rs.get(key, {}).get("restore_s") or {}).get("median")
+        if not t or not r or not t.get("transport_bytes"):
+            continue
+        floor = t["transport_bytes"] / (tcp_gbps * 1e9)
+        ms = lambda v: report.fmt_num(v * 1e3)  # noqa: E731
+        rows.append([key, report.fmt_size(t["transport_bytes"]), ms(floor), ms(r),
+                     f"{r / floor:.2f}x", f"{orbax / floor:.2f}x" if orbax else "–",
+                     f"{orbax / r:.2f}x" if orbax else "–"])
+    if not rows:
+        return []
+    return ["", "The loopback floor: a path's host-transport bytes (all processes) at the raw TCP rate the probe "
+                "above measured, what moving them alone takes on this machine (its processes share its cores; a "
+                "restore below 1x means the probe ran slower than the restore's own transfers); restore and "
+                "Orbax StandardRestore medians as multiples of it:", "",
+            report.table(["path", "host transport bytes", "floor ms", "restore ms", "restore / floor",
+                          "Orbax StandardRestore / floor", "Orbax / restore"], rows)]
 
 
 def _one_line(text: str, limit: int = 300) -> str:
