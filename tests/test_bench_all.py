@@ -24,7 +24,7 @@ MAY_BE_ZERO = {"process", "exit_code", "extra_bytes_per_node", "sent_bytes_per_n
                "rss_growth_bytes", "cycle", "steps_lost",
                "transport_bytes", "collective_bytes",  # a restore may need neither (all local, one process)
                "try_gets", "live_keys"}  # the commit protocol polls no key; all keys of a round may be gone
-SIGNED = ("overhead_pct_",)  # step-time overhead vs the baseline: within noise it can be below zero
+SIGNED = ("overhead_pct_", "overhead_of_orbax_")  # step-time overhead vs the baseline: within noise it can be below zero
 EXPECTED = [n for n in bench_all.BENCHES if n != "torch" or importlib.util.find_spec("torch") is not None]
 PROSE = "# Benchmarks\n\nprose before\n\n<!-- bench:save:begin -->\nold\n<!-- bench:save:end -->\n\nprose after\n"
 # Keys each result has beyond bench/machine/date/command, and the list of rows that must not be empty.
@@ -139,6 +139,15 @@ def test_new_benchmarks_cover_what_the_issues_ask(suite):
     assert all(x["held_bytes"] >= x["size_bytes"] for x in sc["by_size"])
     assert {"save_call_largest_over_smallest", "snapshot_largest_over_smallest",
             "save_call_most_over_fewest_procs", "snapshot_most_over_fewest_procs"} <= set(sc["ratios"])
+    if "stall" in r:  # skipped where flax/optax are missing
+        st = r["stall"]
+        assert st["procs"] == [2] and [x["procs"] for x in st["results"]] == [2]
+        for x in st["results"]:
+            leaves = {p["leaves"] for p in x["processes"]}
+            assert len(leaves) == 1 and x["leaves"] in leaves and x["leaves"] > 8, x["leaves"]
+            s_ = x["summary"]
+            assert math.isclose(s_["overhead_of_orbax_jaxckpt"],
+                                s_["overhead_pct_jaxckpt"] / s_["overhead_pct_orbax"])
     mem = r["memory"]
     assert {(p["layout"], p["policy"]) for p in mem["protection"]} == {
         (lay, pol) for lay in ("data-parallel", "fully-sharded") for pol in ("none", "replica", "parity", "xor-group",
@@ -148,6 +157,19 @@ def test_new_benchmarks_cover_what_the_issues_ask(suite):
     for s in mem["stores"]:
         assert s["memory"]["held_bytes"] <= s["memory"]["bound_bytes"]
         assert s["shm"]["held_bytes"] <= s["shm"]["bound_bytes"] and s["shm"]["tmpfs_bytes"] > 0
+
+
+def test_stall_options_are_checked_before_anything_runs(capsys):
+    from jaxckpt import cli
+    from jaxckpt.tools.bench import stall
+    assert stall.procs_list("1,2") == [1, 2] and stall.procs_list(2) == [2]
+    for bad in ("3", "0", "1,5", ""):
+        with pytest.raises(ValueError, match="must divide the 8 CPU devices"):
+            stall.procs_list(bad)
+    for argv in (["--procs", "3"], ["--sizes", "0.2G,huge"]):
+        ns = cli.build_parser().parse_args(["bench", "stall", *argv])
+        assert stall.run(ns) == 2, argv
+    assert stall.gpt_config("0.2G-deep", 64)["layers"] == 4 * stall.gpt_config("0.2G", 64)["layers"]
 
 
 def test_markdown_sections_from_json(suite):

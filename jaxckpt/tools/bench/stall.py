@@ -32,8 +32,9 @@ from jaxckpt.tools.bench.report import machine_facts, now_utc, summarize
 log = logging.getLogger("jaxckpt.tools.bench")
 
 MODES = ("none", "jaxckpt", "jaxckpt-fused", "jaxckpt-shm", "jaxckpt-fused-shm", "orbax")
-# Presets: (d_model, layers). State bytes ~ 12 bytes/param (param + 2 AdamW moments, float32).
-SIZES = {"tiny": (64, 2), "0.2G": (512, 6), "1G": (1024, 7)}
+# Presets: (d_model, layers). State bytes ~ 12 bytes/param (param + 2 AdamW moments, float32). "0.2G-deep" has
+# the bytes of "0.2G" in 4x the layers: 879 leaves instead of 231 (the leaf count of an LLM-like state, issue 13).
+SIZES = {"tiny": (64, 2), "0.2G": (512, 6), "0.2G-deep": (256, 24), "1G": (1024, 7)}
 
 
 def gpt_config(size: str, seq_len: int) -> dict:
@@ -65,11 +66,12 @@ def run_process(spec: dict) -> dict:
     n = spec["warmup"] + spec["steps"]
     data = [b for _, b in gpt.batches(cfg, mesh, spec["batch"], seed=0, stop=n)]
     proc = jax.process_index()
-    out: dict[str, Any] = {"process": proc, "state_bytes": None, "modes": {}}
+    out: dict[str, Any] = {"process": proc, "state_bytes": None, "leaves": None, "modes": {}}
 
     for mode in spec["modes"]:
         state = gpt.init_state(cfg, mesh, seed=0)
         out["state_bytes"] = gpt.state_bytes(state)
+        out["leaves"] = len(jax.tree_util.tree_leaves(state))
         step_times, call_times, snap_times, nbytes = [], [], [], 0
         ck = tmp = ckptr = fused = None
         if mode.startswith("jaxckpt"):
@@ -141,13 +143,15 @@ def run_process(spec: dict) -> dict:
     return out
 
 
-def _merge(size: str, per_proc: list[dict], memcpy: dict) -> dict:
-    """One result row per size: the slowest process's medians (the step waits for the slowest)."""
+def _merge(size: str, procs: int, per_proc: list[dict], memcpy: dict) -> dict:
+    """One result row per size and process count: the slowest process's medians (the step waits for the
+    slowest)."""
     def worst(mode: str, key: str) -> float | None:
         vals = [p["modes"][mode][key]["median"] for p in per_proc if key in p["modes"].get(mode, {})]
         return max(vals) if vals else None
 
-    row: dict[str, Any] = {"size": size, "state_bytes": per_proc[0]["state_bytes"], "processes": per_proc}
+    row: dict[str, Any] = {"size": size, "procs": procs, "state_bytes": per_proc[0]["state_bytes"],
+                           "leaves": per_proc[0].get("leaves"), "processes": per_proc}
     base = worst("none", "step_s")
     summary: dict[str, Any] = {"step_s_none": base}
     for mode in MODES[1:]:
@@ -165,6 +169,11 @@ def _merge(size: str, per_proc: list[dict], memcpy: dict) -> dict:
             summary[f"idle_snapshot_vs_memcpy_{mode}"] = gbps / memcpy["median"]
     if "orbax" in per_proc[0]["modes"] and "jaxckpt" in per_proc[0]["modes"]:
         summary["save_call_ratio_orbax_over_jaxckpt"] = summary["save_call_s_orbax"] / summary["save_call_s_jaxckpt"]
+    if "orbax" in per_proc[0]["modes"]:
+        orbax = summary["overhead_pct_orbax"]
+        for mode in MODES[1:-1]:  # each jaxckpt mode's step-time overhead as a share of Orbax's (issue 13: <= 0.1)
+            if f"overhead_pct_{mode}" in summary and orbax > 0:
+                summary[f"overhead_of_orbax_{mode}"] = summary[f"overhead_pct_{mode}"] / orbax
     row["summary"] = summary
     return row
 
@@ -181,6 +190,14 @@ def run(args: argparse.Namespace) -> int:
         _update_md(args, result)
         print(render_stall(result))
         return 0
+    try:
+        procs_list(args.procs)
+        unknown = [z for z in args.sizes.split(",") if z not in SIZES]
+        if unknown:
+            raise ValueError(f"--sizes: unknown preset(s) {unknown}; the presets are {sorted(SIZES)}")
+    except ValueError as e:
+        log.error("bench stall: %s", e)
+        return 2
     if not all(importlib.util.find_spec(m) for m in ("flax", "optax")):
         log.error("bench stall trains a Flax GPT: pip install 'jaxckpt[bench]' (flax and optax)")
         return 2
@@ -194,17 +211,17 @@ def run(args: argparse.Namespace) -> int:
     memcpy = summarize(memcpy_gbps(64 << 20 if args.quick else 256 << 20, 5 if args.quick else 10))
     result: dict[str, Any] = {"bench": "stall", "mode": "quick" if args.quick else "full", "date": now_utc(),
                               "machine": machine_facts(), "command": command(args),
-                              "memcpy_gbps": memcpy, "procs": args.procs, "steps": steps, "warmup": warmup,
-                              "results": []}
-    for size in sizes:
+                              "memcpy_gbps": memcpy, "procs": procs_list(args.procs), "steps": steps,
+                              "warmup": warmup, "results": []}
+    for size, procs in [(size, n) for size in sizes for n in procs_list(args.procs)]:
         tmp = tempfile.mkdtemp(prefix="jaxckpt-stall-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         spec = {"size": size, "gpt": gpt_config(size, args.seq_len), "batch": args.batch, "steps": steps,
                 "warmup": warmup, "modes": list(MODES), "orbax_dir": tmp, "idle_repeats": 2 if args.quick else 5}
         try:
-            log.info("bench stall: size %s on %d processes", size, args.procs)
-            per_proc = expect_ok(launch(run_process, nodes=1, procs_per_node=args.procs,
-                                        devices_per_proc=8 // args.procs, args=(spec,), timeout=args.timeout))
-            result["results"].append(_merge(size, per_proc, memcpy))
+            log.info("bench stall: size %s on %d processes", size, procs)
+            per_proc = expect_ok(launch(run_process, nodes=1, procs_per_node=procs,
+                                        devices_per_proc=8 // procs, args=(spec,), timeout=args.timeout))
+            result["results"].append(_merge(size, procs, per_proc, memcpy))
         finally:
             for mode in MODES:
                 if mode.endswith("-shm"):  # the agents the trainers spawned: free their memory before the next size
@@ -215,8 +232,18 @@ def run(args: argparse.Namespace) -> int:
         write_json(args.json, result)
     _update_md(args, result)
     for row in result["results"]:
-        log.info("size %s: %s", row["size"], {k: round(v, 4) for k, v in row["summary"].items() if v is not None})
+        log.info("size %s, %d processes: %s", row["size"], row["procs"],
+                 {k: round(v, 4) for k, v in row["summary"].items() if v is not None})
     return 0
+
+
+def procs_list(value: str | int) -> list[int]:
+    """``--procs``: one process count or several, comma-separated; each must split the 8 CPU devices."""
+    counts = [int(v) for v in str(value).split(",") if v.strip()]
+    bad = [n for n in counts if n < 1 or 8 % n]
+    if not counts or bad:
+        raise ValueError(f"--procs {value!r}: each count must divide the 8 CPU devices (1, 2, 4 or 8)")
+    return counts
 
 
 def _update_md(args: argparse.Namespace, result: dict) -> None:
@@ -236,7 +263,7 @@ def command(args: argparse.Namespace) -> str:
         words.append("--quick")
     else:
         words += ["--sizes", args.sizes, "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    words += ["--procs", str(args.procs)]
+    words += ["--procs", ",".join(map(str, procs_list(args.procs)))]
     for flag, value in (("--json", args.json), ("--update-md", args.update_md)):
         if value:
             words += [flag, value]
@@ -254,7 +281,8 @@ def render_stall(result: dict) -> str:
     if result.get("mode") == "quick":
         lines += ["> **Quick run, placeholder until the full run.** A tiny model and 3 steps on a shared machine: "
                   "these numbers show the shape of the table, not the performance.", ""]
-    lines += [f"`{result['command']}` on {result['procs']} processes, {result['date']}; "
+    counts = result["procs"] if isinstance(result["procs"], list) else [result["procs"]]
+    lines += [f"`{result['command']}` on {' and '.join(map(str, counts))} process(es), {result['date']}; "
              f"medians over {result['steps']} steps after {result['warmup']} warm-up steps.", "",
              # memcpy_gbps is a summary here (a number in the other benches): its own line below.
              machine_line({k: v for k, v in result.items() if k != "memcpy_gbps"}), "",
@@ -262,19 +290,23 @@ def render_stall(result: dict) -> str:
     rows = []
     for row in result["results"]:
         s = row["summary"]
+        head = [row["size"], str(row.get("procs", counts[0])), str(row.get("leaves") or "-"),
+                f"{row['state_bytes'] / 1e9:.2f}"]
         for mode in MODES:
             if mode == "none":
-                rows.append([row["size"], f"{row['state_bytes'] / 1e9:.2f}", mode, ms(s["step_s_none"]), "-", "-", "-"])
+                rows.append([*head, mode, ms(s["step_s_none"]), "-", "-", "-", "-"])
                 continue
             if f"step_s_{mode}" not in s:
                 continue
             gbps = s.get(f"idle_snapshot_gbps_{mode}")
-            rows.append([row["size"], f"{row['state_bytes'] / 1e9:.2f}", mode, ms(s[f"step_s_{mode}"]),
-                         f"{s[f'overhead_pct_{mode}']:+.1f}%", ms(s[f"save_call_s_{mode}"]),
+            share = s.get(f"overhead_of_orbax_{mode}")
+            rows.append([*head, mode, ms(s[f"step_s_{mode}"]), f"{s[f'overhead_pct_{mode}']:+.1f}%",
+                         "-" if share is None else f"{share:+.2f}", ms(s[f"save_call_s_{mode}"]),
                          "-" if gbps is None else f"{gbps:.2f} ({100 * s[f'idle_snapshot_vs_memcpy_{mode}']:.0f}%)"])
-    lines.append(table(["size", "state GB", "mode", "step ms", "overhead", "save() call ms",
-                        "idle snapshot GB/s per process (vs memcpy)"], rows))
-    ratios = [f"{row['size']}: {row['summary']['save_call_ratio_orbax_over_jaxckpt']:.0f}x"
+    lines.append(table(["size", "processes", "leaves", "state GB", "mode", "step ms", "overhead",
+                        "overhead / Orbax's", "save() call ms", "idle snapshot GB/s per process (vs memcpy)"], rows))
+    ratios = [f"{row['size']} on {row.get('procs', counts[0])}: "
+              f"{row['summary']['save_call_ratio_orbax_over_jaxckpt']:.0f}x"
               for row in result["results"] if "save_call_ratio_orbax_over_jaxckpt" in row["summary"]]
     if ratios:
         lines += ["", "Orbax save-call time / jaxckpt save-call time: " + ", ".join(ratios)]
@@ -286,7 +318,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="0.2G,1G", help=f"comma-separated presets from {sorted(SIZES)}")
     p.add_argument("--steps", type=int, default=20, help="measured steps per mode (after warm-up)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--procs", type=int, default=2, help="JAX processes (8 CPU devices split between them)")
+    p.add_argument("--procs", default="2", help="JAX processes (8 CPU devices split between them); several, "
+                                                 "comma-separated (e.g. 1,2), run each size on each count")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--timeout", type=float, default=3600.0)
