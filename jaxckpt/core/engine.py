@@ -20,10 +20,11 @@ import numpy as np
 
 from jaxckpt.core import manifest as mf
 from jaxckpt.config import Config
+from jaxckpt.core.adoption import decide
 from jaxckpt.core.advise import IntervalAdvice, SaveCosts
 from jaxckpt.core.collective import Collective
 from jaxckpt.core.coordination import CommitTracker, Coordinator
-from jaxckpt.errors import (ClosedError, CommitError, NoCheckpointError, StepError, StepNotFoundError,
+from jaxckpt.errors import (ClosedError, CommitError, NoCheckpointError, StepError,
                             StepOutOfRangeError, StoreUnavailableError)
 from jaxckpt.core.capabilities import NodeAgent, ProtectionSlots
 from jaxckpt.core.catalog import Catalog
@@ -382,6 +383,9 @@ class CheckpointEngine:
         rounds numbered by step (commit, protection, persist) are shifted past every number used so far."""
         with self._lock:
             self._committed = [s for s in self._committed if s not in steps]
+            if restored not in self._committed:  # a held step retention had let go: the newest committed again
+                self._committed = sorted([*self._committed, restored])
+                self._deferred.discard(restored)
             self._pending = deque(h for h in self._pending if h.step not in steps)  # decided long ago
             for s in steps:
                 self._holds.pop(s, None)
@@ -426,10 +430,11 @@ class CheckpointEngine:
         """The newest step committed by every process, or None."""
         return self._tracker.latest()
 
-    def committed_steps(self) -> list[int]:
-        """Committed steps, ascending, without asking the store (whose agent may be down) whether it holds them."""
+    def kept_steps(self) -> list[int]:
+        """Committed steps and the committed steps held past retention (protection's guard, a step being
+        protected or persisted), ascending, without asking the store: what a restore may fall back to."""
         with self._lock:
-            return list(self._committed)
+            return sorted(set(self._committed) | set(self._holds))
 
     def all_steps(self) -> list[int]:
         """Committed steps still held, ascending."""
@@ -440,114 +445,29 @@ class CheckpointEngine:
 
     # ---------------------------------------------------------------------------------------------- adoption
     def _adopt(self) -> None:
-        """Adopt the steps a store that survives the process (a node agent) kept from an earlier run of it.
-
-        Own steps are the held ones this process saved as the same process of a job of the same size (their
-        manifests say so); the others were saved by another incarnation of the job (say 4 processes, where we
-        are 2) and stay with the agents as restore sources.
-        One process: its newest ``keep`` own steps become committed. Several: one ``reduce`` round ``adopt`` of
-        the ``main`` channel (jaxckpt.core.collective; O(processes) at process 0, like the commit protocol):
-          0) (every process) contributes its own held steps (and those it sees as protected, rebuildable);
-          1) (process 0)     reduces them to the newest ``keep`` steps every process holds (and the guard);
-          2) (every process) gets that result, or the round's CoordinationError if a process did not answer.
-        With node agents, the catalog also finds every agent and agrees on the newest step whose snapshot every
-        process can obtain from them (jaxckpt.core.catalog), whatever job size saved it: that is ``latest_step()``
-        when it is newer. With protection, the newest step every process holds whose protection is complete
-        (``RebuildHolder.protected_steps``, agreed likewise) is kept and held too, as ``Protector._announce``
-        holds the newest protected step: until a newer step is protected, a node lost now is rebuilt from it.
-        So is a newer step that can only be rebuilt (a node of it was lost, say the one just restored): until a
-        newer step is protected it is the only fallback should the newest step turn out unreadable.
-        Every process then deletes its own held steps outside those (newer ones were not committed everywhere)
-        and any held step newer than the restorable one, and numbers its next save after it.
-        """
-        held = self.store.steps()
-        own = self._own_steps(held)
-        restorable = None
-        if self.catalog.uses_agents:
-            main = self.collective.channel("main")
-            self.catalog.discover(main)
-            restorable = self.catalog.agree_latest(main)  # its scan is the one protected_steps() reads
-        holder = self.protection.holder if self.protection is not None else None
-        protected = holder.protected_steps() if holder is not None else []
-        rebuildable = holder.rebuildable_steps() if holder is not None else []
-        if self.process_count == 1:
-            agreed = own[-self.config.keep:]
-            guard = max(set(own) & set(protected), default=None)
-        else:
-            agreed, guard, rebuildable = self._agree_held(own, protected, rebuildable)
-        if guard is not None and restorable is not None and guard > restorable:
-            guard = None
-        # Fallbacks newer than guard that can be rebuilt though not protected on every node (a node of theirs was
-        # lost): the newest one older than what the job restores now (should that be unreadable), and that one
-        # itself when it is such a step (retention would drop it as soon as the next step commits).
-        newest = max([*agreed, *([restorable] if restorable is not None else [])], default=None)
-        older = max((s for s in rebuildable if (newest is None or s < newest) and (guard is None or s > guard)),
-                    default=None)
-        fallbacks = [s for s in (older, newest) if s is not None and s in rebuildable and s not in protected and
-                     (guard is None or s > guard)]
-        kept = set(agreed) | {s for s in (restorable, guard, *fallbacks) if s is not None}
-        for s in held:
-            if (s in own and s not in kept) or (restorable is not None and s > restorable):
-                self.store.delete(s)
-        for step, complete in ((guard, True), *((s, False) for s in fallbacks)):
-            if step is None:
-                continue
+        """Adopt the steps a store that survives the process (a node agent) kept from an earlier run of it: what
+        ``jaxckpt.core.adoption.decide`` decides (see there), applied here."""
+        a = decide(self)
+        for s in a.delete:
+            self.store.delete(s)
+        for step, complete in a.holds:
             with self._lock:
                 self._holds[step] = self._holds.get(step, 0) + 1
-                if step not in agreed:  # freed with its last hold, like a step retention let go
+                if step not in a.agreed:  # freed with its last hold, like a step retention let go
                     self._deferred.add(step)
             self.protection.adopt(step, complete=complete)
             log.info("process %d keeps step %d, the newest %s, until a newer step is protected", self.process_index,
                      step, "protected one" if complete else "older one that can be rebuilt")
-        if newest is not None:
-            self._committed = list(agreed)
-            self._last_step = newest
-            self._tracker.adopt(newest)
+        if a.newest is not None:
+            self._committed = list(a.agreed)
+            self._last_step = a.newest
+            self._tracker.adopt(a.newest)
             log.info("process %d adopted steps %s held by store %r from an earlier run (latest %d%s)",
-                     self.process_index, agreed, self.config.store, newest,
-                     ", restorable from the node agents" if newest not in agreed else "")
-        elif held:
+                     self.process_index, list(a.agreed), self.config.store, a.newest,
+                     ", restorable from the node agents" if a.newest not in a.agreed else "")
+        elif a.held:
             log.warning("process %d: steps %s held by store %r are not held by every process; dropped",
-                        self.process_index, held, self.config.store)
-
-    def _own_steps(self, held: list[int]) -> list[int]:
-        """The held steps this process saved as process ``process_index`` of ``process_count`` processes."""
-        out = []
-        for s in held:
-            try:
-                view = self.store.open(s)
-            except StepNotFoundError:
-                continue
-            if view is None:
-                continue
-            with view:
-                try:
-                    m = mf.decode(view.manifest, source=f"step {s} manifest of process {self.process_index}")
-                except mf.ManifestError as e:
-                    log.warning("process %d: held step %d is unreadable (%s); not adopted", self.process_index, s, e)
-                    continue
-            if (m.process, m.process_count) == (self.process_index, self.process_count):
-                out.append(s)
-        return out
-
-    def _agree_held(self, held: list[int], protected: list[int], rebuildable: list[int]
-                    ) -> tuple[list[int], int | None, list[int]]:
-        """(the newest ``keep`` steps every process holds, the newest step every process holds and sees as
-        protected or None, the steps every process sees as rebuildable)."""
-        keep = self.config.keep
-
-        def common(contributions: list) -> list:
-            held_all, prot, rb = (set(map(int, held)), set(map(int, protected)), set(map(int, rebuildable)))
-            for h, pr, r in contributions[1:]:  # ValueError (not three lists, another version): fails the round
-                held_all &= set(map(int, h))
-                prot &= set(map(int, pr))
-                rb &= set(map(int, r))
-            return [sorted(held_all)[-keep:], max(held_all & prot, default=None), sorted(rb)[-16:]]
-        # A process that does not answer in time fails the round on every process (CoordinationError).
-        out = self.collective.channel("main").reduce("adopt", [list(held), list(protected), list(rebuildable)],
-                                                     common)
-        steps, guard, rebuildable = out
-        return [int(s) for s in steps], None if guard is None else int(guard), [int(s) for s in rebuildable]
+                        self.process_index, list(a.held), self.config.store)
 
     # -------------------------------------------------------------------------------------------- restore
     def resolve_step(self, step: int | None) -> int:
