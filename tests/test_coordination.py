@@ -451,3 +451,64 @@ def test_a_process_that_raises_makes_every_process_raise_the_same_error():
     assert len(late) == 1 and "process 3 did not arrive within 3s" in late.pop()
     assert all(v["late"][1] == [3] for v in values[:3])
     assert all(v["late_took"] < 2 * timeout + 5 for v in values[:3]), "raised within the round's time-out"
+
+
+def test_a_round_answered_early_costs_a_follower_one_read_and_leaves_no_key(tmp_path):
+    """The leader settles rounds ahead of its own thread (protection's skips): followers that come later read
+    the answer without contributing, one already waiting in the round gets it and takes its key back, the
+    leader runs none of those rounds, and nothing is left after close."""
+    import urllib.parse
+    n, steps, raced = 3, 30, 7
+    early = {s for s in range(1, steps + 1) if s % 3}  # the leader answers these; it leads the others
+    answered, raced_answered = threading.Event(), threading.Event()
+
+    def answer(c):
+        ch = c.channel("protect")
+        for s in sorted(early - {raced}):
+            ch.answer_early(f"decide {s}", False, number=2 * s)
+        answered.set()
+        waiting = os.path.join(str(tmp_path), urllib.parse.quote(f"jaxckpt/t/0/protect/{2 * raced}/1", safe=""))
+        deadline = time.monotonic() + 30
+        while not os.path.exists(waiting) and time.monotonic() < deadline:  # process 1 waits in that round
+            time.sleep(0.005)
+        assert os.path.exists(waiting), ("process 1 never entered the raced round", _keys(str(tmp_path)))
+        ch.answer_early(f"decide {raced}", False, number=2 * raced)
+        raced_answered.set()
+
+    def body(c):
+        ch, got = c.channel("protect"), {}
+        helper = None
+        if c.process_index == 0:
+            helper = threading.Thread(target=answer, args=(c,))
+            helper.start()
+        assert answered.wait(30)
+        for s in range(1, steps + 1):
+            if c.process_index == 0 and s in early:
+                # the leader's own thread runs no round it answered (as protection's worker, once the answer
+                # is out: it never passes a round whose answer may still come)
+                assert s != raced or raced_answered.wait(30)
+                got[s] = False
+                continue
+            got[s] = ch.broadcast(f"decide {s}", s if c.process_index == 0 else None, number=2 * s, early=True)
+        if helper is not None:
+            helper.join(30)
+        stats = c.stats()
+        c.close()
+        return got, stats
+
+    out, _ = _run(n, str(tmp_path), body, timeout_s=20.0)
+    want = {s: False if s in early else s for s in range(1, steps + 1)}
+    for p in range(n):
+        assert not isinstance(out[p], BaseException), out[p]
+        assert out[p][0] == want, p
+    led = steps - len(early)
+    lead, one, two = (out[p][1] for p in range(n))
+    assert lead["rounds"] == led and lead["sets"] == led + len(early)  # its results and its early answers
+    assert one["sets"] == led + 1  # its contributions to the led rounds, and to the round it waited in
+    assert two["sets"] in (led, led + 1)  # process 2 may or may not have come to the raced round first
+    assert one["try_gets"] == steps  # one look per round for an early answer
+    assert _keys(str(tmp_path)) == [], "keys left after close"
+    with pytest.raises(ValueError, match="answered early after it was due"):
+        c = Collective(FileCoordinator(str(tmp_path), 0, 2), "jaxckpt/t/1", 1.0)
+        c.channel("x")._next = 5
+        c.channel("x").answer_early("late", 0, number=4)

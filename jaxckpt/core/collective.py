@@ -35,6 +35,14 @@ steps: per channel at most N-1 contributions and one or two results. Per round t
 2(N-1) + 2 key-value operations and every follower 2 (one set, one blocking get): :meth:`Collective.stats`
 counts them.
 
+Early answers (:meth:`Channel.answer_early`): the leader may settle a numbered round before it is due, with
+the value it would broadcast (process 0's "skip" of a step whose protection retention made moot). It sets that
+round's ``out`` at once, marked early, and never runs the round; a follower reaching the round reads ``out``
+before it contributes (one ``try_get``), and one that contributed before the answer came deletes its own key
+after reading it. Early results are retired as results are (deleted once every follower was seen in a later
+round), but not by count: there are as many as rounds answered ahead of the leader's thread, which its owner
+bounds (protection: the steps committed while one step is being protected).
+
 Published state (:meth:`Collective.publish`, :meth:`Collective.peek`, :meth:`Collective.unpublish`) is for values
 others poll when they need them (a restarted node agent's address, an early protection decision); its owners
 keep it bounded (a fixed ring of two slots, or deletion once the matching round has run).
@@ -211,6 +219,9 @@ class Channel:
         self._next = 0  # the lowest number the next round may have
         self._lock = threading.Lock()
         self._unacked: list[tuple[str, set[int]]] = []  # leader: results and late keys -> followers to see first
+        # leader: early results (answer_early): (round number, key, followers to see in a later round)
+        self._early: list[tuple[int, str, set[int]]] = []
+        self._early_lock = threading.Lock()  # not _lock: a round holds that while it waits for the followers
         self._closed = False
 
     @property
@@ -242,15 +253,41 @@ class Channel:
         """Every process's ``value``, by process, on every process."""
         return self._round(name, value, list, timeout_s, publish=True, number=number)
 
-    def broadcast(self, name: str, value: Any, timeout_s: float | None = None, *, number: int | None = None
-                  ) -> Any:
-        """The leader's ``value`` on every process (the followers' ``value`` is ignored; pass None)."""
+    def broadcast(self, name: str, value: Any, timeout_s: float | None = None, *, number: int | None = None,
+                  early: bool = False) -> Any:
+        """The leader's ``value`` on every process (the followers' ``value`` is ignored; pass None).
+        ``early``: the leader may have answered this round already (:meth:`answer_early`); a follower looks."""
         mine = value if self.process_index == 0 else None
-        return self._round(name, mine, lambda xs: xs[0], timeout_s, publish=True, number=number)
+        return self._round(name, mine, lambda xs: xs[0], timeout_s, publish=True, number=number, early=early)
 
     def barrier(self, name: str, timeout_s: float | None = None, *, number: int | None = None) -> None:
         """Return once every process has reached this round (or raise as :meth:`reduce` does)."""
         self._round(name, None, lambda xs: None, timeout_s, publish=True, number=number)
+
+    def answer_early(self, name: str, value: Any, *, number: int) -> None:
+        """Leader only: settle the future numbered round ``number`` (named ``name``) now with ``value``, as
+        :meth:`broadcast` would return it; the leader must then not run that round itself. A follower's
+        :meth:`broadcast` of it returns ``value`` without waiting (see the module docstring)."""
+        if self.process_index != 0:
+            raise ValueError(f"round {name!r}: only the leader (process 0) answers early")
+        if self.process_count == 1:
+            return
+        with self._early_lock:
+            n = number + self._c.number_shift
+            if n < self._next:
+                raise ValueError(f"{self._describe(name, n)}: answered early after it was due (next is {self._next})")
+            key = f"{self._c.namespace}/{self.name}/{n}/out"
+            self._c._set(key, _pack([True, value, name]))
+            self._early.append((n, key, set(range(1, self.process_count))))
+
+    def peek_early(self, name: str, *, number: int) -> tuple[bool, Any]:
+        """Follower: (True, value) if the leader answered round ``number`` early, else (False, None)."""
+        n = number + self._c.number_shift
+        raw = self._c._try_get(f"{self._c.namespace}/{self.name}/{n}/out")
+        if raw is None:
+            return False, None
+        got = _unpack(raw)
+        return (True, got[1]) if len(got) == 3 and got[0] and got[2] == name else (False, None)
 
     def gather(self, name: str, value: Any, timeout_s: float | None = None) -> list | None:
         """One way: the leader returns every process's ``value``, the followers return None at once, without
@@ -259,7 +296,7 @@ class Channel:
         return self._round(name, value, list, timeout_s, publish=False)
 
     def _round(self, name: str, value: Any, fn: Callable[[list], Any], timeout_s: float | None,
-               publish: bool, closing: bool = False, number: int | None = None) -> Any:
+               publish: bool, closing: bool = False, number: int | None = None, early: bool = False) -> Any:
         with self._lock:
             if self._closed:
                 raise CoordinationError(f"{self._describe(name, self._next)}: the channel is closed")
@@ -288,14 +325,19 @@ class Channel:
                 base = f"{self._c.namespace}/{self.name}/{'close' if closing else n}"
                 if self.process_index == 0:
                     return self._lead(name, n, base, ok, payload, fn, timeout, publish, closing)
-                return self._follow(name, n, base, ok, payload, timeout, publish)
+                return self._follow(name, n, base, ok, payload, timeout, publish, early)
             except CoordinationError as e:
                 if mine is not None:  # where it was raised, the original stays reachable as the cause
                     raise e from mine
                 raise
 
-    def _follow(self, name: str, n: int, base: str, ok: bool, payload: Any, timeout: float, publish: bool) -> Any:
+    def _follow(self, name: str, n: int, base: str, ok: bool, payload: Any, timeout: float, publish: bool,
+                early: bool = False) -> Any:
         c = self._c
+        if early:  # the leader may have settled this round already (answer_early): then nothing to contribute
+            raw = c._try_get(f"{base}/out")
+            if raw is not None and len(got := _unpack(raw)) == 3 and got[0] and got[2] == name:
+                return got[1]
         try:
             c._set(f"{base}/{self.process_index}", _pack([name, ok, payload]))
         except Exception as e:  # noqa: BLE001
@@ -310,7 +352,9 @@ class Channel:
             raise CoordinationError(f"{self._describe(name, n)}: process 0 (the leader) published no result "
                                     f"within {2 * timeout:g}s", processes=(0,), round_name=name,
                                     round_number=n) from None
-        done, result = _unpack(raw)
+        done, result, *answered = _unpack(raw)
+        if answered:  # answered early: the leader never reads this round's contributions, so take ours back
+            c._delete(f"{base}/{self.process_index}")
         if not done:
             failed, message, errors = result
             raise CoordinationError(message, processes=tuple(failed), round_name=name, round_number=n,
@@ -356,7 +400,7 @@ class Channel:
                 failures.append((q, f"raised {_said(their_payload)}", str(their_payload[0])))
             else:
                 values[q] = their_payload
-        self._retire(seen)
+        self._retire(seen, n)
         if failures:
             failed = tuple(q for q, _, _ in failures)
             message = f"{what}: " + "; ".join(f"process {q} {why}" for q, why, _ in failures)
@@ -383,8 +427,9 @@ class Channel:
             raise error
         return out[1] if publish else values
 
-    def _retire(self, seen: set[int]) -> None:
-        """Delete what the followers ``seen`` in this round have provably read (or set) by now."""
+    def _retire(self, seen: set[int], n: int) -> None:
+        """Delete what the followers ``seen`` in round ``n`` have provably read (or set) by now: results of
+        earlier rounds (an early answer of a later round is still to be read)."""
         keep = []
         for key, need in self._unacked:
             need -= seen
@@ -393,6 +438,13 @@ class Channel:
             else:
                 self._c._delete(key)
         self._unacked = keep
+        with self._early_lock:
+            early = self._early
+            self._early = [(k, key, need - seen if k < n else need) for k, key, need in early]
+            done = [key for _, key, need in self._early if not need]
+            self._early = [e for e in self._early if e[2]]
+        for key in done:
+            self._c._delete(key)
 
     def _trim(self) -> None:
         while len(self._unacked) > MAX_UNACKED:
@@ -413,7 +465,9 @@ class Channel:
         with self._lock:
             self._closed = True
             if self.process_index == 0:
-                for key, _ in self._unacked:
+                with self._early_lock:
+                    early, self._early = self._early, []
+                for key in [k for k, _ in self._unacked] + [k for _, k, _ in early]:
                     self._c._delete(key)
                 self._unacked = []
 

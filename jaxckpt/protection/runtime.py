@@ -15,10 +15,11 @@ commit hook when the step is decided):
      ``Config.keep`` newer steps are committed already (retention lets it go: it can no longer be a restore
      target), so with a save every step protection trails by at most about ``keep`` steps instead of falling
      further behind; every process follows that one decision, so a step is protected by all or skipped by
-     all. Process 0 publishes a skip (published state ``protect/skip/<step>``, deleted after that step's decision
-     round) as soon as retention lets a queued step go; the other processes hold
-     every queued step (``engine.hold``, past ``Config.keep``) until that decision says skip, so none drops the
-     bytes of a step process 0 still protects. The step being protected is held until every node has pulled
+     all. Process 0 answers a skip early (``Channel.answer_early``: that step's decision round is settled at
+     once and process 0 runs no round for it) as soon as retention lets a queued step go; so a step skipped
+     costs process 0 one key and every other process one read, not a round, and the worker does not fall
+     behind the commits on skips. The other processes hold every queued step (``engine.hold``, past
+     ``Config.keep``) until that decision says skip, so none drops the bytes of a step process 0 still protects. The step being protected is held until every node has pulled
      its bytes. For a protected step the worker: waits for its parity, reads the manifests of the processes
      of the ``copies`` preceding nodes (small), reserves the slot of pseudo process ``PROTECT_BASE + p`` in its
      node's agent (``jaxckpt.protection.slot``), writes the plan, the manifests and its parity stripes into
@@ -83,7 +84,8 @@ class Protector:
         self._recent: list[int] = []  # the newest Config.keep committed steps: what retention keeps
         self._held: set[int] = set()  # steps this runtime holds in the store (engine.hold)
         self._skipped: set[int] = set()  # committed steps retention let go before their turn (never protected)
-        self._told: set[int] = set()  # process 0: queued steps whose skip it published before their turn
+        # process 0: queued steps whose skip it answers early -> True once answered (False: being answered)
+        self._told: dict[int, bool] = {}
         self._cond = threading.Condition()
         self._failed: dict[int, BaseException] = {}
         self._store = None
@@ -181,7 +183,7 @@ class Protector:
                 older = [s for s in stale if s in self._held]
                 self._held.difference_update(older)
                 tell = [s for s in stale if s not in self._told] if self.n > 1 else []
-                self._told.update(tell)
+                self._told.update(dict.fromkeys(tell, False))
                 ask = []
             else:
                 older, ask = [], [s for s in stale if s in self._held]
@@ -198,17 +200,22 @@ class Protector:
     def _share_skips(self, tell: list[int], ask: list[int], older: list[int]) -> None:
         """Process 0: publish the skip of ``tell``; the others: add to ``older`` the steps of ``ask`` whose skip
         is published (a step whose decision is not out yet stays held: its worker releases it)."""
-        coll = self.engine.collective
         for s in tell:
             try:
-                coll.publish(self._skip_key(s), True)
-            except Exception as e:  # noqa: BLE001 - its worker publishes the decision instead
+                self._channel.answer_early(f"decide {s}", False, number=2 * s)
+            except Exception as e:  # noqa: BLE001 - its worker runs the decision round instead
                 with self._cond:
-                    self._told.discard(s)
+                    self._told.pop(s, None)
+                    self._cond.notify_all()
                 log.warning("step %d: could not publish its protection skip now: %s", s, e)
+            else:
+                with self._cond:
+                    self._told[s] = True
+                    self._cond.notify_all()
         for s in ask:
             try:
-                skipped = coll.peek(self._skip_key(s)) is True
+                answered, go = self._channel.peek_early(f"decide {s}", number=2 * s)
+                skipped = answered and go is False
             except Exception as e:  # noqa: BLE001 - kept until its worker reads the decision
                 log.warning("step %d: could not read its protection decision now: %s", s, e)
                 continue
@@ -219,11 +226,6 @@ class Protector:
                 if mine:
                     older.append(s)
 
-    @staticmethod
-    def _skip_key(step: int) -> str:
-        # published by process 0 before the step's turn; deleted once its decision round has run everywhere
-        return f"protect/skip/{step}"
-
     def _stale(self, step: int) -> bool:
         """True when ``Config.keep`` newer steps are committed: retention lets ``step`` go (call locked)."""
         return len(self._recent) >= self.config.keep and step < self._recent[0]
@@ -233,16 +235,18 @@ class Protector:
         with self._cond:
             self._queued.discard(step)
             stale = self._stale(step)
-            told = step in self._told  # its skip is published already (_on_commit)
-            self._told.discard(step)
+            # process 0: its skip is answered early (_on_commit); the worker runs no round for it then, so it
+            # waits for an answer still being written (never runs the round while the answer may appear)
+            deadline = time.monotonic() + self.config.commit_timeout_s
+            while self._told.get(step) is False and time.monotonic() < deadline:
+                self._cond.wait(1.0)
+            told = self._told.pop(step, None) is True
         try:
-            go = bool(self._channel.broadcast(f"decide {step}", not stale if self.p == 0 else None, number=2 * step))
+            go = False if told else bool(self._channel.broadcast(
+                f"decide {step}", not stale if self.p == 0 else None, number=2 * step, early=True))
         except CommitError as e:  # CoordinationError: process 0 (or another process) did not take part in time
             log.error("step %d: no protection decision on process %d: %s", step, self.p, e)
             return None
-        finally:
-            if told:  # every process that took part has decided: the early skip is read or no longer needed
-                self.engine.collective.unpublish(self._skip_key(step))
         with self._cond:
             self.decisions[step] = go
             while len(self.decisions) > 64:  # the recent ones only: memory stays bounded over a long job
