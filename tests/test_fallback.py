@@ -114,26 +114,3 @@ def test_one_process_with_bad_bytes_makes_every_process_fall_back_in_one_round(b
         assert "ChecksumError" in r["skipped"][0] and "step 2" in r["skipped"][0], r
     assert out[0]["skipped"] == out[1]["skipped"]  # every process decided alike, from the same round
 
-
-def test_a_step_held_past_retention_is_a_fallback_too():
-    """keep=1: the only older step is one held past retention (as protection holds its guard, or a pending
-    persist): the restore falls back to it, and it is the newest committed step again afterwards."""
-    with jaxckpt.Checkpointer(jaxckpt.Config(keep=1, chunk_bytes=256)) as ck:
-        ck.save(1, host_state(1)).result()
-        ck.engine.hold(1)
-        ck.save(2, host_state(2)).result()
-        ck.wait()
-        # retention let step 1 go (it is no longer listed), the hold keeps its bytes
-        assert (ck.latest_step(), ck.all_steps(), ck.engine.store.steps()) == (2, [2], [1, 2])
-        flip(ck, 2)
-        bitwise(ck.restore(host_state(0)), host_state(1))
-        rep = ck.last_restore_report
-        assert rep.step == 1 and rep.skipped[0].startswith("step 2: process 0") and \
-            rep.skipped[0].endswith("fell back to step 1"), rep.skipped
-        assert (ck.latest_step(), ck.all_steps()) == (1, [1])
-        ck.engine.release(1)  # the holder lets go: step 1 is committed again, so retention keeps it
-        assert (ck.all_steps(), ck.engine.store.steps()) == ([1], [1])
-        ck.save(2, host_state(22)).result()
-        ck.wait()
-        assert (ck.latest_step(), ck.all_steps(), ck.engine.store.steps()) == (2, [2], [2])  # then lets it go
-        bitwise(ck.restore(host_state(0)), host_state(22))

@@ -383,9 +383,6 @@ class CheckpointEngine:
         rounds numbered by step (commit, protection, persist) are shifted past every number used so far."""
         with self._lock:
             self._committed = [s for s in self._committed if s not in steps]
-            if restored not in self._committed:  # a held step retention had let go: the newest committed again
-                self._committed = sorted([*self._committed, restored])
-                self._deferred.discard(restored)
             self._pending = deque(h for h in self._pending if h.step not in steps)  # decided long ago
             for s in steps:
                 self._holds.pop(s, None)
@@ -430,11 +427,10 @@ class CheckpointEngine:
         """The newest step committed by every process, or None."""
         return self._tracker.latest()
 
-    def kept_steps(self) -> list[int]:
-        """Committed steps and the committed steps held past retention (protection's guard, a step being
-        protected or persisted), ascending, without asking the store: what a restore may fall back to."""
+    def committed_steps(self) -> list[int]:
+        """Committed steps, ascending, without asking the store (whose agent may be down) whether it holds them."""
         with self._lock:
-            return sorted(set(self._committed) | set(self._holds))
+            return list(self._committed)
 
     def all_steps(self) -> list[int]:
         """Committed steps still held, ascending."""

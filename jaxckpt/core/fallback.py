@@ -7,8 +7,7 @@ manifest is corrupt, is the step lost to the job; a relaunch would then only fal
 the same ``restore()`` call:
 
   0) (every process) contributes its outcome (the step, and its error's class and message or None) and the
-     older committed steps it keeps (retention's, and those held past it: protection's guard, a pending
-     persist), in one ``all_gather`` round of the ``restored`` channel
+     older committed steps it holds, in one ``all_gather`` round of the ``restored`` channel
      (``jaxckpt.core.collective``; a single process has no round);
   1) (every process, from the same contributions) decides alike: all restored the same step -> done; a process
      met bad bytes (:data:`BAD_BYTES`) and no process failed otherwise -> the newest older step every process
@@ -62,8 +61,10 @@ def agree_outcome(engine: "CheckpointEngine", step: int | None, error: BaseExcep
     """One round (above) over this process's attempt at ``step``; raises what the job cannot get past."""
     # Not all_steps(): that asks the store, and a store whose agent died mid-restore would hold this process
     # back from the round while the others wait. A step the store no longer holds fails its attempt instead.
-    # Held steps count: with keep=1 the only older step may be protection's guard, held past retention.
-    older = [s for s in engine.kept_steps() if step is not None and s < step]
+    # Not the steps held past retention (protection's guard): when this process's own agent died mid-restore,
+    # only a protected step reads (rebuilt elsewhere), and falling back to it would forget newer steps whose
+    # bytes survive in that agent's memory; the chaos run lost 4 steps so. The job relaunches instead.
+    older = [s for s in engine.committed_steps() if step is not None and s < step]
     mine = [step, None if error is None else [type(error).__name__, str(error), is_bad_bytes(error)], older,
             engine.newest_begun()]
     if engine.process_count == 1:
