@@ -118,5 +118,9 @@ def test_the_rule_for_growth_on_series_with_a_known_answer():
     short = np.arange(0, 100, 5)
     assert not soak.fit(short, 20 + (short > 50), "fds").growth
     assert soak.fit(short, 20 + short, "fds").growth  # one fd a step: 100 over the span
+    # an agent's segment files wander with the protection lag by a few over a quick fit; a leaked one every 10
+    # saves still fails it
+    assert not soak.fit(short, 17 + np.minimum(3, short // 25), "shm_files").growth
+    assert soak.fit(short, 17 + short // 10, "shm_files").growth
     assert not soak.fit(steps, 40 - steps // 500, "fds").growth  # falling never fails
     assert soak.fit(steps[:soak.MIN_POINTS - 1], steps[:soak.MIN_POINTS - 1], "fds") is None
