@@ -44,15 +44,9 @@ def tcp_gbps(nbytes: int = 256 << 20, streams: int = 4, piece: int = 4 << 20) ->
             errors.append(e)
 
     def receive(conn: socket.socket) -> None:
-        buf = bytearray(per)
-        view, got = memoryview(buf), 0
         try:
             with conn:
-                while got < per:
-                    n = conn.recv_into(view[got:], min(piece, per - got))
-                    if n == 0:
-                        raise ConnectionError(f"stream ended after {got} of {per} bytes")
-                    got += n
+                _receive_into(conn, per, piece)
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 

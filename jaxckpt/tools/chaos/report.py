@@ -5,6 +5,7 @@
 fault kind the trials, recoveries, wrong restores, hangs, relaunches and the steps of work lost per fault
 (median and max, against the snapshot interval). It also keeps the run's record (report, command, machine, date)
 as ``docs/bench/chaos.json`` beside that file, from which ``jaxckpt chaos --from-json`` renders the same section.
+:func:`format_table` is the same report as the fixed-width table ``jaxckpt chaos`` prints.
 """
 from __future__ import annotations
 
@@ -111,3 +112,34 @@ def update_md_from_record(path: str, record: Mapping[str, Any]) -> None:
     """Write the section of ``record`` into ``path`` and keep the record in ``docs/bench/chaos.json`` beside it."""
     replace_section(path, SECTION, render_record(record))
     record_json(record_dir(path), SECTION, record)
+
+
+def format_table(rep: dict) -> str:
+    """The report as a fixed-width table (the RELIABILITY table of BENCHMARKS.md)."""
+    p = rep["profile"]
+    head = (f"jaxckpt chaos: seed {rep['seed']}, {rep['trials']} trials ({rep['jax_trials']} with a JAX trainer) "
+            f"on {p['nodes']} nodes x {p['procs_per_node']} trainer(s), a snapshot every {p['interval']} "
+            f"step(s), protection {p['protection']}, {rep['seconds']} s")
+    cols = ("fault", "trials", "recovered", "wrong", "hangs", "relaunches", "fell back", "lost mean/max",
+            "unexpected loss")
+    total = {"trials": rep["trials"], "recovered": rep["recoveries"], "wrong": rep["wrong_restores"],
+             "hangs": rep["hangs"], "relaunches": rep["relaunches"], "fell_back": rep.get("fell_back_in_restore", 0),
+             "lost": rep["steps_lost"],
+             "max_lost": rep["max_steps_lost"], "unexpected_loss": rep["unexpected_losses"]}
+    rows = [(kind, r["trials"], r.get("recovered", 0), r.get("wrong", 0), r.get("hangs", 0), r.get("relaunches", 0),
+             r.get("fell_back", 0), f"{r.get('lost', 0) / max(1, r['trials']):.1f}/{r.get('max_lost', 0)}",
+             r.get("unexpected_loss", 0))
+            for kind, r in [*rep["faults"].items(), ("total", total)]]
+    widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
+
+    def fmt(row: tuple) -> str:
+        return "  ".join(str(x).ljust(w) if i == 0 else str(x).rjust(w) for i, (x, w) in enumerate(zip(row, widths)))
+    lines = [head, fmt(cols), *map(fmt, rows)]
+    lines += [f"  (not run: {kind}: {why})" for kind, why in rep["unavailable"].items()]
+    lag = rep.get("protection_lag") or {}
+    if lag.get("steps"):
+        lines.append(f"commit -> protected, {lag['steps']} steps: median {lag['median_s'] * 1e3:.0f} ms, p90 "
+                     f"{lag['p90_s'] * 1e3:.0f} ms, max {lag['max_s'] * 1e3:.0f} ms; steps committed meanwhile: "
+                     f"median {lag['median_steps_behind']}, max {lag['max_steps_behind']}; within one snapshot "
+                     f"interval: {lag['within_one_interval']:.0%}")
+    return "\n".join(lines)
