@@ -10,11 +10,13 @@ import os
 import shutil
 import uuid
 
+import msgpack
 import numpy as np
 import pytest
 
 from jaxckpt.backends.agent import protocol as proto
 from jaxckpt.backends.shm import ShmStore
+from jaxckpt.core import manifest as mf
 from jaxckpt.errors import StoreUnavailableError
 from jaxckpt.testing import expect_ok, launch, node_info, remove_agents
 import sharded_state
@@ -88,12 +90,13 @@ def restore_job(base: str, job: str):
         latest = ck.latest_step()
         got = ck.restore(target)
         report = ck.last_restore_report.to_dict()
-    want = host_state(latest)
+        restored = ck.latest_step()  # a restore that fell back forgets the steps it passed over
+    want = host_state(restored)
     for k, h in want.items():
         for shard in got[k].addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data).view(np.uint8), h[shard.index].view(np.uint8),
-                                          err_msg=f"{k} step {latest}")
-    return {"latest": latest, "report": report}
+                                          err_msg=f"{k} step {restored}")
+    return {"latest": latest, "restored": restored, "report": report}
 
 
 def test_a_node_lost_while_the_newest_step_is_unprotected_restores_the_protected_one():
@@ -154,4 +157,38 @@ def test_a_step_restored_by_rebuilding_stays_the_fallback_until_a_newer_step_is_
     _wipe(lost)
     out = _run(restore_job, job)
     assert [r["latest"] for r in out] == [1, 1], out
+    assert out[1]["report"]["bytes_by_kind"].get("rebuild", 0) > 0, out[1]["report"]
+
+
+def _flip_chunk(node_dir: str, process: int, step: int, path: str) -> None:
+    """One flipped bit in the first chunk of ``path`` of ``step`` of ``process``, in its node agent's memory."""
+    with open(os.path.join(node_dir, f"rec-p{process}-s{step}"), "rb") as f:
+        rec = msgpack.unpackb(f.read(), raw=False)
+    chunk = mf.decode(rec["manifest"]).array(path).chunks[0]
+    with open(os.path.join(node_dir, rec["seg"]), "r+b") as f:
+        f.seek(chunk.offset + 3)
+        byte = f.read(1)[0]
+        f.seek(chunk.offset + 3)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def test_a_corrupt_newest_step_after_a_node_loss_falls_back_to_the_rebuildable_step_in_the_same_restore():
+    """Node 1 is lost after step 1 (protected); the job restores step 1 by rebuilding node 1's part and commits
+    step 3, whose protection fails, so node 1 holds step 3 only. A bit of step 3 then flips in node 1's memory.
+    The restart's restore must fall back to step 1 (rebuilt again) inside the same call, on both processes, bit
+    for bit, and say so; before, node 1 held no older committed step and the job had to relaunch."""
+    job = "corrupt-after-loss"
+    assert all(r["protected"] == [1] for r in _run(save_job, job))
+    lost = f"{BASE}/{job}-node1"
+    _wipe(lost)
+    out = _run(save_more_job, job, 3)
+    assert [(r["restored"], r["latest"]) for r in out] == [(1, 3), (1, 3)], out
+    _flip_chunk(lost, 1, 3, "fsdp")
+    out = _run(restore_job, job)
+    assert [r["latest"] for r in out] == [3, 3], out  # what the engine offered before the restore
+    for r in out:
+        assert r["restored"] == 1, r
+        skipped = r["report"]["skipped"]
+        assert len(skipped) == 1 and "step 3: process 1 could not read it (ChecksumError" in skipped[0] and \
+            "fell back to step 1" in skipped[0], skipped
     assert out[1]["report"]["bytes_by_kind"].get("rebuild", 0) > 0, out[1]["report"]

@@ -432,6 +432,12 @@ class CheckpointEngine:
         with self._lock:
             return list(self._committed)
 
+    def kept_steps(self) -> list[int]:
+        """Steps held past retention (protection's guard, adoption's rebuildable fallbacks), ascending: a restore
+        may fall back to them when the newer steps' bytes are proven bad (``jaxckpt.core.fallback``)."""
+        with self._lock:
+            return sorted(s for s, n in self._holds.items() if n > 0)
+
     def all_steps(self) -> list[int]:
         """Committed steps still held, ascending."""
         with self._lock:

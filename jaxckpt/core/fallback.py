@@ -11,8 +11,9 @@ the same ``restore()`` call:
      (``jaxckpt.core.collective``; a single process has no round);
   1) (every process, from the same contributions) decides alike: all restored the same step -> done; a process
      met bad bytes (:data:`BAD_BYTES`) and no process failed otherwise -> the newest older step every process
-     holds; anything else -> every process raises (its own error, or one of the same class naming the process
-     that failed);
+     holds (committed, or, when every failure is bytes proven bad, held past retention: protection's guard, a
+     step adoption kept because it can be rebuilt); anything else -> every process raises (its own error, or
+     one of the same class naming the process that failed);
   2) on a fallback every process restores the older step, which may itself fall back; once one is restored,
      every process forgets the steps passed over (``CheckpointEngine.forget_newer``: their numbers may be
      saved again, the numbered rounds of later steps shifted past every number used). The restore report's
@@ -47,6 +48,12 @@ def is_bad_bytes(error: BaseException | None) -> bool:
     return isinstance(error, BAD_BYTES) and not isinstance(error, NoCheckpointError)
 
 
+def is_proven_bad(error: BaseException | None) -> bool:
+    """True for bytes that were had and failed their checks (a chunk's crc32c everywhere, a corrupt manifest),
+    not for a holder that could not be reached, whose bytes may be intact."""
+    return isinstance(error, (ChecksumError, ManifestError))
+
+
 @dataclass(frozen=True)
 class Outcome:
     """What every process decided after one attempt: ``fallback`` (the step to restore next) or None (done);
@@ -61,12 +68,14 @@ def agree_outcome(engine: "CheckpointEngine", step: int | None, error: BaseExcep
     """One round (above) over this process's attempt at ``step``; raises what the job cannot get past."""
     # Not all_steps(): that asks the store, and a store whose agent died mid-restore would hold this process
     # back from the round while the others wait. A step the store no longer holds fails its attempt instead.
-    # Not the steps held past retention (protection's guard): when this process's own agent died mid-restore,
-    # only a protected step reads (rebuilt elsewhere), and falling back to it would forget newer steps whose
-    # bytes survive in that agent's memory; the chaos run lost 4 steps so. The job relaunches instead.
     older = [s for s in engine.committed_steps() if step is not None and s < step]
-    mine = [step, None if error is None else [type(error).__name__, str(error), is_bad_bytes(error)], older,
-            engine.newest_begun()]
+    # The steps held past retention (protection's guard, adoption's rebuildable fallbacks) are candidates only
+    # when every failure is bytes proven bad: when a holder went away instead (this process's own agent died
+    # mid-restore, say), the newer steps' bytes may survive in its memory, and falling back would forget them
+    # (the chaos run lost 4 steps so); the job relaunches then and loses nothing.
+    kept = [s for s in engine.kept_steps() if step is not None and s < step and s not in older]
+    mine = [step, None if error is None else [type(error).__name__, str(error), is_bad_bytes(error),
+                                              is_proven_bad(error)], older, engine.newest_begun(), kept]
     if engine.process_count == 1:
         got = [mine]
     else:
@@ -76,28 +85,30 @@ def agree_outcome(engine: "CheckpointEngine", step: int | None, error: BaseExcep
             if error is not None:
                 raise error from e
             raise
-    failed = [(p, e) for p, (_, e, _, _) in enumerate(got) if e is not None]
-    if len({s for s, _, _, _ in got}) > 1:
+    failed = [(p, e) for p, (_, e, *_) in enumerate(got) if e is not None]
+    if len({s for s, *_ in got}) > 1:
         # The processes do not agree on the newest step (one has nothing committed, say): never hand back a
         # torn job, and never let some processes start fresh while others hold steps. The same error everywhere.
         said = ", ".join(f"process {q}: {s if s is not None else 'nothing'}"
-                         + (f" ({e[0]})" if e is not None else "") for q, (s, e, _, _) in enumerate(got))
+                         + (f" ({e[0]})" if e is not None else "") for q, (s, e, *_) in enumerate(got))
         raise _errors.CoordinationError(f"the processes' newest steps differ ({said}); restore an explicit step "
                                         f"or restart the job") from error
     if not failed:
         return Outcome(None)
-    p, (kind, message, bad) = failed[0]
-    if not all(b for _, (_, _, b) in failed):
+    p, (kind, message, *_) = failed[0]
+    if not all(e[2] for _, e in failed):
         _raise(error, p, kind, message, got[p][0])
-    common = set(got[0][2])
-    for _, _, held, _ in got[1:]:
-        common &= set(held)
-    fallback = max(common, default=None)
+    proven = all(len(e) > 3 and e[3] for _, e in failed)
+    common = None
+    for _, _, held, _, *more in got:
+        candidates = set(held) | (set(more[0]) if proven and more else set())
+        common = candidates if common is None else common & candidates
+    fallback = max(common or (), default=None)
     if fallback is None:
         _raise(error, p, kind, message, got[p][0], "; no older step is held by every process")
     line = f"step {got[p][0]}: process {p} could not read it ({kind}: {message}); fell back to step {fallback}"
     log.warning("%s", line)
-    begun = [b for _, _, _, b in got if b is not None]
+    begun = [c[3] for c in got if c[3] is not None]
     return Outcome(int(fallback), line, max(begun) if begun else None)
 
 
