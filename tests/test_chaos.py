@@ -68,6 +68,32 @@ def test_without_protection_bad_steps_are_dropped_and_wiped_nodes_start_over():
         assert rep["faults"].get(kind, {}).get("relaunches", 0) == 0, table
 
 
+def test_the_report_splits_the_protection_lag_by_the_trial_s_fault_and_counts_relaunches_for_bad_bytes():
+    """Known answer: steps committed at t=0, 1 (trial A) and 10 (trial B), each reported protected 0.5 s, 0.1 s and
+    4 s later; the lag table gives each trial's fault its own row, and relaunches say how many were for bad
+    bytes."""
+    from jaxckpt.tools.chaos import lag, report
+
+    def events(pairs):
+        return [e for step, t, dt in pairs for e in ({"ev": "committed", "step": step, "t": t},
+                                                      {"ev": "protected", "step": step, "t": t + dt})]
+    a = lag.protection_lags(events([(2, 0.0, 0.5), (4, 1.0, 0.1)]))
+    b = lag.protection_lags(events([(6, 10.0, 4.0)]))
+    assert a == [(0, 0.5), (0, 0.1)] and b == [(0, 4.0)]
+    prof = dataclasses.asdict(chaos.PROFILES["long"])
+    result = dict(trial=0, kind="peer-drop", mode="numpy", detail="", trained=7, committed=6, protected=6,
+                  restored=6, checks=1, recovered=True, lost=1, wrong=0, unexpected_loss=False, hang=False,
+                  relaunches=2, relaunches_bad_bytes=1, fell_back=0, saves_resumed=None, seconds=1.0)
+    rep = {"profile": prof, "trials": 1, "jax_trials": 0, "seed": 0, "seconds": 1.0, "recoveries": 1,
+           "wrong_restores": 0, "hangs": 0, "unexpected_losses": 0, "relaunches": 2, "relaunches_bad_bytes": 1,
+           "results": [result], "protection_lag": lag.lag_summary(a + b, 2),
+           "protection_lag_by_kind": {"kill-trainer": lag.lag_summary(a, 2), "peer-drop": lag.lag_summary(b, 2)}}
+    md = report.render(rep, "jaxckpt chaos", machine={}, date="today")
+    assert "| `kill-trainer` | 2 | 500 | 500 | 500 | 100% |" in md, md
+    assert "| `peer-drop` | 1 | 4000 | 4000 | 4000 | 100% |" in md, md
+    assert "| `peer-drop` | 1 | 1 | 0 | 0 | 2 (1) |" in md, md
+
+
 def test_cli_parses_the_profiles_and_refuses_unknown_faults():
     args = build_parser().parse_args(["chaos", "--profile", "long", "--seed", "3", "--json"])
     assert (args.profile, args.seed, args.json, args.run) == ("long", 3, True, chaos.run_cli)

@@ -35,6 +35,14 @@ def _lost(values: list[int]) -> tuple[str, str]:
     return f"{statistics.median(values):g}", str(max(values))
 
 
+def _relaunches(results: list[Mapping[str, Any]]) -> str:
+    """Relaunches, and in brackets those for bad bytes (a record of before that count says nothing there)."""
+    n = sum(r["relaunches"] for r in results)
+    if not all("relaunches_bad_bytes" in r for r in results):
+        return str(n)
+    return f"{n} ({sum(r['relaunches_bad_bytes'] for r in results)})"
+
+
 def render(rep: Mapping[str, Any], command: str, machine: Mapping[str, Any] | None = None,
            date: str | None = None) -> str:
     """The markdown section of a finished run's report (``ChaosRun.run()``)."""
@@ -47,14 +55,14 @@ def render(rep: Mapping[str, Any], command: str, machine: Mapping[str, Any] | No
     for kind, rs in sorted(by_kind.items()):
         med, mx = _lost([r["lost"] for r in rs])
         rows.append([f"`{kind}`", str(len(rs)), str(sum(r["recovered"] for r in rs)), str(sum(r["wrong"] for r in rs)),
-                     str(sum(r["hang"] for r in rs)), str(sum(r["relaunches"] for r in rs)),
+                     str(sum(r["hang"] for r in rs)), _relaunches(rs),
                      str(sum(r.get("fell_back", 0) for r in rs)), med, mx,
                      str(sum(r["lost"] > interval for r in rs)), str(sum(r["unexpected_loss"] for r in rs))])
     everything = rep["results"]
     med, mx = _lost([r["lost"] for r in everything])
     over = sum(r["lost"] > interval for r in everything)
     rows.append(["**all**", str(rep["trials"]), str(rep["recoveries"]), str(rep["wrong_restores"]), str(rep["hangs"]),
-                 str(rep["relaunches"]), str(rep.get("fell_back_in_restore", 0)), med, mx, str(over),
+                 _relaunches(everything), str(rep.get("fell_back_in_restore", 0)), med, mx, str(over),
                  str(rep["unexpected_losses"])])
     ok = not (rep["wrong_restores"] or rep["hangs"] or rep["unexpected_losses"]) and rep["recoveries"] == rep["trials"]
     result = {"machine": machine or machine_facts(), "date": date or now_utc()}
@@ -78,7 +86,8 @@ def render(rep: Mapping[str, Any], command: str, machine: Mapping[str, Any] | No
         "Work lost = the newest step any process had trained when the job was stopped minus the step the next "
         "incarnation restored (the job is stopped at a random point, so this includes the steps trained since the "
         "last committed snapshot). Relaunches: incarnations that could not restore (a step dropped for bad bytes "
-        "with nothing older to fall back to, a process killed in its restore) and were started again. Fell back in "
+        "with nothing older to fall back to, a process killed in its restore) and were started again; in brackets "
+        "those for bad bytes. Fell back in "
         "restore: newer steps a restore passed over for bad bytes inside the same call (jaxckpt.core.fallback), "
         "with no relaunch. A wrong restore is a digest that differs from the "
         "state recomputed outside the system, or processes that restored different steps; a hang is any wait "
@@ -92,6 +101,14 @@ def render(rep: Mapping[str, Any], command: str, machine: Mapping[str, Any] | No
                   f"from a step's commit until it or a newer step was reported protected on every node; steps "
                   f"committed meanwhile: median {lag['median_steps_behind']}, max {lag['max_steps_behind']}; within "
                   f"one snapshot interval: {lag['within_one_interval']:.0%} of the steps."]
+    by = rep.get("protection_lag_by_kind") or {}
+    if by:
+        rows = [[f"`{kind}`", str(v["steps"]), f"{v['median_s'] * 1e3:.0f}", f"{v['p90_s'] * 1e3:.0f}",
+                 f"{v['max_s'] * 1e3:.0f}", f"{v['within_one_interval']:.0%}"] for kind, v in by.items()]
+        parts += ["", "By the fault of the trial the steps were committed in (`end`: the last incarnation, which "
+                  "only checks the last fault; a peer fault delays, drops or stalls one node's peer traffic for the "
+                  "whole trial, and a pull stalled there waits the peer time-out):", "",
+                  table(["trial's fault", "steps", "median ms", "p90 ms", "max ms", "within one interval"], rows)]
     return "\n".join(parts)
 
 
@@ -120,13 +137,15 @@ def format_table(rep: dict) -> str:
     head = (f"jaxckpt chaos: seed {rep['seed']}, {rep['trials']} trials ({rep['jax_trials']} with a JAX trainer) "
             f"on {p['nodes']} nodes x {p['procs_per_node']} trainer(s), a snapshot every {p['interval']} "
             f"step(s), protection {p['protection']}, {rep['seconds']} s")
-    cols = ("fault", "trials", "recovered", "wrong", "hangs", "relaunches", "fell back", "lost mean/max",
+    cols = ("fault", "trials", "recovered", "wrong", "hangs", "relaunches (bad bytes)", "fell back", "lost mean/max",
             "unexpected loss")
     total = {"trials": rep["trials"], "recovered": rep["recoveries"], "wrong": rep["wrong_restores"],
-             "hangs": rep["hangs"], "relaunches": rep["relaunches"], "fell_back": rep.get("fell_back_in_restore", 0),
+             "hangs": rep["hangs"], "relaunches": rep["relaunches"],
+             "relaunches_bad_bytes": rep.get("relaunches_bad_bytes", 0), "fell_back": rep.get("fell_back_in_restore", 0),
              "lost": rep["steps_lost"],
              "max_lost": rep["max_steps_lost"], "unexpected_loss": rep["unexpected_losses"]}
-    rows = [(kind, r["trials"], r.get("recovered", 0), r.get("wrong", 0), r.get("hangs", 0), r.get("relaunches", 0),
+    rows = [(kind, r["trials"], r.get("recovered", 0), r.get("wrong", 0), r.get("hangs", 0),
+             f"{r.get('relaunches', 0)} ({r.get('relaunches_bad_bytes', 0)})",
              r.get("fell_back", 0), f"{r.get('lost', 0) / max(1, r['trials']):.1f}/{r.get('max_lost', 0)}",
              r.get("unexpected_loss", 0))
             for kind, r in [*rep["faults"].items(), ("total", total)]]
@@ -142,4 +161,7 @@ def format_table(rep: dict) -> str:
                      f"{lag['p90_s'] * 1e3:.0f} ms, max {lag['max_s'] * 1e3:.0f} ms; steps committed meanwhile: "
                      f"median {lag['median_steps_behind']}, max {lag['max_steps_behind']}; within one snapshot "
                      f"interval: {lag['within_one_interval']:.0%}")
+    for kind, v in (rep.get("protection_lag_by_kind") or {}).items():
+        lines.append(f"  in {kind} trials, {v['steps']} steps: median {v['median_s'] * 1e3:.0f} ms, p90 "
+                     f"{v['p90_s'] * 1e3:.0f} ms; within one interval: {v['within_one_interval']:.0%}")
     return "\n".join(lines)

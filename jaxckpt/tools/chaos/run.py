@@ -107,6 +107,7 @@ class TrialResult:
     unexpected_loss: bool = False
     hang: bool = False
     relaunches: int = 0
+    relaunches_bad_bytes: int = 0  # of which a step's bytes failed their checks with nothing older to fall back to
     fell_back: int = 0  # newer steps a restore passed over for bad bytes, inside the call (no relaunch)
     saves_resumed: bool | None = None  # agent and budget faults: a save committed after the fault was over
     seconds: float = 0.0  # wall time of the trial, from its incarnation's launch to the job's stop
@@ -212,6 +213,8 @@ class ChaosRun:
         # so one node's memory lost later must not take it, whichever incarnation protected it.
         self.safe_protected = 0
         self.protection_lags: list[tuple[int, float]] = []  # (steps, seconds) from commit to protected, per step
+        self.lags_by_kind: dict[str, list[tuple[int, float]]] = {}  # the same, by the fault of the trial it ran in
+        self._kind = ""  # the fault kind of the trial being run ("" before the first, "end" for the last check)
         self.unattributed = Counter()  # wrong restores and hangs of the first incarnation (no fault before it)
         self.budget = self._node_budget()
         self.peer_proxy = None  # (proxy, node dir, its peer info, node) while a peer fault's trial runs
@@ -343,6 +346,7 @@ class ChaosRun:
             self.fired += inc.of("phase-fault")
             if prev is not None:
                 prev.relaunches += 1
+                prev.relaunches_bad_bytes += any(e.get("integrity") for e in inc.of("restore-failed"))
         return None
 
     def _check(self, inc: Incarnation, prev: TrialResult | None, mode: str) -> None:
@@ -375,7 +379,9 @@ class ChaosRun:
         inc.stop()
         self.trained_max = max(self.trained_max, inc.last("trained"))
         self.safe_protected = max(self.safe_protected, inc.last("protected"))
-        self.protection_lags += protection_lags(inc.events)
+        lags = protection_lags(inc.events)
+        self.protection_lags += lags
+        self.lags_by_kind.setdefault(self._kind, []).extend(lags)
 
     def warm_up(self, inc: Incarnation, res: TrialResult) -> bool:
         """Let the job commit a random 1..3 more snapshots; False if it ended, or stalled (a hang)."""
@@ -406,6 +412,7 @@ class ChaosRun:
             t0 = time.monotonic()
             kind = self.rng.choice(kinds or self.kinds) if i < count else None
             res = TrialResult(len(self.results), kind, mode) if kind else None
+            self._kind = (kind or "end") + (" (jax)" if mode == "jax" else "")
             fault, target = FAULTS[kind].prepare(self, res) if kind else (None, -1)
             self.fired = []
             if fault is not None and fault["phase"] == "restore":
@@ -470,7 +477,7 @@ def report(run: ChaosRun, seconds: float) -> dict:
         row = rows.setdefault(r.kind + (" (jax)" if r.mode == "jax" else ""), Counter())
         row.update({k: int(v) for k, v in dict(
             trials=1, recovered=r.recovered, wrong=r.wrong, hangs=r.hang, unexpected_loss=r.unexpected_loss,
-            lost=r.lost, relaunches=r.relaunches, fell_back=r.fell_back, saves_not_resumed=r.saves_resumed is False,
+            lost=r.lost, relaunches=r.relaunches, relaunches_bad_bytes=r.relaunches_bad_bytes, fell_back=r.fell_back, saves_not_resumed=r.saves_resumed is False,
             jax=r.mode == "jax").items()})
         row["max_lost"] = max(row["max_lost"], r.lost)
     total = Counter()
@@ -484,8 +491,11 @@ def report(run: ChaosRun, seconds: float) -> dict:
             "recoveries": total["recovered"], "wrong_restores": wrong, "hangs": hangs,
             "unexpected_losses": total["unexpected_loss"], "steps_lost": total["lost"],
             "max_steps_lost": total["max_lost"], "relaunches": total["relaunches"],
+            "relaunches_bad_bytes": total["relaunches_bad_bytes"],
             "fell_back_in_restore": total["fell_back"],
             "protection_lag": lag_summary(run.protection_lags, run.profile.interval),
+            "protection_lag_by_kind": {k: lag_summary(v, run.profile.interval)
+                                       for k, v in sorted(run.lags_by_kind.items()) if v},
             "saves_not_resumed": total["saves_not_resumed"], "agents_by_peer_security": dict(run.agent_keys),
             "unavailable": {k: f.unavailable for k, f in FAULTS.items() if f.inject is None},
             "results": [asdict(r) for r in run.results]}
