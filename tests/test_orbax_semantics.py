@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxckpt
-from jaxckpt.errors import TargetMismatchError, UnsupportedLeafError, UnsupportedTypeError
+from jaxckpt.errors import StepNotFoundError, TargetMismatchError, UnsupportedLeafError, UnsupportedTypeError
 from jaxckpt.orbax import SnapshotHandler
 
 AUTO = jax.sharding.AxisType.Auto
@@ -281,6 +281,21 @@ def test_restart_with_memory_store_starts_fresh_or_falls_back(tmp_path):
         mngr = _manager(tmp_path / "run", handler)
         assert mngr.latest_step() is None and mngr.all_steps() == []
         assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["1.jaxckpt-lost", "2.jaxckpt-lost"]
+        mngr.close()
+
+    # Built without directory= (after the manager listed the steps): the first restore of a gone step raises
+    # StepNotFoundError naming it and renames the gone steps away, so the manager's reload() starts fresh.
+    (tmp_path / "run" / "1.jaxckpt-lost").rename(tmp_path / "run" / "1")
+    (tmp_path / "run" / "2.jaxckpt-lost").rename(tmp_path / "run" / "2")
+    with jaxckpt.Checkpointer(jaxckpt.Config(job_id="restart")) as ck:
+        mngr = _manager(tmp_path / "run", SnapshotHandler(ck))
+        assert mngr.latest_step() == 2
+        with pytest.raises(StepNotFoundError, match=r"step 2: Orbax lists .* no longer holds its snapshot .*"
+                                                    r"renamed to <step>\.jaxckpt-lost, so CheckpointManager"
+                                                    r"\.reload\(\) lists only steps that can be restored"):
+            _back(mngr, 2)
+        mngr.reload()
+        assert mngr.latest_step() is None and mngr.all_steps() == []
         mngr.close()
 
     # With a persistent tier the step it holds is kept and restored from there.

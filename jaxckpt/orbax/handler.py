@@ -38,7 +38,10 @@ save or restore, and in any case restore only serves a step through a marker Orb
 snapshot memory no longer holds raises :class:`jaxckpt.errors.StepNotFoundError` naming the step, unless
 ``Config.persistent_dir`` holds it (then it is read from there). After a restart that lost memory
 (``store="memory"``), ``SnapshotHandler(directory=root)`` renames away the steps that cannot be restored, so
-``latest_step()`` names one that can (or None: start fresh).
+``latest_step()`` names one that can (or None: start fresh). Built without it, the handler learns the manager's
+directory only at its first call, after the manager listed its steps: the restore of a gone step then renames
+the gone steps away and raises StepNotFoundError, and ``CheckpointManager.reload()`` lists only what can be
+restored.
 """
 from __future__ import annotations
 
@@ -279,12 +282,19 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
         persister = self.checkpointer.persister
         if step not in held and (persister is None or step not in persister.steps()):
             where = f" nor is it persisted in {persister.directory}" if persister is not None else ""
+            # A manager's step layout: the manager listed its steps when it was built, so they stay listed; but
+            # renamed away now, the gone ones leave its listing at reload() (a resume can then start fresh).
+            root = directory.parent.parent if step_from_directory(directory) is not None else None
+            lost = self.forget_lost_steps(root) if root is not None else []
+            renamed = (f"; the step directories of gone snapshots ({sorted(lost)}) are renamed to "
+                       f"<step>.jaxckpt-lost, so CheckpointManager.reload() lists only steps that can be restored"
+                       if lost else "")
             raise StepNotFoundError(
                 f"step {step}: Orbax lists {directory} but jaxckpt memory (store "
                 f"{self.checkpointer.config.store!r}) no longer holds its snapshot (held steps: {held or 'none'}; "
-                f"Config.keep={self.checkpointer.config.keep}){where}; a restarted job has Orbax forget such "
-                f"steps with SnapshotHandler(directory=<the manager's directory>) built before the manager, or "
-                f"keeps them with Config.persistent_dir")
+                f"Config.keep={self.checkpointer.config.keep}){where}{renamed}; a restarted job has Orbax forget "
+                f"such steps with SnapshotHandler(directory=<the manager's directory>) built before the manager, "
+                f"or keeps them with Config.persistent_dir")
         item, restore_args, partial, strict = _restore_request(args)
         if "layout" not in marker:  # a marker written before layouts: jaxckpt's own target semantics
             return self.checkpointer.restore(item, step=step)
