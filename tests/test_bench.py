@@ -19,9 +19,10 @@ STATS = {"median", "min", "max", "p10", "p90", "n"}
 JAXCKPT_KEYS = {"save_call_s", "snapshot_s", "snapshot_worker_s", "restore_s", "snapshot_gbps", "snapshot_vs_memcpy"}
 ORBAX_KEYS = {"save_call_s", "total_s", "restore_s"}
 RATIO_KEYS = {"save_call_orbax_over_jaxckpt", "total_orbax_over_jaxckpt", "restore_orbax_over_jaxckpt"}
-SWEEP_TIMES = {"jaxckpt_save_call_s", "wrap_step_save_s", "plain_step_call_s", "wrap_step_call_s", "orbax_save_call_s"}
+SWEEP_TIMES = {"jaxckpt_save_call_s", "wrap_step_save_s", "plain_step_call_s", "wrap_step_call_s", "orbax_save_call_s",
+               "jaxckpt_restore_s", "orbax_restore_s"}
 SWEEP_KEYS = SWEEP_TIMES | {"leaves", "shards", "size_bytes", "view_s_per_shard", "orbax_over_jaxckpt",
-                            "orbax_over_wrap_step_save"}
+                            "orbax_over_wrap_step_save", "restore_orbax_over_jaxckpt"}
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +75,8 @@ def _check_schema(res, sizes, mode):
         assert r["shards"] == 8 * r["leaves"]  # every leaf is split over all 8 devices
         assert abs(r["size_bytes"] - sweep["total_bytes"]) <= sweep["total_bytes"] // 8
         assert math.isclose(r["orbax_over_jaxckpt"], r["orbax_save_call_s"]["median"] / r["jaxckpt_save_call_s"]["median"])
+        assert math.isclose(r["restore_orbax_over_jaxckpt"],
+                            r["orbax_restore_s"]["median"] / r["jaxckpt_restore_s"]["median"])
     nums = report.numbers(res)
     assert len(nums) > 50
     bad = [(p, v) for p, v in nums if not (math.isfinite(v) and v > 0)]

@@ -136,9 +136,14 @@ def test_new_benchmarks_cover_what_the_issues_ask(suite):
         assert 0 < c["follower_ops_per_step"]["max"] <= 3, c
         assert c["live_keys"] <= 4 * c["procs"] and c["commit_latency_s"]["n"] == c["steps"], c
     assert all(len(x["processes"]) == x["procs"] for x in sc["by_procs"])
+    for x in sc["by_procs"]:  # every process restored (checked bit for bit there) and timed it
+        assert x["restore_s"]["n"] == x["procs"] and x["restore_cpu_s"]["median"] > 0 and \
+            x["restore_aggregate_gbps"] > 0, x
+        assert all(p["restore_s"]["n"] == sc["setup"]["repeats"] for p in x["processes"]), x
     assert all(x["held_bytes"] >= x["size_bytes"] for x in sc["by_size"])
     assert {"save_call_largest_over_smallest", "snapshot_largest_over_smallest",
-            "save_call_most_over_fewest_procs", "snapshot_most_over_fewest_procs"} <= set(sc["ratios"])
+            "save_call_most_over_fewest_procs", "snapshot_most_over_fewest_procs",
+            "restore_most_over_fewest_procs", "restore_cpu_most_over_fewest_procs"} <= set(sc["ratios"])
     if "stall" in r:  # skipped where flax/optax are missing
         st = r["stall"]
         assert st["procs"] == [2] and [x["procs"] for x in st["results"]] == [2]

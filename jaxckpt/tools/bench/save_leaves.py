@@ -5,7 +5,8 @@ For each leaf count (a dict of float32 arrays, same total bytes, shardings rotat
 step's call with and without ``save_step`` and the part of the call spent in the save (``last_save``'s
 ``save_call_seconds``: the calling thread's time outside the compiled program); Orbax ``AsyncCheckpointer``'s save
 call (StandardSave to tmpfs); and the cost of one zero-copy host view of a device buffer (what a plain save must
-take per shard read before it returns, so that a donating next step leaves the buffer alone).
+take per shard read before it returns, so that a donating next step leaves the buffer alone); and restore time
+onto the saved shardings, jaxckpt from memory against Orbax ``StandardRestore`` from tmpfs.
 jax is imported inside the functions: the caller (``save.measure``) has configured 8 CPU devices first.
 """
 from __future__ import annotations
@@ -118,6 +119,66 @@ def bench_orbax_call(state: dict[str, Any], repeats: int, warmup: int) -> dict[s
     return report.summarize(call)
 
 
+def _abstract(state: dict[str, Any]) -> dict[str, Any]:
+    import jax
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in state.items()}
+
+
+def _check(what: str, got: dict[str, Any], state: dict[str, Any]) -> None:
+    import numpy as np
+
+    for k, v in state.items():
+        for a, b in zip(got[k].addressable_shards, v.addressable_shards):
+            if a.index != b.index or not np.array_equal(np.asarray(a.data).view(np.uint8),
+                                                        np.asarray(b.data).view(np.uint8)):
+                raise AssertionError(f"{what}: {k} shard {b.index} differs from the saved one")
+
+
+def bench_restore(state: dict[str, Any], repeats: int, warmup: int) -> dict[str, Any]:
+    """Restore seconds onto the saved shardings: jaxckpt from memory, Orbax ``StandardRestore`` from tmpfs (the
+    same process; each checked bit for bit once)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from jaxckpt import Checkpointer, Config
+    from jaxckpt.tools.bench.save import _tmpfs_dir
+
+    target = _abstract(state)
+    out: dict[str, Any] = {}
+    with Checkpointer(Config()) as ck:
+        ck.save(1, state)
+        ck.wait()
+        times = []
+        for i in range(warmup + repeats):
+            t0 = time.perf_counter()
+            got = jax.block_until_ready(ck.restore(target))
+            times.append(time.perf_counter() - t0)
+            if i == 0:
+                _check("jaxckpt restore", got, state)
+            del got
+        out["jaxckpt_restore_s"] = report.summarize(times[warmup:])
+    gc.collect()
+    root = _tmpfs_dir()
+    ckptr = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+    try:
+        path = os.path.join(root, "r")
+        ckptr.save(path, args=ocp.args.StandardSave(state))
+        times = []
+        for i in range(warmup + repeats):
+            t0 = time.perf_counter()
+            got = jax.block_until_ready(ckptr.restore(path, args=ocp.args.StandardRestore(target)))
+            times.append(time.perf_counter() - t0)
+            if i == 0:
+                _check("Orbax restore", got, state)
+            del got
+        out["orbax_restore_s"] = report.summarize(times[warmup:])
+    finally:
+        ckptr.close()
+        shutil.rmtree(root, ignore_errors=True)
+    out["restore_orbax_over_jaxckpt"] = out["orbax_restore_s"]["median"] / out["jaxckpt_restore_s"]["median"]
+    return out
+
+
 def view_seconds_per_shard(state: dict[str, Any], repeats: int = 3) -> float:
     """Seconds per zero-copy host view of one local device buffer (best of ``repeats`` passes over the state)."""
     import numpy as np
@@ -149,19 +210,22 @@ def measure(opts: Mapping[str, Any], warmup: int) -> dict[str, Any]:
         wrapped = bench_wrap_step(state, reps, warmup)
         gc.collect()
         orbax = bench_orbax_call(state, reps, warmup)
+        gc.collect()
+        restored = bench_restore(state, reps, warmup)
         view = view_seconds_per_shard(state)
         del state
         gc.collect()
         row = {"leaves": n, "shards": shards, "size_bytes": nbytes, "jaxckpt_save_call_s": plain, **wrapped,
-               "orbax_save_call_s": orbax, "view_s_per_shard": view,
+               "orbax_save_call_s": orbax, "view_s_per_shard": view, **restored,
                "orbax_over_jaxckpt": orbax["median"] / plain["median"],
                "orbax_over_wrap_step_save": orbax["median"] / wrapped["wrap_step_save_s"]["median"]}
         rows.append(row)
         log.info("%d leaves (%d shards, %s): save() %.2f ms, wrap_step save %.2f ms (step %.1f ms, with save %.1f "
-                 "ms), Orbax save() %.1f ms; one shard view %.2f us", n, shards, report.fmt_size(nbytes),
-                 plain["median"] * 1e3, wrapped["wrap_step_save_s"]["median"] * 1e3,
+                 "ms), Orbax save() %.1f ms; one shard view %.2f us; restore %.1f ms, Orbax's %.1f ms", n, shards,
+                 report.fmt_size(nbytes), plain["median"] * 1e3, wrapped["wrap_step_save_s"]["median"] * 1e3,
                  wrapped["plain_step_call_s"]["median"] * 1e3, wrapped["wrap_step_call_s"]["median"] * 1e3,
-                 orbax["median"] * 1e3, view * 1e6)
+                 orbax["median"] * 1e3, view * 1e6, restored["jaxckpt_restore_s"]["median"] * 1e3,
+                 restored["orbax_restore_s"]["median"] * 1e3)
     return {"total_bytes": opts["leaf_total"], "repeats": opts["leaf_repeats"], "rows": rows}
 
 
@@ -173,15 +237,22 @@ def render(sweep: Mapping[str, Any]) -> str:
                      report.fmt_ms(r["wrap_step_save_s"]), report.fmt_ms(r["plain_step_call_s"]),
                      report.fmt_ms(r["wrap_step_call_s"]), report.fmt_ms(r["orbax_save_call_s"]),
                      f"{report.fmt_num(r['orbax_over_jaxckpt'])}x", f"{report.fmt_num(r['orbax_over_wrap_step_save'])}x",
-                     report.fmt_num(r["view_s_per_shard"] * 1e6)])
+                     report.fmt_num(r["view_s_per_shard"] * 1e6)]
+                    + ([report.fmt_ms(r["jaxckpt_restore_s"]), report.fmt_ms(r["orbax_restore_s"]),
+                        f"{report.fmt_num(r['restore_orbax_over_jaxckpt'])}x"] if "jaxckpt_restore_s" in r else []))
+    restores = all("jaxckpt_restore_s" in r for r in sweep["rows"])
     return "\n".join([
         f"#### save() against the number of leaves ({report.fmt_size(sweep['total_bytes'])} in total, "
         f"median (min–max) of {sweep['repeats']} repeats)", "",
         report.table(["leaves", "local shards", "jaxckpt save() ms", "wrap_step save ms", "step ms",
                       "step with save_step ms", "Orbax save() ms", "Orbax/save()", "Orbax/wrap_step save",
-                      "us per shard view"], rows), "",
+                      "us per shard view"] + (["jaxckpt restore ms", "Orbax restore ms", "restore Orbax/jaxckpt"]
+                                              if restores else []), rows), "",
         "wrap_step save: the calling thread's time in the save during a call with `save_step` (the compiled "
         "program excluded); step / step with save_step: the wrapped donating step's call without and with it. "
         "A plain save() must take one zero-copy view of each shard it reads before it returns (so that a "
-        "donating next step leaves the buffer alone): the last column is that cost, measured in the same run.",
+        "donating next step leaves the buffer alone): the column \"us per shard view\" is that cost, measured in "
+        "the same run." + (" Restore: onto the saved shardings in the same process, jaxckpt from memory "
+                           "(`store=\"memory\"`), Orbax `StandardRestore` from tmpfs; each checked bit for bit once."
+                           if restores else ""),
     ])

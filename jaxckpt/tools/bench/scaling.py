@@ -1,4 +1,4 @@
-"""``jaxckpt bench scaling``: how save() call and snapshot time scale with state size and with process count.
+"""``jaxckpt bench scaling``: how save() call, snapshot and restore time scale with state size and process count.
 
 Sizes: one process with 8 CPU devices snapshots the state of ``jaxckpt bench save`` at every size from 64 MiB to
 ``--max-size`` (default 4 GiB). The save() call should stay flat (it only takes views and queues work) and the
@@ -8,8 +8,8 @@ note and a line in the result.
 
 Processes: ``--procs`` JAX processes (1 CPU device each, one simulated node, started by the launcher) each hold
 a fixed share (``--bytes-per-proc``) of 8 float32 arrays sharded over all devices and snapshot them together
-(commit agreed through the coordination service). Per-process save() call and snapshot time should stay flat
-as processes are added; on this 2-core machine processes beyond two share cores, so the aggregate throughput
+(commit agreed through the coordination service), then restore it, all at once. Per-process save() call,
+snapshot and restore time should stay flat as processes are added; on this 2-core machine processes beyond two share cores, so the aggregate throughput
 is the figure to read there.
 """
 from __future__ import annotations
@@ -150,8 +150,9 @@ def _ratios(by_size: list[Mapping[str, Any]], by_procs: list[Mapping[str, Any]])
     if len(by_procs) >= 2:
         lo, hi = by_procs[0], by_procs[-1]
         out["procs_most_over_fewest"] = hi["procs"] / lo["procs"]
-        for key in ("save_call_s", "snapshot_s", "snapshot_worker_s"):
-            out[f"{key[:-2]}_most_over_fewest_procs"] = hi[key]["median"] / lo[key]["median"]
+        for key in ("save_call_s", "snapshot_s", "snapshot_worker_s", "restore_s", "restore_cpu_s"):
+            if key in hi and key in lo:
+                out[f"{key[:-2]}_most_over_fewest_procs"] = hi[key]["median"] / lo[key]["median"]
     return out
 
 
@@ -162,9 +163,13 @@ def _merge_procs(n: int, per: list[Mapping[str, Any]]) -> dict[str, Any]:
 
     total = sum(p["bytes"] for p in per)
     worst = max(p["snapshot_s"]["median"] for p in per)
-    return {"procs": n, "bytes_per_proc": per[0]["bytes"], "total_bytes": total, "processes": list(per),
-            "save_call_s": across("save_call_s"), "snapshot_s": across("snapshot_s"),
-            "snapshot_worker_s": across("snapshot_worker_s"), "aggregate_gbps": total / worst / 1e9}
+    out = {"procs": n, "bytes_per_proc": per[0]["bytes"], "total_bytes": total, "processes": list(per),
+           "save_call_s": across("save_call_s"), "snapshot_s": across("snapshot_s"),
+           "snapshot_worker_s": across("snapshot_worker_s"), "aggregate_gbps": total / worst / 1e9}
+    if all("restore_s" in p for p in per):
+        out.update(restore_s=across("restore_s"), restore_cpu_s=across("restore_cpu_s"),
+                   restore_aggregate_gbps=total / max(p["restore_s"]["median"] for p in per) / 1e9)
+    return out
 
 
 # ------------------------------------------------------------------------------------------ launched processes
@@ -247,12 +252,20 @@ def procs_phase(spec: dict) -> dict:
         row = _save_loop(ck, state, spec["warmup"], spec["repeats"],
                          sync=lambda: multihost_utils.sync_global_devices("bench-scaling"))
         target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in state.items()}
-        out = ck.restore(target)
-        for k, v in state.items():
-            for a, b in zip(out[k].addressable_shards, v.addressable_shards):
-                if not np.array_equal(np.asarray(a.data).view(np.uint8), np.asarray(b.data).view(np.uint8)):
-                    raise AssertionError(f"{k}: restored shard {a.index} differs from the saved one")
-        del out
+        wall, cpu = [], []
+        for i in range(max(1, spec["repeats"])):  # all processes restore at once, as a relaunched job does
+            multihost_utils.sync_global_devices(f"bench-scaling-restore-{i}")
+            t0, c0 = time.perf_counter(), time.process_time()
+            out = jax.block_until_ready(ck.restore(target))
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)  # every thread of this process: its own work, whatever it waited
+            if i == 0:
+                for k, v in state.items():
+                    for a, b in zip(out[k].addressable_shards, v.addressable_shards):
+                        if not np.array_equal(np.asarray(a.data).view(np.uint8), np.asarray(b.data).view(np.uint8)):
+                            raise AssertionError(f"{k}: restored shard {a.index} differs from the saved one")
+            del out
+        row["restore_s"], row["restore_cpu_s"] = report.summarize(wall), report.summarize(cpu)
         # Every process serves its snapshot to the others' restores: none closes before all have restored.
         multihost_utils.sync_global_devices("bench-scaling-restored")
     row["bytes"] = local
@@ -370,16 +383,29 @@ def render(result: Mapping[str, Any]) -> str:
                       f"the slowest process's median snapshot time. The machine has {result['machine']['cores']} "
                       f"cores: beyond that, processes share them.", ""]
         rows = []
+        restores = all("restore_s" in r for r in result["by_procs"])
         for r in result["by_procs"]:
             rows.append([str(r["procs"]), fs(r["total_bytes"]), fm(r["save_call_s"]), fm(r["snapshot_s"]),
-                         fm(r["snapshot_worker_s"]), fn(r["aggregate_gbps"])])
+                         fm(r["snapshot_worker_s"]), fn(r["aggregate_gbps"])]
+                        + ([fm(r["restore_s"]), fm(r["restore_cpu_s"]), fn(r["restore_aggregate_gbps"])]
+                           if restores else []))
         parts.append(report.table(["processes", "total state", "save() ms per process", "snapshot ms per process",
-                                   "local copy ms per process", "aggregate GB/s"], rows))
+                                   "local copy ms per process", "aggregate GB/s"]
+                                  + (["restore ms per process", "restore CPU ms per process",
+                                      "restore aggregate GB/s"] if restores else []), rows))
+        if restores:
+            parts += ["", "Restore: every process restores its share onto the saved shardings, all at once (a "
+                          "barrier before each), from the store's memory; checked bit for bit once. CPU ms = the "
+                          "process's CPU time in the restore, all its threads: the work each process does, which "
+                          "does not depend on how many processes share the cores; wall time does."]
         if "procs_most_over_fewest" in q:
             parts += ["", f"Most / fewest processes ({fn(q['procs_most_over_fewest'])}x): per-process save() "
                           f"{fn(q['save_call_most_over_fewest_procs'])}x, snapshot "
                           f"{fn(q['snapshot_most_over_fewest_procs'])}x, local copy "
-                          f"{fn(q['snapshot_worker_most_over_fewest_procs'])}x (flat = 1x)."]
+                          f"{fn(q['snapshot_worker_most_over_fewest_procs'])}x"
+                          + (f", restore {fn(q['restore_most_over_fewest_procs'])}x (CPU time "
+                             f"{fn(q['restore_cpu_most_over_fewest_procs'])}x)"
+                             if "restore_most_over_fewest_procs" in q else "") + " (flat = 1x)."]
     if result.get("commit"):
         c0 = result["commit"][0]
         parts += ["", f"Commit protocol: each process (1 CPU device, one simulated node) saves a "
