@@ -396,8 +396,9 @@ def render(result: Mapping[str, Any]) -> str:
         if restores:
             parts += ["", "Restore: every process restores its share onto the saved shardings, all at once (a "
                           "barrier before each), from the store's memory; checked bit for bit once. CPU ms = the "
-                          "process's CPU time in the restore, all its threads: the work each process does, which "
-                          "does not depend on how many processes share the cores; wall time does."]
+                          "process's CPU time in the restore, all its threads: its own work, apart from the waiting "
+                          "for a core that sets the wall time once processes outnumber the cores (memory "
+                          "bandwidth and caches are shared too, so it rises with the processes as well)."]
         if "procs_most_over_fewest" in q:
             parts += ["", f"Most / fewest processes ({fn(q['procs_most_over_fewest'])}x): per-process save() "
                           f"{fn(q['save_call_most_over_fewest_procs'])}x, snapshot "
