@@ -68,7 +68,6 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from jaxckpt.core.history import STEPS_KEPT
 from jaxckpt.tools.chaos import run as chaos
 
 log = logging.getLogger("jaxckpt.tools.chaos.soak")
@@ -116,8 +115,11 @@ PROFILES: dict[str, tuple[chaos.Profile, SoakPlan]] = {
              # The warm-up covers the bounded per-step records filling to their bound (jaxckpt.core.history:
              # 2 * STEPS_KEPT entries, then trimmed) and the dict tables that hold them: the 2026-12-01 soak with
              # a 1,000-step warm-up saw each trainer's RSS ramp 0.8 MiB to a plateau near step 3,000 of its
-             # segment (tracemalloc: the Python heap bounded, a sawtooth between 1,024 and 2,048 records).
-             SoakPlan(steps=24_000, fault_every=6_000, sample_every=50, warmup_steps=3 * STEPS_KEPT)),
+             # segment (tracemalloc: the Python heap bounded, a sawtooth between 1,024 and 2,048 records). A
+             # later one with 6,000-step segments still saw a last 1 MiB step of the trainers' RSS between steps
+             # 5,000 and 7,000; one 15,000-step segment showed each trainer flat from step 8,000 on (51.3 MiB,
+             # within 0.1 MiB to step 15,000). So segments are 10,000 steps, the first 8,000 their warm-up.
+             SoakPlan(steps=40_000, fault_every=10_000, sample_every=50, warmup_steps=8_000)),
     "soak-quick": (chaos.Profile(trials=0, jax_trials=0, nodes=3, procs_per_node=1, interval=1, protection="hybrid"),
                    SoakPlan(steps=300, fault_every=150, sample_every=5, warmup_steps=50)),
 }
