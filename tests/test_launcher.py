@@ -17,7 +17,7 @@ def _gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone; or reaped between the open and the read (ESRCH)
         return True
     return state == "Z"  # killed, waiting only for init to reap it
 

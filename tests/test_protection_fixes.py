@@ -206,7 +206,7 @@ def kill_agent_keep_memory(job: str, node: int) -> str:
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().split(")")[-1].split()[0] == "Z":
                     break
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone; or reaped between the open and the read
             break
         time.sleep(0.02)
     else:
