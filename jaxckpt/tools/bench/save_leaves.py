@@ -119,21 +119,6 @@ def bench_orbax_call(state: dict[str, Any], repeats: int, warmup: int) -> dict[s
     return report.summarize(call)
 
 
-def _abstract(state: dict[str, Any]) -> dict[str, Any]:
-    import jax
-    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in state.items()}
-
-
-def _check(what: str, got: dict[str, Any], state: dict[str, Any]) -> None:
-    import numpy as np
-
-    for k, v in state.items():
-        for a, b in zip(got[k].addressable_shards, v.addressable_shards):
-            if a.index != b.index or not np.array_equal(np.asarray(a.data).view(np.uint8),
-                                                        np.asarray(b.data).view(np.uint8)):
-                raise AssertionError(f"{what}: {k} shard {b.index} differs from the saved one")
-
-
 def bench_restore(state: dict[str, Any], repeats: int, warmup: int) -> dict[str, Any]:
     """Restore seconds onto the saved shardings: jaxckpt from memory, Orbax ``StandardRestore`` from tmpfs (the
     same process; each checked bit for bit once)."""
@@ -141,9 +126,9 @@ def bench_restore(state: dict[str, Any], repeats: int, warmup: int) -> dict[str,
     import orbax.checkpoint as ocp
 
     from jaxckpt import Checkpointer, Config
-    from jaxckpt.tools.bench.save import _tmpfs_dir
+    from jaxckpt.tools.bench.save import _check_equal, _target, _tmpfs_dir
 
-    target = _abstract(state)
+    target = _target(state)
     out: dict[str, Any] = {}
     with Checkpointer(Config()) as ck:
         ck.save(1, state)
@@ -154,7 +139,7 @@ def bench_restore(state: dict[str, Any], repeats: int, warmup: int) -> dict[str,
             got = jax.block_until_ready(ck.restore(target))
             times.append(time.perf_counter() - t0)
             if i == 0:
-                _check("jaxckpt restore", got, state)
+                _check_equal("jaxckpt restore", got, state)
             del got
         out["jaxckpt_restore_s"] = report.summarize(times[warmup:])
     gc.collect()
@@ -169,7 +154,7 @@ def bench_restore(state: dict[str, Any], repeats: int, warmup: int) -> dict[str,
             got = jax.block_until_ready(ckptr.restore(path, args=ocp.args.StandardRestore(target)))
             times.append(time.perf_counter() - t0)
             if i == 0:
-                _check("Orbax restore", got, state)
+                _check_equal("Orbax restore", got, state)
             del got
         out["orbax_restore_s"] = report.summarize(times[warmup:])
     finally:
