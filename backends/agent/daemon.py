@@ -41,6 +41,7 @@ from typing import Any
 
 import msgpack
 
+from jaxckpt.backends.agent import heap
 from jaxckpt.backends.agent.protocol import (LOCK_NAME, PID_NAME, SOCKET_NAME, VERSION, ProtocolError, agent_dir,
                                              default_log_path, ensure_private_dir, open_segment, recv_msg,
                                              send_msg)
@@ -478,6 +479,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run the agent in the foreground until SIGTERM."""
+    heap.fix_mmap_threshold()  # before anything big is allocated and freed
     directory = agent_dir(Config(job_id=args.job, shm_dir=os.path.abspath(args.dir) if args.dir else ""))
     log_path = args.log or default_log_path(directory)
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)

@@ -33,6 +33,7 @@ import numpy as np
 
 from jaxckpt.core import manifest as mf
 from jaxckpt.backends.agent import protocol as proto
+from jaxckpt.backends.agent import heap
 from jaxckpt.backends.shm import ShmStore
 from jaxckpt.core.box import Box
 from jaxckpt.config import Config
@@ -415,6 +416,9 @@ def main(argv: list[str]) -> int:
                                f"%(message)s")
     if spec.get("mode") == "jax":
         return jax_run(spec)
+    # This trainer's own math frees a few 128-256 KiB arrays a step; left to glibc's dynamic mmap threshold they
+    # fragment its heap like the agent's (jaxckpt.backends.agent.heap), which a soak would take for growth.
+    heap.fix_mmap_threshold()
     return Trainer(spec).run()
 
 
