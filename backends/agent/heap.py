@@ -3,9 +3,10 @@
 glibc starts with a 128 KiB mmap threshold and raises it to the size of every mmap'd block freed (up to 32 MiB
 on 64-bit); blocks of that size then come from the heap. An agent's per-step buffers of 128 KiB and more (pulled
 chunks, parity blocks, replies) then share the heap with its long-lived allocations, and the fragmentation
-they leave grows the heap about 1 MiB at a time while the bytes in use stay flat: in the 40,000-step soak of
-2026-12-01 the agents' heap grew from 10.3 to 13.8 MiB with 6.9-7.9 MiB in use (``mallinfo2``), and with the
-threshold fixed it stayed at 9.4 MiB. Setting the threshold explicitly turns the adjustment off (mallopt(3)).
+they leave grows the heap about 1 MiB at a time while the bytes in use stay flat: in a 40,000-step soak of
+2026-12-01 the agents' heaps grew from 10.0 MiB to as much as 13.5 MiB with 6.7-7.7 MiB in use (``mallinfo2``),
+and with the threshold fixed they stayed at 9.2 MiB. Setting the threshold explicitly turns the adjustment off
+(mallopt(3)).
 """
 from __future__ import annotations
 
