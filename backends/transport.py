@@ -19,26 +19,23 @@ key published for its address, the client by the job's key, any other key refuse
 Requests are at most ``MAX_REQUEST_BYTES``; a read returns at most ``frame_bytes`` per reply and the client
 splits larger ranges (bounded messages both ways).
 Every wait has a time-out. The server thread sends zero-copy from a pinned ``store.open(step)`` view and keeps
-the view pinned until ZeroMQ has finished with the bytes, so a step deleted meanwhile is never torn.
+the view pinned until ZeroMQ has finished with the bytes, so a step deleted meanwhile is never torn. The server
+heartbeats its connections and drops a silent one; the client (``jaxckpt.backends.zmq_client``) sends the
+requests a lost connection carried again on a fresh one.
 """
 from __future__ import annotations
 
 import abc
 import hmac
-import itertools
 import logging
 import socket
 import threading
-import time
 from typing import Any, ClassVar
 
 import msgpack
-import numpy as np
 import zmq
 
-from jaxckpt.errors import PeerError, PeerTimeoutError, StepNotFoundError  # PeerTimeoutError: re-exported
-from jaxckpt.core import hostbuf
-from jaxckpt.core.manifest import MAX_MANIFEST_BYTES
+from jaxckpt.errors import PeerError, PeerTimeoutError  # PeerTimeoutError: re-exported
 from jaxckpt.core.store import SnapshotView, Store
 
 log = logging.getLogger("jaxckpt.backends.transport")
@@ -51,6 +48,12 @@ OPS = ("steps", "manifest", "read", "held")
 # A request waits at most this long for a connection to exist: a restarted agent listens on a new port, and
 # ZeroMQ would otherwise queue requests for the dead one's address until the whole peer time-out ran out.
 CONNECT_TIMEOUT_S = 2.0
+# A server pings each client connection this often and drops one that answers nothing for the time-out: a link
+# that stopped passing bytes (a black-holed route, a stalled middlebox), whose client then sees its connection
+# lost and sends its requests again on a fresh one (jaxckpt.backends.zmq_client) instead of waiting out its
+# whole peer time-out. A pong queues behind the reply being sent, so the time-out is also what the slowest link
+# may take to carry the last of a frame after a ping.
+HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 500, 2000
 
 
 class PeerUnreachableError(PeerTimeoutError):
@@ -189,7 +192,9 @@ class ZmqTransport(Transport):
         source = store if isinstance(store, SnapshotSource) else StoreSource(store)
         return ZmqServer(source, token=token, host=host, frame_bytes=self.frame_bytes, curve=curve)
 
-    def connect(self, address: str, *, token: bytes, timeout_s: float, server_key: str = "") -> "ZmqClient":
+    def connect(self, address: str, *, token: bytes, timeout_s: float, server_key: str = "") -> PeerClient:
+        from jaxckpt.backends.zmq_client import ZmqClient  # it imports this module's protocol constants
+
         return ZmqClient(address, token=token, timeout_s=timeout_s, frame_bytes=self.frame_bytes,
                          window=self.window, server_key=server_key)
 
@@ -220,6 +225,8 @@ class ZmqServer(PeerServer):
         # Larger requests make ZeroMQ drop the connection before anything is buffered; smaller but still
         # oversized ones get a clear "too-large" reply below.
         self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         try:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         except BaseException:
@@ -398,9 +405,6 @@ class _Done:
     done = True
 
 
-_MONITORS = itertools.count(1)  # inproc monitor endpoints must be unique in the process
-
-
 _DONE: Any = _Done()
 
 
@@ -416,178 +420,3 @@ def _nonneg(req: dict, key: str) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
         raise _Refused("bad-request", f"field {key!r} must be a non-negative int, got {v!r}")
     return v
-
-
-class ZmqClient(PeerClient):
-    """A DEALER socket to one peer; requests carry ids so late replies to timed-out requests are dropped."""
-
-    def __init__(self, address: str, *, token: bytes, timeout_s: float, frame_bytes: int, window: int,
-                 server_key: str = "") -> None:
-        self.address = address
-        self._token, self._timeout, self._frame_bytes, self._window = bytes(token), timeout_s, frame_bytes, window
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, frame_bytes + _HEADER_SLACK)
-        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a live connection: see _send
-        self._monitor: zmq.Socket | None = None
-        self.server_key = server_key
-        if server_key:
-            self._curve(server_key)
-        self._sock.connect(address)
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def _send(self, op: str, what: str, **fields: int | None) -> int:
-        rid = next(self._ids)
-        fields = {k: v for k, v in fields.items() if v is not None}
-        wait = min(self._timeout, CONNECT_TIMEOUT_S)
-        try:
-            if not self._sock.poll(max(1, int(wait * 1000)), zmq.POLLOUT):
-                raise zmq.Again()
-            self._sock.send(msgpack.packb({"v": VERSION, "id": rid, "token": self._token, "op": op, **fields},
-                                          use_bin_type=True), zmq.NOBLOCK)
-        except zmq.Again:
-            failed = self._handshake_failure(what)
-            if failed is not None:
-                raise failed from None
-            raise PeerUnreachableError(f"peer {self.address}: no reply to {what} within {wait:g}s: nothing accepted "
-                                       f"a connection at that address") from None
-        return rid
-
-    def _curve(self, server_key: str) -> None:
-        from jaxckpt.backends import curve
-
-        curve.require_curve(f"a CURVE client of {self.address}")
-        if not curve.valid_public_key(server_key):
-            self._sock.close(linger=0)
-            raise PeerError(f"peer {self.address}: published CURVE key {server_key[:48]!r} is not a Z85 public key")
-        public, secret = curve.client_keys(self._token)
-        self._sock.curve_serverkey = server_key.encode()
-        self._sock.curve_publickey = public
-        self._sock.curve_secretkey = secret
-        # Handshake failures are events, not errors: a monitor lets a failed request say which one it met.
-        failures = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-        self._monitor = self._sock.get_monitor_socket(failures, addr=f"inproc://jaxckpt-peer-monitor-{next(_MONITORS)}")
-
-    def _handshake_failure(self, what: str) -> PeerHandshakeError | None:
-        """The error for the CURVE handshakes that failed since the last look, None if none did."""
-        if self._monitor is None:
-            return None
-        from zmq.utils.monitor import recv_monitor_message
-
-        seen: set[int] = set()
-        while self._monitor.poll(0):
-            seen.add(recv_monitor_message(self._monitor)["event"])
-        if zmq.EVENT_HANDSHAKE_FAILED_AUTH in seen:
-            return PeerHandshakeError(f"peer {self.address} refused the CURVE key of this job for {what}: it serves "
-                                      f"another job (another peer token)")
-        if seen:
-            return PeerHandshakeError(f"peer {self.address} failed the CURVE handshake for {what}: the server there "
-                                      f"does not hold the key {self.server_key} published for that address (or "
-                                      f"does not speak CURVE, or it closed during the handshake); nothing was "
-                                      f"sent to it")
-        return None
-
-    def _recv(self, want: set[int], deadline: float, what: str) -> tuple[int, dict, zmq.Frame | None]:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
-                failed = self._handshake_failure(what)  # the server changed under a live connection
-                if failed is not None:
-                    raise failed
-                raise PeerTimeoutError(f"peer {self.address}: no reply to {what} within {self._timeout:g}s")
-            frames = self._sock.recv_multipart(copy=False)
-            try:
-                header = msgpack.unpackb(frames[0].buffer, raw=False)
-            except Exception:  # noqa: BLE001
-                raise PeerError(f"peer {self.address}: malformed reply to {what}") from None
-            if not isinstance(header, dict) or header.get("v") != VERSION:
-                raise PeerError(f"peer {self.address}: malformed reply to {what} (not protocol {VERSION})")
-            rid = header.get("id")
-            if rid not in want:
-                continue  # a late reply to a request that timed out earlier
-            if not header.get("ok"):
-                code, error = header.get("code"), header.get("error")
-                if code == "not-found":
-                    raise StepNotFoundError(f"peer {self.address}: {error}")
-                raise PeerError(f"peer {self.address} refused {what}: {error} ({code})")
-            return rid, header, frames[1] if len(frames) > 1 else None
-
-    def _call(self, op: str, what: str, **fields: int | None) -> tuple[dict, zmq.Frame | None]:
-        with self._lock:
-            self._check_open()
-            rid = self._send(op, what, **fields)
-            _, header, payload = self._recv({rid}, time.monotonic() + self._timeout, what)
-            return header, payload
-
-    def steps(self) -> list[int]:
-        header, _ = self._call("steps", "a steps request")
-        steps = header.get("steps", [])
-        if not isinstance(steps, list) or not all(type(s) is int and s >= 0 for s in steps):
-            raise PeerError(f"peer {self.address}: malformed reply to a steps request")
-        return steps
-
-    def held(self) -> list[list]:
-        header, _ = self._call("held", "a held request")
-        held = header.get("held")
-        if not isinstance(held, list):
-            raise PeerError(f"peer {self.address}: malformed reply to a held request")
-        return held
-
-    def manifest(self, step: int, process: int | None = None) -> bytes:
-        parts: list[bytes] = []
-        got, size = 0, None
-        what = f"the manifest of step {step}" + (f" of process {process}" if process is not None else "")
-        while size is None or got < size:
-            header, payload = self._call("manifest", what, step=step, offset=got, process=process)
-            size, part = header.get("size"), payload.bytes if payload is not None else b""
-            if not isinstance(size, int) or size > MAX_MANIFEST_BYTES or (got + len(part) < size and not part):
-                raise PeerError(f"peer {self.address}: malformed manifest reply for step {step} (size {size!r})")
-            parts.append(part)
-            got += len(part)
-        return b"".join(parts)
-
-    def read(self, step: int, offset: int, nbytes: int, process: int | None = None) -> memoryview:
-        what = f"step {step} range {offset}+{nbytes}" + (f" of process {process}" if process is not None else "")
-        parts = [(o, min(self._frame_bytes, offset + nbytes - o))
-                 for o in range(offset, offset + nbytes, self._frame_bytes)] or [(offset, 0)]
-        # Frames land in one aligned buffer of the range's own (a restore keeps it as the array's memory: lent)
-        out = None if len(parts) == 1 else hostbuf.empty(nbytes, np.uint8)
-        with self._lock:
-            self._check_open()
-            deadline = time.monotonic() + self._timeout
-            pending: dict[int, tuple[int, int]] = {}
-            todo = iter(parts)
-            while True:
-                while len(pending) < self._window:
-                    nxt = next(todo, None)
-                    if nxt is None:
-                        break
-                    pending[self._send("read", what, step=step, offset=nxt[0], nbytes=nxt[1], process=process)] = nxt
-                if not pending:
-                    break
-                rid, _, payload = self._recv(set(pending), deadline, what)
-                o, n = pending.pop(rid)
-                buf = payload.buffer if payload is not None else memoryview(b"")
-                if len(buf) != n:
-                    raise PeerError(f"peer {self.address}: {what}: reply has {len(buf)} bytes, expected {n}")
-                if out is None:
-                    return buf
-                out[o - offset:o - offset + n] = np.frombuffer(buf, dtype=np.uint8)
-                deadline = time.monotonic() + self._timeout  # progress resets the clock
-        return memoryview(out)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise PeerError(f"client of peer {self.address} is closed")
-
-    def close(self) -> None:
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                if self._monitor is not None:
-                    self._sock.disable_monitor()
-                    self._monitor.close(linger=0)
-                self._sock.close(linger=0)

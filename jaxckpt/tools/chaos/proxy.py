@@ -41,6 +41,7 @@ class ProxyStats:
     delay_s: float = 0.0
     resets: int = 0
     stalls: int = 0
+    stall_s: float = 0.0  # the stalls' lengths as drawn (a stall also ends when either end closes the link)
 
     def summary(self) -> str:
         return (f"{self.connections} connections, {self.pieces} pieces ({self.bytes} bytes): {self.delayed} delayed "
@@ -88,12 +89,16 @@ class PeerProxy:
 
     ``delay_p``: chance that a piece is held back, for up to ``delay_max_s``; ``drop_p``: chance that a piece
     is dropped, while fewer than ``max_drops`` were (half of the drops reset the connection, half stall it for
-    up to ``stall_max_s`` before closing it).
+    up to ``stall_max_s`` before closing it; ``drops`` names the one kind to use instead of both).
     """
 
     def __init__(self, target: str, *, seed: int, delay_p: float = 0.0, delay_max_s: float = 0.0,
                  drop_p: float = 0.0, max_drops: int = 0, stall_max_s: float = 0.0, max_connections: int = 64,
-                 io_timeout_s: float = 10.0, armed: bool = True) -> None:
+                 io_timeout_s: float = 10.0, armed: bool = True,
+                 drops: tuple[str, ...] = ("reset", "stall")) -> None:
+        if not drops or set(drops) - {"reset", "stall"}:
+            raise ValueError(f"drops must name 'reset' and/or 'stall', got {drops!r}")
+        self.drops = tuple(drops)
         self.target = parse_tcp(target)
         self.delay_p, self.delay_max_s, self.drop_p, self.max_drops = delay_p, delay_max_s, drop_p, max_drops
         self.stall_max_s, self.max_connections, self.io_timeout_s = stall_max_s, max_connections, io_timeout_s
@@ -162,11 +167,14 @@ class PeerProxy:
         with self._lock:
             x = self._rng.random()
             if x < self.drop_p and self.stats.resets + self.stats.stalls < self.max_drops:
-                if self._rng.random() < 0.5:
+                reset = self._rng.random() < 0.5 if len(self.drops) == 2 else self.drops[0] == "reset"
+                if reset:
                     self.stats.resets += 1
                     return "reset", 0.0
                 self.stats.stalls += 1
-                return "stall", self._rng.uniform(0, self.stall_max_s)
+                seconds = self._rng.uniform(0, self.stall_max_s)
+                self.stats.stall_s += seconds
+                return "stall", seconds
             if self._rng.random() < self.delay_p:
                 d = self._rng.uniform(0, self.delay_max_s)
                 self.stats.delayed += 1

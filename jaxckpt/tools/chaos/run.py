@@ -513,7 +513,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--profile", choices=sorted([*PROFILES, *soak.PROFILES]), default="quick",
                    help="quick: 50 trials + 2 JAX trials on 2 nodes (CI); long: 500 + 20 on 3 nodes; both with "
-                        "protection hybrid; soak: 24,000 steps on 3 nodes with a fault every 6,000, sampling every "
+                        "protection hybrid; soak: 40,000 steps on 3 nodes with a fault every 10,000, sampling every "
                         "process for growth (jaxckpt/tools/chaos/soak.py); soak-quick: 300 steps")
     p.add_argument("--steps", type=int, default=None, help="soak profiles: steps to train (default: the profile's)")
     p.add_argument("--seed", type=int, default=0)

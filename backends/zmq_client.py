@@ -1,0 +1,272 @@
+"""The pyzmq peer client (``jaxckpt.backends.transport`` has the protocol, the interface and the server).
+
+One DEALER socket per peer; every request carries an id, so a late reply to a request given up on is dropped.
+A request in flight dies with its connection: ZeroMQ reconnects on its own but does not send again what the
+lost connection carried, so the request would wait out the whole peer time-out. A monitor on the socket
+reports each lost connection (``EVENT_DISCONNECTED``: a reset, or a heartbeat of either end giving up on a link
+that stopped passing bytes). The client then closes that socket and sends the requests in flight again on a
+fresh one, at most ``MAX_RESENDS`` times per call and always within the call's time-out. A fresh socket, not
+the old one: the old socket's queue may still belong to the dying connection, which drops what it holds.
+Every request is a read, so sending it twice is harmless.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import struct
+import threading
+import time
+
+import msgpack
+import numpy as np
+import zmq
+
+from jaxckpt.backends.transport import (_HEADER_SLACK, CONNECT_TIMEOUT_S, HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS,
+                                        VERSION, PeerClient, PeerHandshakeError, PeerUnreachableError)
+from jaxckpt.core import hostbuf
+from jaxckpt.core.manifest import MAX_MANIFEST_BYTES
+from jaxckpt.errors import PeerError, PeerTimeoutError, StepNotFoundError
+
+log = logging.getLogger("jaxckpt.backends.zmq_client")
+
+MAX_RESENDS = 8  # lost connections one call lives through before it gives up on the peer
+_MONITORS = itertools.count(1)  # inproc monitor endpoints must be unique in the process
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+class _Lost(Exception):
+    """The connection that carried the requests in flight closed: they get no reply."""
+
+
+class ZmqClient(PeerClient):
+    """A DEALER socket to one peer (see the module docstring)."""
+
+    def __init__(self, address: str, *, token: bytes, timeout_s: float, frame_bytes: int, window: int,
+                 server_key: str = "") -> None:
+        self.address = address
+        self._token, self._timeout, self._frame_bytes, self._window = bytes(token), timeout_s, frame_bytes, window
+        self.server_key = server_key
+        self._keys: tuple[bytes, bytes] | None = None
+        if server_key:
+            from jaxckpt.backends import curve
+
+            curve.require_curve(f"a CURVE client of {self.address}")
+            if not curve.valid_public_key(server_key):
+                raise PeerError(f"peer {self.address}: published CURVE key {server_key[:48]!r} is not a Z85 "
+                                f"public key")
+            self._keys = curve.client_keys(self._token)
+        self._failed: set[int] = set()  # handshake failures seen and not yet reported
+        self.disconnects = 0  # connections lost so far
+        self.resent = 0  # requests sent again after their connection was lost
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._open()
+
+    def _open(self) -> None:
+        """A fresh socket and its monitor, connecting to the peer."""
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, self._frame_bytes + _HEADER_SLACK)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a live connection: see _send
+        # A link that stops passing bytes is dropped from this end too: the server's drop may never arrive.
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        if self._keys is not None:
+            self._sock.curve_serverkey = self.server_key.encode()
+            self._sock.curve_publickey, self._sock.curve_secretkey = self._keys
+        # Lost connections (and CURVE's failed handshakes) are events, not errors: the monitor reports them.
+        events = zmq.EVENT_DISCONNECTED | (_HANDSHAKE_FAILED if self._keys is not None else 0)
+        self._monitor = self._sock.get_monitor_socket(events, addr=f"inproc://jaxckpt-peer-monitor-{next(_MONITORS)}")
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._sock.connect(self.address)
+
+    def _shut(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+
+    def _drain(self) -> bool:
+        """Take in the monitor's events; whether the socket's connection was lost since the last look."""
+        lost = False
+        while self._monitor.poll(0):
+            # zmq_socket_monitor(3): a 16-bit event and a 32-bit value, then the endpoint. Parsed here because
+            # pyzmq's zmq.utils.monitor imports asyncio (4 MiB of modules in every process that connects).
+            frames = self._monitor.recv_multipart()
+            event = struct.unpack("=H", frames[0][:2])[0] if frames and len(frames[0]) >= 6 else 0
+            if event == zmq.EVENT_DISCONNECTED:
+                self.disconnects += 1
+                lost = True
+            else:
+                self._failed.add(event)
+        return lost
+
+    def _handshake_failure(self, what: str) -> PeerHandshakeError | None:
+        """The error for the CURVE handshakes that failed since the last look, None if none did."""
+        self._drain()
+        seen, self._failed = self._failed, set()
+        if zmq.EVENT_HANDSHAKE_FAILED_AUTH in seen:
+            return PeerHandshakeError(f"peer {self.address} refused the CURVE key of this job for {what}: it serves "
+                                      f"another job (another peer token)")
+        if seen:
+            return PeerHandshakeError(f"peer {self.address} failed the CURVE handshake for {what}: the server there "
+                                      f"does not hold the key {self.server_key} published for that address (or "
+                                      f"does not speak CURVE, or it closed during the handshake); nothing was "
+                                      f"sent to it")
+        return None
+
+    def _send(self, op: str, what: str, **fields: int | None) -> int:
+        rid = next(self._ids)
+        fields = {k: v for k, v in fields.items() if v is not None}
+        wait = min(self._timeout, CONNECT_TIMEOUT_S)
+        try:
+            if not self._sock.poll(max(1, int(wait * 1000)), zmq.POLLOUT):
+                raise zmq.Again()
+            self._sock.send(msgpack.packb({"v": VERSION, "id": rid, "token": self._token, "op": op, **fields},
+                                          use_bin_type=True), zmq.NOBLOCK)
+        except zmq.Again:
+            failed = self._handshake_failure(what)
+            if failed is not None:
+                raise failed from None
+            raise PeerUnreachableError(f"peer {self.address}: no reply to {what} within {wait:g}s: nothing accepted "
+                                       f"a connection at that address") from None
+        return rid
+
+    def _reopen(self, what: str, resends: int) -> int:
+        """Replace the socket whose connection was lost; raise once the call has lost too many connections."""
+        if resends >= MAX_RESENDS:
+            raise PeerUnreachableError(f"peer {self.address}: {what}: the connection was lost {resends + 1} times "
+                                       f"within one request")
+        log.info("peer %s: the connection carrying %s was lost; sending it again on a fresh one", self.address, what)
+        failed = self._handshake_failure(what)
+        if failed is not None:
+            raise failed
+        self._shut()
+        self._open()
+        return resends + 1
+
+    def _recv(self, want: set[int], deadline: float, what: str) -> tuple[int, dict, zmq.Frame | None]:
+        """The reply to one of ``want``; _Lost once the socket's connection was lost."""
+        while True:
+            left = deadline - time.monotonic()
+            ready = dict(self._poller.poll(max(1, int(left * 1000)))) if left > 0 else {}
+            if self._monitor in ready and self._drain():
+                raise _Lost()
+            if self._sock not in ready:
+                if left > 0 and self._monitor in ready:
+                    continue  # an event that was not a lost connection
+                failed = self._handshake_failure(what)  # the server changed under a live connection
+                if failed is not None:
+                    raise failed
+                raise PeerTimeoutError(f"peer {self.address}: no reply to {what} within {self._timeout:g}s")
+            frames = self._sock.recv_multipart(copy=False)
+            try:
+                header = msgpack.unpackb(frames[0].buffer, raw=False)
+            except Exception:  # noqa: BLE001
+                raise PeerError(f"peer {self.address}: malformed reply to {what}") from None
+            if not isinstance(header, dict) or header.get("v") != VERSION:
+                raise PeerError(f"peer {self.address}: malformed reply to {what} (not protocol {VERSION})")
+            rid = header.get("id")
+            if rid not in want:
+                continue  # a late reply to a request that timed out earlier
+            if not header.get("ok"):
+                code, error = header.get("code"), header.get("error")
+                if code == "not-found":
+                    raise StepNotFoundError(f"peer {self.address}: {error}")
+                raise PeerError(f"peer {self.address} refused {what}: {error} ({code})")
+            return rid, header, frames[1] if len(frames) > 1 else None
+
+    def _call(self, op: str, what: str, **fields: int | None) -> tuple[dict, zmq.Frame | None]:
+        with self._lock:
+            self._check_open()
+            deadline, resends = time.monotonic() + self._timeout, 0
+            while True:
+                if self._drain():  # lost while idle: its queue may hold nothing live
+                    resends = self._reopen(what, resends)
+                rid = self._send(op, what, **fields)
+                try:
+                    _, header, payload = self._recv({rid}, deadline, what)
+                    return header, payload
+                except _Lost:
+                    resends = self._reopen(what, resends)
+                    self.resent += 1
+
+    def steps(self) -> list[int]:
+        header, _ = self._call("steps", "a steps request")
+        steps = header.get("steps", [])
+        if not isinstance(steps, list) or not all(type(s) is int and s >= 0 for s in steps):
+            raise PeerError(f"peer {self.address}: malformed reply to a steps request")
+        return steps
+
+    def held(self) -> list[list]:
+        header, _ = self._call("held", "a held request")
+        held = header.get("held")
+        if not isinstance(held, list):
+            raise PeerError(f"peer {self.address}: malformed reply to a held request")
+        return held
+
+    def manifest(self, step: int, process: int | None = None) -> bytes:
+        parts: list[bytes] = []
+        got, size = 0, None
+        what = f"the manifest of step {step}" + (f" of process {process}" if process is not None else "")
+        while size is None or got < size:
+            header, payload = self._call("manifest", what, step=step, offset=got, process=process)
+            size, part = header.get("size"), payload.bytes if payload is not None else b""
+            if not isinstance(size, int) or size > MAX_MANIFEST_BYTES or (got + len(part) < size and not part):
+                raise PeerError(f"peer {self.address}: malformed manifest reply for step {step} (size {size!r})")
+            parts.append(part)
+            got += len(part)
+        return b"".join(parts)
+
+    def read(self, step: int, offset: int, nbytes: int, process: int | None = None) -> memoryview:
+        what = f"step {step} range {offset}+{nbytes}" + (f" of process {process}" if process is not None else "")
+        parts = [(o, min(self._frame_bytes, offset + nbytes - o))
+                 for o in range(offset, offset + nbytes, self._frame_bytes)] or [(offset, 0)]
+        # Frames land in one aligned buffer of the range's own (a restore keeps it as the array's memory: lent)
+        out = None if len(parts) == 1 else hostbuf.empty(nbytes, np.uint8)
+        with self._lock:
+            self._check_open()
+            deadline, resends = time.monotonic() + self._timeout, 0
+            pending: dict[int, tuple[int, int]] = {}
+            todo = iter(parts)
+            if self._drain():
+                resends = self._reopen(what, resends)
+            while True:
+                while len(pending) < self._window:
+                    nxt = next(todo, None)
+                    if nxt is None:
+                        break
+                    pending[self._send("read", what, step=step, offset=nxt[0], nbytes=nxt[1], process=process)] = nxt
+                if not pending:
+                    break
+                try:
+                    rid, _, payload = self._recv(set(pending), deadline, what)
+                except _Lost:
+                    resends = self._reopen(what, resends)
+                    again = list(pending.values())
+                    self.resent += len(again)
+                    pending = {self._send("read", what, step=step, offset=o, nbytes=n, process=process): (o, n)
+                               for o, n in again}
+                    continue
+                o, n = pending.pop(rid)
+                buf = payload.buffer if payload is not None else memoryview(b"")
+                if len(buf) != n:
+                    raise PeerError(f"peer {self.address}: {what}: reply has {len(buf)} bytes, expected {n}")
+                if out is None:
+                    return buf
+                out[o - offset:o - offset + n] = np.frombuffer(buf, dtype=np.uint8)
+                deadline = time.monotonic() + self._timeout  # progress resets the clock
+        return memoryview(out)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PeerError(f"client of peer {self.address} is closed")
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._shut()
