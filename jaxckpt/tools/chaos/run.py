@@ -262,6 +262,7 @@ class ChaosRun:
         if old is not None:
             if old.poll() is None:
                 ct.kill_agent(d, wipe=False)
+                old.kill()  # its pid file may be gone with its directory; unreaped, the pid is still its own
             old.wait()
         proto.ensure_private_dir(d, create=True)
         job = self.job + "-jax" if d == self.jax_dir else self.job
@@ -324,7 +325,9 @@ class ChaosRun:
         goes to each attempt until it has gone off."""
         for _ in range(MAX_RELAUNCH + 1):
             for d, p in list(self.agents.items()):
-                if p.poll() is not None:  # killed earlier: restart it first, as a launcher would
+                # Killed earlier (or its node's directory wiped): restart it first, as a launcher would. Not
+                # only by its exit: a killed agent may still be tearing down, and a wiped one listens nowhere.
+                if p.poll() is not None or not self._listening(d, p.pid):
                     self.start_agent(d)
             specs = self.specs(mode, None if self.fired else fault, target)
             inc = Incarnation(self, specs)

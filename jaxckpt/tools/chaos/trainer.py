@@ -311,11 +311,23 @@ def kill_agent(directory: str, *, wipe: bool) -> int | None:
     pid = proto.kill_agent(directory)
     if pid is not None:
         deadline = time.monotonic() + 10
-        while proc_state(pid) not in ("Z", "X") and time.monotonic() < deadline:
+        while not proc_dead(pid) and time.monotonic() < deadline:
             time.sleep(0.002)
     if wipe:
         proto.kill_agent(directory, remove_memory=True)
     return pid
+
+
+def proc_dead(pid: int) -> bool:
+    """Whether process ``pid`` is gone or a zombie with every thread ended. A killed multithreaded process
+    shows its leader as a zombie while its other threads still tear down: its parent cannot reap it yet."""
+    state = proc_state(pid)
+    if state != "Z":
+        return state == "X"
+    try:
+        return len(os.listdir(f"/proc/{pid}/task")) <= 1
+    except FileNotFoundError:
+        return True
 
 
 def proc_state(pid: int) -> str:
