@@ -58,8 +58,8 @@ from jaxckpt.core.coordination import Coordinator
 from jaxckpt.errors import (AgentError, ManifestError, PeerError, PeerTimeoutError, StepNotFoundError,
                             StoreUnavailableError)
 from jaxckpt.core.fetch import buffer_source
-from jaxckpt.core.sources import (HeldEntry, Holder, Opened, Source, Version, check_manifest, choose_version,
-                             complete_steps, missing_processes, newest_common, order_sources)
+from jaxckpt.core.sources import (HeldEntry, Holder, Opened, RestoreReads, Source, Version, check_manifest,
+                                  choose_version, complete_steps, missing_processes, newest_common, order_sources)
 from jaxckpt.core.store import Store
 
 log = logging.getLogger("jaxckpt.core.catalog")
@@ -93,7 +93,12 @@ class _Lazy:
     def __init__(self, holder: Holder, process: int, step: int, crc: int, opened: list[Opened]) -> None:
         self._h, self._q, self._step, self._crc, self._opened = holder, process, step, crc, opened
         self._o: Opened | None = None
+        self._reads: RestoreReads | None = None
         self._lock = threading.Lock()
+
+    def bind(self, reads: RestoreReads) -> None:
+        """Source.bind, for when (and if) the holder is opened."""
+        self._reads = reads
 
     def __call__(self, offset: int, nbytes: int) -> memoryview:
         with self._lock:
@@ -106,8 +111,16 @@ class _Lazy:
                 if crc32c(o.manifest) != self._crc:
                     raise StepNotFoundError(f"{self._h.name} holds another snapshot of step {self._step} of "
                                             f"process {self._q} (its manifest differs)")
+                if o.bind is not None and self._reads is not None:
+                    o.bind(self._reads)
                 self._o = o
         return self._o.read(offset, nbytes)
+
+
+def _lazy_source(h: Holder, process: int, step: int, crc: int, opened: list[Opened]) -> Source:
+    """A fallback Source of ``process``'s snapshot of ``step`` at ``h``, opened on its first read."""
+    lazy = _Lazy(h, process, step, crc, opened)
+    return Source(h.kind, h.name, h.node, lazy, bind=lazy.bind)
 
 
 class _NotAsked(PeerError):
@@ -138,7 +151,7 @@ class _Guarded(Holder):
 
     def open(self, process: int, step: int) -> Opened:
         o = self._call(self._h.open, process, step)
-        return Opened(o.manifest, lambda offset, nbytes: self._call(o.read, offset, nbytes), o.close, o.lend)
+        return Opened(o.manifest, lambda offset, nbytes: self._call(o.read, offset, nbytes), o.close, o.lend, o.bind)
 
     def close(self) -> None:
         self._h.close()
@@ -469,8 +482,7 @@ class Catalog:
             manifests[q] = m
             # the node agent holds the same memory as our own store: no fallback there
             others = [(h, x) for h, x in by_q.get(q, []) if h.kind != "node" and x.crc == e.crc]
-            sources[q] += [Source(h.kind, h.name, h.node, _Lazy(h, q, step, e.crc, opened))
-                           for h in order_sources(others)]
+            sources[q] += [_lazy_source(h, q, step, e.crc, opened) for h in order_sources(others)]
 
         def first(q: int) -> tuple[int, mf.Manifest, list[Source]]:
             holders = order_sources(by_q.get(q, []))
@@ -491,8 +503,8 @@ class Catalog:
                 crc = crc32c(o.manifest)
                 alts = [h2 for h2 in holders[i + 1:]
                         if h2.kind == "peer" or any(x.crc == crc for hh, x in by_q[q] if hh is h2)]
-                return q, m, [Source(h.kind, h.name, h.node, o.read, o.lend)] + \
-                    [Source(h2.kind, h2.name, h2.node, _Lazy(h2, q, step, crc, opened)) for h2 in alts]
+                return q, m, [Source(h.kind, h.name, h.node, o.read, o.lend, o.bind)] + \
+                    [_lazy_source(h2, q, step, crc, opened) for h2 in alts]
             if len(failures) == 1:  # the one holder's own error (a refused token, a gone step), unchanged
                 h, e = failures[0]
                 if isinstance(e, (PeerError, StepNotFoundError, ManifestError)):

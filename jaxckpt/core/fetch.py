@@ -75,6 +75,14 @@ class ChunkReader:
         # verified, and its bytes are handed over as they are.
         self.private_copies = False
         self._owned: set[tuple] = set()
+        # Chunks the current prefetch reads (what ``lookup`` serves), and those being fetched through a source
+        # that rebuilds them from other chunks (a ``lookup`` never waits for one: see there).
+        self._planned: set[tuple] = set()
+        self._rebuilding: set[tuple] = set()
+        for ss in self._sources.values():
+            for src in ss:
+                if src.bind is not None:
+                    src.bind(self)
 
     def _key(self, chunk: ChunkMeta) -> tuple[int, int, int, int, int]:
         """(step, saving process, offset, nbytes, crc32c): which snapshot's bytes, and which bytes of it."""
@@ -103,9 +111,46 @@ class ChunkReader:
         finally:
             with self._lock:
                 del self._inflight[key]
+                self._rebuilding.discard(key)
             done.set()
 
-    def _fetch(self, path: str, chunk: ChunkMeta, key: tuple) -> memoryview:
+    def lookup(self, step: int, path: str, chunk: ChunkMeta) -> memoryview | None:
+        """For a source that rebuilds chunks from other chunks (protection): the verified bytes of ``chunk`` as
+        this restore has them, fetched here once (never through a rebuild) and kept for the restore's own reads;
+        None when the caller must read it on its own: this restore does not read it (no memory is held for
+        it past the rebuild), or it is being rebuilt itself (waiting for that could wait for the caller).
+
+        Only a caller inside a rebuild waits here, and only for a fetch not (yet) rebuilding when it began to
+        wait; a fetch that waits has switched to rebuilding before it does. So a wait never closes a cycle."""
+        key = self._key(chunk)
+        if step != self._step or all(s.kind == "rebuild" for s in self._sources.get(chunk.process, ())):
+            return None
+        while True:
+            with self._lock:
+                got = self._cache.get(key)
+                if got is not None:
+                    return got
+                if key not in self._planned or key in self._rebuilding:
+                    return None
+                busy = self._inflight.get(key)
+                if busy is None:
+                    done = self._inflight[key] = threading.Event()
+                    break
+            busy.wait()
+        try:
+            return self._fetch(path, chunk, key, rebuilds=False)
+        finally:
+            with self._lock:
+                del self._inflight[key]
+            done.set()
+
+    def account(self, step: int, kind: str, nbytes: int) -> None:
+        """A rebuild read ``nbytes`` on its own from a holder of ``kind``: counted in ``report.rebuild_reads``."""
+        if step == self._step:
+            with self._lock:
+                self.report.rebuild_reads[kind] = self.report.rebuild_reads.get(kind, 0) + nbytes
+
+    def _fetch(self, path: str, chunk: ChunkMeta, key: tuple, rebuilds: bool = True) -> memoryview:
         sources = self._sources.get(chunk.process)
         where = f"{path}: step {self._step} chunk {chunk.box.start}..{chunk.box.stop} of process {chunk.process}"
         if not sources:
@@ -115,6 +160,11 @@ class ChunkReader:
         for src in sources:
             if (key, src.name) in self._bad:
                 continue
+            if src.kind == "rebuild":
+                if not rebuilds:
+                    continue
+                with self._lock:
+                    self._rebuilding.add(key)
             t0 = time.perf_counter()
             try:
                 raw = self._read(src, chunk, where)
@@ -207,6 +257,7 @@ class ChunkReader:
         todo = plan_fetch(chunks, self._sources, self.report)
         with self._lock:
             todo = [(p, c) for p, c in todo if self._key(c) not in self._cache]
+            self._planned.update(self._key(c) for _, c in todo)
         if not todo:
             return
         log.info("step %d: fetching %d chunks (%d bytes) on process %d; planned bytes by source kind %s, by node %s",

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Protocol, Sequence
 
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.errors import ManifestError
@@ -33,6 +33,18 @@ RANK = {k: i for i, k in enumerate(KINDS)}
 
 # (offset, nbytes) -> the bytes of one process's snapshot buffer in that range
 ByteSource = Callable[[int, int], memoryview]
+
+
+class RestoreReads(Protocol):
+    """What a restore offers a source that reads other bytes to make its own (protection's rebuild):
+    ``jaxckpt.core.fetch.ChunkReader`` is one."""
+
+    def lookup(self, step: int, path: str, chunk: ChunkMeta) -> memoryview | None:
+        """The verified bytes of ``chunk`` as this restore has them (fetched once per restore), or None where the
+        caller must read them on its own."""
+
+    def account(self, step: int, kind: str, nbytes: int) -> None:
+        """Count ``nbytes`` the caller read on its own from a holder of ``kind`` (e.g. a parity block)."""
 
 
 @dataclass(frozen=True, order=True)
@@ -121,6 +133,7 @@ class Opened:
     read: ByteSource
     close: Callable[[], None] = lambda: None
     lend: Callable[[], bool] | None = None  # see Source.lend
+    bind: Callable[[RestoreReads], None] | None = None  # see Source.bind
 
 
 class Holder(abc.ABC):
@@ -157,6 +170,10 @@ class Source:
     # Only a source whose memory is never rewritten while it is referenced has one (SnapshotView.lend): then the
     # restored arrays may use the bytes read from it as their own memory. True when it agreed.
     lend: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
+    # A source that reads other saving processes' chunks to make its own (protection's rebuild) has one: the
+    # chunk reader that reads it hands itself over, so a chunk the restore fetches anyway is fetched once, and
+    # what the source reads on its own (parity, copies) counts in the restore's report.
+    bind: Callable[[RestoreReads], None] | None = field(default=None, compare=False, repr=False)
 
 
 def order_sources(holders: Iterable[tuple[Holder, HeldEntry]]) -> list[Holder]:
@@ -193,6 +210,9 @@ class RestoreReport:
     # and the bytes of this process's target shards that the collective brought from other processes.
     routes: dict[str, str] = field(default_factory=dict)
     collective_bytes: int = 0
+    # Bytes rebuilds read on their own (parity and copy blocks, chunks this restore does not otherwise read), by
+    # the kind of holder they came from; the chunks they share with this restore are counted above, once.
+    rebuild_reads: dict[str, int] = field(default_factory=dict)
     # Newer steps a restore of the newest one passed over (jaxckpt.core.fallback): one line each, saying why.
     skipped: list[str] = field(default_factory=list)
     # Bytes and seconds per phase (discover, plan, reads by source kind, rebuild, device put, ...).
@@ -204,14 +224,17 @@ class RestoreReport:
 
     @property
     def transport_bytes(self) -> int:
-        """Chunk bytes this process fetched over the host transport (another node's agent, another process)."""
-        return self.bytes_by_kind.get("remote", 0) + self.bytes_by_kind.get("peer", 0)
+        """Bytes this process fetched over the host transport (another node's agent, another process): chunks,
+        and what rebuilds read on their own."""
+        return sum(d.get(k, 0) for d in (self.bytes_by_kind, self.rebuild_reads) for k in ("remote", "peer"))
 
     def summary(self) -> str:
         """One line for the log."""
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.bytes_by_kind.items(), key=lambda kv: RANK.get(kv[0], 99)))
         nodes = ", ".join(f"{k} {v}" for k, v in sorted(self.bytes_by_node.items()))
         fb = f"; {len(self.fallbacks)} fallback(s): {self.fallbacks[0]}" if self.fallbacks else ""
+        if self.rebuild_reads:
+            fb += "; rebuilds read " + ", ".join(f"{k} {v}" for k, v in sorted(self.rebuild_reads.items()))
         if self.skipped:
             fb += f"; passed over {len(self.skipped)} newer step(s): {'; '.join(self.skipped)}"
         if self.routes:
@@ -231,6 +254,7 @@ class RestoreReport:
                 "bytes_by_process": {str(k): v for k, v in self.bytes_by_process.items()},
                 "fallbacks": list(self.fallbacks), "seconds": self.seconds, "timeline": self.timeline.to_dict(),
                 "routes": dict(self.routes), "collective_bytes": self.collective_bytes, "skipped": list(self.skipped),
+                "rebuild_reads": dict(self.rebuild_reads),
                 "transport_bytes": self.transport_bytes}
 
 

@@ -25,7 +25,8 @@ from jaxckpt.errors import ChecksumError, DataLossError, ManifestError, PeerErro
 from jaxckpt.protection.plan import CopyBlock, ProtectionPlan, SavedChunk, Stripe, decode_plan
 from jaxckpt.protection.rebuild import Rebuilder, data_loss, plan_recovery
 from jaxckpt.protection.slot import PROTECT_BASE, BlockRef, SlotHeader, decode_header, decode_meta
-from jaxckpt.core.sources import HeldEntry, Holder, Opened
+from jaxckpt.core.manifest import ChunkMeta
+from jaxckpt.core.sources import HeldEntry, Holder, Opened, RestoreReads
 
 log = logging.getLogger("jaxckpt.protection.holder")
 
@@ -48,6 +49,17 @@ class _IO:
 
     def __init__(self, info: _StepInfo) -> None:
         self.info, self._opened, self._lock = info, {}, threading.Lock()
+        self.reads: RestoreReads | None = None
+
+    def bind(self, reads: RestoreReads) -> None:
+        """Read surviving chunks through the restore that reads this rebuild (Source.bind): a chunk that restore
+        needs anyway is then fetched once, not once for it and once more for every rebuild that XORs it; what
+        is read here on its own counts in that restore's report."""
+        self.reads = reads
+
+    def _count(self, h: Holder, nbytes: int) -> None:
+        if self.reads is not None:
+            self.reads.account(self.info.step, h.kind, nbytes)
 
     def _open(self, h: Holder, q: int) -> Opened:
         with self._lock:
@@ -58,10 +70,15 @@ class _IO:
 
     def chunk(self, c: SavedChunk) -> np.ndarray:
         crc = self.info.crcs.get(c.key)
+        if self.reads is not None and crc is not None:
+            got = self.reads.lookup(self.info.step, c.path, ChunkMeta(c.box, c.offset, c.nbytes, crc, c.process))
+            if got is not None:
+                return parity.as_bytes(np.frombuffer(got, np.uint8))
         errors = []
         for h in self.info.held.get(c.process, ()):
             try:
                 data = parity.as_bytes(np.frombuffer(self._open(h, c.process).read(c.offset, c.nbytes), np.uint8))
+                self._count(h, c.nbytes)
                 if crc is not None:
                     parity.check(data, crc, f"{c.path}: step {self.info.step} chunk of process {c.process} at "
                                             f"{h.name}")
@@ -76,6 +93,7 @@ class _IO:
         for h, pp, ref in self.info.blocks.get((kind, bid), ()):
             try:
                 data = np.frombuffer(self._open(h, pp).read(ref.offset + lo, hi - lo), np.uint8)
+                self._count(h, hi - lo)
                 if (lo, hi) == (0, ref.nbytes):
                     parity.check(data, ref.crc, f"step {self.info.step} {what} at {h.name}")
                 return data
@@ -259,11 +277,11 @@ class RebuildHolder(Holder):
                            io, info.crcs, workers=self._workers)
             log.warning("step %d: process %d was lost with node(s) %s; its chunks are rebuilt from protection "
                         "%r", step, process, list(info.lost_nodes), info.plan.policy)
-            return Opened(info.manifests[process], rb.source(process), io.close)
+            return Opened(info.manifests[process], rb.source(process), io.close, bind=io.bind)
 
         def read(offset: int, nbytes: int) -> memoryview:
             # a surviving process's chunk failed at its holders: rebuild it as if it were lost
             rp = plan_recovery(info.plan, info.lost_nodes, step=step, bad_chunks=[(process, offset)],
                                bad_blocks=info.bad_blocks)
             return Rebuilder(rp, io, info.crcs, workers=self._workers).source(process)(offset, nbytes)
-        return Opened(info.manifests[process], read, io.close)
+        return Opened(info.manifests[process], read, io.close, bind=io.bind)

@@ -18,7 +18,9 @@ chunks as if it were still there.
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Protocol, Union
 
@@ -300,6 +302,12 @@ class RecoveryIO(Protocol):
 _UNAVAILABLE = (ChecksumError, PeerError, StepNotFoundError)
 
 
+@functools.lru_cache(maxsize=1)
+def _readers() -> ThreadPoolExecutor:
+    """Threads that read parity blocks while a rebuild gathers the other units (each read only waits for I/O)."""
+    return ThreadPoolExecutor(max_workers=8, thread_name_prefix="jaxckpt-rebuild-read")
+
+
 class Rebuilder:
     """Rebuilds the chunks of a RecoveryPlan through ``io``; ``crcs`` maps (process, offset) to the manifest crc32c."""
 
@@ -347,9 +355,14 @@ class Rebuilder:
     def _from_stripe(self, src: FromStripe, part: Part, out: np.ndarray, cache: dict[int, np.ndarray]) -> None:
         s = self.plan.protection.stripes[src.stripe]
         a, b = src.unit_lo, src.unit_lo + part.hi - part.lo
-        blocks = [self._io.parity(s, a, b)]
-        blocks += [self._unit_range(u, a, b, cache) for k, u in enumerate(s.units) if k != src.unit]
-        parity.encode(blocks, out[part.lo:part.hi], length=b - a, workers=self._workers)
+        # The parity block comes from one holder and the units from others (or from the restore's own fetches,
+        # under way): the parity is read on a thread of its own while the units are gathered here.
+        pending = _readers().submit(self._io.parity, s, a, b)
+        try:
+            units = [self._unit_range(u, a, b, cache) for k, u in enumerate(s.units) if k != src.unit]
+        finally:
+            wait([pending])  # no read outlives the rebuild that asked for it
+        parity.encode([pending.result()] + units, out[part.lo:part.hi], length=b - a, workers=self._workers)
 
     def _unit_range(self, u: Unit, a: int, b: int, cache: dict[int, np.ndarray]) -> list[np.ndarray]:
         """Bytes [a, b) of unit ``u`` (fewer where it ends), from verified whole chunks."""
