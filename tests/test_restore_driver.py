@@ -272,3 +272,33 @@ def _busy(t: threading.Thread) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def test_arrays_are_made_while_the_last_chunks_are_still_being_fetched():
+    """The prefetch runs behind the assembly: array ``a`` is made while the chunk of ``b`` is still on its way
+    (here: its source answers only once ``a`` exists), and each chunk is still read once."""
+    rng = np.random.default_rng(3)
+    want = {name: rng.standard_normal((16, 8)) for name in ("a", "b")}
+    bufs = {p: np.frombuffer(want[name].tobytes(), np.uint8) for p, name in ((1, "a"), (0, "b"))}
+    metas = {name: ArrayMeta(name, (), (16, 8), "float64", "numpy",
+                             chunks=(ChunkMeta(Box((0, 0), (16, 8)), 0, bufs[p].nbytes, crc32c(bufs[p]), p),))
+             for p, name in ((1, "a"), (0, "b"))}
+    a_made, reads = threading.Event(), {0: 0, 1: 0}
+
+    def source(p: int):
+        def read(offset: int, nbytes: int) -> memoryview:
+            reads[p] += 1
+            if p == 0 and not a_made.wait(30):  # the prefetch reads process 0 first (plan order)
+                raise PeerError("b's holder was asked before a was made: the prefetch ran ahead of nothing")
+            return memoryview(bufs[p])[offset:offset + nbytes]
+        return [Source("remote", f"agent {p}", f"n{p}", read)]
+
+    def make_a(h):
+        a_made.set()
+        return h.copy()
+    reader = ChunkReader({p: source(p) for p in (0, 1)}, 2, workers=1, process=0)
+    got = restore_leaves([ArrayRequest.whole(metas["a"], make_a), ArrayRequest.whole(metas["b"], lambda h: h.copy())],
+                         reader, step=2, process=0)
+    same_bits(got[0], want["a"], "a")
+    same_bits(got[1], want["b"], "b")
+    assert reads == {0: 1, 1: 1}
