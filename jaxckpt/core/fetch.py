@@ -79,6 +79,9 @@ class ChunkReader:
         # that rebuilds them from other chunks (a ``lookup`` never waits for one: see there).
         self._planned: set[tuple] = set()
         self._rebuilding: set[tuple] = set()
+        # A chunk no source gave: its error, raised again to every later reader of it (the assembly reads what
+        # the prefetch behind it could not fetch; it must see why, not only that every source failed before).
+        self._errors: dict[tuple, Exception] = {}
         for ss in self._sources.values():
             for src in ss:
                 if src.bind is not None:
@@ -101,13 +104,20 @@ class ChunkReader:
                 got = self._cache.get(key)
                 if got is not None:
                     return got
+                failed = self._errors.get(key)
+                if failed is not None:  # every source failed for another reader of it: the same error
+                    raise failed
                 busy = self._inflight.get(key)
                 if busy is None:
                     done = self._inflight[key] = threading.Event()
                     break
-            busy.wait()  # another thread fetches it; if that failed, this one tries (and fails) on its own
+            busy.wait()  # another thread fetches it
         try:
             return self._fetch(path, chunk, key)
+        except SOURCE_ERRORS + (DataLossError,) as e:
+            with self._lock:
+                self._errors[key] = e
+            raise
         finally:
             with self._lock:
                 del self._inflight[key]
@@ -130,7 +140,7 @@ class ChunkReader:
                 got = self._cache.get(key)
                 if got is not None:
                     return got
-                if key not in self._planned or key in self._rebuilding:
+                if key not in self._planned or key in self._rebuilding or key in self._errors:
                     return None
                 busy = self._inflight.get(key)
                 if busy is None:

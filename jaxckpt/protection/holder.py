@@ -88,6 +88,23 @@ class _IO:
         raise ChecksumError(f"step {self.info.step}: no good copy of chunk {c.box} of {c.path} (process "
                             f"{c.process}): {'; '.join(errors) or 'no holder'}")
 
+    def chunk_range(self, c: SavedChunk, lo: int, hi: int) -> np.ndarray:
+        crc = self.info.crcs.get(c.key)
+        if self.reads is not None and crc is not None:  # a chunk the restore reads anyway: its verified bytes
+            got = self.reads.lookup(self.info.step, c.path, ChunkMeta(c.box, c.offset, c.nbytes, crc, c.process))
+            if got is not None:
+                return np.frombuffer(got, np.uint8)[lo:hi]
+        errors = []
+        for h in self.info.held.get(c.process, ()):
+            try:
+                data = np.frombuffer(self._open(h, c.process).read(c.offset + lo, hi - lo), np.uint8)
+                self._count(h, hi - lo)
+                return data
+            except (PeerError, StepNotFoundError, OSError) as e:
+                errors.append(str(e))
+        raise PeerError(f"step {self.info.step}: bytes {lo}..{hi} of chunk {c.box} of {c.path} (process "
+                        f"{c.process}) cannot be read: {'; '.join(errors) or 'no holder'}")
+
     def _block(self, kind: str, bid: int, lo: int, hi: int, what: str) -> np.ndarray:
         errors = []
         for h, pp, ref in self.info.blocks.get((kind, bid), ()):

@@ -292,6 +292,10 @@ class RecoveryIO(Protocol):
     def chunk(self, chunk: SavedChunk) -> parity.Buffer:
         """The whole saved ``chunk`` from its (surviving) process, verified (ChecksumError when corrupt)."""
 
+    def chunk_range(self, chunk: SavedChunk, lo: int, hi: int) -> parity.Buffer:
+        """Bytes [lo, hi) of saved ``chunk`` from its (surviving) process, unverified (the rebuilt chunk's
+        crc32c checks them)."""
+
     def parity(self, stripe: Stripe, lo: int, hi: int) -> parity.Buffer:
         """Bytes [lo, hi) of ``stripe``'s parity block from ``stripe.node`` (verified by its holder)."""
 
@@ -325,8 +329,22 @@ class Rebuilder:
         c = prot.chunks[r.chunk]
         crc = self._crcs.get(c.key)
         what = f"{c.path}: step {self.plan.step} chunk {list(c.box.start)}..{list(c.box.stop)} of process {process}"
+        if crc is not None:
+            # First from the byte ranges the stripes need, each read once and checked only through the rebuilt
+            # chunk's crc32c: reading (and verifying) every other unit's whole chunk again for each lost chunk
+            # multiplied a node loss's transport. Should that fail, the whole verified chunks say which source
+            # is bad and route around it.
+            try:
+                return self._rebuild(r, c, crc, what, None)
+            except (*_UNAVAILABLE, DataLossError) as e:
+                log.warning("%s: rebuilding from byte ranges failed (%s); again from whole verified chunks", what, e)
+        return self._rebuild(r, c, crc, what, {})
+
+    def _rebuild(self, r: ChunkRebuild, c: SavedChunk, crc: int | None, what: str,
+                 cache: dict[int, np.ndarray] | None) -> np.ndarray:
+        """Chunk ``c`` from its parts' sources; ``cache`` holds the whole verified chunks read (None: ranges)."""
+        prot = self.plan.protection
         out = np.empty(c.nbytes, dtype=np.uint8)
-        cache: dict[int, np.ndarray] = {}
         for part in r.parts:
             errors = []
             for src in part.sources:
@@ -352,7 +370,8 @@ class Rebuilder:
             parity.check(out, crc, f"{what}, rebuilt from protection")
         return out
 
-    def _from_stripe(self, src: FromStripe, part: Part, out: np.ndarray, cache: dict[int, np.ndarray]) -> None:
+    def _from_stripe(self, src: FromStripe, part: Part, out: np.ndarray,
+                     cache: dict[int, np.ndarray] | None) -> None:
         s = self.plan.protection.stripes[src.stripe]
         a, b = src.unit_lo, src.unit_lo + part.hi - part.lo
         # The parity block comes from one holder and the units from others (or from the restore's own fetches,
@@ -364,12 +383,16 @@ class Rebuilder:
             wait([pending])  # no read outlives the rebuild that asked for it
         parity.encode([pending.result()] + units, out[part.lo:part.hi], length=b - a, workers=self._workers)
 
-    def _unit_range(self, u: Unit, a: int, b: int, cache: dict[int, np.ndarray]) -> list[np.ndarray]:
-        """Bytes [a, b) of unit ``u`` (fewer where it ends), from verified whole chunks."""
+    def _unit_range(self, u: Unit, a: int, b: int, cache: dict[int, np.ndarray] | None) -> list[np.ndarray]:
+        """Bytes [a, b) of unit ``u`` (fewer where it ends), from verified whole chunks, or (``cache`` None) as
+        byte ranges of the chunks."""
         out, pos = [], 0
         for g in u.ranges:
             x, y = max(a, pos), min(b, pos + g.nbytes)
-            if y > x:
+            if y > x and cache is None:
+                chunk = self.plan.protection.chunks[g.chunk]
+                out.append(parity.as_bytes(self._io.chunk_range(chunk, g.lo + x - pos, g.lo + y - pos)))
+            elif y > x:
                 if g.chunk not in cache:
                     cache[g.chunk] = parity.as_bytes(self._io.chunk(self.plan.protection.chunks[g.chunk]))
                 out.append(cache[g.chunk][g.lo + x - pos:g.lo + y - pos])
