@@ -306,6 +306,11 @@ class ChunkReader:
         if errors:
             raise errors[min(errors)]  # the first failure, in plan order
 
+    def near(self, chunks: Iterable[tuple[str, ChunkMeta]]) -> bool:
+        """Whether every chunk's first source is this node's memory (kinds local and node): reads that only copy,
+        with nothing to wait for."""
+        return all((f := self._first(c)) is not None and f.kind in ("local", "node") for _, c in chunks)
+
     def local_processes(self) -> list[int]:
         """The saving processes whose bytes this reader reads first from this node's memory (source kinds
         ``local`` and ``node``): what this process can contribute to a collective restore without transport."""

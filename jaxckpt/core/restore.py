@@ -232,8 +232,11 @@ def restore_leaves(items: Iterable[ArrayRequest | Any], reader: ChunkReader, *, 
     staged: dict[int, Staged] = {}
     if gather is not None:
         staged = _route(jobs, pending, chunks, reader, gather, error, process)
-    if not staged:
+    if not staged and not reader.near(chunks):
         return _build_while_fetching(jobs, chunks, reader, timeline)
+    if not staged:  # this node's memory only: nothing to wait for, so nothing to overlap (a thread only costs)
+        reader.prefetch(chunks)
+        return _build(jobs, reader, timeline)
     try:
         reader.prefetch(chunks)
         rows = _stage(staged, reader, timeline)
