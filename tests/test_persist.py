@@ -1,6 +1,7 @@
 """The persistent tier: committed snapshots in the standard Orbax format, read by plain Orbax and by restore."""
 import logging
 import os
+import signal
 import time
 
 import jax
@@ -190,6 +191,28 @@ def _persist_forever(directory: str) -> None:
             step += 1
 
 
+def _in_flight(d) -> bool:
+    """A persist under way (its temporary is there) after one that finished."""
+    return d.exists() and any(TMP_SUFFIX in p for p in os.listdir(d)) and bool(persisted_steps(d))
+
+
+def _stopped(pid: int, timeout: float = 20.0) -> None:
+    """Until every thread of ``pid`` is stopped (SIGSTOP delivered), or fail saying so."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+                continue
+        if states and all(st in ("T", "t") for st in states):
+            return
+        time.sleep(0.005)
+    pytest.fail(f"process {pid} did not stop within {timeout}s of SIGSTOP")
+
+
 def test_kill_during_persist_leaves_no_visible_step(tmp_path):
     d = tmp_path / "persist"
     with start(_persist_forever, nodes=1, procs_per_node=1, distributed=False, args=[str(d)]) as job:
@@ -197,10 +220,15 @@ def test_kill_during_persist_leaves_no_visible_step(tmp_path):
         while time.monotonic() < deadline:
             if job.poll()[0] is not None:
                 pytest.fail(f"the trainer exited: {job.results()[0].error}")
-            tmp = [p for p in (os.listdir(d) if d.exists() else []) if TMP_SUFFIX in p]
-            if tmp and persisted_steps(d):
-                job.kill_process(0)
-                break
+            if _in_flight(d):
+                # Frozen first, then looked at again: a persist seen in flight may finish before a kill lands
+                # (under load it did), and then nothing half-written would be left to check.
+                job.kill_process(0, signal.SIGSTOP, reason="killed mid-persist")
+                _stopped(job.pids()[0])
+                if _in_flight(d):
+                    job.kill_process(0)
+                    break
+                job.kill_process(0, signal.SIGCONT)  # it finished meanwhile: wait for the next one
             time.sleep(0.002)
         else:
             pytest.fail("no persist was caught in flight")
