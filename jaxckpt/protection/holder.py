@@ -61,6 +61,14 @@ class _IO:
         if self.reads is not None:
             self.reads.account(self.info.step, h.kind, nbytes)
 
+    def _shared(self, c: SavedChunk) -> np.ndarray | None:
+        """The verified bytes of ``c`` as the restore reading this rebuild has them, if it reads ``c`` anyway."""
+        crc = self.info.crcs.get(c.key)
+        if self.reads is None or crc is None:
+            return None
+        got = self.reads.lookup(self.info.step, c.path, ChunkMeta(c.box, c.offset, c.nbytes, crc, c.process))
+        return None if got is None else np.frombuffer(got, np.uint8)
+
     def _open(self, h: Holder, q: int) -> Opened:
         with self._lock:
             o = self._opened.get((id(h), q))
@@ -70,10 +78,9 @@ class _IO:
 
     def chunk(self, c: SavedChunk) -> np.ndarray:
         crc = self.info.crcs.get(c.key)
-        if self.reads is not None and crc is not None:
-            got = self.reads.lookup(self.info.step, c.path, ChunkMeta(c.box, c.offset, c.nbytes, crc, c.process))
-            if got is not None:
-                return parity.as_bytes(np.frombuffer(got, np.uint8))
+        got = self._shared(c)
+        if got is not None:
+            return parity.as_bytes(got)
         errors = []
         for h in self.info.held.get(c.process, ()):
             try:
@@ -89,11 +96,9 @@ class _IO:
                             f"{c.process}): {'; '.join(errors) or 'no holder'}")
 
     def chunk_range(self, c: SavedChunk, lo: int, hi: int) -> np.ndarray:
-        crc = self.info.crcs.get(c.key)
-        if self.reads is not None and crc is not None:  # a chunk the restore reads anyway: its verified bytes
-            got = self.reads.lookup(self.info.step, c.path, ChunkMeta(c.box, c.offset, c.nbytes, crc, c.process))
-            if got is not None:
-                return np.frombuffer(got, np.uint8)[lo:hi]
+        got = self._shared(c)
+        if got is not None:
+            return got[lo:hi]
         errors = []
         for h in self.info.held.get(c.process, ()):
             try:
