@@ -6,8 +6,12 @@ agent's memory holding the snapshots of every process of its node. Wire protocol
 never pickle):
 
   request (one frame)  {"v": 1, "id": n, "token": bytes, "op": "steps"|"manifest"|"read"|"held", "step", "offset",
-                        "nbytes", "process"}
-  reply (two frames)   {"v": 1, "id": n, "ok": bool, "code": "", "error": "", "steps": [...], "size", "held"}, payload
+                        "nbytes", "process", "chunk"}
+  reply (two frames)   {"v": 1, "id": n, "ok": bool, "code": "", "error": "", "steps": [...], "size", "held",
+                        "rest"}, payload
+A read may name the chunk that holds its range (``chunk``: [offset, nbytes]); its reply then carries ``rest``,
+the crc32c of the chunk's bytes before and after the range, so that the client checks the bytes it got against
+the chunk's crc32c without reading the whole chunk (``jaxckpt.core.checksum.span_crc``).
 A manifest is paged: each reply carries at most one frame from ``offset`` and the manifest's total ``size``.
 ``process`` (optional) names the saving process whose snapshot is meant; without it, a store's server means its
 own process. ``held`` lists every (process, step) the source holds as ``jaxckpt.core.sources.HeldEntry`` wire lists.
@@ -30,11 +34,13 @@ import hmac
 import logging
 import socket
 import threading
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterator, Sequence
 
 import msgpack
 import zmq
 
+from jaxckpt.core.checksum import crc32c
 from jaxckpt.errors import PeerError, PeerTimeoutError  # PeerTimeoutError: re-exported
 from jaxckpt.core.store import SnapshotView, Store
 
@@ -118,6 +124,16 @@ class StoreSource(SnapshotSource):
         return out
 
 
+@dataclass(frozen=True)
+class Span:
+    """``nbytes`` bytes at ``offset`` of a snapshot buffer; ``chunk``: (offset, nbytes) of the chunk holding them,
+    when the reader wants to check them against that chunk's crc32c."""
+
+    offset: int
+    nbytes: int
+    chunk: tuple[int, int] | None = None
+
+
 class PeerServer(abc.ABC):
     """Serves one store's committed snapshots at ``address`` until closed."""
 
@@ -144,6 +160,13 @@ class PeerClient(abc.ABC):
     @abc.abstractmethod
     def read(self, step: int, offset: int, nbytes: int, process: int | None = None) -> memoryview:
         """``nbytes`` bytes at ``offset`` of the peer's snapshot buffer of ``step`` (of saving ``process``)."""
+
+    @abc.abstractmethod
+    def read_spans(self, step: int, spans: Sequence[Span], process: int | None = None
+                   ) -> Iterator[tuple[int, memoryview, tuple[int, int] | None]]:
+        """Read ``spans`` of the peer's snapshot of ``step``, several requests in flight at once; yields
+        ``(index in spans, bytes, rest)`` in the order the replies arrive, ``rest`` the crc32c of the bytes of the
+        span's chunk before and after it (None for a span that names no chunk)."""
 
     @abc.abstractmethod
     def held(self) -> list[list]:
@@ -349,7 +372,7 @@ class ZmqServer(PeerServer):
             whose = self._source.label if process is None else f"{self._source.label} for process {process}"
             raise _Refused("not-found", f"step {step} is not held by {whose} "
                                         f"(held: {self._source.steps(process) or 'none'})")
-        size = None
+        size = rest = None
         try:
             if op == "manifest":  # paged like reads, so that no reply exceeds a frame
                 manifest = memoryview(view.manifest)
@@ -365,7 +388,8 @@ class ZmqServer(PeerServer):
                     raise _Refused("bad-request", f"range {offset}+{nbytes} runs past the end of step {step}'s "
                                                   f"{len(view.buffer)}-byte snapshot")
                 payload = view.buffer[offset:offset + nbytes]
-            tracker = self._reply(ident, rid, ok=True, payload=payload, size=size)
+                rest = _rest_crcs(req, view.buffer, offset, nbytes) if "chunk" in req else None
+            tracker = self._reply(ident, rid, ok=True, payload=payload, size=size, rest=rest)
         except BaseException:
             view.close()
             raise
@@ -374,10 +398,12 @@ class ZmqServer(PeerServer):
 
     def _reply(self, ident: zmq.Frame, rid: int | None, *, ok: bool, code: str = "", error: str = "",
                steps: list[int] | None = None, payload: Any = b"", size: int | None = None,
-               held: list[list] | None = None) -> zmq.MessageTracker:
+               held: list[list] | None = None, rest: list[int] | None = None) -> zmq.MessageTracker:
         fields = {"v": VERSION, "id": rid, "ok": ok, "code": code, "error": error, "steps": steps or [], "size": size}
         if held is not None:
             fields["held"] = held
+        if rest is not None:
+            fields["rest"] = rest
         header = msgpack.packb(fields, use_bin_type=True)
         try:
             return self._sock.send_multipart([ident.bytes, header, payload], copy=False, track=True,
@@ -413,6 +439,19 @@ def _peer_address(ident: zmq.Frame) -> str:
         return ident.get("Peer-Address")
     except Exception:  # noqa: BLE001 - only for log messages
         return "an unknown peer"
+
+
+def _rest_crcs(req: dict, buffer: Any, offset: int, nbytes: int) -> list[int]:
+    """[crc32c before, crc32c after] the range within the chunk ``req["chunk"]`` ([offset, nbytes]) that holds it:
+    what the client needs to check the range against the chunk's own crc32c (jaxckpt.core.checksum.span_crc)."""
+    chunk = req["chunk"]
+    if not (isinstance(chunk, list) and len(chunk) == 2 and all(type(v) is int and v >= 0 for v in chunk)):
+        raise _Refused("bad-request", f"chunk must be [offset, nbytes], got {chunk!r}")
+    lo, n = chunk
+    if not lo <= offset <= offset + nbytes <= lo + n <= len(buffer):
+        raise _Refused("bad-request", f"range {offset}+{nbytes} is not inside chunk {lo}+{n} of the "
+                                      f"{len(buffer)}-byte snapshot")
+    return [crc32c(buffer[lo:offset]), crc32c(buffer[offset + nbytes:lo + n])]
 
 
 def _nonneg(req: dict, key: str) -> int:

@@ -16,13 +16,14 @@ import logging
 import struct
 import threading
 import time
+from typing import Iterator, Sequence
 
 import msgpack
 import numpy as np
 import zmq
 
 from jaxckpt.backends.transport import (_HEADER_SLACK, CONNECT_TIMEOUT_S, HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS,
-                                        VERSION, PeerClient, PeerHandshakeError, PeerUnreachableError)
+                                        VERSION, PeerClient, PeerHandshakeError, PeerUnreachableError, Span)
 from jaxckpt.core import hostbuf
 from jaxckpt.core.manifest import MAX_MANIFEST_BYTES
 from jaxckpt.errors import PeerError, PeerTimeoutError, StepNotFoundError
@@ -223,15 +224,60 @@ class ZmqClient(PeerClient):
 
     def read(self, step: int, offset: int, nbytes: int, process: int | None = None) -> memoryview:
         what = f"step {step} range {offset}+{nbytes}" + (f" of process {process}" if process is not None else "")
-        parts = [(o, min(self._frame_bytes, offset + nbytes - o))
-                 for o in range(offset, offset + nbytes, self._frame_bytes)] or [(offset, 0)]
+        parts = self._parts(offset, nbytes, None)
         # Frames land in one aligned buffer of the range's own (a restore keeps it as the array's memory: lent)
-        out = None if len(parts) == 1 else hostbuf.empty(nbytes, np.uint8)
+        if len(parts) == 1:
+            return next(iter(self._pipeline(step, [(0, parts[0])], process, what)))[3]
+        out = hostbuf.empty(nbytes, np.uint8)
+        for _, (o, n, _), _, buf in self._pipeline(step, [(0, p) for p in parts], process, what):
+            out[o - offset:o - offset + n] = np.frombuffer(buf, dtype=np.uint8)
+        return memoryview(out)
+
+    def read_spans(self, step: int, spans: Sequence[Span], process: int | None = None
+                   ) -> Iterator[tuple[int, memoryview, tuple[int, int] | None]]:
+        what = f"step {step}: {len(spans)} range(s)" + (f" of process {process}" if process is not None else "")
+        parts = [(i, p) for i, sp in enumerate(spans) for p in self._parts(sp.offset, sp.nbytes, sp.chunk)]
+        whole: dict[int, list] = {}  # a span of several frames: [buffer, parts left, before, after]
+        for i, (o, n, _), header, buf in self._pipeline(step, parts, process, what):
+            sp = spans[i]
+            rest = header.get("rest") if sp.chunk is not None else None
+            if sp.chunk is not None and not (isinstance(rest, list) and len(rest) == 2
+                                             and all(type(v) is int and 0 <= v < 1 << 32 for v in rest)):
+                raise PeerError(f"peer {self.address}: {what}: the reply for {o}+{n} lacks the crc32c of the rest "
+                                f"of its chunk")
+            if n == sp.nbytes:
+                yield i, buf, (tuple(rest) if rest is not None else None)
+                continue
+            w = whole.setdefault(i, [hostbuf.empty(sp.nbytes, np.uint8), -(-sp.nbytes // self._frame_bytes), 0, 0])
+            w[0][o - sp.offset:o - sp.offset + n] = np.frombuffer(buf, dtype=np.uint8)
+            w[1] -= 1
+            if rest is not None:  # the span's: before its first frame, after its last
+                w[2] = rest[0] if o == sp.offset else w[2]
+                w[3] = rest[1] if o + n == sp.offset + sp.nbytes else w[3]
+            if not w[1]:
+                del whole[i]
+                yield i, memoryview(w[0]), ((w[2], w[3]) if sp.chunk is not None else None)
+
+    def _parts(self, offset: int, nbytes: int, chunk) -> list[tuple[int, int, list | None]]:
+        """The requests of one range: at most a frame each."""
+        c = list(chunk) if chunk is not None else None
+        return [(o, min(self._frame_bytes, offset + nbytes - o), c)
+                for o in range(offset, offset + nbytes, self._frame_bytes)] or [(offset, 0, c)]
+
+    def _pipeline(self, step: int, parts: list, process: int | None, what: str) -> Iterator[tuple]:
+        """Send ``parts`` ([(key, (offset, nbytes, chunk))]), at most the window in flight, the next ones sent
+        before a reply is handed on (the peer sends while the caller works); yields (key, part, header, payload
+        buffer) as replies arrive. A lost connection sends what was in flight again on a fresh one."""
         with self._lock:
             self._check_open()
             deadline, resends = time.monotonic() + self._timeout, 0
-            pending: dict[int, tuple[int, int]] = {}
+            pending: dict[int, tuple] = {}
             todo = iter(parts)
+
+            def send(key, part) -> None:
+                o, n, chunk = part
+                pending[self._send("read", what, step=step, offset=o, nbytes=n, process=process,
+                                   chunk=chunk)] = (key, part)
             if self._drain():
                 resends = self._reopen(what, resends)
             while True:
@@ -239,27 +285,28 @@ class ZmqClient(PeerClient):
                     nxt = next(todo, None)
                     if nxt is None:
                         break
-                    pending[self._send("read", what, step=step, offset=nxt[0], nbytes=nxt[1], process=process)] = nxt
+                    send(*nxt)
                 if not pending:
-                    break
+                    return
                 try:
-                    rid, _, payload = self._recv(set(pending), deadline, what)
+                    rid, header, payload = self._recv(set(pending), deadline, what)
                 except _Lost:
                     resends = self._reopen(what, resends)
                     again = list(pending.values())
                     self.resent += len(again)
-                    pending = {self._send("read", what, step=step, offset=o, nbytes=n, process=process): (o, n)
-                               for o, n in again}
+                    pending.clear()
+                    for key, part in again:
+                        send(key, part)
                     continue
-                o, n = pending.pop(rid)
+                key, part = pending.pop(rid)
                 buf = payload.buffer if payload is not None else memoryview(b"")
-                if len(buf) != n:
-                    raise PeerError(f"peer {self.address}: {what}: reply has {len(buf)} bytes, expected {n}")
-                if out is None:
-                    return buf
-                out[o - offset:o - offset + n] = np.frombuffer(buf, dtype=np.uint8)
+                if len(buf) != part[1]:
+                    raise PeerError(f"peer {self.address}: {what}: reply has {len(buf)} bytes, expected {part[1]}")
+                nxt = next(todo, None)
+                if nxt is not None:
+                    send(*nxt)
                 deadline = time.monotonic() + self._timeout  # progress resets the clock
-        return memoryview(out)
+                yield key, part, header, buf
 
     def _check_open(self) -> None:
         if self._closed:

@@ -8,7 +8,8 @@ import zmq
 
 from jaxckpt import Config
 from jaxckpt.backends.memory import MemoryStore
-from jaxckpt.backends.transport import MAX_REQUEST_BYTES, VERSION, ZmqTransport
+from jaxckpt.backends.transport import MAX_REQUEST_BYTES, VERSION, Span, ZmqTransport
+from jaxckpt.core.checksum import crc32c, span_crc
 from jaxckpt.errors import PeerError, StepNotFoundError
 from jaxckpt.testing import free_port
 
@@ -59,6 +60,36 @@ class TransportTests:
         big = np.random.default_rng(1).integers(0, 256, FRAME * 3 + 17, dtype=np.uint8).tobytes()
         _commit(store, 4, data[:10], big)  # a manifest larger than a frame comes back in pages
         assert c.manifest(4) == big and c.steps() == [3, 4]
+
+    def test_spans_come_back_with_the_crc32c_of_the_rest_of_their_chunk(self, served):
+        store, server, data, connect = served
+        c = connect()
+        chunk = (1000, 30_000)  # a chunk of the snapshot buffer: its crc32c is what a manifest would record
+        whole = crc32c(data[chunk[0]:chunk[0] + chunk[1]])
+        spans = [Span(1000, 10, chunk), Span(5000, FRAME * 4 + 3, chunk), Span(30_990, 10, chunk),
+                 Span(1000, 30_000, chunk), Span(40_000, 77), Span(2000, 0, chunk)]
+        got = {i: (bytes(buf), rest) for i, buf, rest in c.read_spans(3, spans)}
+        assert sorted(got) == list(range(len(spans)))
+        for i, sp in enumerate(spans):
+            buf, rest = got[i]
+            assert buf == data[sp.offset:sp.offset + sp.nbytes].tobytes(), sp
+            if sp.chunk is None:
+                assert rest is None
+                continue
+            after = chunk[0] + chunk[1] - sp.offset - sp.nbytes
+            assert span_crc(rest[0], buf, rest[1], after) == whole, sp
+            flipped = bytearray(buf or b"\0")
+            flipped[len(flipped) // 2] ^= 1
+            assert span_crc(rest[0], bytes(flipped), rest[1], after) != whole or not buf
+        # the holder's bytes outside the span count too: a flipped byte there fails the span's check
+        data[chunk[0] + 3] ^= 0xFF
+        _commit(store, 5, data, b"m5")
+        (_, buf, rest), = c.read_spans(5, [Span(20_000, 100, chunk)])
+        assert span_crc(rest[0], buf, rest[1], chunk[0] + chunk[1] - 20_100) != whole
+        with pytest.raises(PeerError, match=r"range 999\+10 is not inside chunk 1000\+30000"):
+            list(c.read_spans(3, [Span(999, 10, chunk)]))
+        with pytest.raises(PeerError, match=r"runs past the end of step 3"):
+            list(c.read_spans(3, [Span(data.size - 5, 10)]))
 
     def test_missing_step_and_bad_range(self, served):
         store, server, data, connect = served

@@ -395,7 +395,7 @@ class Agent:
             with self._lock:
                 if self._pull_buckets is None:
                     self._pull_buckets = Buckets()
-            crcs, pulled, account = pull_into(memoryview(m)[:entry.nbytes], msg, step, local,
+            crcs, pulled, account, times = pull_into(memoryview(m)[:entry.nbytes], msg, step, local,
                                               buckets=self._pull_buckets, owner=p)
         except JaxckptError as e:  # a peer that failed, a bad chunk: the trainer's protection of the step fails
             raise Refused("pull", f"step {step}: {type(e).__name__}: {e}") from None
@@ -406,7 +406,7 @@ class Agent:
                 pass
         with self._lock:
             self.pulled_bytes += pulled
-        return {"crcs": crcs, "pulled": pulled, "bandwidth": account}
+        return {"crcs": crcs, "pulled": pulled, "bandwidth": account, "times": times}
 
     def _tool_op(self, conn: _Conn, op: str, msg: dict) -> tuple[dict, Any]:
         if op == "status":

@@ -16,8 +16,8 @@ parity stripes it computed from its own device copies, and sends ``pull`` on tha
   timeout   seconds a peer may take to answer one request.
 
 The agent reads each needed chunk once (this node's from its own memory, zero-copy; other nodes' through the
-peer transport), checks it against the crc32c of its process's manifest, XORs or copies it into place and
-replies with the crc32c of each block, which the trainer writes into the slot header when it commits. So the
+peer transport, only the span of it the blocks use, with the holder's crc32c of the rest), checks it against
+the crc32c of its process's manifest, XORs or copies it into place and replies with the crc32c of each block, which the trainer writes into the slot header when it commits. So the
 trainer process never holds the pulled bytes, and a node that is being filled sets its own pace (one request
 per protecting trainer connection, one chunk at a time).
 """
@@ -26,14 +26,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from jaxckpt.core import manifest as mf
 from jaxckpt.protection import parity
-from jaxckpt.core.checksum import crc32c
+from jaxckpt.core.checksum import crc32c, span_crc
 from jaxckpt.errors import ChecksumError, PeerError
 from jaxckpt.protection.plan import SavedChunk, copy_block, decode_plan, stripe_parity
 
@@ -70,8 +70,10 @@ def _forget(address: str, token: bytes, client) -> None:
 
 
 class _Sources:
-    """Verified whole chunks of one step, from this node's memory or from the agents of other nodes: the chunks
-    of each source fetched by one thread, the sources in parallel, before the blocks are built."""
+    """Verified bytes of the chunks of one step a pull needs, from this node's memory or from the agents of other
+    nodes: of each chunk the span its blocks use (a unit of an ``xor-group`` stripe may cover part of a chunk),
+    checked against the chunk's crc32c; each source's spans fetched by one thread with several requests in
+    flight, the sources in parallel."""
 
     def __init__(self, local, sources: dict[int, Any], step: int, timeout_s: float,
                  bucket: "TokenBucket | None") -> None:
@@ -81,8 +83,11 @@ class _Sources:
         self.slept = 0.0  # this pull's share of the bucket's sleep
         self._views: dict[int, Any] = {}
         self._crcs: dict[tuple[int, int], int] = {}
-        self._chunks: dict[tuple[int, int], np.ndarray] = {}
+        self._chunks: dict[tuple[int, int], tuple[int, np.ndarray]] = {}  # key -> (lo, bytes lo..hi of the chunk)
         self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._pool: ThreadPoolExecutor | None = None
+        self._running: dict[int, Future] = {}  # source process -> its fetch running behind the build
 
     def _remote(self, q: int):
         where = self.sources[q]
@@ -111,50 +116,94 @@ class _Sources:
                 for c in a.chunks:
                     self._crcs[(c.process, c.offset)] = c.crc32c
 
-    def _fetch(self, q: int, chunks: list[SavedChunk]) -> None:
-        self._manifest(q)
-        for c in chunks:
-            if q in self._views:
-                data = np.frombuffer(self._views[q].buffer[c.offset:c.offset + c.nbytes], np.uint8)
-            else:
-                if self.bucket is not None:  # the network's share: this node's own chunks are not pulled
-                    wait = self.bucket.take(c.nbytes)
-                    with self._lock:
-                        self.slept += wait
-                address, token, client = self._remote(q)
-                try:
-                    data = np.frombuffer(client.read(self.step, c.offset, c.nbytes, q), np.uint8)
-                except PeerError:
-                    _forget(address, token, client)
-                    raise
-                with self._lock:
-                    self.pulled += c.nbytes
-            crc = self._crcs.get(c.key)
-            if crc is None:
-                raise ChecksumError(f"{c.path}: step {self.step} has no chunk at offset {c.offset} of process {q}")
-            parity.check(data, crc, f"{c.path}: step {self.step} chunk of process {q}")
-            with self._lock:
-                self._chunks[c.key] = data
+    def _crc(self, c: SavedChunk, q: int) -> int:
+        crc = self._crcs.get(c.key)
+        if crc is None:
+            raise ChecksumError(f"{c.path}: step {self.step} has no chunk at offset {c.offset} of process {q}")
+        return crc
 
-    def prefetch(self, chunks: list[SavedChunk]) -> None:
-        """Fetch and verify ``chunks``, each source's by one thread, the sources in parallel."""
-        by: dict[int, list[SavedChunk]] = {}
-        for c in chunks:
-            by.setdefault(c.process, []).append(c)
-        if len(by) <= 1 or sum(c.nbytes for c in chunks) < PARALLEL_BYTES:
-            for q, cs in by.items():  # small: threads would cost more than they save
-                self._fetch(q, cs)
+    def _keep(self, c: SavedChunk, lo: int, data: np.ndarray) -> None:
+        with self._cond:
+            self._chunks[c.key] = (lo, data)
+            self._cond.notify_all()
+
+    def _fetch(self, q: int, needs: list[tuple[SavedChunk, int, int]]) -> None:
+        self._manifest(q)
+        if q in self._views:  # this node's memory: the whole chunk is checked, it costs no transfer
+            for c, lo, hi in needs:
+                data = np.frombuffer(self._views[q].buffer[c.offset:c.offset + c.nbytes], np.uint8)
+                parity.check(data, self._crc(c, q), f"{c.path}: step {self.step} chunk of process {q}")
+                self._keep(c, lo, data[lo:hi])
             return
-        with ThreadPoolExecutor(min(FETCH_THREADS, len(by)), thread_name_prefix="jaxckpt-pull") as ex:
-            for f in [ex.submit(self._fetch, q, cs) for q, cs in by.items()]:
-                f.result()
+        from jaxckpt.backends.transport import Span
+
+        spans = [Span(c.offset + lo, hi - lo, None if (lo, hi) == (0, c.nbytes) else (c.offset, c.nbytes))
+                 for c, lo, hi in needs]
+        # A paced pull admits each span before it is asked for (one in flight); an unpaced one keeps the window full
+        batches = [[i] for i in range(len(spans))] if self.bucket is not None else [list(range(len(spans)))]
+        address, token, client = self._remote(q)
+        for batch in batches:
+            if self.bucket is not None:
+                wait = self.bucket.take(sum(spans[i].nbytes for i in batch))
+                with self._lock:
+                    self.slept += wait
+            try:
+                for k, buf, rest in client.read_spans(self.step, [spans[i] for i in batch], q):
+                    c, lo, hi = needs[batch[k]]
+                    data = np.frombuffer(buf, np.uint8)
+                    what = f"{c.path}: step {self.step} chunk of process {q}"
+                    if rest is None:
+                        parity.check(data, self._crc(c, q), what)
+                    elif span_crc(rest[0], data, rest[1], c.nbytes - hi) != self._crc(c, q):
+                        raise ChecksumError(f"{what} (bytes {lo}..{hi} read from {address}) failed its crc32c "
+                                            f"check: the chunk is corrupt at that holder")
+                    self._keep(c, lo, data)
+                    with self._lock:
+                        self.pulled += hi - lo
+            except PeerError:
+                _forget(address, token, client)
+                raise
+
+    def start(self, needs: list[tuple[SavedChunk, int, int]]) -> None:
+        """Fetch and verify bytes ``lo..hi`` of each chunk of ``needs``: each source's by one thread, the sources
+        in parallel and behind the caller, who builds blocks as their bytes arrive (:meth:`read` waits for them);
+        a small pull, or one from a single source, is fetched here and now (threads would cost more)."""
+        by: dict[int, list] = {}
+        for n in sorted(needs, key=lambda n: (n[0].process, n[0].offset)):  # stream order: first stripes first
+            by.setdefault(n[0].process, []).append(n)
+        if len(by) <= 1 or sum(hi - lo for _, lo, hi in needs) < PARALLEL_BYTES:
+            for q, ns in by.items():
+                self._fetch(q, ns)
+            return
+        self._pool = ThreadPoolExecutor(min(FETCH_THREADS, len(by)), thread_name_prefix="jaxckpt-pull")
+        for q, ns in by.items():
+            self._running[q] = f = self._pool.submit(self._fetch, q, ns)
+            f.add_done_callback(self._wake)
+
+    def _wake(self, _f: Any) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        """Wait for every fetch; raise the first one's error."""
+        for f in list(self._running.values()):
+            f.result()
 
     def read(self, c: SavedChunk, lo: int, hi: int) -> np.ndarray:
-        if c.key not in self._chunks:
-            self._fetch(c.process, [c])
-        return self._chunks[c.key][lo:hi]
+        running = self._running.get(c.process)
+        with self._cond:  # its source's fetch ends (bounded by the peer time-out) with the bytes or an error
+            self._cond.wait_for(lambda: c.key in self._chunks or running is None or running.done())
+            got = self._chunks.get(c.key)
+        if got is None and running is not None:
+            running.result()  # the fetch's error, if it failed
+        if got is None or lo < got[0] or hi > got[0] + got[1].size:
+            self._fetch(c.process, [(c, lo, hi)])
+            got = self._chunks[c.key]
+        return got[1][lo - got[0]:hi - got[0]]
 
     def close(self) -> None:
+        if self._pool is not None:  # a failed build: its fetches end within their time-out
+            self._pool.shutdown(wait=True)
         self._chunks.clear()
         for v in self._views.values():
             v.close()
@@ -189,15 +238,19 @@ def pull_into(buffer: memoryview, msg: dict, step: int, local, *, buckets: "Buck
     out = np.frombuffer(buffer, np.uint8)
     src = _Sources(local, sources, step, timeout, buckets.get(owner, rate))
     crcs = []
+    times = {"start": time.monotonic()}
     try:
-        need: dict[tuple[int, int], SavedChunk] = {}
+        need: dict[int, tuple[int, int]] = {}  # chunk index -> the span of it the blocks read
         for kind, bid, _ in tasks:
             if kind == "stripe" and bid in stripes:
-                idx = [g.chunk for u in stripes[bid].units for g in u.ranges]
+                got = [(g.chunk, g.lo, g.hi) for u in stripes[bid].units for g in u.ranges]
             else:
-                idx = list(blocks[bid].chunks) if kind == "copy" and bid in blocks else []
-            need.update((plan.chunks[i].key, plan.chunks[i]) for i in idx)
-        src.prefetch(list(need.values()))
+                got = [(i, 0, plan.chunks[i].nbytes) for i in blocks[bid].chunks] if kind == "copy" and bid in blocks \
+                    else []
+            for i, lo, hi in got:
+                was = need.get(i, (lo, hi))
+                need[i] = (min(was[0], lo), max(was[1], hi))
+        todo = []
         for kind, bid, offset in tasks:
             if kind == "stripe" and bid in stripes:
                 n = stripes[bid].nbytes
@@ -207,19 +260,25 @@ def pull_into(buffer: memoryview, msg: dict, step: int, local, *, buckets: "Buck
                 raise ValueError(f"step {step}: no {kind!r} block {bid!r} in the plan")
             if not 0 <= int(offset) <= out.size - n:
                 raise ValueError(f"step {step}: {kind} block {bid} of {n} bytes does not fit the slot at {offset}")
-            region = out[int(offset):int(offset) + n]  # built in place: no block-sized temporary
+            todo.append((kind, bid, out[int(offset):int(offset) + n]))  # built in place: no block-sized temporary
+        src.start([(plan.chunks[i], lo, hi) for i, (lo, hi) in need.items()])
+        for kind, bid, region in todo:
             if kind == "stripe":
                 stripe_parity(plan, stripes[bid], src.read, out=region)
             else:
                 copy_block(plan, blocks[bid], src.read, out=region)
             crcs.append(crc32c(region))
+        times["built"] = time.monotonic()
+        src.finish()
+        times["fetched"] = time.monotonic()
     finally:
         src.close()
     b = src.bucket
     account = {} if b is None or b.started is None else {
         "rate": b.rate, "burst": b.burst, "admitted": b.admitted, "slept": b.slept,
         "span": time.monotonic() - b.started, "pull_bytes": src.pulled, "pull_slept": src.slept}
-    return crcs, src.pulled, account
+    times = {"pull_s": times["fetched"] - times["start"]}
+    return crcs, src.pulled, account, times
 
 
 class Buckets:
