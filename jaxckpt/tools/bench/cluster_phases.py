@@ -225,7 +225,7 @@ def save_phase(spec: dict) -> dict:
                 loop.append(t2 - t0)
                 calls.append(t2 - t1)
             ck.wait()
-            lags, commits = [], []
+            lags, commits, pulls = [], [], []  # pulls: this node agent's pull of the step (0: it pulled nothing)
             prot = ck.engine.protection
             for _ in range(spec["repeats"] if prot is not None else 0):
                 st, step = jax.block_until_ready(train(st)), step + 1
@@ -237,9 +237,10 @@ def save_phase(spec: dict) -> dict:
                     raise RuntimeError(f"bench cluster: step {step} was not protected under {policy!r}")
                 lags.append(time.perf_counter() - t1)
                 commits.append(t1 - t0)
+                pulls.append(float((prot.last_pull.get("times") or {}).get("pull_s", 0.0)))
             ck.wait()
             row.update(base_step_s=base, save_step_s=loop, save_call_s=calls, protect_lag_s=lags,
-                       commit_s=commits, last_step=step)
+                       commit_s=commits, pull_s=pulls, last_step=step)
             if prot is not None:
                 plan = next(iter(prot._plans.values()))  # the plan this run used (one layout)
                 me = plan.nodes[info.process_id]

@@ -98,6 +98,8 @@ def _policy_rows(saved: Sequence[Mapping[str, Any]], policies: Sequence[str]) ->
             row["protect_lag_s"] = s(lags)
             row["sent_bytes_total"] = sent
             row["replication_gbps"] = s([sent / t / 1e9 for t in lags]) if sent else None
+            if all(p.get("pull_s") for p in per):  # the slowest node agent's pull of each repeat
+                row["pull_s"] = s(_slowest([p["pull_s"] for p in per]))
             big = max(planned, key=lambda p: p["data_bytes"] + p["extra_bytes"])
             row["planned_data_bytes_per_node"] = big["data_bytes"]
             row["planned_extra_bytes_per_node"] = big["extra_bytes"]
@@ -335,7 +337,31 @@ def _timeline_section(result: Mapping[str, Any]) -> list[str]:
                     "Transport GB/s in restore: the host-transport bytes of all processes over the union of their "
                     "fetch spans."]
         out += _floor_lines(result, lb["tcp"]["gbps"])
+        out += _protection_floor_lines(result, lb["tcp"]["gbps"])
     return out
+
+
+def _protection_floor_lines(result: Mapping[str, Any], tcp_gbps: float) -> list[str]:
+    """Per policy that sends bytes, commit -> protected beside the time its bytes alone take at this run's raw
+    loopback TCP rate, and the node agents' pull within it (the rest: the decision round, the slot, the
+    announcement round that waits for the slowest node)."""
+    rows = []
+    for p in result["policies"]:
+        sent, lag = p.get("sent_bytes_total"), (p.get("protect_lag_s") or {}).get("median")
+        if not sent or not lag:
+            continue
+        floor = sent / (tcp_gbps * 1e9)
+        pull = (p.get("pull_s") or {}).get("median")
+        ms = lambda v: report.fmt_num(v * 1e3)  # noqa: E731
+        rows.append([p["policy"], report.fmt_size(sent), ms(floor), ms(lag), f"{lag / floor:.2f}x",
+                     ms(pull) if pull else "–", f"{pull / floor:.2f}x" if pull else "–"])
+    if not rows:
+        return []
+    return ["", "Protection against the same floor: the bytes the nodes pull from each other for one step (all "
+                "nodes at once) at the raw TCP rate above, commit → protected and the slowest node agent's pull "
+                "(fetch, checks and XOR of the step's blocks) as multiples of it:", "",
+            report.table(["policy", "bytes sent per step", "floor ms", "commit → protected ms", "lag / floor",
+                          "node agent's pull ms (slowest)", "pull / floor"], rows)]
 
 
 def _floor_lines(result: Mapping[str, Any], tcp_gbps: float) -> list[str]:
