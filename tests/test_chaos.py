@@ -94,6 +94,21 @@ def test_the_report_splits_the_protection_lag_by_the_trial_s_fault_and_counts_re
     assert "| `peer-drop` | 1 | 1 | 0 | 0 | 2 (1) |" in md, md
 
 
+def test_the_protection_lag_is_measured_at_the_commit_and_the_announcement_not_when_a_trainer_looks():
+    """Known answer: trainers look between 11 ms steps (``t``), the events carry the times the commit was decided
+    and the step announced protected (``at``); the lag and the steps committed meanwhile come from those."""
+    from jaxckpt.tools.chaos import lag
+
+    def ev(kind, step, t, at=None):
+        return {"ev": kind, "step": step, "t": t, **({"at": at} if at is not None else {})}
+    events = [ev("committed", 2, 0.011, 0.003), ev("protected", 2, 0.011, 0.009), ev("committed", 4, 0.033, 0.025),
+              ev("committed", 6, 0.055, 0.047), ev("protected", 4, 0.055, 0.050), ev("protected", 6, 0.066, 0.058)]
+    assert lag.protection_lags(events) == [(0, 0.006), (2, 0.025), (0, 0.011)]
+    # a step committed on two processes counts from the later one; an old record without ``at`` from its report
+    events = [ev("committed", 2, 0.02, 0.010), ev("committed", 2, 0.02, 0.012), ev("protected", 2, 0.03)]
+    assert lag.protection_lags(events) == [(0, 0.018)]
+
+
 def test_cli_parses_the_profiles_and_refuses_unknown_faults():
     args = build_parser().parse_args(["chaos", "--profile", "long", "--seed", "3", "--json"])
     assert (args.profile, args.seed, args.json, args.run) == ("long", 3, True, chaos.run_cli)

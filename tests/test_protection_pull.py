@@ -136,7 +136,8 @@ def test_a_flipped_bit_outside_the_span_still_fails_the_pull_naming_the_chunk(sc
     try:
         # flip a bit of A's second chunk at its very end, which the stripe's span of it does not cover
         d = f"{BASE}/nodeA"
-        name = next(n for n in os.listdir(d) if (m := proto.REC_RE.match(n)) and int(m.group(2)) == step and int(m.group(1)) == 0)
+        name = next(n for n in os.listdir(d)
+                    if (m := proto.REC_RE.match(n)) and int(m.group(2)) == step and int(m.group(1)) == 0)
         with open(os.path.join(d, name), "rb") as f:
             seg = msgpack.unpackb(f.read(), raw=False)["seg"]
         fd = os.open(os.path.join(d, seg), os.O_RDWR)

@@ -17,9 +17,11 @@ parity stripes it computed from its own device copies, and sends ``pull`` on tha
 
 The agent reads each needed chunk once (this node's from its own memory, zero-copy; other nodes' through the
 peer transport, only the span of it the blocks use, with the holder's crc32c of the rest), checks it against
-the crc32c of its process's manifest, XORs or copies it into place and replies with the crc32c of each block, which the trainer writes into the slot header when it commits. So the
-trainer process never holds the pulled bytes, and a node that is being filled sets its own pace (one request
-per protecting trainer connection, one chunk at a time).
+the crc32c of its process's manifest, XORs or copies it into place and replies with the crc32c of each block,
+which the trainer writes into the slot header when it commits, and the pull's seconds (``times``). The spans of
+one source are asked for several at a time, the sources in parallel behind the build, which XORs a stripe as
+soon as its units are in. So the trainer process never holds the pulled bytes, and a node that is being filled
+sets its own pace (one request per protecting trainer connection, a few spans in flight).
 """
 from __future__ import annotations
 

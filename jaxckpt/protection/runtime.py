@@ -88,6 +88,7 @@ class Protector:
         self._told: dict[int, bool] = {}
         self._cond = threading.Condition()
         self._failed: dict[int, BaseException] = {}
+        self._protected_at: dict[int, float] = {}  # step -> time.monotonic() when it was announced protected
         self._store = None
         self._parity_pool = ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-parity")
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-protect")
@@ -382,6 +383,8 @@ class Protector:
             if done:
                 self._protected = sorted(set(self._protected) | {step})
                 trim(self._protected)
+                self._protected_at[step] = time.monotonic()
+                trim(self._protected_at)
             else:
                 self._failed.setdefault(step, CommitError(f"step {step}: protection not complete on every node"))
                 trim(self._failed)
@@ -415,6 +418,12 @@ class Protector:
         """Steps whose redundancy is in place on every node, ascending."""
         with self._cond:
             return list(self._protected)
+
+    def protected_times(self) -> dict[int, float]:
+        """The newest protected steps' ``time.monotonic()`` of their announcement here (commit -> protected is this
+        minus the step's decided time in ``engine.commit_times()``)."""
+        with self._cond:
+            return dict(self._protected_at)
 
     def wait(self, step: int | None = None, timeout: float | None = None) -> bool:
         """Until ``step`` (default: every step handed to protection so far) is protected, failed, skipped

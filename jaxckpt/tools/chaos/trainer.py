@@ -235,12 +235,12 @@ class Trainer:
                                             tuple(sorted(arrays)) + tuple(sorted(values))))
                 except JaxckptError as e:  # over budget: the committed steps are kept, training goes on
                     self.emit("save-failed", step=step, error=f"{type(e).__name__}: {e}")
-            pending = self.drain(pending)
+            pending = self.drain(pending, eng)
             self.report_protected(eng)
             self.hook("idle")
         for h in pending:
             h.wait_local(s["timeout_s"])
-        self.drain(pending, wait=True)
+        self.drain(pending, eng, wait=True)
         self.emit("done", step=self.step)
 
     def test_leak(self, leak: dict) -> None:
@@ -258,9 +258,10 @@ class Trainer:
         done = eng.protection.protected_steps() if eng.protection is not None else []
         if done and done[-1] != getattr(self, "_protected", None):
             self._protected = done[-1]
-            self.emit("protected", step=done[-1])
+            at = eng.protection.protected_times().get(done[-1])
+            self.emit("protected", step=done[-1], **({"at": round(at, 4)} if at is not None else {}))
 
-    def drain(self, pending: list, wait: bool = False) -> list:
+    def drain(self, pending: list, eng, wait: bool = False) -> list:
         left = []
         for h in pending:
             if not wait and not h.done():
@@ -268,7 +269,8 @@ class Trainer:
                 continue
             try:
                 h.result(self.spec["timeout_s"] * 2 if wait else 0)
-                self.emit("committed", step=h.step)
+                decided = eng.commit_times().get(h.step)  # the commit's own time, not this look's
+                self.emit("committed", step=h.step, **({"at": round(decided[1], 4)} if decided else {}))
             except JaxckptError as e:
                 self.emit("save-failed", step=h.step, error=f"{type(e).__name__}: {e}")
         return left
