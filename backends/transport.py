@@ -162,11 +162,12 @@ class PeerClient(abc.ABC):
         """``nbytes`` bytes at ``offset`` of the peer's snapshot buffer of ``step`` (of saving ``process``)."""
 
     @abc.abstractmethod
-    def read_spans(self, step: int, spans: Sequence[Span], process: int | None = None
+    def read_spans(self, step: int, spans: Sequence[Span], process: int | None = None, *, manifest: bool = False
                    ) -> Iterator[tuple[int, memoryview, tuple[int, int] | None]]:
         """Read ``spans`` of the peer's snapshot of ``step``, several requests in flight at once; yields
         ``(index in spans, bytes, rest)`` in the order the replies arrive, ``rest`` the crc32c of the bytes of the
-        span's chunk before and after it (None for a span that names no chunk)."""
+        span's chunk before and after it (None for a span that names no chunk). ``manifest``: the step's manifest
+        too, asked for first in the same flight (no round trip of its own), yielded as index -1."""
 
     @abc.abstractmethod
     def held(self) -> list[list]:

@@ -36,6 +36,9 @@ _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
+_MANIFEST = (0, 0, None)  # the part of a pipeline that asks for the step's manifest (its first page)
+
+
 class _Lost(Exception):
     """The connection that carried the requests in flight closed: they get no reply."""
 
@@ -233,12 +236,24 @@ class ZmqClient(PeerClient):
             out[o - offset:o - offset + n] = np.frombuffer(buf, dtype=np.uint8)
         return memoryview(out)
 
-    def read_spans(self, step: int, spans: Sequence[Span], process: int | None = None
+    def read_spans(self, step: int, spans: Sequence[Span], process: int | None = None, *, manifest: bool = False
                    ) -> Iterator[tuple[int, memoryview, tuple[int, int] | None]]:
         what = f"step {step}: {len(spans)} range(s)" + (f" of process {process}" if process is not None else "")
         parts = [(i, p) for i, sp in enumerate(spans) for p in self._parts(sp.offset, sp.nbytes, sp.chunk)]
+        if manifest:
+            parts.insert(0, (-1, _MANIFEST))
         whole: dict[int, list] = {}  # a span of several frames: [buffer, parts left, before, after]
+        paged = False
         for i, (o, n, _), header, buf in self._pipeline(step, parts, process, what):
+            if i == -1:
+                size = header.get("size")
+                if not isinstance(size, int) or size > MAX_MANIFEST_BYTES or size < len(buf):
+                    raise PeerError(f"peer {self.address}: malformed manifest reply for step {step} (size {size!r})")
+                if size == len(buf):
+                    yield -1, buf, None
+                else:  # longer than a frame: paged once the spans are in
+                    paged = True
+                continue
             sp = spans[i]
             rest = header.get("rest") if sp.chunk is not None else None
             if sp.chunk is not None and not (isinstance(rest, list) and len(rest) == 2
@@ -257,6 +272,8 @@ class ZmqClient(PeerClient):
             if not w[1]:
                 del whole[i]
                 yield i, memoryview(w[0]), ((w[2], w[3]) if sp.chunk is not None else None)
+        if paged:
+            yield -1, memoryview(self.manifest(step, process)), None
 
     def _parts(self, offset: int, nbytes: int, chunk) -> list[tuple[int, int, list | None]]:
         """The requests of one range: at most a frame each."""
@@ -276,6 +293,9 @@ class ZmqClient(PeerClient):
 
             def send(key, part) -> None:
                 o, n, chunk = part
+                if part is _MANIFEST:
+                    pending[self._send("manifest", what, step=step, offset=0, process=process)] = (key, part)
+                    return
                 pending[self._send("read", what, step=step, offset=o, nbytes=n, process=process,
                                    chunk=chunk)] = (key, part)
             if self._drain():
@@ -300,7 +320,7 @@ class ZmqClient(PeerClient):
                     continue
                 key, part = pending.pop(rid)
                 buf = payload.buffer if payload is not None else memoryview(b"")
-                if len(buf) != part[1]:
+                if len(buf) != part[1] and part is not _MANIFEST:
                     raise PeerError(f"peer {self.address}: {what}: reply has {len(buf)} bytes, expected {part[1]}")
                 nxt = next(todo, None)
                 if nxt is not None:

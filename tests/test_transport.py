@@ -68,8 +68,9 @@ class TransportTests:
         whole = crc32c(data[chunk[0]:chunk[0] + chunk[1]])
         spans = [Span(1000, 10, chunk), Span(5000, FRAME * 4 + 3, chunk), Span(30_990, 10, chunk),
                  Span(1000, 30_000, chunk), Span(40_000, 77), Span(2000, 0, chunk)]
-        got = {i: (bytes(buf), rest) for i, buf, rest in c.read_spans(3, spans)}
-        assert sorted(got) == list(range(len(spans)))
+        got = {i: (bytes(buf), rest) for i, buf, rest in c.read_spans(3, spans, manifest=True)}
+        assert sorted(got) == [-1, *range(len(spans))]
+        assert got.pop(-1) == (b"manifest-of-step-3", None)  # asked for in the same flight as the spans
         for i, sp in enumerate(spans):
             buf, rest = got[i]
             assert buf == data[sp.offset:sp.offset + sp.nbytes].tobytes(), sp
@@ -86,6 +87,10 @@ class TransportTests:
         _commit(store, 5, data, b"m5")
         (_, buf, rest), = c.read_spans(5, [Span(20_000, 100, chunk)])
         assert span_crc(rest[0], buf, rest[1], chunk[0] + chunk[1] - 20_100) != whole
+        big = np.random.default_rng(1).integers(0, 256, FRAME * 2 + 9, dtype=np.uint8).tobytes()
+        _commit(store, 6, data, big)  # a manifest over a frame: its other pages follow the spans
+        assert {i: bytes(b) for i, b, _ in c.read_spans(6, [Span(0, 10)], manifest=True)} == {
+            0: data[:10].tobytes(), -1: big}
         with pytest.raises(PeerError, match=r"range 999\+10 is not inside chunk 1000\+30000"):
             list(c.read_spans(3, [Span(999, 10, chunk)]))
         with pytest.raises(PeerError, match=r"runs past the end of step 3"):

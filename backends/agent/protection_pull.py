@@ -90,33 +90,30 @@ class _Sources:
         self._cond = threading.Condition(self._lock)
         self._pool: ThreadPoolExecutor | None = None
         self._running: dict[int, Future] = {}  # source process -> its fetch running behind the build
+        self._known: set[int] = set()  # source processes whose manifest's crc32c are in
 
     def _remote(self, q: int):
         where = self.sources[q]
         return where[0], where[1], _client(where[0], where[1], self.timeout, where[2] if len(where) > 2 else "")
 
-    def _manifest(self, q: int) -> None:
-        if q not in self.sources:
-            raise PeerError(f"step {self.step}: no source named for process {q}")
-        if self.sources[q] is None:
-            view = self.local.open(q, self.step) if self.local is not None else None
-            if view is None:
-                raise PeerError(f"step {self.step} of process {q} is not held by this node's agent")
-            with self._lock:
-                self._views[q] = view
-            raw = bytes(view.manifest)
-        else:
-            address, token, client = self._remote(q)
-            try:
-                raw = client.manifest(self.step, q)
-            except PeerError:
-                _forget(address, token, client)
-                raise
+    def _open_local(self, q: int) -> None:
+        """This node's snapshot of process ``q``: its view (zero-copy) and its manifest's crc32c."""
+        if q in self._views:
+            return
+        view = self.local.open(q, self.step) if self.local is not None else None
+        if view is None:
+            raise PeerError(f"step {self.step} of process {q} is not held by this node's agent")
+        with self._lock:
+            self._views[q] = view
+        self._decode(q, bytes(view.manifest))
+
+    def _decode(self, q: int, raw: bytes) -> None:
         m = mf.decode(raw, source=f"step {self.step} manifest of process {q}")
         with self._lock:
             for a in m.arrays:
                 for c in a.chunks:
                     self._crcs[(c.process, c.offset)] = c.crc32c
+            self._known.add(q)
 
     def _crc(self, c: SavedChunk, q: int) -> int:
         crc = self._crcs.get(c.key)
@@ -130,8 +127,10 @@ class _Sources:
             self._cond.notify_all()
 
     def _fetch(self, q: int, needs: list[tuple[SavedChunk, int, int]]) -> None:
-        self._manifest(q)
-        if q in self._views:  # this node's memory: the whole chunk is checked, it costs no transfer
+        if q not in self.sources:
+            raise PeerError(f"step {self.step}: no source named for process {q}")
+        if self.sources[q] is None:  # this node's memory: the whole chunk is checked, it costs no transfer
+            self._open_local(q)
             for c, lo, hi in needs:
                 data = np.frombuffer(self._views[q].buffer[c.offset:c.offset + c.nbytes], np.uint8)
                 parity.check(data, self._crc(c, q), f"{c.path}: step {self.step} chunk of process {q}")
@@ -144,27 +143,40 @@ class _Sources:
         # A paced pull admits each span before it is asked for (one in flight); an unpaced one keeps the window full
         batches = [[i] for i in range(len(spans))] if self.bucket is not None else [list(range(len(spans)))]
         address, token, client = self._remote(q)
-        for batch in batches:
-            if self.bucket is not None:
-                wait = self.bucket.take(sum(spans[i].nbytes for i in batch))
-                with self._lock:
-                    self.slept += wait
-            try:
-                for k, buf, rest in client.read_spans(self.step, [spans[i] for i in batch], q):
-                    c, lo, hi = needs[batch[k]]
-                    data = np.frombuffer(buf, np.uint8)
-                    what = f"{c.path}: step {self.step} chunk of process {q}"
-                    if rest is None:
-                        parity.check(data, self._crc(c, q), what)
-                    elif span_crc(rest[0], data, rest[1], c.nbytes - hi) != self._crc(c, q):
-                        raise ChecksumError(f"{what} (bytes {lo}..{hi} read from {address}) failed its crc32c "
-                                            f"check: the chunk is corrupt at that holder")
-                    self._keep(c, lo, data)
+        early: list[tuple[int, np.ndarray, Any]] = []  # spans in before the manifest that checks them
+        try:
+            for batch in batches or [[]]:
+                if self.bucket is not None and batch:
+                    wait = self.bucket.take(sum(spans[i].nbytes for i in batch))
                     with self._lock:
-                        self.pulled += hi - lo
-            except PeerError:
-                _forget(address, token, client)
-                raise
+                        self.slept += wait
+                # the manifest (its crc32c) is asked for in the same flight as the first spans: no round trip
+                ask = q not in self._known
+                for k, buf, rest in client.read_spans(self.step, [spans[i] for i in batch], q, manifest=ask):
+                    if k == -1:
+                        self._decode(q, bytes(buf))
+                        for j, data, r in early:
+                            self._check_remote(q, needs[j], data, r, address)
+                        early.clear()
+                    elif q not in self._known:
+                        early.append((batch[k], np.frombuffer(buf, np.uint8), rest))
+                    else:
+                        self._check_remote(q, needs[batch[k]], np.frombuffer(buf, np.uint8), rest, address)
+        except PeerError:
+            _forget(address, token, client)
+            raise
+
+    def _check_remote(self, q: int, need: tuple[SavedChunk, int, int], data: np.ndarray, rest, address: str) -> None:
+        c, lo, hi = need
+        what = f"{c.path}: step {self.step} chunk of process {q}"
+        if rest is None:
+            parity.check(data, self._crc(c, q), what)
+        elif span_crc(rest[0], data, rest[1], c.nbytes - hi) != self._crc(c, q):
+            raise ChecksumError(f"{what} (bytes {lo}..{hi} read from {address}) failed its crc32c check: the "
+                                f"chunk is corrupt at that holder")
+        self._keep(c, lo, data)
+        with self._lock:
+            self.pulled += hi - lo
 
     def start(self, needs: list[tuple[SavedChunk, int, int]]) -> None:
         """Fetch and verify bytes ``lo..hi`` of each chunk of ``needs``: each source's by one thread, the sources
