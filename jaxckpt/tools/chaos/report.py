@@ -98,9 +98,11 @@ def render(rep: Mapping[str, Any], command: str, machine: Mapping[str, Any] | No
     if lag.get("steps"):
         parts += ["", f"Protection lag (commit -> protected, {lag['steps']} committed steps): median "
                   f"{lag['median_s'] * 1e3:.0f} ms, p90 {lag['p90_s'] * 1e3:.0f} ms, max {lag['max_s'] * 1e3:.0f} ms "
-                  f"from a step's commit until it or a newer step was reported protected on every node; steps "
-                  f"committed meanwhile: median {lag['median_steps_behind']}, max {lag['max_steps_behind']}; within "
-                  f"one snapshot interval: {lag['within_one_interval']:.0%} of the steps."]
+                  f"from the decision that committed a step until it or a newer step was announced protected on "
+                  f"every node (the times the processes recorded, not when their trainers looked); steps committed "
+                  f"meanwhile: median {lag['median_steps_behind']}, max {lag['max_steps_behind']}; within one "
+                  f"snapshot interval (no more than one newer snapshot committed meanwhile): "
+                  f"{lag['within_one_interval']:.0%} of the steps."]
     by = rep.get("protection_lag_by_kind") or {}
     if by:
         rows = [[f"`{kind}`", str(v["steps"]), f"{v['median_s'] * 1e3:.0f}", f"{v['p90_s'] * 1e3:.0f}",
