@@ -14,15 +14,15 @@ import uuid
 import numpy as np
 import pytest
 
-from jaxckpt.backends.agent import serve as agent_serve
 from jaxckpt.backends.shm import ShmStore
-from jaxckpt.config import Config
 from jaxckpt.core import manifest as mf
 from jaxckpt.core.box import Box
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.protection.plan import CopyBlock, ProtectionPlan, SavedChunk, encode_plan, validate_protection
 from jaxckpt.protection.slot import PROTECT_BASE
 from jaxckpt.testing import remove_agents
+
+from agent_nodes import node_store, peer_of
 
 BASE = f"/dev/shm/jaxckpt-bw-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 JOB = "bw"
@@ -40,8 +40,7 @@ def base_dir():
 
 
 def _store(node: str, process: int) -> ShmStore:
-    return ShmStore(Config(store="shm", job_id=JOB, shm_dir=f"{BASE}/{node}", peer_timeout_s=20.0),
-                    process_index=process, process_count=2)
+    return node_store(BASE, JOB, node, process)
 
 
 def _save_on_node_a(data: np.ndarray) -> ShmStore:
@@ -65,11 +64,7 @@ def _copy_plan() -> bytes:
 
 
 def _peer_of_node_a() -> list:
-    deadline = time.monotonic() + 30
-    while (info := agent_serve.read_peer_info(f"{BASE}/nodeA")) is None:
-        assert time.monotonic() < deadline, "node A's agent published no peer address within 30 s"
-        time.sleep(0.05)
-    return [info["address"], info["token"]]
+    return peer_of(BASE, "nodeA")
 
 
 def _pull(store: ShmStore, plan: bytes, source: list, want: np.ndarray) -> dict:

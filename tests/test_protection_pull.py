@@ -15,9 +15,7 @@ import numpy as np
 import pytest
 
 from jaxckpt.backends.agent import protocol as proto
-from jaxckpt.backends.agent import serve as agent_serve
 from jaxckpt.backends.shm import ShmStore
-from jaxckpt.config import Config
 from jaxckpt.core import manifest as mf
 from jaxckpt.core.box import Box
 from jaxckpt.core.checksum import crc32c
@@ -25,6 +23,8 @@ from jaxckpt.errors import AgentError
 from jaxckpt.protection.plan import ChunkRange, ProtectionPlan, SavedChunk, Stripe, Unit, encode_plan
 from jaxckpt.protection.slot import PROTECT_BASE
 from jaxckpt.testing import remove_agents
+
+from agent_nodes import node_store, peer_of
 
 BASE = f"/dev/shm/jaxckpt-pull-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 JOB = "pull"
@@ -38,8 +38,7 @@ def base_dir():
 
 
 def _store(node: str, process: int) -> ShmStore:
-    return ShmStore(Config(store="shm", job_id=JOB, shm_dir=f"{BASE}/{node}", peer_timeout_s=20.0),
-                    process_index=process, process_count=2)
+    return node_store(BASE, JOB, node, process)
 
 
 def _save(node: str, process: int, sizes: list[int], seed: int, step: int):
@@ -61,12 +60,7 @@ def _save(node: str, process: int, sizes: list[int], seed: int, step: int):
 
 
 def _peer(node: str) -> list:
-    import time
-    deadline = time.monotonic() + 30
-    while (info := agent_serve.read_peer_info(f"{BASE}/{node}")) is None:
-        assert time.monotonic() < deadline, f"{node}'s agent published no peer address within 30 s"
-        time.sleep(0.05)
-    return [info["address"], info["token"]]
+    return peer_of(BASE, node)
 
 
 def _stripe_plan(chunks_a, chunks_c, cut_a, cut_c, rest_a, rest_c) -> tuple[ProtectionPlan, Stripe]:

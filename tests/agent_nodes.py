@@ -1,0 +1,24 @@
+"""Simulated nodes of one host for the tests that drive node agents directly: a node is a directory under a
+test's base directory, its agent started by the first store opened there."""
+from __future__ import annotations
+
+import time
+
+from jaxckpt.backends.agent import serve as agent_serve
+from jaxckpt.backends.shm import ShmStore
+from jaxckpt.config import Config
+
+
+def node_store(base: str, job: str, node: str, process: int, process_count: int = 2) -> ShmStore:
+    """The shm store of ``process`` on simulated node ``node`` (its agent in ``base/node``)."""
+    return ShmStore(Config(store="shm", job_id=job, shm_dir=f"{base}/{node}", peer_timeout_s=20.0),
+                    process_index=process, process_count=process_count)
+
+
+def peer_of(base: str, node: str, timeout_s: float = 30.0) -> list:
+    """[peer address, token] that ``node``'s agent published (AssertionError if none within ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while (info := agent_serve.read_peer_info(f"{base}/{node}")) is None:
+        assert time.monotonic() < deadline, f"{node}'s agent published no peer address within {timeout_s:g} s"
+        time.sleep(0.05)
+    return [info["address"], info["token"]]
