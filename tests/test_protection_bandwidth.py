@@ -39,13 +39,9 @@ def base_dir():
     remove_agents(BASE)
 
 
-def _store(node: str, process: int) -> ShmStore:
-    return node_store(BASE, JOB, node, process)
-
-
 def _save_on_node_a(data: np.ndarray) -> ShmStore:
     """Process 0's committed step on node A, with the manifest a real save writes for one uint8 array."""
-    store = _store("nodeA", 0)
+    store = node_store(BASE, JOB, "nodeA", 0)
     slot = store.reserve(STEP, data.nbytes)
     np.frombuffer(slot.buffer, np.uint8)[:] = data
     chunk = mf.ChunkMeta(Box((0,), (data.size,)), 0, data.nbytes, crc32c(data), 0)
@@ -83,8 +79,9 @@ def _pull(store: ShmStore, plan: bytes, source: list, want: np.ndarray) -> dict:
 def test_many_small_pulls_of_one_process_are_held_to_the_rate_over_time():
     data = np.random.default_rng(5).integers(0, 256, B, dtype=np.uint8)
     node_a = _save_on_node_a(data)
-    owner = _store("nodeB", PROTECT_BASE + 1)  # process 1's protection slots, as the protection runtime opens them
-    other = _store("nodeB", PROTECT_BASE + 0)
+    # process 1's protection slots, as the protection runtime opens them
+    owner = node_store(BASE, JOB, "nodeB", PROTECT_BASE + 1)
+    other = node_store(BASE, JOB, "nodeB", PROTECT_BASE + 0)
     try:
         plan, source = _copy_plan(), _peer_of_node_a()
         t0 = time.monotonic()

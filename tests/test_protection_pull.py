@@ -37,14 +37,10 @@ def base_dir():
     remove_agents(BASE)
 
 
-def _store(node: str, process: int) -> ShmStore:
-    return node_store(BASE, JOB, node, process)
-
-
 def _save(node: str, process: int, sizes: list[int], seed: int, step: int):
     """A committed step of ``process`` on ``node``: one uint8 array per chunk size; returns (store, data, chunks)."""
     data = np.random.default_rng(seed).integers(0, 256, sum(sizes), dtype=np.uint8)
-    store = _store(node, process)
+    store = node_store(BASE, JOB, node, process)
     slot = store.reserve(step, data.nbytes)
     np.frombuffer(slot.buffer, np.uint8)[:] = data
     arrays, chunks, at = [], [], 0
@@ -103,7 +99,7 @@ def test_a_pull_reads_only_the_spans_its_stripe_uses_and_builds_it_bit_for_bit(s
     sizes_a, sizes_c = [3 * scale, 5 * scale + 64, 2 * scale], [4 * scale, 4 * scale]
     node_a, data_a, chunks_a = _save("nodeA", 0, sizes_a, seed=1, step=step)
     node_c, data_c, chunks_c = _save("nodeC", 1, sizes_c, seed=2, step=step)
-    owner = _store("nodeB", PROTECT_BASE + 1)
+    owner = node_store(BASE, JOB, "nodeB", PROTECT_BASE + 1)
     try:
         # A's unit ends inside its second chunk, C's starts inside its first: neither chunk is read whole
         cut_a = [(0, 0, 3 * scale), (1, 0, 2 * scale + 64)]
@@ -126,7 +122,7 @@ def test_a_flipped_bit_outside_the_span_still_fails_the_pull_naming_the_chunk(sc
     step = 20 + (scale > 1024)
     node_a, data_a, chunks_a = _save("nodeA", 0, [4 * scale, 4 * scale], seed=3, step=step)
     node_c, data_c, chunks_c = _save("nodeC", 1, [8 * scale], seed=4, step=step)
-    owner = _store("nodeB", PROTECT_BASE + 1)
+    owner = node_store(BASE, JOB, "nodeB", PROTECT_BASE + 1)
     try:
         # flip a bit of A's second chunk at its very end, which the stripe's span of it does not cover
         d = f"{BASE}/nodeA"
