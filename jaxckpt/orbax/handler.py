@@ -18,8 +18,12 @@ saved tree's layout, ``jaxckpt.orbax.layout``), so Orbax's own step bookkeeping 
 Orbax's args and semantics. Besides ``SnapshotSave``/``SnapshotRestore`` the handler takes the args an Orbax user
 already passes (``StandardSave``/``PyTreeSave`` with ``save_args`` and ``custom_metadata``,
 ``StandardRestore``/``PyTreeRestore`` with ``restore_args``, ``partial_restore``, ``strict``), so registering it
-for an item is the only change, and restores as Orbax's pytree handlers do: see ``jaxckpt.orbax.layout``.
-``metadata()`` gives Orbax's ``.tree`` (``ArrayMetadata`` with shardings) and ``.custom_metadata``.
+for an item is the only change, and restores as Orbax's pytree handlers do: see ``jaxckpt.orbax.layout`` (masked
+optimizer states, ``None`` target leaves, PRNG keys, "Topology mismatch detected"). ``metadata()`` is Orbax's
+``TreeMetadata`` of the saved tree (:class:`SnapshotMetadata`). Orbax's argument errors are raised from save() as
+its handlers raise them: an empty item (:class:`jaxckpt.errors.EmptyItemError`, "Found empty item."), a leaf type
+the args do not take (:class:`jaxckpt.errors.UnsupportedTypeError`, "Unsupported type"; ``StandardSave`` takes
+arrays and numbers only), each a ``ValueError`` with Orbax's words first.
 
 The step number. Orbax does not pass the step to item handlers, only a directory such as
 ``<root>/<step>.orbax-checkpoint-tmp/<item>.orbax-checkpoint-tmp``. ``SnapshotSave(state, step=k)`` sets it
