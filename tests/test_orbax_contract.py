@@ -254,3 +254,30 @@ def test_topology_mismatch_without_target(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.count("PASS") == len(KINDS) * len(ROUTES), proc.stdout
+
+
+# ------------------------------------------------- Orbax v1: a None leaf skips, so its metadata gives values
+def test_v1_load_onto_its_metadata(tmp_path):
+    """v1's ``load(step, metadata(step).metadata)``: Python values, strings and None leaves come back as from
+    Orbax's own v1 pytree handler (the metadata gives a value of the saved type, never a skipping None). (Masked
+    leaves are left out: without an abstract tree jaxckpt's v1 handler keeps the saved container types, Orbax's
+    v1 defaults to its legacy ones.)"""
+    import orbax.checkpoint.experimental.v1 as ocp1
+
+    import jaxckpt.orbax.v1 as jv1
+    state = {"w": jnp.arange(4.0), "step": 3, "lr": 0.5, "name": "run", "n": np.arange(2), "none": None}
+    orbax = ocp1.training.Checkpointer(tmp_path / "orbax")
+    orbax.save(1, state)
+    orbax.wait()
+    ref = orbax.load(1, orbax.metadata(1).metadata)
+    orbax.close()
+    with jaxckpt.Checkpointer(jaxckpt.Config(job_id="contract-v1")) as ck:
+        jv1.configure(ck)
+        with jv1.context():
+            ours = ocp1.training.Checkpointer(tmp_path / "jaxckpt")
+            ours.save(1, state)
+            ours.wait()
+            got = ours.load(1, ours.metadata(1).metadata)
+            ours.close()
+    assert_same_tree(ref, got)
+    assert got["step"] == 3 and got["name"] == "run"

@@ -43,6 +43,7 @@ PLACEHOLDER = ...  # Orbax's type_handlers.PLACEHOLDER: "do not restore this lea
 MISMATCH = "User-provided restore item and on-disk value metadata tree structures do not match"
 TOPOLOGY = ("Topology mismatch detected. The checkpoint was saved with a different topology than the current one. "
             "Please provide a target tree with the desired topology to restore.")
+_VALUE_TYPES = {t.__name__: t for t in (bool, int, float, str, bytes)}  # saved by value ("type" in the layout)
 # StandardCheckpointHandler's leaf types (orbax.checkpoint.checkpoint_utils.STANDARD_ARRAY_TYPES).
 STANDARD_TYPES = (int, float, np.ndarray, jax.Array)
 
@@ -443,10 +444,11 @@ def flat_values(tree: Any) -> dict[str, Any]:
 
 def abstract(layout: dict) -> Any:
     """The saved tree as restore targets: ``jax.ShapeDtypeStruct`` on the saved sharding (None where it cannot
-    be rebuilt here), ``np.ndarray``-like numpy leaves (zero-copy views), and the types of scalars."""
+    be rebuilt here), ``np.ndarray``-like numpy leaves (zero-copy views), the types of numpy scalars, and a value
+    of the saved type for a Python value (as Orbax v1's metadata: ``0``, ``""``; a None leaf would skip it)."""
     def leaf(path: str, d: dict) -> Any:
         if d["kind"] == "value":
-            return None
+            return _VALUE_TYPES.get(d.get("type"), int)()
         if d["kind"] == "prng_key":
             keys = jax.eval_shape(lambda: jax.random.key(0, impl=d["impl"]))
             return jax.ShapeDtypeStruct(tuple(d["shape"]), keys.dtype, sharding=saved_sharding(d))
