@@ -1,10 +1,12 @@
 """``jaxckpt chaos``: the quick profile in CI, and the bugs it found, pinned down deterministically.
 
-- the quick profile: 50 seeded trials of every available fault kind over a 2-node, 2-process job with shm
-  agents and protection "hybrid", plus 2 JAX-trainer trials: every fault recovered from, 0 wrong restores,
-  0 hangs, 0 committed steps lost to faults that destroy nothing, and no protected step lost with a node;
-- without protection, 8 trials of the faults that destroy data: steps with bad bytes are passed over inside the
-  restore (no relaunch), wiped memory is lost, and still no wrong restore and no hang;
+- one round of the quick profile: every available fault kind once over a 2-node, 2-process job with shm agents
+  and protection "hybrid", plus a JAX-trainer trial of each JAX kind: every fault recovered from, 0 wrong
+  restores, 0 hangs, 0 committed steps lost to faults that destroy nothing, and no protected step lost with a
+  node (the 50-trial quick and 500-trial long profiles are CLI runs: BENCHMARKS.md's reliability section);
+- without protection, a round of the faults that destroy data, run and recorded through the CLI: steps with
+  bad bytes are passed over inside the restore (no relaunch), wiped memory is lost, and still no wrong restore
+  and no hang; its record re-renders the same section;
 - a fast process must not run ahead of the commit protocol: found by chaos (a trainer killed after running
   several locally committed steps ahead of a slow peer had its agent free the newest globally committed step on
   disconnect); fixed in CheckpointEngine._throttle, pinned here with two engines and real agents.
@@ -28,16 +30,22 @@ from jaxckpt.cli import build_parser
 from shm_trainer import agent_processes
 
 
-def test_quick_profile_recovers_from_every_fault_with_no_wrong_restore_and_no_hang():
-    run = chaos.ChaosRun(chaos.PROFILES["quick"], seed=0)
+AVAILABLE = sorted(k for k, f in chaos.FAULTS.items() if f.inject is not None)
+
+
+def test_every_fault_kind_is_recovered_from_with_no_wrong_restore_and_no_hang():
+    """One round of the quick profile: every available fault kind exactly once (the driver deals each kind once
+    per round of as many trials as there are kinds), plus one JAX trial of each JAX kind."""
+    run = chaos.ChaosRun(chaos.PROFILES["quick"], seed=0, trials=len(AVAILABLE))
     rep = run.run()
     table = chaos.format_table(rep)
     print(table)
-    assert rep["trials"] >= 50 and rep["jax_trials"] == 2, table
+    assert rep["trials"] == len(AVAILABLE) + len(chaos.JAX_KINDS) and rep["jax_trials"] == len(chaos.JAX_KINDS)
     assert rep["wrong_restores"] == 0 and rep["hangs"] == 0 and rep["unexpected_losses"] == 0, table
     assert rep["recoveries"] == rep["trials"], table
-    available = {k for k, f in chaos.FAULTS.items() if f.inject is not None}
-    assert {k.removesuffix(" (jax)") for k in rep["faults"]} == available, table  # every kind was exercised
+    # every kind was exercised, once
+    assert {k: v["trials"] for k, v in rep["faults"].items()} == \
+        {**{k: 1 for k in AVAILABLE}, **{f"{k} (jax)": 1 for k in chaos.JAX_KINDS}}, table
     assert rep["saves_not_resumed"] == 0, table  # saving came back after every agent and budget fault
     assert rep["unavailable"] == {}  # peer-delay and peer-drop run through jaxckpt/tools/chaos/proxy.py
     # every peer connection spoke CURVE: every agent the driver started published a key
@@ -53,19 +61,36 @@ def test_quick_profile_recovers_from_every_fault_with_no_wrong_restore_and_no_ha
         assert not os.path.exists(proto.default_log_path(d))
 
 
-def test_without_protection_bad_steps_are_dropped_and_wiped_nodes_start_over():
+DESTROYING = ["corrupt-chunk", "corrupt-record", "kill-agent-wipe", "node-loss"]
+
+
+@pytest.fixture(scope="module")
+def unprotected(tmp_path_factory):
+    """One recorded CLI run without protection, a round of the faults that destroy data, shared by the test of
+    its outcome and the test of its record (``--update-md`` writes both the section and docs/bench/chaos.json)."""
+    d = tmp_path_factory.mktemp("chaos")
+    md = d / "BENCHMARKS.md"
+    md.write_text("# B\n\n<!-- bench:chaos:begin -->\nold\n<!-- bench:chaos:end -->\n\nprose\n")
+    proc = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "chaos", "--protection", "none", "--seed", "3",
+                           "--trials", str(len(DESTROYING)), "--jax-trials", "0", "--faults", ",".join(DESTROYING),
+                           "--update-md", str(md)], capture_output=True, text=True, timeout=300)
+    return {"dir": d, "md": md, "proc": proc}
+
+
+def test_without_protection_bad_steps_are_dropped_and_wiped_nodes_start_over(unprotected):
     """Without protection a corrupt chunk or record costs its step (the restore falls back past it inside the
     same call, never by a relaunch) and a wiped node's memory costs every step it held; still no wrong
     restore, no hang."""
-    profile = dataclasses.replace(chaos.PROFILES["quick"], protection="none")
-    run = chaos.ChaosRun(profile, seed=3, trials=8, jax_trials=0,
-                         faults=["corrupt-chunk", "corrupt-record", "kill-agent-wipe", "node-loss"])
-    rep = run.run()
+    from jaxckpt.tools.bench import report
+
+    proc = unprotected["proc"]
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]  # exit 0: chaos.ok(report)
+    rep = report.read_json(unprotected["dir"] / "docs" / "bench" / "chaos.json")["report"]
     table = chaos.format_table(rep)
-    print(table)
-    assert rep["trials"] == 8 and chaos.ok(rep), table
+    assert rep["profile"]["protection"] == "none" and chaos.ok(rep), table
+    assert {k: v["trials"] for k, v in rep["faults"].items()} == {k: 1 for k in DESTROYING}, table
     for kind in ("corrupt-chunk", "corrupt-record"):  # bad bytes cost no relaunch (jaxckpt.core.fallback)
-        assert rep["faults"].get(kind, {}).get("relaunches", 0) == 0, table
+        assert rep["faults"][kind].get("relaunches", 0) == 0, table
 
 
 def test_the_report_splits_the_protection_lag_by_the_trial_s_fault_and_counts_relaunches_for_bad_bytes():
@@ -117,28 +142,24 @@ def test_cli_parses_the_profiles_and_refuses_unknown_faults():
         chaos.ChaosRun(chaos.PROFILES["quick"], 0, faults=["kill-everything"])
 
 
-def test_a_recorded_run_keeps_its_record_beside_the_plots_and_rerenders_the_same_section(tmp_path):
+def test_a_recorded_run_keeps_its_record_beside_the_plots_and_rerenders_the_same_section(unprotected, tmp_path):
     """``--update-md`` keeps the run's record in docs/bench/chaos.json next to the markdown file (a real,
     small run), and ``--from-json`` renders the very same section from it without running anything."""
     from jaxckpt import cli
     from jaxckpt.tools.bench import report
 
-    md = tmp_path / "BENCHMARKS.md"
-    md.write_text("# B\n\n<!-- bench:chaos:begin -->\nold\n<!-- bench:chaos:end -->\n\nprose\n")
-    proc = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "chaos", "--trials", "2", "--jax-trials", "0",
-                           "--faults", "kill-trainer", "--update-md", str(md)], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    record = report.read_json(tmp_path / "docs" / "bench" / "chaos.json")
-    assert record["bench"] == "chaos" and record["report"]["trials"] == 2, record
-    assert record["command"] == "jaxckpt chaos --profile quick --seed 0 --trials 2 --jax-trials 0 --faults kill-trainer"
+    assert unprotected["proc"].returncode == 0, unprotected["proc"].stderr[-4000:]
+    kept = unprotected["dir"] / "docs" / "bench" / "chaos.json"
+    record = report.read_json(kept)
+    assert record["bench"] == "chaos" and record["report"]["trials"] == len(DESTROYING), record
+    assert record["command"] == ("jaxckpt chaos --profile quick --seed 3 --trials 4 --jax-trials 0 --faults "
+                                 "corrupt-chunk,corrupt-record,kill-agent-wipe,node-loss --protection none")
     again = tmp_path / "again" / "BENCHMARKS.md"
     again.parent.mkdir()
     again.write_text("<!-- bench:chaos:begin -->\n<!-- bench:chaos:end -->\n")
-    assert cli.main(["chaos", "--from-json", str(tmp_path / "docs" / "bench" / "chaos.json"),
-                     "--update-md", str(again)]) == 0
+    assert cli.main(["chaos", "--from-json", str(kept), "--update-md", str(again)]) == 0
     begin, end = report.markers("chaos")
-    text, want = again.read_text(), md.read_text()
+    text, want = again.read_text(), unprotected["md"].read_text()
     assert text[text.index(begin):text.index(end)] == want[want.index(begin):want.index(end)]
     assert "\nold\n" not in want and want.endswith("\n\nprose\n")
     (tmp_path / "other.json").write_text('{"bench": "save"}')

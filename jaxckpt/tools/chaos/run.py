@@ -10,22 +10,24 @@ is one incarnation of the job:
      different steps, is a **wrong restore**; a committed step lost although no fault destroyed data is an
      **unexpected loss**. An incarnation that cannot restore (a step failed its integrity checks and was
      dropped, a process died) is stopped and relaunched, at most MAX_RELAUNCH times;
-  1) train, a snapshot every ``interval`` steps, until one fault of a seeded random kind strikes at a random
-     point of a save, a commit or the restore (jaxckpt/tools/chaos/faults.py): trainers SIGKILLed by a timer or by
-     themselves at an exact phase, agents SIGKILLed with or without their memory, a whole node lost (its
-     trainers, agent and memory at once), bits of stored chunks or of commit records flipped, the node's memory
-     budget filled, one node's peer traffic delayed or dropped by a proxy (jaxckpt/tools/chaos/proxy.py). The job
-     recovers (agents restarted; that saves resume is checked). With ``--protection``, losing a node's memory
-     must keep the newest step reported protected before the loss, by this incarnation or an earlier one since
-     the last fault that destroyed data. The failure model is one failure at a time: a fault that takes a
-     node's memory strikes once a step of the running incarnation is protected (a bounded wait, then anyway);
+  1) train, a snapshot every ``interval`` steps, until one fault strikes at a random point of a save, a commit
+     or the restore (jaxckpt/tools/chaos/faults.py): trainers SIGKILLed by a timer or by themselves at an exact
+     phase, agents SIGKILLed with or without their memory, a whole node lost (its trainers, agent and memory at
+     once), bits of stored chunks or of commit records flipped, the node's memory budget filled, one node's peer
+     traffic delayed or dropped by a proxy (jaxckpt/tools/chaos/proxy.py). The job recovers (agents restarted;
+     that saves resume is checked). With ``--protection``, losing a node's memory must keep the newest step
+     reported protected before the loss, by this incarnation or an earlier one since the last fault that
+     destroyed data. The failure model is one failure at a time: a fault that takes a node's memory strikes
+     once a step of the running incarnation is protected (a bounded wait, then anyway);
   2) the job is stopped (SIGKILL, at a random point too); the next trial's restore checks what the fault left.
 A fault at the restore is checked within its own trial (after a clean incarnation checked the previous one).
+The kinds come in seeded random order, every kind once in each round of as many trials as there are kinds (so
+a run of that many trials exercises each exactly once: tests/test_chaos.py).
 Every wait has a time-out; one that expires is a **hang** (everything is killed and the run goes on). Steps of
 work lost = steps trained before the job was stopped minus the step restored. A few trials use a JAX trainer
 (``jaxckpt.Checkpointer``, every restore onto another mesh).
 
-    jaxckpt chaos --profile quick [--seed 0] [--json]      # 50 trials + 2 JAX trials (tests/test_chaos.py)
+    jaxckpt chaos --profile quick [--seed 0] [--json]      # 50 trials + 2 JAX trials
     jaxckpt chaos --profile long --seed 1 --update-md BENCHMARKS.md   # 500 + 20: the RELIABILITY section
     jaxckpt chaos --protection none [--faults corrupt-chunk,kill-agent-wipe]   # without protection
 """
@@ -411,9 +413,12 @@ class ChaosRun:
 
     def _trials(self, mode: str, count: int, kinds: list[str] | None = None) -> None:
         prev, self.trained_max = None, 0
+        deck: list[str] = []
         for i in range(count + 1):  # the last incarnation only checks the last fault
             t0 = time.monotonic()
-            kind = self.rng.choice(kinds or self.kinds) if i < count else None
+            if i < count and not deck:  # every kind once in each round of len(kinds) trials, in a seeded order
+                deck = self.rng.sample(kinds or self.kinds, len(kinds or self.kinds))
+            kind = deck.pop() if i < count else None
             res = TrialResult(len(self.results), kind, mode) if kind else None
             self._kind = (kind or "end") + (" (jax)" if mode == "jax" else "")
             fault, target = FAULTS[kind].prepare(self, res) if kind else (None, -1)
@@ -502,11 +507,6 @@ def report(run: ChaosRun, seconds: float) -> dict:
             "saves_not_resumed": total["saves_not_resumed"], "agents_by_peer_security": dict(run.agent_keys),
             "unavailable": {k: f.unavailable for k, f in FAULTS.items() if f.inject is None},
             "results": [asdict(r) for r in run.results]}
-
-
-def run_chaos(profile: str = "quick", seed: int = 0, **kw: Any) -> dict:
-    """Run the trials of ``profile`` (``trials=``, ``jax_trials=``, ``faults=`` override it); the report."""
-    return ChaosRun(PROFILES[profile], seed, **kw).run()
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
