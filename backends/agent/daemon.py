@@ -44,7 +44,7 @@ import msgpack
 from jaxckpt.backends.agent import heap
 from jaxckpt.backends.agent.protocol import (LOCK_NAME, PID_NAME, SOCKET_NAME, VERSION, ProtocolError, agent_dir,
                                              default_log_path, ensure_private_dir, open_segment, recv_msg,
-                                             send_msg)
+                                             remove_file, send_msg)
 from jaxckpt.backends.agent.table import Limits, Refused, SlotTable
 from jaxckpt.config import PEER_SECURITY, Config, peer_uses_curve
 
@@ -171,10 +171,7 @@ class Agent:
 
     def _listen(self) -> None:
         path = os.path.join(self.dir, SOCKET_NAME)
-        try:
-            os.unlink(path)  # a socket left by an agent that died: we hold the lock, so it is stale
-        except FileNotFoundError:
-            pass
+        remove_file(path)  # a socket left by an agent that died: we hold the lock, so it is stale
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)  # the socket is created 0600: no window in which others could connect
         try:
@@ -215,7 +212,7 @@ class Agent:
         self._stop.set()
         if self._listener is not None:
             self._listener.close()
-            _unlink(os.path.join(self.dir, SOCKET_NAME))
+            remove_file(os.path.join(self.dir, SOCKET_NAME))
             self._listener = None
         with self._lock:
             conns = list(self._conns.values())
@@ -232,8 +229,8 @@ class Agent:
         from jaxckpt.backends.agent.serve import remove_peer_files
         remove_peer_files(self.dir)
         nsegs, nbytes = self.table.close()
-        _unlink(os.path.join(self.dir, PID_NAME))
-        _unlink(os.path.join(self.dir, LOCK_NAME))  # while still locked: a newer agent re-creates it
+        remove_file(os.path.join(self.dir, PID_NAME))
+        remove_file(os.path.join(self.dir, LOCK_NAME))  # while still locked: a newer agent re-creates it
         try:
             os.rmdir(self.dir)
         except OSError as e:
@@ -450,13 +447,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 # --------------------------------------------------------------------------------------------------------- CLI

@@ -102,6 +102,14 @@ def check_name(name: Any, pattern: re.Pattern = SEG_RE) -> str:
     return name
 
 
+def remove_file(path: str) -> None:
+    """Unlink ``path``; one already gone is fine (an agent and its predecessor, or a peer, may race to it)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def round_to_pages(nbytes: int) -> int:
     return -(-nbytes // PAGE) * PAGE
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import msgpack
 
-from jaxckpt.backends.agent.protocol import SEG_RE, open_segment
+from jaxckpt.backends.agent.protocol import SEG_RE, open_segment, remove_file
 from jaxckpt.backends.agent.table import SlotTable
 from jaxckpt.backends.transport import SnapshotSource
 from jaxckpt.core.checksum import crc32c
@@ -122,10 +122,7 @@ def read_peer_info(directory: str) -> dict[str, Any] | None:
 def remove_peer_files(directory: str) -> None:
     """Remove the peer files (the agent shuts down: its directory goes)."""
     for name in (PEER_NAME, TOKEN_NAME):
-        try:
-            os.unlink(os.path.join(directory, name))
-        except FileNotFoundError:
-            pass
+        remove_file(os.path.join(directory, name))
 
 
 # ------------------------------------------------------------------------------------------ the snapshots

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import msgpack
 
 from jaxckpt.backends.agent.protocol import (MAX_MESSAGE_BYTES, PROTECT_BASE, REC_RE, SEG_RE, ProtocolError,
-                                             check_name, record_name, round_to_pages, segment_name)
+                                             check_name, record_name, remove_file, round_to_pages,
+                                             segment_name)
 
 log = logging.getLogger("jaxckpt.backends.agent.daemon")
 
@@ -252,7 +253,7 @@ class SlotTable:
                     entry = self._read_record(name)
                     if entry is None:
                         dropped.append(name)
-                        _unlink(os.path.join(self.dir, name))
+                        remove_file(os.path.join(self.dir, name))
                         continue
                     self._slots[(entry.process, entry.step)] = entry
                     adopted.setdefault(entry.process, []).append(entry.step)
@@ -261,7 +262,7 @@ class SlotTable:
             for name in names:
                 if (SEG_RE.match(name) and name not in used) or name.startswith(".rec-"):
                     dropped.append(name)
-                    _unlink(os.path.join(self.dir, name))
+                    remove_file(os.path.join(self.dir, name))
         for p, steps in adopted.items():
             log.info("process %d: adopted committed steps %s from an earlier agent", p, sorted(steps))
         if dropped:
@@ -277,9 +278,9 @@ class SlotTable:
             nbytes = sum(s.size for s in segs)
             for e in self._slots.values():
                 if e.state == COMMITTED:
-                    _unlink(os.path.join(self.dir, record_name(e.process, e.step)))
+                    remove_file(os.path.join(self.dir, record_name(e.process, e.step)))
             for s in segs:
-                _unlink(os.path.join(self.dir, s.name))
+                remove_file(os.path.join(self.dir, s.name))
             self._slots.clear()
             self._pools.clear()
             return len(segs), nbytes
@@ -324,7 +325,7 @@ class SlotTable:
             # Idle pooled segments are the first thing to give back (this process's, then any process's).
             for p in ([process] if mine else [process, *self._pools]):
                 for s in self._pools.pop(p, []):
-                    _unlink(os.path.join(self.dir, s.name))
+                    remove_file(os.path.join(self.dir, s.name))
             held = self._held(process if mine else None)
             if held + size > limit:
                 kept = sorted(s for (p, s), e in self._slots.items() if p == process and self._visible(e))
@@ -342,7 +343,7 @@ class SlotTable:
             os.posix_fallocate(fd, 0, size)
         except OSError as e:
             os.close(fd)
-            _unlink(path)
+            remove_file(path)
             raise Refused("budget", f"step {step} of process {process}: cannot allocate {size} bytes of shared "
                                     f"memory in {self.dir}: {e.strerror or e}") from None
         os.close(fd)
@@ -352,7 +353,7 @@ class SlotTable:
 
     def _delete(self, entry: SlotEntry) -> None:
         entry.doomed = True
-        _unlink(os.path.join(self.dir, record_name(entry.process, entry.step)))  # no longer adoptable
+        remove_file(os.path.join(self.dir, record_name(entry.process, entry.step)))  # no longer adoptable
         if entry.pins == 0:
             self._free(entry, reuse=True)
 
@@ -363,7 +364,7 @@ class SlotTable:
         if reuse and not self._closed and not entry.lent:
             self._pools.setdefault(entry.process, []).append(entry.seg)
         else:
-            _unlink(os.path.join(self.dir, entry.seg.name))
+            remove_file(os.path.join(self.dir, entry.seg.name))
 
     def _write_record(self, e: SlotEntry) -> None:
         name = record_name(e.process, e.step)
@@ -418,10 +419,3 @@ class SlotTable:
         except Exception as e:  # noqa: BLE001 - any defect means the record is not adoptable; logged
             log.warning("not adopting %s: %s", name, e)
             return None
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

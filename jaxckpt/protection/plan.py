@@ -173,10 +173,6 @@ class ProtectionPlan:
     def node_ids(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.nodes)))
 
-    def chunk_index(self) -> dict[tuple[int, int], int]:
-        """(process, offset) -> index into ``chunks``."""
-        return {c.key: i for i, c in enumerate(self.chunks)}
-
     def policies(self) -> dict[str, tuple[str, ...]]:
         """The policies each array's chunks got (one unless a hybrid array mixes replicated and local boxes)."""
         out: dict[str, set[str]] = {}

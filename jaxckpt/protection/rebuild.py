@@ -85,14 +85,6 @@ class RecoveryPlan:
     protection: ProtectionPlan
     rebuilds: tuple[ChunkRebuild, ...]
 
-    def rebuild_of(self, process: int, offset: int) -> ChunkRebuild | None:
-        """The rebuild of the chunk at ``offset`` of ``process``'s buffer, or None when it needs none."""
-        for r in self.rebuilds:
-            c = self.protection.chunks[r.chunk]
-            if c.process == process and c.offset == offset:
-                return r
-        return None
-
     @property
     def lost_processes(self) -> tuple[int, ...]:
         """Processes that ran on the lost nodes."""
