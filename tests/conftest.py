@@ -1,7 +1,52 @@
-"""Test-wide set-up: 8 CPU devices for in-process JAX tests (multi-process tests start their own processes)."""
+"""Test-wide set-up: 8 CPU devices for in-process JAX tests (multi-process tests start their own processes), and
+the one quick run of every benchmark that the benchmark tests share."""
+import contextlib
+import io
 import os
+import subprocess
+import sys
+
+import pytest
 
 os.environ.setdefault("XLA_FLAGS", "")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+BENCH_PROSE = "# Benchmarks\n\nprose before\n\n<!-- bench:save:begin -->\nold\n<!-- bench:save:end -->\n\nprose after\n"
+
+
+def _bench_dirs() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("jaxckpt-bench")} if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.fixture(scope="session")
+def bench_quick(tmp_path_factory):
+    """``jaxckpt bench all --quick --update-md``, run once in a real subprocess for every test of a benchmark's
+    quick run (tests/test_bench*.py): each benchmark measured as its own ``jaxckpt bench NAME --quick --json``
+    process, the cluster one with ``--restore-collective`` and a plain directory of its own."""
+    from jaxckpt.tools.bench import all as bench_all
+
+    d = tmp_path_factory.mktemp("bench-all")
+    md = d / "BENCHMARKS.md"
+    md.write_text(BENCH_PROSE)
+    plain = d / "plain"
+    plain.mkdir()
+    before = _bench_dirs()
+    proc = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "bench", "all", "--quick", "--out", str(d / "out"),
+                           "--update-md", str(md), "--bench-args", f"cluster=--restore-collective --plain-dir {plain}"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return {"dir": d, "out": d / "out", "md": md, "plain": plain, "stdout": proc.stdout, "stderr": proc.stderr,
+            "results": bench_all.load_results(d / "out", list(bench_all.BENCHES)), "shm_left": _bench_dirs() - before}
+
+
+def bench_section(name: str, result_json, md) -> str:
+    """``jaxckpt bench NAME --from-json RESULT --update-md MD`` in this process (it renders, measures nothing): what
+    it printed. Writes the section into ``md`` and keeps the JSON in docs/bench/ beside it, as a measuring run."""
+    from jaxckpt import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["bench", name, "--from-json", str(result_json), "--update-md", str(md)]) == 0
+    return out.getvalue()

@@ -1,4 +1,5 @@
-"""``jaxckpt bench save``: the quick run end to end (real subprocess), its JSON schema, and the markdown it renders.
+"""``jaxckpt bench save``: the quick run end to end (a real subprocess of the session's ``bench all --quick``),
+its JSON schema, and the markdown it renders.
 
 No timing thresholds: only that every figure is finite and positive and that the report is well formed.
 """
@@ -7,13 +8,13 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from jaxckpt import cli
-from jaxckpt.tools.bench import report
+from jaxckpt.tools.bench import report, save
 from jaxckpt.tools.bench.save import parse_size
+from conftest import bench_section
 
 STATS = {"median", "min", "max", "p10", "p90", "n"}
 JAXCKPT_KEYS = {"save_call_s", "snapshot_s", "snapshot_worker_s", "restore_s", "snapshot_gbps", "snapshot_vs_memcpy"}
@@ -26,19 +27,17 @@ SWEEP_KEYS = SWEEP_TIMES | {"leaves", "shards", "size_bytes", "view_s_per_shard"
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory):
+def quick(bench_quick, tmp_path_factory):
+    """The quick save benchmark of the session's ``bench all --quick`` run (tests/conftest.py: its own
+    ``jaxckpt bench save --quick --json`` process), and its section written by ``bench save --update-md``."""
     d = tmp_path_factory.mktemp("bench")
     md = d / "BENCHMARKS.md"
     md.write_text("# Benchmarks\n\nprose before\n\n<!-- bench:save:begin -->\nold\n<!-- bench:save:end -->\n\n"
                   "prose after\n")
-    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    proc = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "bench", "save", "--quick", "--json",
-                           str(d / "save.json"), "--update-md", str(md)],
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    return {"dir": d, "json": report.read_json(d / "save.json"), "md": md, "stdout": proc.stdout,
-            "shm_left": {n for n in shm_after - shm_before if n.startswith("jaxckpt-bench-orbax-")}}
+    (d / "save.json").write_bytes((bench_quick["out"] / "save.json").read_bytes())
+    stdout = bench_section("save", d / "save.json", md)
+    return {"dir": d, "json": bench_quick["results"]["save"], "md": md, "stdout": stdout,
+            "shm_left": {n for n in bench_quick["shm_left"] if n.startswith("jaxckpt-bench-orbax-")}}
 
 
 def _check_stats(s, where):
@@ -95,12 +94,12 @@ def test_quick_run_updates_only_its_section(quick):
     assert text.endswith("<!-- bench:save:end -->\n\nprose after\n")
     assert "\nold\n" not in text
     assert "Quick run, placeholder until the full run" in text
-    assert report.render(quick["json"]) in text
+    assert save.render(quick["json"]) in text
     assert "| 1 MiB |" in quick["stdout"] and "| 4 MiB |" in quick["stdout"]
 
 
 def test_markdown_table_from_json(quick):
-    md = report.render(quick["json"])
+    md = save.render(quick["json"])
     sizes_md, sweep_md = md.split("#### save() against the number of leaves")
     rows = [line for line in sizes_md.splitlines() if line.startswith("|")]
     assert len(rows) == 2 + 2  # header, rule, one row per size
@@ -116,15 +115,15 @@ def test_markdown_table_from_json(quick):
     # A full run's result renders without the placeholder banner.
     full = json.loads(json.dumps(quick["json"]))
     full["mode"] = "full"
-    assert "placeholder" not in report.render(full)
+    assert "placeholder" not in save.render(full)
 
 
 def test_from_json_rerenders_without_measuring(quick, tmp_path, capsys):
     md = tmp_path / "B.md"
     assert cli.main(["bench", "save", "--from-json", str(quick["dir"] / "save.json"), "--update-md", str(md)]) == 0
     begin, end = report.markers("save")
-    assert md.read_text() == f"{begin}\n{report.render(quick['json'])}\n{end}\n"
-    assert report.render(quick["json"]) in capsys.readouterr().out
+    assert md.read_text() == f"{begin}\n{save.render(quick['json'])}\n{end}\n"
+    assert save.render(quick["json"]) in capsys.readouterr().out
 
 
 def _section(text: str, name: str) -> str:
@@ -182,8 +181,9 @@ def test_replace_section(tmp_path):
 
 
 def test_render_rejects_unknown_bench():
+    from jaxckpt.tools.bench import all as bench_all
     with pytest.raises(ValueError, match="no markdown renderer for bench 'nope'"):
-        report.render({"bench": "nope"})
+        bench_all.render_result({"bench": "nope"})
 
 
 def test_bad_options_are_refused_before_measuring(tmp_path):

@@ -1,5 +1,6 @@
-"""``jaxckpt bench all``: the quick suite end to end in a real subprocess, the JSON of every benchmark, the markdown
-sections and plots rendered from them, and the orchestration (subset, failure, render-only).
+"""``jaxckpt bench all``: the quick suite end to end in a real subprocess (run once per session by
+tests/conftest.py and shared with the tests of each benchmark), the JSON of every benchmark, the markdown
+sections and plots rendered from them, and the orchestration (subset, options, failure, render-only).
 
 No timing thresholds: only that every figure is finite and positive (a few named fields may be zero or signed,
 see ``MAY_BE_ZERO`` and ``SIGNED``) and that the reports are well formed.
@@ -26,7 +27,7 @@ MAY_BE_ZERO = {"process", "exit_code", "extra_bytes_per_node", "sent_bytes_per_n
                "try_gets", "live_keys"}  # the commit protocol polls no key; all keys of a round may be gone
 SIGNED = ("overhead_pct_", "overhead_of_orbax_")  # step-time overhead vs the baseline: within noise it can be below zero
 EXPECTED = [n for n in bench_all.BENCHES if n != "torch" or importlib.util.find_spec("torch") is not None]
-PROSE = "# Benchmarks\n\nprose before\n\n<!-- bench:save:begin -->\nold\n<!-- bench:save:end -->\n\nprose after\n"
+from conftest import BENCH_PROSE as PROSE  # the markdown file the session's run updates
 # Keys each result has beyond bench/machine/date/command, and the list of rows that must not be empty.
 SCHEMA = {
     "parity": ({"mode", "setup", "memcpy_gbps", "results"}, "results"),
@@ -42,18 +43,9 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def suite(tmp_path_factory):
-    d = tmp_path_factory.mktemp("bench-all")
-    md = d / "BENCHMARKS.md"
-    md.write_text(PROSE)
-    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    proc = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "bench", "all", "--quick", "--out", str(d / "out"),
-                           "--update-md", str(md)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    return {"dir": d, "out": d / "out", "md": md, "stdout": proc.stdout, "stderr": proc.stderr,
-            "results": bench_all.load_results(d / "out", list(bench_all.BENCHES)),
-            "shm_left": {n for n in shm_after - shm_before if n.startswith("jaxckpt-bench")}}
+def suite(bench_quick):
+    """The session's ``bench all --quick --update-md`` run (tests/conftest.py)."""
+    return bench_quick
 
 
 def _check_numbers(res, name):
@@ -93,6 +85,10 @@ def test_every_benchmark_ran_and_wrote_its_json(suite):
     for r in summary["runs"]:
         assert r["command"].startswith(f"jaxckpt bench {r['name']} --quick --json ")
         assert (suite["out"] / f"{r['name']}.log").exists()
+    # --bench-args reached the cluster benchmark alone, after its preset
+    forwarded = f"--restore-collective --plain-dir {suite['plain']}"
+    assert [r["name"] for r in summary["runs"] if r["command"].endswith(forwarded)] == ["cluster"]
+    assert summary["command"].endswith(f"--bench-args 'cluster={forwarded}'")
     _check_numbers(summary, "all")
     assert not suite["shm_left"], "benchmark directories left in /dev/shm"
 
@@ -268,3 +264,11 @@ def test_selection(capsys):
     with pytest.raises(ValueError, match=r"unknown benchmark\(s\) nope \(known: parity,"):
         bench_all.selected(ns)
     assert cli.main(["bench", "all", "--only", "nope", "--render-only"]) == 2
+    ns = cli.build_parser().parse_args(["bench", "all", "--bench-args", "cluster=--steps 2", "--bench-args",
+                                        "save=--sizes '1M'", "--bench-args", "cluster=--repeats 1"])
+    assert bench_all.bench_args(ns) == {"cluster": ["--steps", "2", "--repeats", "1"], "save": ["--sizes", "1M"]}
+    for bad in ("cluster", "nope=--x"):
+        ns = cli.build_parser().parse_args(["bench", "all", "--bench-args", bad])
+        with pytest.raises(ValueError, match=r"--bench-args .* is not NAME=OPTIONS with NAME one of parity,"):
+            bench_all.bench_args(ns)
+        assert cli.main(["bench", "all", "--bench-args", bad, "--render-only"]) == 2

@@ -1,5 +1,6 @@
-"""``jaxckpt bench cluster --quick`` end to end in a real subprocess: 4 simulated nodes, every protection policy,
-every restore path (each checked bit for bit inside the run), two node losses, Orbax's emergency manager.
+"""``jaxckpt bench cluster --quick`` end to end in a real subprocess (of the session's ``bench all --quick``):
+4 simulated nodes, every protection policy, every restore path (each checked bit for bit inside the run), two
+node losses, Orbax's emergency manager.
 
 No timing thresholds: the JSON's shape, that every figure is finite and positive, what the run must have done
 (rebuilt the lost node's chunks, restored the newest protected or persisted step, planned parity at 1/(R-1)), the
@@ -7,41 +8,35 @@ markdown section and plots rendered from it, and that nothing is left behind in 
 """
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 
 from jaxckpt.tools.bench import cluster, cluster_report, plots, report
 from test_bench_all import _check_numbers, _check_stats
+from conftest import bench_section
 
 PROSE = "# Benchmarks\n\nbefore\n\n<!-- bench:cluster:begin -->\nold\n<!-- bench:cluster:end -->\n\nafter\n"
 
 
-def _ours():
-    return {n for n in os.listdir("/dev/shm") if n.startswith("jaxckpt-bench-cluster")} \
-        if os.path.isdir("/dev/shm") else set()
-
-
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(bench_quick, tmp_path_factory):
+    """The quick cluster benchmark of the session's ``bench all --quick`` run (tests/conftest.py: its own
+    ``jaxckpt bench cluster --quick --json ... --restore-collective --plain-dir D`` process), and its section
+    written by ``bench cluster --update-md``."""
     d = tmp_path_factory.mktemp("bench-cluster")
     md = d / "BENCHMARKS.md"
     md.write_text(PROSE)
-    before = _ours()
-    proc = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "bench", "cluster", "--quick", "--json",
-                           str(d / "cluster.json"), "--update-md", str(md), "--plain-dir", str(d),
-                           "--restore-collective"],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return {"dir": d, "md": md, "result": report.read_json(d / "cluster.json"), "left": _ours() - before,
-            "stdout": proc.stdout}
+    (d / "cluster.json").write_bytes((bench_quick["out"] / "cluster.json").read_bytes())
+    stdout = bench_section("cluster", d / "cluster.json", md)
+    return {"dir": bench_quick["plain"], "md": md, "result": bench_quick["results"]["cluster"], "stdout": stdout,
+            "left": {n for n in bench_quick["shm_left"] if n.startswith("jaxckpt-bench-cluster")}}
 
 
 def test_schema_and_every_figure(run):
     res = run["result"]
     assert res["bench"] == "cluster" and res["mode"] == "quick"
-    assert res["command"].startswith("jaxckpt bench cluster --quick")
+    assert res["command"].startswith("jaxckpt bench cluster --quick") and res["command"].endswith(
+        " --restore-collective")  # the command repeats the run, collective included
     assert {"machine", "date", "command", "setup", "policies", "restore", "save", "recovery", "ratios"} <= set(res)
     _check_stats(res, "cluster")
     _check_numbers(res, "cluster")

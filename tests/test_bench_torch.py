@@ -1,10 +1,10 @@
-"""``jaxckpt bench torch``: the quick run end to end (real subprocess), its JSON schema, and the markdown it renders.
+"""``jaxckpt bench torch``: the quick run end to end (a real subprocess of the session's ``bench all --quick``),
+its JSON schema, and the markdown it renders.
 
 No timing thresholds: only that every figure is finite and positive and that the report is well formed.
 """
 import json
 import math
-import os
 import subprocess
 import sys
 
@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from jaxckpt import cli
+from jaxckpt.tools.bench import all as bench_all
 from jaxckpt.tools.bench import report, torch_dcp
+from conftest import bench_section
 
 STATS = {"median", "min", "max", "p10", "p90", "n"}
 JAXCKPT_KEYS = {"save_call_s", "snapshot_s", "deferred_save_call_s", "deferred_wait_for_reads_s",
@@ -31,25 +33,20 @@ DCP_RATIOS = {f"dcp_{k}_filesystem_over_jaxckpt_{store}": (store, key) for store
                              ("async_total", "async_total_s"), ("load", "load_s"))}
 
 
-def _shm_dirs():
-    if not os.path.isdir("/dev/shm"):
-        return set()
-    return {n for n in os.listdir("/dev/shm") if n.startswith("jaxckpt-bench-dcp-")}
-
-
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory):
+def quick(bench_quick, tmp_path_factory):
+    """The quick torch benchmark of the session's ``bench all --quick`` run (tests/conftest.py: its own
+    ``jaxckpt bench torch --quick --json`` process), and its section written by ``bench torch --update-md``."""
+    if "torch" not in bench_quick["results"]:
+        pytest.skip("bench all ran no torch benchmark here (torch not installed)")
     d = tmp_path_factory.mktemp("bench_torch")
     md = d / "BENCHMARKS.md"
     md.write_text("# Benchmarks\n\n<!-- bench:save:begin -->\nsave table\n<!-- bench:save:end -->\n\nprose\n\n"
                   "<!-- bench:torch:begin -->\nold\n<!-- bench:torch:end -->\n\nprose after\n")
-    before = _shm_dirs()
-    proc = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "bench", "torch", "--quick", "--json",
-                           str(d / "torch.json"), "--update-md", str(md)],
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {"dir": d, "json": report.read_json(d / "torch.json"), "md": md, "stdout": proc.stdout,
-            "shm_left": _shm_dirs() - before}
+    (d / "torch.json").write_bytes((bench_quick["out"] / "torch.json").read_bytes())
+    stdout = bench_section("torch", d / "torch.json", md)
+    return {"dir": d, "json": bench_quick["results"]["torch"], "md": md, "stdout": stdout,
+            "shm_left": {n for n in bench_quick["shm_left"] if n.startswith("jaxckpt-bench-dcp-")}}
 
 
 def _check_stats(s, where):
@@ -120,7 +117,7 @@ def test_quick_run_updates_only_its_section(quick):
 
 def test_markdown_tables_from_json(quick):
     res = quick["json"]
-    md = report.render(res)  # dispatches to the torch renderer by the "bench" field
+    md = bench_all.render_result(res)  # dispatches to the torch renderer by the "bench" field
     assert md == torch_dcp.render_torch(res)
     rows = [line for line in md.splitlines() if line.startswith("|")]
     # two tables with a row per size, then the DCP storage table with a row per size and storage
@@ -143,7 +140,7 @@ def test_markdown_tables_from_json(quick):
     assert f"torch {res['machine']['versions']['torch']}" in md
     full = json.loads(json.dumps(res))
     full["mode"] = "full"
-    assert "placeholder" not in report.render(full)
+    assert "placeholder" not in torch_dcp.render_torch(full)
 
 
 def test_from_json_rerenders_without_measuring(quick, tmp_path, capsys):

@@ -63,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--render-only", action="store_true",
                    help="measure nothing: render the sections and plots from the JSON already in OUT")
     p.add_argument("--timeout", type=float, default=TIMEOUT_S, help="limit for each benchmark, in seconds")
+    p.add_argument("--bench-args", action="append", default=[], metavar="NAME=OPTIONS",
+                   help="more options for benchmark NAME, after its preset (repeatable), e.g. "
+                        "'cluster=--restore-collective --plain-dir /scratch'")
     p.set_defaults(run=run)
 
 
@@ -83,6 +86,18 @@ def selected(args: argparse.Namespace) -> list[str]:
     return names
 
 
+def bench_args(args: argparse.Namespace) -> dict[str, list[str]]:
+    """``--bench-args NAME=OPTIONS`` as {name: options}; ValueError naming a malformed or unknown one."""
+    out: dict[str, list[str]] = {}
+    for item in getattr(args, "bench_args", None) or []:
+        name, sep, options = item.partition("=")
+        if not sep or name.strip() not in BENCHES:
+            raise ValueError(f"bench all: --bench-args {item!r} is not NAME=OPTIONS with NAME one of "
+                             f"{', '.join(BENCHES)}")
+        out.setdefault(name.strip(), []).extend(shlex.split(options))
+    return out
+
+
 def command(args: argparse.Namespace) -> str:
     """The command line that repeats this run."""
     words = ["jaxckpt", "bench", "all"] + (["--quick"] if args.quick else []) + ["--out", args.out]
@@ -91,21 +106,25 @@ def command(args: argparse.Namespace) -> str:
             words += [flag, str(getattr(args, key))]
     if args.skip:
         words += ["--skip", args.skip]
+    for item in getattr(args, "bench_args", None) or []:
+        words += ["--bench-args", item]
     return shlex.join(words)
 
 
-def bench_command(name: str, quick: bool, out: Path) -> list[str]:
-    """The subprocess that runs benchmark ``name`` and writes ``out/name.json``."""
+def bench_command(name: str, quick: bool, out: Path, more: list[str] = ()) -> list[str]:
+    """The subprocess that runs benchmark ``name`` (with ``more`` options after its preset) and writes
+    ``out/name.json``."""
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     extra = ["--quick"] if quick else FULL_ARGS[name]
     return [sys.executable, "-m", "jaxckpt.cli", "--log-level", str(level), "bench", name, *extra,
-            "--json", str(out / f"{name}.json")]
+            "--json", str(out / f"{name}.json"), *more]
 
 
 def run(args: argparse.Namespace) -> int:
     """``jaxckpt bench all``: run the selected benchmarks, then render sections and plots from OUT."""
     try:
         names = selected(args)
+        bench_args(args)
     except ValueError as e:
         log.error("%s", e)
         return 2
@@ -126,12 +145,13 @@ def measure(names: list[str], args: argparse.Namespace, out: Path) -> list[str]:
     """Run each benchmark in turn; write ``out/all.json`` (what ran, how long, exit codes); the failed names."""
     mode = "quick" if args.quick else "full"
     runs, failed = [], []
+    more = bench_args(args)
     t_all = time.perf_counter()
     for name in names:
         path = out / f"{name}.json"
         if path.exists():
             path.unlink()  # a failed run must not leave an older result to be rendered as this one
-        cmd = bench_command(name, args.quick, out)
+        cmd = bench_command(name, args.quick, out, more.get(name, []))
         log.info("bench all: %s: %s", name, shlex.join(cmd))
         t0 = time.perf_counter()
         with open(out / f"{name}.log", "wb") as logf:
@@ -163,10 +183,20 @@ def measure(names: list[str], args: argparse.Namespace, out: Path) -> list[str]:
 # --------------------------------------------------------------------------------------------------- rendering
 def renderers() -> dict[str, Callable[[Mapping[str, Any]], str]]:
     """Each benchmark's markdown renderer (imported lazily: none of them imports jax or torch to render)."""
-    from jaxckpt.tools.bench import cluster, memory, parity, restore, scaling, stall, torch_dcp
-    return {"parity": parity.render, "save": report.render_save, "restore": restore.render,
+    from jaxckpt.tools.bench import cluster, memory, parity, restore, save, scaling, stall, torch_dcp
+    return {"parity": parity.render, "save": save.render, "restore": restore.render,
             "scaling": scaling.render, "memory": memory.render, "torch": torch_dcp.render_torch,
             "stall": stall.render_stall, "cluster": cluster.render}
+
+
+def render_result(result: Mapping[str, Any]) -> str:
+    """The markdown section of any benchmark's result, chosen by its ``bench`` field."""
+    try:
+        renderer = renderers()[result["bench"]]
+    except KeyError:
+        raise ValueError(f"no markdown renderer for bench {result.get('bench')!r} "
+                         f"(known: {', '.join(BENCHES)})") from None
+    return renderer(result)
 
 
 def load_results(out: Path, names: list[str]) -> dict[str, dict[str, Any]]:

@@ -95,8 +95,9 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
 
 def command(args: argparse.Namespace) -> str:
     """The command line that repeats this run."""
-    return runner.command_line("cluster", args, tuple((f"--{k.replace('_', '-')}", k) for k in (
+    line = runner.command_line("cluster", args, tuple((f"--{k.replace('_', '-')}", k) for k in (
         "size", "nodes", "procs_per_node", "steps", "repeats", "recoveries", "persist_interval", "plain_dir")))
+    return line + " --restore-collective" if getattr(args, "restore_collective", False) else line
 
 
 def run(args: argparse.Namespace) -> int:

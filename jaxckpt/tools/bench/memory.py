@@ -135,7 +135,7 @@ def store_phase(spec: dict) -> dict:
     import jax
     jax.config.update("jax_num_cpu_devices", 8)
     from jaxckpt import Checkpointer, Config
-    from jaxckpt.tools.bench.save import make_state
+    from jaxckpt.tools.bench.state import make_state
 
     state = make_state(spec["size"])
     nbytes = sum(x.nbytes for x in state.values())

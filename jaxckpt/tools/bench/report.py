@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import platform
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -168,6 +169,16 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def tmpfs_dir(prefix: str, who: str) -> str:
+    """A fresh directory on tmpfs (/dev/shm) for a framework's files (``who`` writes there), so that Orbax and
+    DCP are measured from memory as jaxckpt is; the temp directory, with a warning, where /dev/shm is not
+    writable."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    if base is None:
+        log.warning("/dev/shm is not writable; %s writes to %s instead", who, tempfile.gettempdir())
+    return tempfile.mkdtemp(prefix=prefix, dir=base)
+
+
 def machine_line(result: Mapping[str, Any]) -> str:
     """One line naming the machine, versions, date and the measured memcpy limit."""
     m = result["machine"]
@@ -178,62 +189,6 @@ def machine_line(result: Mapping[str, Any]) -> str:
     if "memcpy_gbps" in result:
         line += f"memcpy {fmt_num(result['memcpy_gbps'])} GB/s (numpy copy, one thread, median). "
     return line + f"Versions: {vers}. Date: {result['date']}."
-
-
-def render_save(result: Mapping[str, Any]) -> str:
-    """The BENCHMARKS.md section of a ``bench save`` result."""
-    s = result["setup"]
-    parts = [f"### `jaxckpt bench save`: save() call, snapshot and restore time vs state size, against Orbax", ""]
-    if result.get("mode") == "quick":
-        parts += ["> **Quick run, placeholder until the full run.** Tiny states and few repeats on a shared machine: "
-                  "these numbers show the shape of the table, not the performance. Regenerate with the full "
-                  "command on a quiet machine.", ""]
-    parts += [
-        f"Command: `{result['command']}`", "",
-        machine_line(result), "",
-        f"State: {s['arrays']} float32 arrays on a {s['mesh']} mesh of {s['devices']} CPU devices "
-        f"(shardings {', '.join(s['specs'])}). jaxckpt: {s['jaxckpt_config']}; level-1 path: {s['jaxckpt_path']}. "
-        f"Orbax: {s['orbax']}. Each figure: median (min–max) of {s['repeats']} repeats after {s['warmup']} "
-        f"warm-up round(s) (jaxckpt: {s['jaxckpt_warmup_saves']} warm-up saves, so both slots of its double buffer "
-        f"are reused); restores are checked bit for bit against the saved state.", "",
-    ]
-    rows = []
-    for r in result["results"]:
-        j, o, q = r["jaxckpt"], r["orbax"], r["ratios"]
-        rows.append([
-            fmt_size(r["size_bytes"]), fmt_ms(j["save_call_s"]), fmt_ms(j["snapshot_s"]),
-            f"{fmt_num(j['snapshot_gbps'])} ({fmt_num(j['snapshot_vs_memcpy'] * 100)}%)",
-            fmt_ms(j["restore_s"]), fmt_ms(o["save_call_s"]), fmt_ms(o["total_s"]), fmt_ms(o["restore_s"]),
-            f"{fmt_num(q['save_call_orbax_over_jaxckpt'])}x", f"{fmt_num(q['restore_orbax_over_jaxckpt'])}x",
-        ])
-    parts.append(table(["state", "jaxckpt save() ms", "jaxckpt snapshot ms", "snapshot GB/s (% of memcpy)",
-                        "jaxckpt restore ms", "Orbax save() ms", "Orbax total ms", "Orbax restore ms",
-                        "save() Orbax/jaxckpt", "restore Orbax/jaxckpt"], rows))
-    parts += ["", "save(): time the call blocks the caller. snapshot: from the save() call until `wait()` returns "
-              "(the step is committed in host memory); Orbax total: until `wait_until_finished()` returns. "
-              "GB/s = 1e9 bytes per second of snapshot time; ratios are of medians within this run."]
-    if result.get("leaf_sweep"):
-        from jaxckpt.tools.bench.save_leaves import render as render_sweep  # that module imports this one
-        parts += ["", render_sweep(result["leaf_sweep"])]
-    return "\n".join(parts)
-
-
-def _render_torch(result: Mapping[str, Any]) -> str:
-    from jaxckpt.tools.bench.torch_dcp import render_torch  # imported here: that module imports this one
-    return render_torch(result)
-
-
-RENDERERS: dict[str, Callable[[Mapping[str, Any]], str]] = {"save": render_save, "torch": _render_torch}
-
-
-def render(result: Mapping[str, Any]) -> str:
-    """The markdown section of any benchmark result, chosen by its ``bench`` field."""
-    try:
-        renderer = RENDERERS[result["bench"]]
-    except KeyError:
-        raise ValueError(f"no markdown renderer for bench {result.get('bench')!r} "
-                         f"(known: {', '.join(RENDERERS)})") from None
-    return renderer(result)
 
 
 def markers(name: str) -> tuple[str, str]:

@@ -204,15 +204,15 @@ def save_phase(spec: dict) -> dict:
     import orbax.checkpoint as ocp
 
     from jaxckpt import Checkpointer, Config
-    from jaxckpt.tools.bench.save import _check_equal, _target, make_state
+    from jaxckpt.tools.bench.state import check_equal, make_state, restore_target
 
     s = report.summarize
     state = make_state(spec["size"])
     nbytes = sum(x.nbytes for x in state.values())
-    target = _target(state)
+    target = restore_target(state)
     with Checkpointer(Config(job_id=spec["job"] + "-mem")) as ck:
         call, total, _ = _timed_saves(ck, state, spec["warmup"], spec["save_repeats"])
-        _check_equal("jaxckpt memory restore", ck.restore(target), state)
+        check_equal("jaxckpt memory restore", ck.restore(target), state)
         restore = []
         for _ in range(spec["repeats"]):
             t0 = time.perf_counter()
@@ -241,10 +241,10 @@ def restore_phase(spec: dict) -> dict:
     import orbax.checkpoint as ocp
 
     from jaxckpt import Checkpointer, Config
-    from jaxckpt.tools.bench.save import _check_equal, _target, make_state
+    from jaxckpt.tools.bench.state import check_equal, make_state, restore_target
 
     want = make_state(spec["size"])  # the saved state, rebuilt: the target's shapes and the bitwise reference
-    target = _target(want)
+    target = restore_target(want)
     orbax = ocp.Checkpointer(ocp.StandardCheckpointHandler())
     times: dict[str, list[float]] = {src: [] for src in SOURCES}
     t0 = time.perf_counter()
@@ -263,7 +263,7 @@ def restore_phase(spec: dict) -> dict:
                     out = jax.block_until_ready(orbax.restore(path, args=ocp.args.StandardRestore(target)))
                 times[src].append(time.perf_counter() - t0)
                 if r == 0:
-                    _check_equal(f"{src} restore", out, want)
+                    check_equal(f"{src} restore", out, want)
                 del out
         step = ck.latest_step()
     finally:

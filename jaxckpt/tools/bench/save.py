@@ -21,19 +21,15 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from typing import Any
+from typing import Any, Mapping
 
 from jaxckpt.tools.bench import memcpy, report, runner, save_leaves
+from jaxckpt.tools.bench.state import (DEVICES, MESH, N_ARRAYS, SPECS, check_equal, make_state,
+                                       restore_target, spec_text)
 
 log = logging.getLogger("jaxckpt.tools.bench")
 
-DEVICES = 8
-MESH = (2, 4)
-N_ARRAYS = 8
-COLS = 1024
-SPECS = (("data", "model"), (None, ("data", "model")), (("data", "model"), None), ("model", "data"))
 FULL = {"sizes": "16M,64M,256M,1G", "repeats": 5, "warmup": 2, "memcpy_bytes": 512 << 20, "memcpy_repeats": 10}
 QUICK = {"sizes": "1M,4M", "repeats": 3, "warmup": 1, "memcpy_bytes": 32 << 20, "memcpy_repeats": 5}
 JAXCKPT_PATH = "save() after the step (zero-copy views, copies on worker threads)"
@@ -121,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
             log.error("%s", e)
             return 2
         return _run_subprocess(args)
-    return runner.run(args, "save", options, lambda a, _: measure(a), report.render)
+    return runner.run(args, "save", options, lambda a, _: measure(a), render)
 
 
 def _run_subprocess(args: argparse.Namespace) -> int:
@@ -182,7 +178,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "date": report.now_utc(),
         "command": shlex.join(["jaxckpt", "bench", "save", *forwarded(args)]),
         "setup": {"devices": DEVICES, "mesh": "x".join(map(str, MESH)), "arrays": N_ARRAYS,
-                  "specs": [_spec_text(s) for s in SPECS], "repeats": opts["repeats"], "warmup": opts["warmup"],
+                  "specs": [spec_text(s) for s in SPECS], "repeats": opts["repeats"], "warmup": opts["warmup"],
                   "jaxckpt_warmup_saves": max(opts["warmup"], 2),
                   "jaxckpt_config": "Config() defaults (store=memory, keep=1)", "jaxckpt_path": JAXCKPT_PATH,
                   "orbax": ORBAX_SETUP, "memcpy_bytes": opts["memcpy_bytes"]},
@@ -195,51 +191,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _spec_text(spec: tuple) -> str:
-    def axis(a: Any) -> str:
-        return "None" if a is None else repr(a) if isinstance(a, str) else "(" + ", ".join(map(repr, a)) + ")"
-    return "P(" + ", ".join(axis(a) for a in spec) + ")"
-
-
-def make_state(size_bytes: int) -> dict[str, Any]:
-    """About ``size_bytes`` of float32 arrays, created on device with a mix of shardings over a 2x4 mesh."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-    mesh = Mesh(np.array(jax.devices()[:DEVICES]).reshape(MESH), ("data", "model"))
-    rows = max(DEVICES, size_bytes // (N_ARRAYS * 4 * COLS) // DEVICES * DEVICES)
-    state = {}
-    for i in range(N_ARRAYS):
-        sharding = NamedSharding(mesh, P(*SPECS[i % len(SPECS)]))
-        make = jax.jit(lambda off: jax.lax.broadcasted_iota(jnp.float32, (rows, COLS), 0) * 1e-3
-                       + jax.lax.broadcasted_iota(jnp.float32, (rows, COLS), 1) + off, out_shardings=sharding)
-        state[f"layer{i}/w"] = make(jnp.float32(i))
-    jax.block_until_ready(state)
-    return state
-
-
-def _target(state: dict[str, Any]) -> dict[str, Any]:
-    import jax
-    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in state.items()}
-
-
-def _check_equal(what: str, out: dict[str, Any], state: dict[str, Any]) -> None:
-    import numpy as np
-    for k, v in state.items():
-        if out[k].sharding != v.sharding:
-            raise AssertionError(f"{what}: {k} restored with sharding {out[k].sharding}, saved {v.sharding}")
-        if not np.array_equal(np.asarray(out[k]).view(np.uint8), np.asarray(v).view(np.uint8)):
-            raise AssertionError(f"{what}: {k} restored differs from the saved array")
-
-
 def bench_jaxckpt(state: dict[str, Any], repeats: int, warmup: int) -> dict[str, Any]:
     """save() call, save-to-committed and restore seconds of jaxckpt's default Checkpointer."""
     import jax
     from jaxckpt import Checkpointer, Config
 
-    target = _target(state)
+    target = restore_target(state)
     call, total, worker, restore = [], [], [], []
     step = 0
     with Checkpointer(Config()) as ck:
@@ -258,7 +215,7 @@ def bench_jaxckpt(state: dict[str, Any], repeats: int, warmup: int) -> dict[str,
             call.append(t1 - t0)
             total.append(t2 - t0)
             worker.append(h.snapshot_seconds)
-        _check_equal("jaxckpt restore", ck.restore(target), state)
+        check_equal("jaxckpt restore", ck.restore(target), state)
         for _ in range(repeats):
             t0 = time.perf_counter()
             out = jax.block_until_ready(ck.restore(target))
@@ -268,21 +225,14 @@ def bench_jaxckpt(state: dict[str, Any], repeats: int, warmup: int) -> dict[str,
             "snapshot_worker_s": report.summarize(worker), "restore_s": report.summarize(restore)}
 
 
-def _tmpfs_dir() -> str:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    if base is None:
-        log.warning("/dev/shm is not writable; Orbax writes to %s instead", tempfile.gettempdir())
-    return tempfile.mkdtemp(prefix="jaxckpt-bench-orbax-", dir=base)
-
-
 def bench_orbax(state: dict[str, Any], repeats: int, warmup: int) -> dict[str, Any]:
     """Orbax AsyncCheckpointer save() call, total and restore seconds, StandardSave to tmpfs."""
     import jax
     import orbax.checkpoint as ocp
 
-    target = _target(state)
+    target = restore_target(state)
     call, total, restore = [], [], []
-    root = _tmpfs_dir()
+    root = report.tmpfs_dir("jaxckpt-bench-orbax-", "Orbax")
     ckptr = ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler())
     try:
         for i in range(warmup + repeats):
@@ -295,7 +245,7 @@ def bench_orbax(state: dict[str, Any], repeats: int, warmup: int) -> dict[str, A
             out = jax.block_until_ready(ckptr.restore(path, args=ocp.args.StandardRestore(target)))
             t3 = time.perf_counter()
             if i == 0:
-                _check_equal("Orbax restore", out, state)
+                check_equal("Orbax restore", out, state)
             del out
             shutil.rmtree(path)
             if i >= warmup:
@@ -307,6 +257,44 @@ def bench_orbax(state: dict[str, Any], repeats: int, warmup: int) -> dict[str, A
         shutil.rmtree(root, ignore_errors=True)
     return {"save_call_s": report.summarize(call), "total_s": report.summarize(total),
             "restore_s": report.summarize(restore)}
+
+
+def render(result: Mapping[str, Any]) -> str:
+    """The BENCHMARKS.md section of a ``bench save`` result."""
+    fmt_size, fmt_ms, fmt_num, table = report.fmt_size, report.fmt_ms, report.fmt_num, report.table
+    s = result["setup"]
+    parts = [f"### `jaxckpt bench save`: save() call, snapshot and restore time vs state size, against Orbax", ""]
+    if result.get("mode") == "quick":
+        parts += ["> **Quick run, placeholder until the full run.** Tiny states and few repeats on a shared machine: "
+                  "these numbers show the shape of the table, not the performance. Regenerate with the full "
+                  "command on a quiet machine.", ""]
+    parts += [
+        f"Command: `{result['command']}`", "",
+        report.machine_line(result), "",
+        f"State: {s['arrays']} float32 arrays on a {s['mesh']} mesh of {s['devices']} CPU devices "
+        f"(shardings {', '.join(s['specs'])}). jaxckpt: {s['jaxckpt_config']}; level-1 path: {s['jaxckpt_path']}. "
+        f"Orbax: {s['orbax']}. Each figure: median (min–max) of {s['repeats']} repeats after {s['warmup']} "
+        f"warm-up round(s) (jaxckpt: {s['jaxckpt_warmup_saves']} warm-up saves, so both slots of its double buffer "
+        f"are reused); restores are checked bit for bit against the saved state.", "",
+    ]
+    rows = []
+    for r in result["results"]:
+        j, o, q = r["jaxckpt"], r["orbax"], r["ratios"]
+        rows.append([
+            fmt_size(r["size_bytes"]), fmt_ms(j["save_call_s"]), fmt_ms(j["snapshot_s"]),
+            f"{fmt_num(j['snapshot_gbps'])} ({fmt_num(j['snapshot_vs_memcpy'] * 100)}%)",
+            fmt_ms(j["restore_s"]), fmt_ms(o["save_call_s"]), fmt_ms(o["total_s"]), fmt_ms(o["restore_s"]),
+            f"{fmt_num(q['save_call_orbax_over_jaxckpt'])}x", f"{fmt_num(q['restore_orbax_over_jaxckpt'])}x",
+        ])
+    parts.append(table(["state", "jaxckpt save() ms", "jaxckpt snapshot ms", "snapshot GB/s (% of memcpy)",
+                        "jaxckpt restore ms", "Orbax save() ms", "Orbax total ms", "Orbax restore ms",
+                        "save() Orbax/jaxckpt", "restore Orbax/jaxckpt"], rows))
+    parts += ["", "save(): time the call blocks the caller. snapshot: from the save() call until `wait()` returns "
+              "(the step is committed in host memory); Orbax total: until `wait_until_finished()` returns. "
+              "GB/s = 1e9 bytes per second of snapshot time; ratios are of medians within this run."]
+    if result.get("leaf_sweep"):
+        parts += ["", save_leaves.render(result["leaf_sweep"])]
+    return "\n".join(parts)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def make_state(n_leaves: int, total_bytes: int) -> dict[str, Any]:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from jaxckpt.tools.bench.save import DEVICES, MESH, SPECS
+    from jaxckpt.tools.bench.state import DEVICES, MESH, SPECS
 
     mesh = Mesh(np.array(jax.devices()[:DEVICES]).reshape(MESH), ("data", "model"))
     per_leaf = max(DEVICES * DEVICES, total_bytes // 4 // n_leaves)
@@ -98,10 +98,9 @@ def bench_orbax_call(state: dict[str, Any], repeats: int, warmup: int) -> dict[s
     """Orbax AsyncCheckpointer save() call seconds (StandardSave to tmpfs)."""
     import orbax.checkpoint as ocp
 
-    from jaxckpt.tools.bench.save import _tmpfs_dir
 
     call = []
-    root = _tmpfs_dir()
+    root = report.tmpfs_dir("jaxckpt-bench-orbax-", "Orbax")
     ckptr = ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler())
     try:
         for i in range(warmup + repeats):
@@ -126,9 +125,9 @@ def bench_restore(state: dict[str, Any], repeats: int, warmup: int) -> dict[str,
     import orbax.checkpoint as ocp
 
     from jaxckpt import Checkpointer, Config
-    from jaxckpt.tools.bench.save import _check_equal, _target, _tmpfs_dir
+    from jaxckpt.tools.bench.state import check_equal, restore_target
 
-    target = _target(state)
+    target = restore_target(state)
     out: dict[str, Any] = {}
     with Checkpointer(Config()) as ck:
         ck.save(1, state)
@@ -139,11 +138,11 @@ def bench_restore(state: dict[str, Any], repeats: int, warmup: int) -> dict[str,
             got = jax.block_until_ready(ck.restore(target))
             times.append(time.perf_counter() - t0)
             if i == 0:
-                _check_equal("jaxckpt restore", got, state)
+                check_equal("jaxckpt restore", got, state)
             del got
         out["jaxckpt_restore_s"] = report.summarize(times[warmup:])
     gc.collect()
-    root = _tmpfs_dir()
+    root = report.tmpfs_dir("jaxckpt-bench-orbax-", "Orbax")
     ckptr = ocp.Checkpointer(ocp.StandardCheckpointHandler())
     try:
         path = os.path.join(root, "r")
@@ -154,7 +153,7 @@ def bench_restore(state: dict[str, Any], repeats: int, warmup: int) -> dict[str,
             got = jax.block_until_ready(ckptr.restore(path, args=ocp.args.StandardRestore(target)))
             times.append(time.perf_counter() - t0)
             if i == 0:
-                _check_equal("Orbax restore", got, state)
+                check_equal("Orbax restore", got, state)
             del got
         out["orbax_restore_s"] = report.summarize(times[warmup:])
     finally:

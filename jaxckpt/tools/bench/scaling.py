@@ -200,7 +200,7 @@ def size_phase(spec: dict) -> dict:
     import jax
     jax.config.update("jax_num_cpu_devices", 8)
     from jaxckpt import Checkpointer, Config
-    from jaxckpt.tools.bench.save import _check_equal, _target, make_state
+    from jaxckpt.tools.bench.state import check_equal, make_state, restore_target
 
     results, skipped = [], []
     for size in spec["sizes"]:
@@ -218,7 +218,7 @@ def size_phase(spec: dict) -> dict:
             row = _save_loop(ck, state, spec["warmup"], spec["repeats"])
             row["held_bytes"] = ck.store.held_bytes()
             if nbytes <= CHECK_LIMIT:  # above, the restored copy would need another state's worth of memory
-                _check_equal("jaxckpt restore", ck.restore(_target(state)), state)
+                check_equal("jaxckpt restore", ck.restore(restore_target(state)), state)
         row["size_bytes"] = nbytes
         results.append(row)
         log.info("size %s: save() %.2f ms, snapshot %.1f ms", report.fmt_size(nbytes),

@@ -28,7 +28,6 @@ import os
 import shlex
 import shutil
 import sys
-import tempfile
 import time
 import warnings
 from typing import Any, Mapping
@@ -304,19 +303,12 @@ def bench_jaxckpt(state: dict, target: dict, repeats: int, warmup: int) -> dict[
             "restore_in_place_s": s(rin), "restore_new_s": s(rnew)}
 
 
-def _tmpfs_dir() -> str:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    if base is None:
-        log.warning("/dev/shm is not writable; DCP writes to %s instead", tempfile.gettempdir())
-    return tempfile.mkdtemp(prefix="jaxckpt-bench-dcp-", dir=base)
-
-
 def bench_dcp(state: dict, target: dict, repeats: int, warmup: int) -> dict[str, Any]:
     """DCP async_save call and total, dcp.save and dcp.load seconds, to and from tmpfs."""
     import torch.distributed.checkpoint as dcp
 
     call, total, sync, load = [], [], [], []
-    root = _tmpfs_dir()
+    root = report.tmpfs_dir("jaxckpt-bench-dcp-", "DCP")
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_DCP_WARNING)
@@ -358,7 +350,7 @@ def bench_dcp_jaxckpt(state: dict, target: dict, repeats: int, warmup: int, stor
     from jaxckpt.backends.torch import JaxckptReader, JaxckptWriter
 
     call, total, sync, load = [], [], [], []
-    root = _tmpfs_dir() if store == "shm" else None
+    root = report.tmpfs_dir("jaxckpt-bench-dcp-", "DCP") if store == "shm" else None
     config = Config(store=store, job_id=f"bench-dcp-{store}", keep=2,
                     **({"shm_dir": os.path.join(root, "agent")} if root else {}))
     try:
