@@ -24,7 +24,9 @@ import uuid
 
 import pytest
 
+from jaxckpt.tools.chaos import cli as chaos_cli
 from jaxckpt.tools.chaos import run as chaos
+from jaxckpt.tools.chaos.report import format_table
 from jaxckpt.backends.agent import protocol as proto
 from jaxckpt.cli import build_parser
 from shm_trainer import agent_processes
@@ -38,7 +40,7 @@ def test_every_fault_kind_is_recovered_from_with_no_wrong_restore_and_no_hang():
     per round of as many trials as there are kinds), plus one JAX trial of each JAX kind."""
     run = chaos.ChaosRun(chaos.PROFILES["quick"], seed=0, trials=len(AVAILABLE))
     rep = run.run()
-    table = chaos.format_table(rep)
+    table = format_table(rep)
     print(table)
     assert rep["trials"] == len(AVAILABLE) + len(chaos.JAX_KINDS) and rep["jax_trials"] == len(chaos.JAX_KINDS)
     assert rep["wrong_restores"] == 0 and rep["hangs"] == 0 and rep["unexpected_losses"] == 0, table
@@ -86,7 +88,7 @@ def test_without_protection_bad_steps_are_dropped_and_wiped_nodes_start_over(unp
     proc = unprotected["proc"]
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]  # exit 0: chaos.ok(report)
     rep = report.read_json(unprotected["dir"] / "docs" / "bench" / "chaos.json")["report"]
-    table = chaos.format_table(rep)
+    table = format_table(rep)
     assert rep["profile"]["protection"] == "none" and chaos.ok(rep), table
     assert {k: v["trials"] for k, v in rep["faults"].items()} == {k: 1 for k in DESTROYING}, table
     for kind in ("corrupt-chunk", "corrupt-record"):  # bad bytes cost no relaunch (jaxckpt.core.fallback)
@@ -136,7 +138,7 @@ def test_the_protection_lag_is_measured_at_the_commit_and_the_announcement_not_w
 
 def test_cli_parses_the_profiles_and_refuses_unknown_faults():
     args = build_parser().parse_args(["chaos", "--profile", "long", "--seed", "3", "--json"])
-    assert (args.profile, args.seed, args.json, args.run) == ("long", 3, True, chaos.run_cli)
+    assert (args.profile, args.seed, args.json, args.run) == ("long", 3, True, chaos_cli.run_cli)
     assert chaos.PROFILES["long"].trials == 500
     with pytest.raises(ValueError, match="unknown fault kind"):
         chaos.ChaosRun(chaos.PROFILES["quick"], 0, faults=["kill-everything"])

@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "advise": ("the snapshot interval that minimises expected lost time (Young/Daly), from measured costs",
                "jaxckpt.cli.advise", "add_arguments"),
     "chaos": ("seeded fault injection over a multi-process job on simulated nodes: every restore checked bit for "
-              "bit", "jaxckpt.tools.chaos.run", "add_arguments"),
+              "bit", "jaxckpt.tools.chaos.cli", "add_arguments"),
 }
 BENCHES: dict[str, str] = {
     "save": "save-call and snapshot time vs state size and leaf count, vs Orbax",

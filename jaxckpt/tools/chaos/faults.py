@@ -12,10 +12,11 @@ whether or not an incarnation ran.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import time
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Protocol
 
 import msgpack
 
@@ -26,8 +27,24 @@ from jaxckpt.tools.chaos.proxy import PeerProxy
 from jaxckpt.errors import BudgetExceededError
 from jaxckpt.tools.chaos import trainer as ct
 
-if TYPE_CHECKING:
-    from jaxckpt.tools.chaos.run import ChaosRun, Incarnation, TrialResult
+from jaxckpt.tools.chaos.incarnation import Incarnation, TrialResult
+
+
+class ChaosRun(Protocol):
+    """What a fault uses of the run that injects it (jaxckpt/tools/chaos/run.py's ChaosRun)."""
+
+    rng: random.Random
+    profile: Any  # run.Profile
+    n: int
+    job: str
+    node_dirs: list[str]
+    jax_dir: str
+    fired: list[dict]
+    peer_proxy: tuple | None
+
+    def start_agent(self, d: str) -> None: ...
+
+    def warm_up(self, inc: Incarnation, res: TrialResult) -> bool: ...
 
 SAVE_PHASES = ("reserve", "reserved", "copy", "commit", "committed", "delete", "idle")
 

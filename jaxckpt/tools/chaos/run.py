@@ -33,32 +33,26 @@ work lost = steps trained before the job was stopped minus the step restored. A 
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
 import logging
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
 
 from jaxckpt.backends.agent import protocol as proto
 from jaxckpt.backends.agent.daemon import EXIT_ALREADY_RUNNING
 from jaxckpt.tools.chaos.lag import lag_summary, protection_lags
-from jaxckpt.tools.chaos.report import format_table
 from jaxckpt.tools.chaos.faults import DESTRUCTIVE, FAULTS, JAX_KINDS, NODE_LOSS, end_trial, wait_protected
 from jaxckpt.errors import JaxckptError
 from jaxckpt.tools import deathsig
 from jaxckpt.tools.chaos import trainer as ct
+from jaxckpt.tools.chaos.incarnation import Incarnation, TrialResult
 
 log = logging.getLogger("jaxckpt.tools.chaos.run")
 
@@ -88,102 +82,6 @@ PROFILES = {"quick": Profile(trials=50, jax_trials=2, nodes=2, procs_per_node=1,
 
 class _AlreadyServed(Exception):
     """Another agent holds the directory's lock."""
-
-
-@dataclass
-class TrialResult:
-    """One fault, and what the restores after it made of it."""
-
-    trial: int
-    kind: str
-    mode: str = "numpy"
-    detail: str = ""
-    trained: int = 0  # newest step trained by any process before the job was stopped
-    committed: int = 0  # newest step reported committed
-    protected: int = 0  # newest step reported protected before the fault (node-loss faults must keep it)
-    restored: int | None = None  # the step the next incarnation restored
-    checks: int = 0  # restores that checked this fault's aftermath
-    recovered: bool = False  # an incarnation restored after the fault, with no wrong restore
-    lost: int = 0  # steps of work lost: trained - restored (the most of any check)
-    wrong: int = 0
-    unexpected_loss: bool = False
-    hang: bool = False
-    relaunches: int = 0
-    relaunches_bad_bytes: int = 0  # of which a step's bytes failed their checks with nothing older to fall back to
-    fell_back: int = 0  # newer steps a restore passed over for bad bytes, inside the call (no relaunch)
-    saves_resumed: bool | None = None  # agent and budget faults: a save committed after the fault was over
-    seconds: float = 0.0  # wall time of the trial, from its incarnation's launch to the job's stop
-
-
-# ------------------------------------------------------------------------------------------- processes
-class Incarnation:
-    """The trainer processes of one run of the job, their events (JSON lines); ``stop()`` SIGKILLs them all."""
-
-    def __init__(self, run: "ChaosRun", specs: list[dict]) -> None:
-        self.events: list[dict] = []
-        self._cv = threading.Condition()
-        self.procs: list[subprocess.Popen] = []
-        self._threads: list[threading.Thread] = []
-        env = {**os.environ, "JAXCKPT_LOG_LEVEL": os.environ.get("JAXCKPT_CHAOS_TRAINER_LOG", "WARNING")}
-        for spec in specs:
-            path = os.path.join(run.tmp, f"spec-{run.epoch}-{spec['process']}.json")
-            with open(path, "w") as f:
-                json.dump(spec, f)
-            with open(os.path.join(run.tmp, f"trainer-{spec['process']}.log"), "ab") as err:
-                p = subprocess.Popen(deathsig.command([sys.executable, "-m", "jaxckpt.tools.chaos.trainer", path]),
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
-                                     start_new_session=True, env=env)
-            self.procs.append(p)
-            t = threading.Thread(target=self._read, args=(p,), daemon=True, name="jaxckpt-chaos-events")
-            t.start()
-            self._threads.append(t)
-
-    def _read(self, p: subprocess.Popen) -> None:
-        for line in p.stdout:
-            try:
-                ev = json.loads(line)
-            except ValueError:  # a line cut short by SIGKILL
-                continue
-            with self._cv:
-                self.events.append(ev)
-                self._cv.notify_all()
-        with self._cv:
-            self._cv.notify_all()
-
-    def wait(self, pred: Callable[[], Any], timeout: float) -> bool:
-        """Until ``pred()`` holds or every process has exited (then: ``pred()``); False on time-out."""
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while not pred():
-                if all(p.poll() is not None for p in self.procs) and not any(t.is_alive() for t in self._threads):
-                    return bool(pred())
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cv.wait(min(left, 0.05))
-            return True
-
-    def of(self, ev: str, p: int | None = None) -> list[dict]:
-        return [e for e in self.events if e["ev"] == ev and (p is None or e["p"] == p)]
-
-    def last(self, ev: str) -> int:
-        return max((e["step"] for e in self.of(ev)), default=0)
-
-    def exited(self) -> bool:
-        return any(p.poll() is not None for p in self.procs)
-
-    def stop(self) -> None:
-        for p in self.procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for p in self.procs:
-            p.wait()
-        for t in self._threads:  # they end at the end of the pipes, with every event read
-            t.join(timeout=10)
-        for p in self.procs:
-            p.stdout.close()
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -332,7 +230,7 @@ class ChaosRun:
                 if p.poll() is not None or not self._listening(d, p.pid):
                     self.start_agent(d)
             specs = self.specs(mode, None if self.fired else fault, target)
-            inc = Incarnation(self, specs)
+            inc = Incarnation(self.tmp, self.epoch, specs)
             ids = [s["process"] for s in specs]
             trained = lambda: all(inc.of("trained", q) for q in ids)  # noqa: E731 - restored (or fresh) and on
             if not inc.wait(lambda: trained() or inc.of("restart") or inc.exited(), self.profile.timeout_s * 3):
@@ -507,75 +405,6 @@ def report(run: ChaosRun, seconds: float) -> dict:
             "saves_not_resumed": total["saves_not_resumed"], "agents_by_peer_security": dict(run.agent_keys),
             "unavailable": {k: f.unavailable for k, f in FAULTS.items() if f.inject is None},
             "results": [asdict(r) for r in run.results]}
-
-
-# ---------------------------------------------------------------------------------------------------- CLI
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """``jaxckpt chaos [--profile quick|long] [--seed N] [--trials N] [--jax-trials N] [--faults K,..] [--json]``."""
-    from jaxckpt.tools.chaos import soak
-
-    p.add_argument("--profile", choices=sorted([*PROFILES, *soak.PROFILES]), default="quick",
-                   help="quick: 50 trials + 2 JAX trials on 2 nodes (CI); long: 500 + 20 on 3 nodes; both with "
-                        "protection hybrid; soak: 40,000 steps on 3 nodes with a fault every 10,000, sampling every "
-                        "process for growth (jaxckpt/tools/chaos/soak.py); soak-quick: 300 steps")
-    p.add_argument("--steps", type=int, default=None, help="soak profiles: steps to train (default: the profile's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--trials", type=int, default=None, help="numpy-trainer trials (default: the profile's)")
-    p.add_argument("--jax-trials", type=int, default=None, help="JAX-trainer trials (default: the profile's)")
-    p.add_argument("--faults", default="", help=f"comma-separated fault kinds (default: all of {sorted(FAULTS)})")
-    p.add_argument("--protection", default=None, choices=("none", "replica", "parity", "xor-group", "hybrid"),
-                   help="Config.protection of the numpy trainers (default: the profile's, hybrid): losing a node's "
-                        "memory must keep the newest protected step; with none, it may lose every step")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--update-md", default="", metavar="PATH",
-                   help="write the result table into PATH's chaos section, e.g. BENCHMARKS.md "
-                        "(jaxckpt/tools/chaos/report.py), and keep the run's record in docs/bench/chaos.json there")
-    p.add_argument("--from-json", default="", metavar="PATH",
-                   help="run nothing: render (and --update-md) a kept record such as docs/bench/chaos.json")
-    p.set_defaults(run=run_cli)
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    """Exit 0 when every fault was recovered from, with no wrong restore, no hang and no unexpected loss."""
-    if args.from_json:
-        return _render_kept(args)
-    from jaxckpt.tools.chaos import soak
-
-    if args.profile in soak.PROFILES:
-        return soak.run_cli(args)
-    faults = [f for f in args.faults.split(",") if f] or None
-    profile = PROFILES[args.profile]
-    if args.protection is not None:
-        profile = dataclasses.replace(profile, protection=args.protection)
-    rep = ChaosRun(profile, args.seed, trials=args.trials, jax_trials=args.jax_trials, faults=faults).run()
-    print(json.dumps(rep, indent=1) if args.json else format_table(rep))
-    if args.update_md:
-        from jaxckpt.tools.chaos import report as chaos_report
-
-        chaos_report.update_md(args.update_md, rep, chaos_report.command_line(args))
-        print(f"wrote the chaos section of {args.update_md}", file=sys.stderr)
-    return 0 if ok(rep) else 1
-
-
-def _render_kept(args: argparse.Namespace) -> int:
-    """``--from-json``: the section of a kept record, printed (and written with ``--update-md``); runs nothing."""
-    from jaxckpt.tools.bench.report import read_json
-    from jaxckpt.tools.chaos import report as chaos_report
-
-    try:
-        record = read_json(args.from_json)
-        if isinstance(record, dict) and record.get("bench") == "soak":  # jaxckpt/tools/chaos/soak.py renders it
-            from jaxckpt.tools.chaos import soak
-
-            return soak.render_kept(args, record)
-        md = chaos_report.render_record(record)
-    except (OSError, ValueError, KeyError) as e:
-        print(f"jaxckpt chaos --from-json {args.from_json}: {e}", file=sys.stderr)
-        return 2
-    if args.update_md:
-        chaos_report.update_md_from_record(args.update_md, record)
-    print(md)
-    return 0 if ok(record["report"]) else 1
 
 
 def ok(rep: dict) -> bool:

@@ -55,13 +55,10 @@ restore, and on any failed chaos check (wrong restore, hang, unexpected loss, un
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import logging
 import math
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
@@ -428,19 +425,6 @@ def with_steps(plan: SoakPlan, steps: int | None) -> SoakPlan:
                     warmup_steps=min(plan.warmup_steps, steps // 3))
 
 
-def run_cli(args: argparse.Namespace) -> int:
-    """``jaxckpt chaos --profile soak|soak-quick``: exit 0 when nothing grew and every chaos check passed."""
-    from jaxckpt.tools.chaos import soak_report
-
-    faults = [f for f in args.faults.split(",") if f] or None
-    rep = run_soak(args.profile, args.seed, steps=args.steps, faults=faults)
-    print(json.dumps(rep, indent=1) if args.json else format_summary(rep))
-    if args.update_md:
-        soak_report.update_md(args.update_md, rep, soak_report.command_line(args))
-        print(f"wrote the soak section of {args.update_md}", file=sys.stderr)
-    return 0 if ok(rep) else 1
-
-
 def format_summary(rep: Mapping[str, Any]) -> str:
     """The report in a few lines: steps, rate, faults, and every judged series' slope (the growing ones marked)."""
     lines = [f"jaxckpt chaos soak: seed {rep['seed']}, {rep['steps_trained']} steps in {len(rep['segments'])} "
@@ -458,19 +442,3 @@ def format_summary(rep: Mapping[str, Any]) -> str:
                          f"{s['segment']:<3} slope {f['slope']:>12.1f}{unit} +- {f['band']:.1f}{unit} per 1000 steps "
                          f"over {f['span_steps']} steps (level {f['level']:.0f}{unit})")
     return "\n".join(lines)
-
-
-def render_kept(args: argparse.Namespace, record: Mapping[str, Any]) -> int:
-    """``--from-json`` of a kept soak record: its section printed (and written with ``--update-md``, the plot
-    redrawn); runs nothing. Exit 0 when the recorded soak passed, 1 when it did not, 2 for a broken record."""
-    from jaxckpt.tools.chaos import soak_report
-
-    try:
-        md = soak_report.render_record(record)
-        if args.update_md:
-            soak_report.update_md_from_record(args.update_md, record)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        print(f"jaxckpt chaos --from-json {args.from_json}: {e}", file=sys.stderr)
-        return 2
-    print(md)
-    return 0 if ok(record["report"]) else 1

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from jaxckpt.tools.bench.report import (fmt_size, machine_facts, machine_line, now_utc, record_dir, record_json,
                                         replace_section, table)
+from jaxckpt.tools.chaos.soak import BYTES, ok
 
 SECTION = "soak"
 PLOT = "soak.png"
@@ -34,8 +35,6 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def _fmt(metric: str, v: float) -> str:
-    from jaxckpt.tools.chaos.soak import BYTES
-
     if metric in BYTES:
         return ("-" if v < 0 else "") + fmt_size(abs(v))
     return f"{v:.2f}".rstrip("0").rstrip(".") if v != int(v) else str(int(v))
@@ -70,8 +69,6 @@ def rows(rep: Mapping[str, Any]) -> list[list[str]]:
 def render(rep: Mapping[str, Any], command: str, machine: Mapping[str, Any] | None = None,
            date: str | None = None, plot: str | None = PLOT) -> str:
     """The markdown section of a finished soak's report (``SoakRun.run()``)."""
-    from jaxckpt.tools.chaos.soak import ok
-
     p, plan, c = rep["profile"], rep["soak"], rep["chaos"]
     kinds = ", ".join(f"`{f['kind']}`" for f in rep["faults"]) or "none"
     fitted, grew = rep.get("judged", rep["fitted"]), len(rep["growing"])
