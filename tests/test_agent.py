@@ -1,7 +1,7 @@
 """The node agent with real processes and real SIGKILL (tests/shm_trainer.py is the trainer).
 
-- a trainer killed at every phase of a save (21 seeded trials, self-inflicted SIGKILL at a chosen phase or an
-  external one at a random instant): the agent serves exactly the newest committed step, never a half-written
+- a trainer killed at every phase of a save (a seeded trial per phase, self-inflicted SIGKILL at that phase, and
+  one external SIGKILL at a random instant): the agent serves exactly the newest committed step, never a half-written
   slot, and a new trainer process restores it bit for bit and saves on; a JAX trainer the same, resharded;
 - the agent killed mid-save: the trainer skips that save (logged, counted), respawns the agent, saves on;
   with the agent's memory wiped, restore names the step and says the memory was lost;
@@ -78,9 +78,8 @@ def _stop(d: str, job: str) -> None:
 def test_trainer_killed_at_every_phase_of_a_save_restores_the_newest_committed_step():
     job = "kill"
     d = _dir(job)
-    for seed in range(21):
+    for seed, phase in enumerate(PHASES):  # each phase once (a seeded die step), and one kill at a random instant
         rng = random.Random(seed)
-        phase = PHASES[seed % len(PHASES)]
         if phase == "random":
             p = subprocess.Popen([sys.executable, TRAINER, "train", job, d, str(seed), "--steps", "500"],
                                  stdout=subprocess.PIPE, text=True)
