@@ -152,27 +152,8 @@ def test_lose_two_nodes_in_turn(policy):
     assert rebuilt_bytes(out) > 0
 
 
-def test_two_nodes_in_different_groups_recover():
-    """replica, one copy on the next node: nodes 0 and 2 lost together; 1 and 3 hold their copies."""
-    job = "two-ok"
-    out = run(save_job, job, "replica", [1])
-    assert all(r["protected"] == [1] for r in out), out
-    lose_node(job, 0)
-    lose_node(job, 2)
-    out = run(restore_job, job, "replica")
-    assert [r["latest"] for r in out] == [1] * NODES * PROCS, out
-    assert rebuilt_bytes(out) > 0
-
-
-@pytest.mark.parametrize("policy,lost", [("replica", (1, 2)), ("parity", (0, 2))])
-def test_two_nodes_in_one_group_is_a_clear_error(policy, lost):
-    """Loss beyond the policy: every process gets DataLossError naming the step, the nodes and missing boxes."""
-    job = f"two-bad-{policy}"
-    out = run(save_job, job, policy, [1, 2])
-    assert all(r["protected"] == [1, 2] for r in out), out
-    for n in lost:
-        lose_node(job, n)
-    out = run(restore_job, job, policy)
+def _check_clear_error(out, policy: str, lost: tuple[int, int]) -> None:
+    """Every process got DataLossError naming step 2, the lost nodes and the boxes they took."""
     for r in out:
         assert r.get("type") == "DataLossError", r
         assert r["latest"] is None
@@ -181,6 +162,18 @@ def test_two_nodes_in_one_group_is_a_clear_error(policy, lost):
         # replicated arrays' stripes lost two units each (parity; node 0's copies survive on node 1)
         named = ["fsdp"] if policy == "replica" else ["dp", "rep"]
         assert all(f"{k} [" in r["error"] for k in named), r["error"]
+
+
+def test_two_nodes_in_one_group_is_a_clear_error():
+    """Loss beyond the policy (replica: nodes 1 and 2, a copy and its original): every process gets
+    DataLossError naming the step, the nodes and missing boxes. The parity case is below, on the job of the
+    corrupt-chunk test."""
+    job, lost = "two-bad-replica", (1, 2)
+    out = run(save_job, job, "replica", [1, 2])
+    assert all(r["protected"] == [1, 2] for r in out), out
+    for n in lost:
+        lose_node(job, n)
+    _check_clear_error(run(restore_job, job, "replica"), "replica", lost)
 
 
 def test_falls_back_to_older_protected_step():
@@ -194,11 +187,19 @@ def test_falls_back_to_older_protected_step():
     assert rebuilt_bytes(out) > 0
 
 
-def test_corrupt_chunk_is_rebuilt_from_protection():
-    """No node lost; a byte of every snapshot segment of node 2's first process flipped: rebuilt instead."""
+@pytest.fixture(scope="module")
+def parity_job():
+    """Steps 1 and 2 saved with parity on 4 nodes, shared by the two tests below (in this order: the first
+    flips bytes on node 2 and restores, the second loses nodes 0 and 2, that memory included)."""
     job = "corrupt"
     out = run(save_job, job, "parity", [1, 2])
     assert all(r["protected"] == [1, 2] for r in out), out
+    return job
+
+
+def test_corrupt_chunk_is_rebuilt_from_protection(parity_job):
+    """No node lost; a byte of every snapshot segment of node 2's first process flipped: rebuilt instead."""
+    job = parity_job
     d = f"{BASE}/{job}-node2"
     segs = [n for n in os.listdir(d) if n.startswith(f"seg-p{2 * PROCS}-")]  # the first process of node 2
     assert segs
@@ -213,7 +214,26 @@ def test_corrupt_chunk_is_rebuilt_from_protection():
     assert any("rebuild" in fb or "crc32c" in fb for r in out for fb in r["report"]["fallbacks"]), out
 
 
-def test_wrong_token_is_refused_and_ls_shows_protection(capsys):
+def test_two_nodes_in_one_parity_group_is_a_clear_error(parity_job):
+    """Loss beyond parity (nodes 0 and 2: two units of every stripe; node 2's flipped bytes go with it): every
+    process gets DataLossError naming the step, the nodes and missing boxes."""
+    lost = (0, 2)
+    for n in lost:
+        lose_node(parity_job, n)
+    _check_clear_error(run(restore_job, parity_job, "parity"), "parity", lost)
+
+
+@pytest.fixture(scope="module")
+def replica_job():
+    """Step 1 saved with replica on 4 nodes, shared by the two tests below (in this order: the first only reads
+    it, the second loses nodes 0 and 2)."""
+    job = "token"
+    out = run(save_job, job, "replica", [1])
+    assert all(r["protected"] == [1] for r in out), out
+    return job
+
+
+def test_wrong_token_is_refused_and_ls_shows_protection(replica_job, capsys):
     """An agent holding protection data gives a peer with a wrong token nothing; `jaxckpt ls` shows protection."""
     import json
 
@@ -224,8 +244,7 @@ def test_wrong_token_is_refused_and_ls_shows_protection(capsys):
     from jaxckpt.backends.transport import ZmqTransport
     from jaxckpt.errors import PeerError
 
-    job = "token"
-    run(save_job, job, "replica", [1])
+    job = replica_job
     info = read_peer_info(f"{BASE}/{job}-node1")
     t = ZmqTransport()
     good = t.connect(info["address"], token=info["token"], timeout_s=10)
@@ -251,6 +270,15 @@ def test_wrong_token_is_refused_and_ls_shows_protection(capsys):
             bad.held()
     finally:
         bad.close()
+
+
+def test_two_nodes_in_different_groups_recover(replica_job):
+    """replica, one copy on the next node: nodes 0 and 2 lost together; 1 and 3 hold their copies."""
+    lose_node(replica_job, 0)
+    lose_node(replica_job, 2)
+    out = run(restore_job, replica_job, "replica")
+    assert [r["latest"] for r in out] == [1] * NODES * PROCS, out
+    assert rebuilt_bytes(out) > 0
 
 
 @pytest.mark.skipif(os.environ.get("RUN_SLOW_TESTS") != "1", reason="slow: set RUN_SLOW_TESTS=1")
