@@ -15,8 +15,9 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import time
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import msgpack
 
@@ -42,7 +43,7 @@ class ChaosRun(Protocol):
     fired: list[dict]
     peer_proxy: tuple | None
 
-    def start_agent(self, d: str) -> None: ...
+    def start_agent(self, d: str, trainers: Sequence[subprocess.Popen] = ()) -> None: ...
 
     def warm_up(self, inc: Incarnation, res: TrialResult) -> bool: ...
 
@@ -113,7 +114,7 @@ def _wait_phase(run: "ChaosRun", inc: "Incarnation", res: "TrialResult") -> None
 
 def respawn_and_resume(run: "ChaosRun", inc: "Incarnation", res: "TrialResult", d: str) -> None:
     """Restart the node's agent (as a launcher would) and check that saving comes back."""
-    run.start_agent(d)
+    run.start_agent(d, inc.procs)
     mark = inc.last("trained")  # a step trained after the agent is back (commit events may still be in flight)
     if inc.exited():
         return

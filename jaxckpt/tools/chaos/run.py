@@ -37,6 +37,7 @@ import logging
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -44,6 +45,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass
+from typing import Sequence
 
 from jaxckpt.backends.agent import protocol as proto
 from jaxckpt.backends.agent.daemon import EXIT_ALREADY_RUNNING
@@ -132,19 +134,34 @@ class ChaosRun:
         return slots * proto.round_to_pages(biggest) * self.profile.procs_per_node
 
     # ----------------------------------------------------------------------------------------- agents
-    def start_agent(self, d: str) -> None:
+    def start_agent(self, d: str, trainers: Sequence[subprocess.Popen] = ()) -> None:
         """Start (or restart) the agent of node directory ``d`` with the node budget; wait until it listens.
 
         An agent a trainer's store started meanwhile (protection's store spawns one when ours is down) is
-        replaced: SIGKILLed, its memory kept for ours to adopt, so that the node keeps its budget."""
+        replaced: SIGKILLed, its memory kept for ours to adopt, so that the node keeps its budget. The running
+        ``trainers`` are stopped (SIGSTOP) while it is: their stores spawn a missing agent again every 2 s, and on
+        a loaded machine one starts faster than ours and takes the directory's lock, round after round."""
         deadline = time.monotonic() + self.profile.timeout_s
-        while True:
-            try:
-                return self._start_agent(d)
-            except _AlreadyServed:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"another agent kept serving {d} for {self.profile.timeout_s:.0f} s") from None
-                self._kill_server(d, deadline)
+        held: list[int] = []
+        try:
+            while True:
+                try:
+                    return self._start_agent(d)
+                except _AlreadyServed:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"another agent kept serving {d} for {self.profile.timeout_s:.0f} s") \
+                            from None
+                    for p in trainers if not held else ():
+                        if p.poll() is None:
+                            os.killpg(p.pid, signal.SIGSTOP)  # each trainer leads its own session (Incarnation)
+                            held.append(p.pid)
+                    self._kill_server(d, deadline)
+        finally:
+            for pid in held:
+                try:
+                    os.killpg(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
 
     @staticmethod
     def _kill_server(d: str, deadline: float) -> None:
@@ -311,12 +328,14 @@ class ChaosRun:
 
     def _trials(self, mode: str, count: int, kinds: list[str] | None = None) -> None:
         prev, self.trained_max = None, 0
-        deck: list[str] = []
+        left: list[str] = []  # the kinds not yet drawn in this round
         for i in range(count + 1):  # the last incarnation only checks the last fault
             t0 = time.monotonic()
-            if i < count and not deck:  # every kind once in each round of len(kinds) trials, in a seeded order
-                deck = self.rng.sample(kinds or self.kinds, len(kinds or self.kinds))
-            kind = deck.pop() if i < count else None
+            kind = None
+            if i < count:  # every kind once in each round of len(kinds) trials, each drawn at random from the rest
+                left = left or list(kinds or self.kinds)
+                kind = self.rng.choice(left)
+                left.remove(kind)
             res = TrialResult(len(self.results), kind, mode) if kind else None
             self._kind = (kind or "end") + (" (jax)" if mode == "jax" else "")
             fault, target = FAULTS[kind].prepare(self, res) if kind else (None, -1)
