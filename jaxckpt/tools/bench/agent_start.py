@@ -9,7 +9,7 @@ Each repeat, in turn (so that the machine's load falls alike on every case):
 * bare interpreter: ``python -c pass`` with the same interpreter and site, exec -> exit, wall and CPU (the floor
   no Python agent goes under);
 * the imports a framework-free agent leaves out, each in its own interpreter, wall and CPU: ``import numpy`` (the
-  agent imports it on the first manifest it decodes) and ``import ml_dtypes`` (only for a dtype name numpy lacks).
+  agent imports it once serving, on a thread of its own: manifests need it) and ``import ml_dtypes`` (only for a dtype name numpy lacks).
 
 CPU is user + system time of the process (getrusage of the reaped child; the agent's from its status), the
 figure to trust on a loaded machine. The target is an agent serving within ``TARGET_S`` of its exec.
@@ -98,7 +98,7 @@ def _agent(base: str, i: int) -> dict[str, float]:
             st = conn.call("status")
         finally:
             conn.close()
-        frameworks = [m for m in ("numpy", "jax", "ml_dtypes", "torch") if m in st["modules"]]
+        frameworks = [m for m in ("numpy", "jax", "ml_dtypes", "torch") if m in st["modules_at_serving"]]
         if frameworks:
             raise RuntimeError(f"the agent imported {frameworks} before serving")
     finally:
