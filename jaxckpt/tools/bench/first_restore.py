@@ -1,6 +1,6 @@
 """Where a relaunched job's first restore spends what later ones do not (issue 26, item 4): a measurement script.
 
-    python docs/bench/first_restore.py [RELAUNCHES] [MIB]
+    python -m jaxckpt.tools.bench.first_restore [RELAUNCHES] [MIB]
 
 A job of 2 simulated nodes x 1 JAX process (2 CPU devices each, mesh 2x2 'data' x 'model') saves a state of MIB
 MiB (8 float32 arrays, half replicated over 'data', half split over both axes) to its node agents and exits;
