@@ -103,7 +103,9 @@ def _agent(base: str, i: int) -> dict[str, float]:
             raise RuntimeError(f"the agent imported {frameworks} before serving")
     finally:
         stop_agent(d, job)
-        p.wait(timeout=60)
+        rc = p.wait(timeout=60)
+    if rc != 0:
+        raise RuntimeError(f"the agent in {d} exited with {rc}; see {base}/agent{i}.log")
     return {"waited_s": waited, "serving_s": st["startup"]["serving_s"], "cpu_s": st["startup"]["cpu_s"]}
 
 
