@@ -40,8 +40,8 @@ def _ml_dtypes() -> ModuleType | None:
 
 def _numpy() -> ModuleType:
     """numpy, imported on the first dtype name: the node agent imports the manifest format (its limits, the
-    records it serves) but decodes no manifest until a peer or a protection pull asks, so its start, on which a
-    replacement node's first ``Checkpointer()`` waits, does not pay numpy's import (about half of it)."""
+    records it serves) but decodes no manifest before it serves, so its start, on which a replacement node's
+    first ``Checkpointer()`` waits, does not pay numpy's import (about half of it)."""
     import numpy
 
     return numpy
