@@ -1,20 +1,25 @@
 """How long a node's snapshot memory lives under a scheduler, and who frees it (docs/deploy.md has the table).
 
-Under SLURM (ProctrackType=proctrack/cgroup) every process of a step dies with the step, ``setsid`` or not, and
-files in /dev/shm stay. So:
+Under SLURM with ProctrackType=proctrack/cgroup (measured on the emulated cluster of tests/test_slurm.py):
 
-* A step that fails (a task killed, ``--kill-on-bad-exit``, ``scancel JOB.STEP``) takes an agent it spawned with
-  it, by SIGKILL or by SIGTERM while the allocation still runs: the agent then leaves the node's memory in place
-  (:func:`keep_on_term`) and the next step's agent adopts it. A relaunched step restores from memory.
-* When the allocation ends (``scancel JOB``, the batch script's end, the time limit) slurmd sends every step's
-  processes SIGTERM, then SIGKILL after ``KillWait``, and the job is COMPLETING meanwhile: an agent that gets
-  SIGTERM then frees its memory and exits. An agent run as its own step (``srun --overlap ... jaxckpt agent``)
-  lives until then whatever the trainers' steps do, so the allocation's end always finds it and its memory is
-  gone within ``KillWait``, with no administrator's epilog.
-* Memory no agent was left to free (an allocation that ended while no step of it ran, with agents spawned by the
-  trainers) is swept by the next agent of the same user on that node (:func:`sweep_ended`), or by an epilog that
-  removes ``/dev/shm/jaxckpt-*@slurm<JOB>@*``: the default directory names its allocation
-  (``jaxckpt.node_identity.agent_dir_name``).
+* every process of a step dies with the step, ``setsid`` or not, by SIGKILL; files in /dev/shm stay;
+* signals other than SIGKILL reach a step's *tasks* only (the processes srun started, children of slurmstepd):
+  at the allocation's end (``scancel JOB``, the batch script's end, the time limit) each task gets SIGTERM, the
+  job is COMPLETING meanwhile, and the whole step gets SIGKILL ``KillWait`` seconds later;
+* a step whose srun dies is cancelled (SIGKILL).
+
+So an agent a trainer spawns lives and dies with the trainer's step: a failed step's memory stays and the next
+step's agent adopts it (a relaunched step restores from memory), but the agent never hears of the allocation's
+end. An agent run as its own step (``srun --overlap --ntasks-per-node=1 jaxckpt agent --job J --wait &`` in the
+batch script) is a task: it lives until the allocation ends, whatever the trainers' steps do, gets the SIGTERM
+then, sees the job COMPLETING and frees its memory (:func:`keep_on_term`) within ``KillWait``, with no
+administrator's epilog. A SIGTERM while the allocation runs (``scancel --signal=TERM``, srun forwarding a
+Ctrl-C) leaves the memory for the next agent instead.
+
+Memory no agent was left to free (agents spawned by the trainers, whose last step ended before the allocation)
+is swept by the next agent of the same user on that node (:func:`sweep_ended`), by ``jaxckpt doctor --sweep``, or
+by an administrator's epilog that removes ``/dev/shm/jaxckpt-*@slurm$SLURM_JOB_ID@*``: the default directory
+names its allocation (``jaxckpt.node_identity.agent_dir_name``).
 
 Outside SLURM nothing changes: SIGTERM frees the memory, as ``jaxckpt agent --stop`` and ``stop_agent`` do.
 """

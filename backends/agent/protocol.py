@@ -36,7 +36,7 @@ import msgpack
 from jaxckpt.config import Config
 from jaxckpt.errors import AgentError, BudgetExceededError, ClosedError, StepError, StoreUnavailableError
 from jaxckpt.core.manifest import MAX_MANIFEST_BYTES
-from jaxckpt.node_identity import agent_dir_name, node_identity
+from jaxckpt.node_identity import agent_dir_name, allocation, node_identity
 from jaxckpt.protection.slot import PROTECT_BASE  # noqa: F401 - re-exported: the agent lists protection slots apart
 
 VERSION = 1
@@ -250,13 +250,17 @@ class AgentConnection:
 def spawn_agent(config: Config, directory: str, *, log_path: str | None = None) -> subprocess.Popen:
     """Start ``jaxckpt agent`` for ``config``'s job on ``directory``, detached (own session, no tty, no pipes).
 
+    Under SLURM it stays in the spawning task's process group instead: it is part of the step, and a session of
+    its own would only take it out of the step's signals where the step is a process group (proctrack/pgid),
+    leaving it running past the allocation; with proctrack/cgroup it dies with the step's cgroup either way, by
+    SIGKILL (slurmstepd sends other signals to the tasks alone: ``agent/lifetime.py``).
     Two spawns race harmlessly: the agent's lock lets one run; the other exits at once.
     """
     cmd = [sys.executable, "-m", "jaxckpt.cli", "agent", "--job", config.job_id, "--dir", directory,
            "--node", node_identity(config).name, "--log", log_path or default_log_path(directory),
            "--peer-bind", config.peer_bind, "--peer-security", config.peer_security]
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, close_fds=True)
+                            start_new_session=not allocation(), close_fds=True)
 
 
 def read_pid_file(directory: str) -> tuple[int, str] | None:
