@@ -128,7 +128,7 @@ def test_failed_step_relaunched_restores_from_memory(cluster, job_name, tmp_path
     (SIGKILL; --kill-on-bad-exit ends the step, its agents with it); step 1 adopts the nodes' memory, restores
     step 3 and trains to 5 bit for bit. The allocation then ends while step 1 runs: agents inside a step get only
     SIGKILL (slurmstepd signals the tasks alone), so the memory stays, and the next agent of the user on the node,
-    in a later allocation, sweeps it. About 50 s."""
+    in a later allocation, sweeps it. About 40 s."""
     out = str(tmp_path)
     job = cluster.salloc(2, job_name)
     args = ["--out", out, "--job", job_name, "--steps", "5", "--fail-rank", "1", "--fail-at", "3"]
@@ -163,10 +163,10 @@ def test_failed_step_relaunched_restores_from_memory(cluster, job_name, tmp_path
 
 
 def test_node_lost_relaunched_on_a_fresh_node_rebuilds_from_protection(cluster, job_name, tmp_path):
-    """3 nodes, an agent step on each (``srun --overlap ... jaxckpt agent --wait``); trainers on the first two nodes with
-    protection; rank 1 dies at step 3 (protected) and the second node is lost with its memory; the job is relaunched on
-    the first and the third (empty) (empty): rank 1's part is rebuilt from the first node's protection, bit for bit. scancel then frees every
-    node and stops every agent. About 60 s."""
+    """3 nodes, an agent step on each (``srun --overlap ... jaxckpt agent --wait``); trainers on the first two
+    nodes with protection; rank 1 dies at step 3 (protected) and the second node is lost with its memory; the job
+    is relaunched on the first and the third (empty): rank 1's part is rebuilt from the first node's protection,
+    bit for bit. scancel then frees every node and stops every agent. About 35 s."""
     out = str(tmp_path)
     job = cluster.salloc(3, job_name)
     agents = subprocess.Popen(["srun", f"--jobid={job}", "--overlap", "-N3", "--ntasks-per-node=1", sys.executable,

@@ -30,6 +30,10 @@ BINARIES = ("slurmctld", "slurmd", "slurmstepd", "munged", "srun", "salloc", "sb
             "scontrol", "sinfo")
 CGROUP_ROOT = "/sys/fs/cgroup"
 HOSTS = "/etc/hosts"
+# SLURM resolves with AF_INET and AI_ADDRCONFIG, which finds nothing where 127.0.0.1 is the only IPv4 address (a
+# network namespace with loopback alone, as tests/isolated runs use): a second loopback address makes glibc count
+# IPv4 as configured. Added only then, removed by stop().
+EXTRA_LOOPBACK = "127.0.0.2/32"
 
 
 def unavailable() -> str | None:
@@ -77,6 +81,7 @@ class SlurmCluster:
         self.conf = os.path.join(self.root, "slurm.conf")
         self._procs: dict[str, subprocess.Popen] = {}
         self._hosts_line: str | None = None
+        self._added_loopback = False
         self.srun_ports = (0, 0)
 
     @property
@@ -119,6 +124,7 @@ class SlurmCluster:
         self.srun_ports = (base + 1 + len(self.nodes), base + len(self.nodes) + 64)
         self._write_conf(ctld_port, node_ports)
         self._resolve_nodes()
+        self._ipv4_configured()
         sock = os.path.join(self.root, "munge.sock")
         self._spawn("munged", ["munged", "-F", "--force", f"--key-file={key}", f"--socket={sock}",
                                f"--pid-file={self.root}/munged.pid", f"--seed-file={self.root}/munged.seed",
@@ -168,6 +174,17 @@ class SlurmCluster:
             self._hosts_line = f"127.0.0.1 {' '.join(unresolved)}  # jaxckpt emulated SLURM cluster {self.root}\n"
             with open(HOSTS, "a") as f:
                 f.write(self._hosts_line)
+
+    def _ipv4_configured(self) -> None:
+        try:
+            socket.getaddrinfo("127.0.0.1", "1", socket.AF_INET, socket.SOCK_STREAM, 0, socket.AI_ADDRCONFIG)
+            return
+        except socket.gaierror:
+            pass
+        log.warning("emulated SLURM cluster: no IPv4 address but 127.0.0.1; adding %s to lo", EXTRA_LOOPBACK)
+        subprocess.run(["ip", "addr", "add", EXTRA_LOOPBACK, "dev", "lo"], check=True, capture_output=True,
+                       timeout=10)
+        self._added_loopback = True
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         out = open(os.path.join(self.root, "log", f"{name}.out"), "ab")
@@ -250,6 +267,10 @@ class SlurmCluster:
             self._kill_strays()
             self._remove_cgroups()
             self._unresolve()
+            if self._added_loopback:
+                subprocess.run(["ip", "addr", "del", EXTRA_LOOPBACK, "dev", "lo"], check=False,
+                               capture_output=True, timeout=10)
+                self._added_loopback = False
 
     def _cgroup_dirs(self) -> list[str]:
         return [os.path.join(CGROUP_ROOT, c, f"slurm_{n}") for c in sorted(os.listdir(CGROUP_ROOT))
