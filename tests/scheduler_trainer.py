@@ -44,6 +44,18 @@ def _die_if(args: argparse.Namespace, rank: int, step: int, first: bool) -> None
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _where(config) -> dict:
+    """Where this process ran as jaxckpt sees it: the node and where its name came from, the scheduler, the
+    agent's directory and pid (the same pid across a relaunch: the memory outlived the trainers), this pid."""
+    from jaxckpt.backends.agent.protocol import agent_dir, read_pid_file
+    from jaxckpt.node_identity import detect_scheduler, node_identity
+
+    ident, directory = node_identity(config), agent_dir(config)
+    info = read_pid_file(directory)
+    return {"node": ident.name, "source": ident.source, "scheduler": detect_scheduler().name,
+            "agent_dir": directory, "agent_pid": info[0] if info else None, "pid": os.getpid()}
+
+
 def _linger(args: argparse.Namespace) -> None:
     if args.linger:
         while True:
@@ -60,8 +72,6 @@ def jax_main(args: argparse.Namespace) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize()  # JAX detects SLURM (srun) or Open MPI (mpirun) by itself
     import jaxckpt
-    from jaxckpt.backends.agent.protocol import agent_dir
-    from jaxckpt.node_identity import detect_scheduler, node_identity
 
     rank, n = jax.process_index(), jax.process_count()
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
@@ -101,12 +111,10 @@ def jax_main(args: argparse.Namespace) -> None:
         ref = step_fn(ref)
     same = all(np.array_equal(np.asarray(a.data).view(np.uint32), np.asarray(b.data).view(np.uint32))
                for k in ("w", "b") for a, b in zip(state[k].addressable_shards, ref[k].addressable_shards))
-    ident = node_identity(ckpt.config)
     doc = {"rank": rank, "processes": n, "restored": restored, "kinds": kinds, "bitwise": same,
-           "latest": ckpt.latest_step(), "node": ident.name, "source": ident.source,
-           "scheduler": detect_scheduler().name, "agent_dir": agent_dir(ckpt.config),
+           "latest": ckpt.latest_step(),
            "protected": ckpt.engine.protection.protected_steps() if ckpt.engine.protection else [],
-           "pid": os.getpid()}
+           **_where(ckpt.config)}
     ckpt.close()
     _write(args.out, rank, "first" if first else "relaunch", doc)
     _linger(args)
@@ -178,8 +186,10 @@ def torch_main(args: argparse.Namespace) -> None:
     same = all(torch.equal(got["model"][k], want["model"][k]) for k in want["model"]) and all(
         torch.equal(got["optim"]["state"][i]["momentum_buffer"], want["optim"]["state"][i]["momentum_buffer"])
         for i in want["optim"]["state"])
-    doc = {"rank": rank, "attempt": attempt, "restored": restored, "dcp_matches_restore": dcp_restored,
-           "bitwise": same, "pid": os.getpid()}
+    kinds = ckpt.last_restore_report.to_dict()["bytes_by_kind"] if restored is not None else {}
+    doc = {"rank": rank, "attempt": attempt, "restored": restored, "kinds": kinds,
+           "dcp_matches_restore": dcp_restored, "bitwise": same, "latest": ckpt.latest_step(),
+           **_where(ckpt.config)}
     ckpt.close()
     _write(args.out, rank, str(attempt), doc)
     dist.destroy_process_group()

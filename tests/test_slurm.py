@@ -10,8 +10,9 @@ default one, per job, allocation and node.
   frees every node's memory and stops every agent;
 - a batch script that ends normally frees the memory its agent step held.
 
-One cluster for the module, started and stopped here; every test skips with the reason where it cannot run (not
-root, the packages absent). Each test states what it takes in its docstring; the whole module is about 2-3 minutes
+One cluster for the module, started and stopped here (its teardown checks that no daemon, step process or cgroup
+is left, also after a failed test); every test skips with the reason where it cannot run (not root, the packages
+absent), except under CI=true, where that is an error (tests/requires.py). Each test states what it takes in its docstring; the whole module is about 2-3 minutes
 on 2 cores.
 """
 import os
@@ -25,25 +26,32 @@ import uuid
 import pytest
 
 from jaxckpt.testing import slurm
+from requires import available
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAINER = os.path.join(HERE, "scheduler_trainer.py")
 FREED_WITHIN_S = 30.0  # KillWait (5 s here) plus the agent's own exit, with room for a loaded machine
 STEP_TIMEOUT_S = 240.0
 
-pytestmark = pytest.mark.skipif(slurm.unavailable() is not None, reason=slurm.unavailable() or "")
+pytestmark = available(slurm.unavailable())
 
 
 @pytest.fixture(scope="module")
 def cluster():
     root = tempfile.mkdtemp(prefix="jaxckpt-slurm-")
     c = slurm.SlurmCluster(root, nodes=3)
-    c.start()
+    # A SIGTERM to the test run (a time-out) unwinds through the teardown below instead of ending it at once.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
+        c.start()
         yield c
     finally:
-        c.stop()
-        subprocess.run(["rm", "-rf", root], check=False)
+        try:
+            c.stop()
+            assert not c.leftovers(), f"the emulated cluster left {c.leftovers()}"
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            subprocess.run(["rm", "-rf", root], check=False)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ Needs root (slurmd runs as root; steps run as the caller), the binaries, and the
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import random
@@ -46,6 +47,13 @@ def unavailable() -> str | None:
     if not os.path.isdir(os.path.join(CGROUP_ROOT, "freezer")):
         return f"proctrack/cgroup needs cgroup v1's freezer controller at {CGROUP_ROOT}/freezer"
     return None
+
+
+def _die_with_parent() -> None:
+    """In a daemon's child, before exec: SIGTERM when the process that started the cluster dies, so a test run
+    killed before stop() (a time-out, SIGKILL) leaves no slurmctld, slurmd or munged behind."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def _free_block(count: int, lo: int = 40000, hi: int = 60000) -> int:
@@ -191,7 +199,7 @@ class SlurmCluster:
         try:
             self._procs[name] = subprocess.Popen(cmd, env={**os.environ, "SLURM_CONF": self.conf},
                                                  stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                                 start_new_session=True)
+                                                 start_new_session=True, preexec_fn=_die_with_parent)
         finally:
             out.close()
 
@@ -271,6 +279,16 @@ class SlurmCluster:
                 subprocess.run(["ip", "addr", "del", EXTRA_LOOPBACK, "dev", "lo"], check=False,
                                capture_output=True, timeout=10)
                 self._added_loopback = False
+
+    def leftovers(self) -> list[str]:
+        """What stop() failed to remove (daemons still running, processes or cgroups of this cluster's nodes, its
+        line in /etc/hosts): empty once the cluster is gone."""
+        left = [f"{n} (pid {p.pid})" for n, p in self._procs.items() if p.poll() is None]
+        left += [f"process {pid} in a node's cgroup" for pid in self._pids()]
+        left += [f"cgroup {d}" for d in self._cgroup_dirs()]
+        if self._hosts_line is not None:
+            left.append(f"{HOSTS} line {self._hosts_line.strip()!r}")
+        return left
 
     def _cgroup_dirs(self) -> list[str]:
         return [os.path.join(CGROUP_ROOT, c, f"slurm_{n}") for c in sorted(os.listdir(CGROUP_ROOT))
