@@ -229,3 +229,31 @@ def test_batch_script_end_frees_the_memory(cluster, job_name, tmp_path):
     got = results(out, "first", 2)
     assert all(r["bitwise"] and r["latest"] == 2 for r in got), got
     print(f"the batch script's end freed the memory in {took:.1f}s")
+
+
+def test_shipped_epilog_frees_an_ended_allocations_memory(job_name, tmp_path):
+    """A cluster of its own whose slurm.conf names examples/slurm/epilog.sh as Epilog. Agents spawned by the
+    trainers inside their step (nothing of jaxckpt's hears of the allocation's end); scancel while the step runs:
+    the epilog removes each node's memory, with no later agent to sweep it. About 25 s."""
+    epilog = os.path.join(os.path.dirname(HERE), "examples", "slurm", "epilog.sh")
+    root = tempfile.mkdtemp(prefix="jaxckpt-slurm-epilog-")
+    c = slurm.SlurmCluster(root, nodes=2, epilog=epilog)
+    try:
+        c.start()
+        out = str(tmp_path)
+        job = c.salloc(2, job_name)
+        p = srun(c, job, nodes(c, 0, 1), ["--out", out, "--job", job_name, "--steps", "2", "--linger"])
+        wait_for(lambda: all(os.path.exists(os.path.join(out, f"result-{r}-first.json")) for r in (0, 1))
+                 or p.poll() is not None, STEP_TIMEOUT_S, "the step's results")
+        assert all(r["bitwise"] for r in results(out, "first", 2))
+        assert len(job_dirs(job_name, job)) == 2
+        c.run(["scancel", job])
+        finish(p)
+        took = assert_freed(job_name, job)
+        print(f"the epilog freed the memory {took:.1f}s after the step ended")
+    finally:
+        try:
+            c.stop()
+            assert not c.leftovers(), f"the emulated cluster left {c.leftovers()}"
+        finally:
+            subprocess.run(["rm", "-rf", root], check=False)

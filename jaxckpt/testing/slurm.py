@@ -78,14 +78,15 @@ def _free_block(count: int, lo: int = 40000, hi: int = 60000) -> int:
 
 class SlurmCluster:
     """``nodes`` emulated nodes named ``<prefix>1..N`` (``cpus`` CPUs each; the prefix random unless given) under
-    ``root``; start() / stop()."""
+    ``root``, with slurm.conf's ``Epilog`` if ``epilog`` names a script; start() / stop()."""
 
-    def __init__(self, root: str, *, nodes: int = 3, cpus: int = 2, prefix: str = "", kill_wait: int = 5) -> None:
+    def __init__(self, root: str, *, nodes: int = 3, cpus: int = 2, prefix: str = "", kill_wait: int = 5,
+                 epilog: str = "") -> None:
         self.root = os.path.abspath(root)
         # Node names name the cgroups (slurm_<node>) and /etc/hosts entries: unique per cluster unless given.
         prefix = prefix or f"jx{os.urandom(2).hex()}n"
         self.nodes = [f"{prefix}{k}" for k in range(1, nodes + 1)]
-        self.cpus, self.kill_wait = cpus, kill_wait
+        self.cpus, self.kill_wait, self.epilog = cpus, kill_wait, os.path.abspath(epilog) if epilog else ""
         self.conf = os.path.join(self.root, "slurm.conf")
         self._procs: dict[str, subprocess.Popen] = {}
         self._hosts_line: str | None = None
@@ -161,6 +162,8 @@ class SlurmCluster:
             "MinJobAge=30", "JobCompType=jobcomp/none", "AccountingStorageType=accounting_storage/none",
             "JobAcctGatherType=jobacct_gather/none", f"SrunPortRange={self.srun_ports[0]}-{self.srun_ports[1]}",
         ]
+        if self.epilog:  # run by every slurmd as root when a job's processes on its node are gone
+            lines.append(f"Epilog={self.epilog}")
         lines += [f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory=2000 "
                   f"Port={p}" for n, p in zip(self.nodes, node_ports)]
         lines.append("PartitionName=jx Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4")
