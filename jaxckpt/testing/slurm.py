@@ -1,6 +1,6 @@
 """An emulated SLURM cluster on this machine, from Debian's ``slurm-wlm`` and ``munge``: one ``slurmctld`` and one
 ``slurmd -N <node>`` per node, each on its own port, ``ProctrackType=proctrack/cgroup`` (cgroups v1), munge with
-a key of its own. Tests and ``jaxckpt bench cluster --launcher srun`` run real ``salloc``/``srun``/``sbatch``
+a key of its own. Tests (tests/test_slurm.py) run real ``salloc``/``srun``/``sbatch``
 against it.
 
 Every file lives under one root directory; the daemons run in the foreground as children of this process (own
