@@ -8,14 +8,16 @@ snapshots through jaxckpt's torch front end and, beside them, ``torch.distribute
 storage (``JaxckptWriter``/``JaxckptReader``), both in the agent's shared memory.
 
 Either way a run restores the newest step it finds, trains to ``--steps``, checks its final state bit for bit
-against an uninterrupted run computed here from the start, and writes ``<out>/result-<rank>-<attempt>.json``.
-``--fail-rank R --fail-at S``: on the first attempt, rank R SIGKILLs itself once step S is committed (and
+against an uninterrupted run computed here from the start, and writes ``<out>/result-<rank>-<attempt>.json``
+(attempt ``first`` when it found nothing to restore, else ``relaunch``). ``--fail-rank R --fail-at S``: on the
+first attempt, rank R SIGKILLs itself once step S is committed (and
 protected); ``--fail-rank -2``: every rank waits there to be killed from outside. ``--linger``: after writing
 its result the process waits to be killed (the allocation's end).
 """
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -159,6 +161,7 @@ def torch_main(args: argparse.Namespace) -> None:
     dcp_cfg = cfg.replace(job_id=f"{args.job}-dcp")
     ckpt = TorchCheckpointer(cfg)
     restored = ckpt.latest_step()
+    first = restored is None  # a run that finds nothing to restore is the first, however the launcher counts
     dcp_restored = None
     if restored is not None:
         ckpt.restore(state(model, opt), in_place=True)
@@ -174,10 +177,10 @@ def torch_main(args: argparse.Namespace) -> None:
         train_step(model, opt, s)
         ckpt.save(s, state(model, opt))
         dcp.save(state(model, opt), storage_writer=JaxckptWriter(s, config=dcp_cfg))
-        if attempt == 0 and s == args.fail_at:
+        if first and s == args.fail_at:
             ckpt.wait()
             dist.barrier()  # every rank's DCP checkpoint of this step is in before the failure
-        _die_if(args, rank, s, attempt == 0)
+        _die_if(args, rank, s, first)
     ckpt.wait()
     ref, ref_opt = make()
     for s in range(0, args.steps + 1):
@@ -191,7 +194,7 @@ def torch_main(args: argparse.Namespace) -> None:
            "dcp_matches_restore": dcp_restored, "bitwise": same, "latest": ckpt.latest_step(),
            **_where(ckpt.config)}
     ckpt.close()
-    _write(args.out, rank, str(attempt), doc)
+    _write(args.out, rank, "first" if first else "relaunch", doc)
     dist.destroy_process_group()
 
 
@@ -206,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--protection", default="none")
     p.add_argument("--linger", action="store_true")
     args = p.parse_args(argv)
+    faulthandler.register(signal.SIGUSR1)  # a test that times out dumps every thread's stack (kill -USR1)
     (jax_main if args.mode == "jax" else torch_main)(args)
     return 0
 

@@ -5,7 +5,10 @@ against it.
 
 Every file lives under one root directory; the daemons run in the foreground as children of this process (own
 sessions) and :meth:`SlurmCluster.stop` cancels every job, waits for their steps, stops the daemons and removes
-the cgroups they made. Node names must resolve (JAX's SLURM detection connects to the first node by name): if
+the cgroups they made and the nodes' agent memory. If this process dies first (SIGKILL, a time-out), the daemons
+get SIGTERM (PR_SET_PDEATHSIG) and a reaper process it started (``python -m jaxckpt.testing.slurm --reap``, its
+own session, reading a pipe from this process until EOF) does the rest of stop(): the steps' processes, the
+cgroups, the memory, the hosts line. Node names must resolve (JAX's SLURM detection connects to the first node by name): if
 they do not, ``/etc/hosts`` gets one marked line mapping them to 127.0.0.1, removed again by ``stop``.
 Needs root (slurmd runs as root; steps run as the caller), the binaries, and the freezer cgroup (v1) mounted:
 :func:`unavailable` says why not when it cannot run.
@@ -13,6 +16,7 @@ Needs root (slurmd runs as root; steps run as the caller), the binaries, and the
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import random
@@ -20,10 +24,12 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from typing import Sequence
 
 from jaxckpt.errors import LaunchError
+from jaxckpt.node_identity import parse_agent_dir_name
 
 log = logging.getLogger("jaxckpt.testing")
 
@@ -91,6 +97,7 @@ class SlurmCluster:
         self._procs: dict[str, subprocess.Popen] = {}
         self._hosts_line: str | None = None
         self._added_loopback = False
+        self._reaper: subprocess.Popen | None = None
         self.srun_ports = (0, 0)
 
     @property
@@ -134,6 +141,7 @@ class SlurmCluster:
         self._write_conf(ctld_port, node_ports)
         self._resolve_nodes()
         self._ipv4_configured()
+        self._start_reaper()
         sock = os.path.join(self.root, "munge.sock")
         self._spawn("munged", ["munged", "-F", "--force", f"--key-file={key}", f"--socket={sock}",
                                f"--pid-file={self.root}/munged.pid", f"--seed-file={self.root}/munged.seed",
@@ -196,6 +204,21 @@ class SlurmCluster:
         subprocess.run(["ip", "addr", "add", EXTRA_LOOPBACK, "dev", "lo"], check=True, capture_output=True,
                        timeout=10)
         self._added_loopback = True
+
+    def _state_path(self) -> str:
+        return os.path.join(self.root, "reaper.json")
+
+    def _start_reaper(self) -> None:
+        with open(self._state_path(), "w") as f:
+            json.dump({"root": self.root, "nodes": self.nodes, "hosts_line": self._hosts_line,
+                       "added_loopback": self._added_loopback}, f)
+        err = open(os.path.join(self.root, "log", "reaper.out"), "ab")
+        try:
+            self._reaper = subprocess.Popen([sys.executable, "-m", "jaxckpt.testing.slurm", "--reap",
+                                             self._state_path()], stdin=subprocess.PIPE, stdout=err,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            err.close()
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         out = open(os.path.join(self.root, "log", f"{name}.out"), "ab")
@@ -275,20 +298,52 @@ class SlurmCluster:
                         p.kill()
                         p.wait(15)
             self._procs.clear()
-            self._kill_strays()
-            self._remove_cgroups()
-            self._unresolve()
-            if self._added_loopback:
-                subprocess.run(["ip", "addr", "del", EXTRA_LOOPBACK, "dev", "lo"], check=False,
-                               capture_output=True, timeout=10)
-                self._added_loopback = False
+            self._clean_up()
+            if self._reaper is not None:  # nothing left for it: it finds no state and exits
+                try:
+                    os.remove(self._state_path())
+                except FileNotFoundError:
+                    pass
+                self._reaper.stdin.close()
+                try:
+                    self._reaper.wait(30)
+                except subprocess.TimeoutExpired:
+                    self._reaper.kill()
+                    self._reaper.wait(10)
+                self._reaper = None
+
+    def _clean_up(self) -> None:
+        """Once the daemons are gone (stop(), or the reaper after this process died): SIGKILL to what is left in
+        the nodes' cgroups, then remove the cgroups, the nodes' agent memory, the hosts line, the extra address."""
+        self._kill_strays()
+        self._remove_cgroups()
+        self._remove_memory()
+        self._unresolve()
+        if self._added_loopback:
+            subprocess.run(["ip", "addr", "del", EXTRA_LOOPBACK, "dev", "lo"], check=False,
+                           capture_output=True, timeout=10)
+            self._added_loopback = False
+
+    def _remove_memory(self) -> None:
+        """The default agent directories of this cluster's nodes (names unique to it) left in /dev/shm."""
+        base = "/dev/shm"
+        for name in os.listdir(base) if os.path.isdir(base) else []:
+            parsed = parse_agent_dir_name(name)
+            if parsed is not None and parsed[3] in self.nodes:
+                log.info("emulated SLURM cluster: removing %s/%s", base, name)
+                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
 
     def leftovers(self) -> list[str]:
         """What stop() failed to remove (daemons still running, processes or cgroups of this cluster's nodes, its
         line in /etc/hosts): empty once the cluster is gone."""
         left = [f"{n} (pid {p.pid})" for n, p in self._procs.items() if p.poll() is None]
         left += [f"process {pid} in a node's cgroup" for pid in self._pids()]
+        left += [f"process {pid} with this cluster's SLURM_CONF" for pid in self._clients()]
         left += [f"cgroup {d}" for d in self._cgroup_dirs()]
+        left += [f"/dev/shm/{n}" for n in (os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else [])
+                 if (p := parse_agent_dir_name(n)) is not None and p[3] in self.nodes]
+        if self._reaper is not None and self._reaper.poll() is None:
+            left.append(f"reaper (pid {self._reaper.pid})")
         if self._hosts_line is not None:
             left.append(f"{HOSTS} line {self._hosts_line.strip()!r}")
         return left
@@ -315,8 +370,23 @@ class SlurmCluster:
         while self._pids() and time.monotonic() < deadline:
             time.sleep(0.2)
 
+    def _clients(self) -> list[int]:
+        """Processes that talk to this cluster (SLURM_CONF names its slurm.conf): srun, salloc, sbatch left
+        waiting on a controller that is gone, and the steps' tasks."""
+        mark, pids = f"SLURM_CONF={self.conf}".encode(), []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if mark in f.read().split(b"\0"):
+                        pids.append(int(entry))
+            except OSError:
+                continue
+        return pids
+
     def _kill_strays(self) -> None:
-        pids = self._pids()
+        pids = sorted(set(self._pids()) | set(self._clients()))
         if pids:
             log.warning("emulated SLURM cluster: SIGKILL to %d processes left in its cgroups: %s", len(pids), pids)
         for pid in pids:
@@ -353,3 +423,28 @@ class SlurmCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _reap(state_path: str) -> int:
+    """The reaper: wait until the process that started the cluster closes our stdin or dies, then clean up what
+    its stop() did not (nothing, when stop() ran: it removes the state file first)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while sys.stdin.buffer.read(4096):
+        pass
+    try:
+        with open(state_path) as f:
+            state = json.load(f)
+    except FileNotFoundError:
+        return 0
+    log.warning("emulated SLURM cluster %s: its starter died before stop(); cleaning up", state["root"])
+    c = SlurmCluster(state["root"], nodes=0)
+    c.nodes, c._hosts_line, c._added_loopback = list(state["nodes"]), state["hosts_line"], state["added_loopback"]
+    c._clean_up()
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--reap":
+        sys.exit(_reap(sys.argv[2]))
+    sys.exit("usage: python -m jaxckpt.testing.slurm --reap STATE_FILE")
