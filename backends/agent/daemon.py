@@ -45,8 +45,8 @@ import msgpack
 
 from jaxckpt.backends.agent import heap, lifetime
 from jaxckpt.backends.agent.protocol import (LOCK_NAME, PID_NAME, SOCKET_NAME, VERSION, ProtocolError, agent_dir,
-                                             default_log_path, ensure_private_dir, open_segment, recv_msg,
-                                             send_msg, shm_base, stop_agent)
+                                             default_log_path, ensure_private_dir, open_segment, pid_alive,
+                                             recv_msg, send_msg, shm_base, stop_agent)
 from jaxckpt.backends.agent.table import Limits, Refused, SlotTable
 from jaxckpt.config import PEER_SECURITY, Config, peer_uses_curve
 from jaxckpt.node_identity import allocation, node_identity
@@ -357,7 +357,7 @@ class Agent:
         with self._lock:
             other = next((c for c in self._conns.values() if c.process == process and c is not conn), None)
         if other is not None:
-            if _alive(other.pid) and other.pid != conn.pid:
+            if pid_alive(other.pid) and other.pid != conn.pid:
                 raise Refused("busy", f"process {process} of job {self.job} is already connected (pid {other.pid})")
             log.warning("process %d: pid %d takes over from connection of pid %d", process, conn.pid, other.pid)
             try:
@@ -467,16 +467,6 @@ def _int(msg: dict, key: str, hi: int = MAX_INT) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= hi:
         raise ValueError(f"{key}={v!r} is not an integer in [0, {hi}]")
     return v
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _unlink(path: str) -> None:

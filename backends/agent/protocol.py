@@ -263,6 +263,17 @@ def spawn_agent(config: Config, directory: str, *, log_path: str | None = None) 
                             start_new_session=not allocation(), close_fds=True)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user counts: it exists)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def read_pid_file(directory: str) -> tuple[int, str] | None:
     """(pid, generation) of the agent that last ran in ``directory``, or None."""
     try:

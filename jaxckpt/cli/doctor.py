@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def report(config: Config, *, sweep: bool = False) -> dict[str, Any]:
     """The preflight report of this process's node for ``config`` (see the module docstring)."""
     from jaxckpt.backends.agent import capacity, lifetime
-    from jaxckpt.backends.agent.protocol import SOCKET_NAME, agent_dir, read_pid_file, shm_base
+    from jaxckpt.backends.agent.protocol import SOCKET_NAME, agent_dir, pid_alive, read_pid_file, shm_base
     from jaxckpt.node_identity import (ENV_K8S, ENV_K8S_NODE, allocation, detect_scheduler, local_process_count,
                                        node_identity, parse_agent_dir_name)
 
@@ -51,7 +51,7 @@ def report(config: Config, *, sweep: bool = False) -> dict[str, Any]:
         "agent": {"directory": directory, "default": not config.shm_dir, "socket": os.path.join(directory,
                                                                                               SOCKET_NAME)}}
     pid = read_pid_file(directory) if os.path.isdir(directory) else None
-    out["agent"]["running"] = bool(pid and _alive(pid[0]))
+    out["agent"]["running"] = bool(pid and pid_alive(pid[0]))
     if pid and out["agent"]["running"]:
         out["agent"].update(pid=pid[0], generation=pid[1])
     if os.environ.get(ENV_K8S) and not os.environ.get(ENV_K8S_NODE) and not config.node_name:
@@ -128,16 +128,6 @@ def _ephemeral() -> tuple[int, int]:
         return lo, hi
     except (OSError, ValueError):
         return 0, 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def render(r: dict[str, Any]) -> str:
