@@ -36,6 +36,34 @@ def _write(out: str, rank: int, attempt: str, doc: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
+def results(out: str, attempt: str, ranks: int) -> list[dict]:
+    """The result documents ranks 0..ranks-1 wrote for ``attempt`` (for the tests that start this trainer)."""
+    docs = []
+    for r in range(ranks):
+        with open(os.path.join(out, f"result-{r}-{attempt}.json")) as f:
+            docs.append(json.load(f))
+    return docs
+
+
+def live_pids(*words: str) -> list[int]:
+    """Live processes (not zombies) whose command line has every one of ``words`` as an argument (for the tests:
+    a job's trainers or agents, wherever a launcher put them)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            continue
+        if not zombie and all(w.encode() in argv for w in words):
+            pids.append(int(entry))
+    return pids
+
+
 def _die_if(args: argparse.Namespace, rank: int, step: int, first: bool) -> None:
     if first and step == args.fail_at and args.fail_rank in (rank, -2):
         with open(os.path.join(args.out, f"failed-{rank}"), "w") as f:

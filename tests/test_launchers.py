@@ -11,7 +11,6 @@ names nodes):
 In both the agent is the one the first attempt's trainers spawned (its own session, so the launcher's kills do
 not reach it): the relaunched trainers find it with the memory, same pid. Each test stops its agents at the end.
 """
-import json
 import os
 import signal
 import subprocess
@@ -24,6 +23,7 @@ import pytest
 import jaxckpt
 from jaxckpt.backends.agent import protocol as proto
 from requires import available, missing
+from scheduler_trainer import live_pids, results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAINER = os.path.join(HERE, "scheduler_trainer.py")
@@ -66,20 +66,8 @@ def run(cmd: list[str], job: str) -> subprocess.CompletedProcess:
 
 
 def trainer_pids(job: str) -> list[int]:
-    """Live trainers of ``job`` (their command line names this test's trainer and the job), wherever the
-    launcher put them (torchrun's workers may outlive it)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if TRAINER.encode() in argv and job.encode() in argv:
-            pids.append(int(entry))
-    return pids
+    """Live trainers of ``job``, wherever the launcher put them (torchrun's workers may outlive it)."""
+    return live_pids(TRAINER, job)
 
 
 def signal_all(pids: list[int], sig: int) -> None:
@@ -88,14 +76,6 @@ def signal_all(pids: list[int], sig: int) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
-
-
-def results(out_dir: str, attempt: str, ranks: int) -> list[dict]:
-    docs = []
-    for r in range(ranks):
-        with open(os.path.join(out_dir, f"result-{r}-{attempt}.json")) as f:
-            docs.append(json.load(f))
-    return docs
 
 
 def stop_agents(*jobs: str) -> None:

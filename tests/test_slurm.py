@@ -27,6 +27,7 @@ import pytest
 
 from jaxckpt.testing import slurm
 from requires import available
+from scheduler_trainer import live_pids, results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAINER = os.path.join(HERE, "scheduler_trainer.py")
@@ -83,15 +84,6 @@ def finish(p: subprocess.Popen, timeout: float = STEP_TIMEOUT_S) -> str:
     return out
 
 
-def results(out_dir: str, attempt: str, ranks: int) -> list[dict]:
-    import json
-    docs = []
-    for r in range(ranks):
-        with open(os.path.join(out_dir, f"result-{r}-{attempt}.json")) as f:
-            docs.append(json.load(f))
-    return docs
-
-
 def wait_for(cond, timeout: float, what: str) -> float:
     t0 = time.monotonic()
     while not cond():
@@ -108,20 +100,7 @@ def job_dirs(name: str, job: str) -> list[str]:
 
 def agent_pids(name: str, job: str) -> list[int]:
     """Live processes running ``jaxckpt agent`` for this job (its command line names the job)."""
-    pids = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")
-            with open(f"/proc/{pid}/stat") as f:
-                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:
-            continue
-        if not zombie and b"agent" in cmd and b"--job" in cmd and name.encode() in cmd:
-            pids.append(int(pid))
-    return pids
+    return live_pids("agent", "--job", name)
 
 
 def assert_freed(name: str, job: str) -> float:
