@@ -32,7 +32,7 @@ class Config:
     holds (0 = unlimited); ``inflight_bytes`` bounds device-to-host bytes in flight; ``workers`` host copy
     threads; ``max_pending_saves`` saves may be in flight before ``save()`` waits for the oldest.
     ``persistent_dir``: committed steps that are multiples of ``persistent_interval`` (0 = never) are also written
-    there in the standard Orbax format, ``persistent_keep`` newest kept (see ``jaxckpt.orbax.persist``).
+    there in the standard Orbax format, ``persistent_keep`` newest kept (see ``jaxckpt.persistent``).
     ``protection_bandwidth``: bytes per second the protection pulls of one process may take (0 = unlimited;
     one token bucket per process, kept by its node agent across pulls, with a burst of a tenth of a second,
     see ``jaxckpt.backends.agent.protection_pull``).

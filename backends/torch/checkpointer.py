@@ -53,6 +53,15 @@ log = logging.getLogger("jaxckpt.backends.torch")
 __all__ = ["Checkpointer", "SaveHandle"]
 
 
+def _refuse_persistent(config: Config) -> None:
+    """ConfigError for ``Config.persistent_dir``: the persistent tier writes Orbax's format, which holds JAX arrays;
+    this front end writes none, and an option it cannot honour is refused, never ignored."""
+    if config.persistent_dir:
+        raise ConfigError(f"Config.persistent_dir={config.persistent_dir!r}: the torch front end has no persistent "
+                          f"tier (it writes Orbax's format, for JAX state); unset it, or write torch state to disk "
+                          f"with torch.distributed.checkpoint")
+
+
 class Checkpointer:
     """In-memory asynchronous checkpointing of torch state dicts (docs/design.md states the guarantees).
 
@@ -73,9 +82,11 @@ class Checkpointer:
         if engine is not None:
             if config is not None or coordinator is not None:
                 raise ConfigError("pass either engine= or config=/coordinator=, not both")
+            _refuse_persistent(engine.config)
             self.engine, self._owns_engine = engine, False
         else:
             config = (config or Config()).with_env()
+            _refuse_persistent(config)
             if coordinator is None:
                 if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
                     coordinator = TorchStoreCoordinator.from_process_group(process_group)

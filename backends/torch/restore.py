@@ -27,7 +27,8 @@ from jaxckpt.errors import TargetMismatchError
 from jaxckpt.backends.torch import dtensor as dt
 from jaxckpt.backends.torch.gather import replicated_layout
 from jaxckpt.backends.torch.dtypes import dtype_name, from_numpy, numpy_view, torch_dtype
-from jaxckpt.backends.torch.tree import Leaf, flatten, nested, rebuild
+from jaxckpt.backends.torch.tree import Leaf, flatten, rebuild
+from jaxckpt.core.keypath import nested
 
 log = logging.getLogger("jaxckpt.backends.torch.restore")
 

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from jaxckpt.core.dtypes import check_plain
 from jaxckpt.errors import UnsupportedLeafError
-from jaxckpt.core.manifest import KeyEntry
+from jaxckpt.core.keypath import KeyEntry, path_string
 
 # Plain values stored by value in the manifest (msgpack types), as in the JAX front end.
 VALUE_TYPES = (bool, int, float, str, bytes, type(None))
@@ -49,11 +49,6 @@ class Leaf:
     value: Any
     # "tensor" | "dtensor" | "generator" | "per_rank" | "numpy" | "numpy_scalar" | "value"
     kind: str
-
-
-def path_string(entries: tuple[KeyEntry, ...]) -> str:
-    """``model/layer.weight``: the same spelling as ``jaxckpt.jax.tree.path_string``."""
-    return "/".join(str(v) for _, v in entries) or "<root>"
 
 
 def classify(value: Any, path: str) -> str:
@@ -135,25 +130,3 @@ def rebuild(state: Any, fn: Callable[[Any], Any]) -> Any:
             return type(state)(*items)
         return type(state)(items) if type(state) in (list, tuple) else list(items)
     return fn(state)
-
-
-def nested(items: list[tuple[tuple[KeyEntry, ...], Any]]) -> Any:
-    """Plain nested containers from keypaths (restore without a target): "key" entries make dicts (int keys stay
-    ints, as an optimizer's ``state`` needs), "idx" entries make lists."""
-    root: dict = {}
-    for entries, value in items:
-        if not entries:
-            return value
-        node = root
-        for entry in entries[:-1]:
-            node = node.setdefault(tuple(entry), {})
-        node[tuple(entries[-1])] = value
-
-    def build(node: Any) -> Any:
-        if not isinstance(node, dict):
-            return node
-        if node and all(kind == "idx" for kind, _ in node):
-            return [build(node[e]) for e in sorted(node, key=lambda e: e[1])]
-        return {key: build(v) for (_, key), v in node.items()}
-
-    return build(root)

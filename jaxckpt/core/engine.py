@@ -14,7 +14,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator, Protocol
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from jaxckpt.errors import (ClosedError, CommitError, NoCheckpointError, StepErr
 from jaxckpt.core.capabilities import NodeAgent, ProtectionSlots
 from jaxckpt.core.catalog import Catalog
 from jaxckpt.core.fetch import ChunkReader
+from jaxckpt.core.sources import Holder
 from jaxckpt.core.plan import ArrayLayout, SavePlan, plan_save
 from jaxckpt.core.registry import get_part, get_store_class
 from jaxckpt.core.copier import CopyTask, Copier, SnapshotResult
@@ -39,6 +40,17 @@ MAX_STEP = 1 << 62  # the largest step number: agents' records and messages carr
 
 # device id -> (fetch() returning that device's shard on the host, optional start() of its transfer)
 Sources = dict[int, tuple[Callable[[], np.ndarray], Callable[[], None] | None]]
+
+
+class Tier(Protocol):
+    """What the engine reads of the persistent tier (``jaxckpt.persistent.Persister``): its directory, the steps
+    it holds and the holder the catalog reads them through."""
+
+    directory: Any
+    holder: Holder
+
+    def steps(self) -> list[int]:
+        """Persisted steps a restore can read, ascending."""
 
 
 @dataclass
@@ -156,11 +168,12 @@ class CheckpointEngine:
         self._last_step: int | None = None
         self._lock = threading.Lock()
         self._closed = False
-        # The persistent tier (jaxckpt.orbax.persist): hooks run on the commit thread before retention, and steps held
-        # for a pending persist outlive ``keep`` until released.
+        # Commit hooks (the persistent tier, protection) run on the commit thread before retention; a pinned step
+        # (a pending persist, protection's guard) outlives ``keep`` until its last pin goes.
         self._commit_hooks: list[Callable[[int, bool], None]] = []
-        self._holds: dict[int, int] = {}
+        self._pins: dict[int, int] = {}
         self._deferred: set[int] = set()
+        self.tier: Tier | None = None  # the persistent tier, once attached (attach_tier)
         # Config.protection (jaxckpt.protection.runtime): needs node agents; registers its rebuild holder before
         # _adopt so that a restarted job counts steps it can rebuild from protection.
         self.protection = None
@@ -343,29 +356,29 @@ class CheckpointEngine:
         with self._lock:
             self._committed = sorted(self._committed + [step])
             drop, self._committed = self._committed[:-self.config.keep], self._committed[-self.config.keep:]
-            self._deferred.update(s for s in drop if self._holds.get(s))
-            drop = [s for s in drop if not self._holds.get(s)]
+            self._deferred.update(s for s in drop if self._pins.get(s))
+            drop = [s for s in drop if not self._pins.get(s)]
         for s in drop:
             self.store.delete(s)
 
-    # ------------------------------------------------------------------------------- persistent tier hooks
+    # ------------------------------------------------------------------------- commit hooks, pins, the tier
     def add_commit_hook(self, hook: Callable[[int, bool], None]) -> None:
         """Call ``hook(step, committed)`` on the commit thread for every decided step, before retention."""
         self._commit_hooks.append(hook)
 
-    def hold(self, step: int) -> None:
-        """Keep ``step`` in the store past ``Config.keep`` until :meth:`release` (call from a commit hook)."""
+    def pin(self, step: int) -> None:
+        """Keep ``step`` in the store past ``Config.keep`` until :meth:`unpin` (call from a commit hook)."""
         with self._lock:
-            self._holds[step] = self._holds.get(step, 0) + 1
+            self._pins[step] = self._pins.get(step, 0) + 1
 
-    def release(self, step: int) -> None:
-        """Drop one hold of ``step``; a step retention already let go is freed with its last hold."""
+    def unpin(self, step: int) -> None:
+        """Drop one pin of ``step``; a step retention already let go is freed with its last pin."""
         with self._lock:
-            n = self._holds.get(step, 0) - 1
+            n = self._pins.get(step, 0) - 1
             if n > 0:
-                self._holds[step] = n
+                self._pins[step] = n
                 return
-            self._holds.pop(step, None)
+            self._pins.pop(step, None)
             free = step in self._deferred
             self._deferred.discard(step)
         if free:
@@ -385,7 +398,7 @@ class CheckpointEngine:
             self._committed = [s for s in self._committed if s not in steps]
             self._pending = deque(h for h in self._pending if h.step not in steps)  # decided long ago
             for s in steps:
-                self._holds.pop(s, None)
+                self._pins.pop(s, None)
                 self._deferred.discard(s)
             if self._last_step is not None and begun is not None and self._last_step <= begun:
                 self._last_step = restored  # no newer save began here: the next one may be restored + 1
@@ -432,11 +445,32 @@ class CheckpointEngine:
         with self._lock:
             return list(self._committed)
 
-    def kept_steps(self) -> list[int]:
-        """Steps held past retention (protection's guard, adoption's rebuildable fallbacks), ascending: a restore
+    def pinned_steps(self) -> list[int]:
+        """Steps pinned past retention (protection's guard, adoption's rebuildable fallbacks), ascending: a restore
         may fall back to them when the newer steps' bytes are proven bad (``jaxckpt.core.fallback``)."""
         with self._lock:
-            return sorted(s for s, n in self._holds.items() if n > 0)
+            return sorted(s for s, n in self._pins.items() if n > 0)
+
+    def attach_tier(self, tier: "Tier") -> None:
+        """Read steps from the persistent tier too: its holder joins the catalog (ranked last), and its steps are
+        restore targets and fallbacks like the committed ones (``restorable_steps``)."""
+        self.tier = tier
+        self.catalog.add_holders(lambda: [tier.holder])
+
+    def restorable_steps(self) -> list[int]:
+        """Committed steps and, with a persistent tier, persisted ones, ascending, without asking the store."""
+        steps = set(self.committed_steps())
+        if self.tier is not None:
+            steps.update(self.tier.steps())
+        return sorted(steps)
+
+    def newest_step(self) -> int | None:
+        """What a restore of the newest step restores: the newest committed step, else the newest persisted."""
+        step = self.latest_step()
+        if step is None and self.tier is not None:
+            steps = self.tier.steps()
+            step = steps[-1] if steps else None
+        return step
 
     def all_steps(self) -> list[int]:
         """Committed steps still held, ascending."""
@@ -454,8 +488,8 @@ class CheckpointEngine:
             self.store.delete(s)
         for step, complete in a.holds:
             with self._lock:
-                self._holds[step] = self._holds.get(step, 0) + 1
-                if step not in a.agreed:  # freed with its last hold, like a step retention let go
+                self._pins[step] = self._pins.get(step, 0) + 1
+                if step not in a.agreed:  # freed with its last pin, like a step retention let go
                     self._deferred.add(step)
             self.protection.adopt(step, complete=complete)
             log.info("process %d keeps step %d, the newest %s, until a newer step is protected", self.process_index,
@@ -481,19 +515,21 @@ class CheckpointEngine:
                                           f"{self.all_steps() or 'none'}): it is out of range (steps are at most "
                                           f"{MAX_STEP})")
             return int(step)
-        latest = self.latest_step()
+        latest = self.newest_step()
         if latest is None and self.protection is not None and self.protection.holder.losses:
             raise self.protection.holder.losses[max(self.protection.holder.losses)]
         if latest is None:
+            where = f" nor in {self.tier.directory}" if self.tier is not None else ""
             raise NoCheckpointError(f"nothing has been committed yet (store {self.config.store!r}, "
-                                    f"job {self.config.job_id!r})")
+                                    f"job {self.config.job_id!r}){where}")
         return latest
 
     @contextlib.contextmanager
-    def open(self, step: int | None) -> Iterator[tuple[int, list[mf.Manifest], ChunkReader]]:
-        """Pin ``step`` (default: latest) and yield (step, manifests of every process that saved it, a verified
-        chunk reader over the cheapest sources of each: jaxckpt.core.catalog). The reader's report (bytes per source
-        kind and node, fallbacks) is logged and kept as ``last_restore_report``."""
+    def open(self, step: int | None, *, report: bool = True) -> Iterator[tuple[int, list[mf.Manifest], ChunkReader]]:
+        """Open ``step`` (default: the newest, :meth:`newest_step`) and yield (step, manifests of every process
+        that saved it, a verified chunk reader over the cheapest sources of each: jaxckpt.core.catalog); its
+        holders keep the bytes until the block ends. With ``report``, the reader's report (bytes per source kind
+        and node, fallbacks) is logged and kept as ``last_restore_report`` (the persistent tier's reads are not)."""
         self.check_open()
         t0 = time.perf_counter()
         step = self.resolve_step(step)
@@ -504,9 +540,11 @@ class CheckpointEngine:
             try:
                 yield step, manifests, reader
             finally:
-                self.last_restore_report = report = reader.finish()
-                if report.chunks:
-                    log.info("restored %s", report.summary())
+                done = reader.finish()
+                if report:
+                    self.last_restore_report = done
+                    if done.chunks:
+                        log.info("restored %s", done.summary())
 
     # ---------------------------------------------------------------------------------------------- close
     def close(self) -> None:
@@ -540,6 +578,11 @@ class CheckpointEngine:
             self.collective.channel("main").barrier("close", timeout_s=timeout)
         except Exception as e:  # noqa: BLE001 - closing must not hang or fail on a dead peer
             log.warning("close: not every process reached close within %.0fs (%s); closing anyway", timeout, e)
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._closed
 
     def check_open(self) -> None:
         if self._closed:

@@ -16,6 +16,7 @@ import msgpack
 from jaxckpt.core.box import Box
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.core.dtypes import dtype_from_name
+from jaxckpt.core.keypath import KeyEntry
 from jaxckpt.errors import ManifestError, TargetMismatchError
 
 FORMAT = "jaxckpt-manifest"
@@ -23,7 +24,6 @@ VERSION = 1
 # A manifest is read from other processes and from disk: refuse absurd sizes before decoding.
 MAX_MANIFEST_BYTES = 256 << 20
 
-KeyEntry = tuple[str, Any]  # ("key", dict key) | ("idx", sequence index) | ("attr", attribute name)
 
 
 @dataclass(frozen=True)

@@ -185,7 +185,7 @@ def restore_step(engine: "CheckpointEngine", step: int | None,
 
 def _attempted(engine: "CheckpointEngine", want: int | None) -> int | None:
     """The step an attempt that failed before it opened one was for."""
-    return want if want is not None else engine.latest_step()
+    return want if want is not None else engine.newest_step()
 
 
 @functools.lru_cache(maxsize=1)

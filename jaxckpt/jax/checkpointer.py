@@ -19,13 +19,34 @@ from jaxckpt.core.coordination import Coordinator, LocalCoordinator
 from jaxckpt.core.engine import CheckpointEngine, Reservation, SaveHandle
 from jaxckpt.jax.fused import wrap_step
 from jaxckpt.core.restore import restore_step
-from jaxckpt.jax.gather import JaxGather, gather_for
+from jaxckpt.core.extra import extra_of, extra_leaf
+from jaxckpt.core.sources import RestoreReport
+from jaxckpt.jax.gather import gather_for
 from jaxckpt.jax.restore import restore_tree
 from jaxckpt.jax.snapshot import Saver, TreePlan
 
 log = logging.getLogger("jaxckpt.jax")
 
-__all__ = ["Checkpointer", "SaveHandle"]
+__all__ = ["Checkpointer", "Restored", "SaveHandle"]
+
+
+@dataclass
+class Restored:
+    """A restored step: the state, the extra state saved with it (or None), its step, and where its bytes came
+    from: ``source`` is "memory", "persistent" (the persistent directory) or "memory+persistent"."""
+
+    state: Any
+    extra: Any
+    step: int
+    source: str
+    report: RestoreReport | None = None
+
+
+def _source(report: RestoreReport) -> str:
+    disk = report.bytes_by_kind.get("persistent", 0)
+    if not disk:
+        return "memory"
+    return "persistent" if disk == report.nbytes else "memory+persistent"
 
 
 @dataclass
@@ -36,7 +57,7 @@ class _Begun:
     res: Reservation | SaveHandle  # a SaveHandle when the store was unreachable (skipped, decided)
     values: list[mf.LeafMeta]
     persist: bool
-    failed: SaveHandle | None = None  # set by _cancel: the handle holding the error
+    failed: SaveHandle | None = None  # set by cancel_save: the handle holding the error
 
 
 class Checkpointer:
@@ -56,11 +77,11 @@ class Checkpointer:
         self.engine = CheckpointEngine(config, coordinator, framework="jax")
         self._saver = Saver()  # layout plans: what save() computes once per tree structure and shardings
         self.config = config
-        self.persister = None  # the persistent tier (jaxckpt.orbax.persist), with Config.persistent_dir
+        self.persister = None  # the persistent tier (jaxckpt.persistent), with Config.persistent_dir
         if config.persistent_dir:
-            from jaxckpt.orbax.persist import Persister  # imports orbax: only jobs with a persistent tier pay for it
+            from jaxckpt.persistent import Persister  # imports orbax: only jobs with a persistent tier pay for it
             try:
-                self.persister = Persister(self.engine, config)
+                self.persister = Persister(self.engine, config, build=self._build)
             except BaseException:
                 self.engine.close()
                 raise
@@ -70,34 +91,29 @@ class Checkpointer:
         """The store holding this process's snapshots."""
         return self.engine.store
 
-    def save(self, step: int, state: Any) -> SaveHandle:
+    def save(self, step: int, state: Any, *, extra: Any = None) -> SaveHandle:
         """Start a snapshot of ``state`` as step ``step`` and return at once.
 
         The snapshot equals ``state`` at this call bit for bit, even if the caller's next jitted step donates
         its buffers, or numpy leaves are written in place after it returns (they are copied here; jax arrays
-        are read by the workers). Raises StepError if ``step`` is not newer than the last saved step,
+        are read by the workers). ``extra``: small JSON-able state saved with it (``jaxckpt.core.extra``), given
+        back by :meth:`restore_with_extra`. Raises StepError if ``step`` is not newer than the last saved step,
         UnsupportedLeafError for a leaf it cannot hold, BudgetExceededError when the store's memory budget is
         full; a refused save leaves nothing behind.
         """
-        return self._save(step, state, owned=False)
-
-    def _save(self, step: int, state: Any, owned: bool, extra: Any = None) -> SaveHandle:
-        """``owned``: the arrays are jaxckpt's private copies (the fused path), read lazily by the workers.
-        ``extra``: small JSON-able state saved alongside (``jaxckpt.orbax.persist.encode_extra``)."""
         t0 = time.perf_counter()
         leaves, treedef = jax.tree_util.tree_flatten(state)
-        begun = self._begin(step, leaves, treedef, state, t0, extra=extra)
-        return self._start(begun, leaves, owned)
+        begun = self.begin_save(step, leaves, treedef, state, t0, extra=extra)
+        return self.start_save(begun, leaves, owned=False)
 
-    def _begin(self, step: int, leaves: list[Any], treedef: Any, state: Any, t0: float, extra: Any = None,
-               ) -> _Begun:
+    def begin_save(self, step: int, leaves: list[Any], treedef: Any, state: Any, t0: float, extra: Any = None,
+                   ) -> _Begun:
         """Every check a save makes, before anything is read or run: closed, leaf kinds (UnsupportedLeafError),
         step order (StepError), room in the budget (BudgetExceededError); the slot is then reserved."""
         self.engine.check_open()
         plan = self._saver.plan(leaves, treedef, tree=state)
         values = plan.value_metas(leaves)
         if extra is not None:
-            from jaxckpt.orbax.persist import extra_leaf
             values.append(extra_leaf(extra))
         res = self.engine.begin(step, plan.key, lambda: plan.records(leaves), t0)
         persist = isinstance(res, Reservation) and self.persister is not None and self.persister.wants(step)
@@ -105,9 +121,10 @@ class Checkpointer:
             self.persister.note(res.step, treedef, plan.leaf_list(leaves))
         return _Begun(plan, res, values, persist)
 
-    def _start(self, begun: _Begun, leaves: list[Any], owned: bool, exclude_s: float = 0.0) -> SaveHandle:
-        """Pin what must be read as of now and hand the save to the workers; on failure the reservation is
-        cancelled (a failed handle, raised by ``wait()``) and the error raised. ``exclude_s``: seconds not
+    def start_save(self, begun: _Begun, leaves: list[Any], owned: bool, exclude_s: float = 0.0) -> SaveHandle:
+        """Take what must be read as of now and hand the save to the workers; on failure the reservation is
+        cancelled (a failed handle, raised by ``wait()``) and the error raised. ``owned``: the arrays are
+        jaxckpt's private copies (the fused path), read lazily by the workers. ``exclude_s``: seconds not
         counted in ``save_call_seconds`` (the fused path's program)."""
         res = begun.res
         if isinstance(res, SaveHandle):
@@ -116,12 +133,14 @@ class Checkpointer:
             sources = self._saver.pins(begun.plan, res.prep.devices, leaves, owned)
             handle = self.engine.start(res, sources, begun.values, begun.plan.order)
         except BaseException as e:
-            self._cancel(begun, e)
+            self.cancel_save(begun, e)
             raise
         handle.save_call_seconds -= exclude_s
         return handle
 
-    def _cancel(self, begun: _Begun, error: BaseException) -> None:
+    def cancel_save(self, begun: _Begun, error: BaseException) -> None:
+        """Give up a begun save (what was to be saved could not be produced); ``begun.failed`` is then the handle
+        holding ``error``."""
         if isinstance(begun.res, SaveHandle):
             return
         if begun.persist:
@@ -172,26 +191,30 @@ class Checkpointer:
         return self.engine.last_restore_report
 
     def restore(self, target: Any = None, step: int | None = None) -> Any:
-        """The state saved at ``step`` (default: the latest committed), laid out like ``target``.
+        """The state saved at ``step`` (default: the newest committed), laid out like ``target``.
 
         ``target`` is a pytree of ``jax.ShapeDtypeStruct`` (with shardings), jax or numpy arrays; arrays come
         back with exactly the target's shardings, whatever the saved ones were. Without a target, nested
-        dicts of numpy arrays come back. With ``Config.persistent_dir``, a step memory cannot supply (not held, or
-        its chunks gone) comes from the persistent directory (``jaxckpt.orbax.persist.restore``); the source is logged.
+        dicts of numpy arrays come back. With ``Config.persistent_dir``, the persisted steps are restored like the
+        ones in memory: a chunk memory cannot give good bytes for comes from the directory, and a step only
+        persisted comes from there whole (``last_restore_report`` says which bytes came from where).
         """
-        if self.persister is not None:
-            return self._restore(target, step).state
-        return restore_step(self.engine, step, lambda step, manifests, reader: restore_tree(
-            target, manifests, reader, step=step, process=self.engine.process_index, gather=self._gather(target)))
+        return self.restore_with_extra(target, step).state
 
-    def _gather(self, target: Any) -> JaxGather | None:
-        """The collective of a multi-process restore onto a target (``jaxckpt.core.routes``), else None."""
-        return gather_for(self.engine, target, self.config)
+    def restore_with_extra(self, target: Any = None, step: int | None = None) -> Restored:
+        """As :meth:`restore`, with the extra state saved with the step (``save(..., extra=)``) and where the
+        bytes came from."""
+        def fill(at: int, manifests: list, reader: Any) -> tuple[Any, Any]:
+            own = next((m for m in manifests if m.process == self.engine.process_index), manifests[0])
+            return self._build(target, manifests, reader, at), extra_of(own)
+        state, extra = restore_step(self.engine, step, fill)
+        report = self.engine.last_restore_report
+        return Restored(state, extra, report.step, _source(report), report)
 
-    def _restore(self, target: Any, step: int | None):
-        """A ``jaxckpt.orbax.persist.Restored``: state, extra state, step and source (memory or persistent)."""
-        from jaxckpt.orbax.persist import restore
-        return restore(self.engine, self.persister, target, step)
+    def _build(self, target: Any, manifests: list, reader: Any, step: int) -> Any:
+        """``target``'s arrays from the opened step's host boxes (the persistent tier writes with this too)."""
+        return restore_tree(target, manifests, reader, step=step, process=self.engine.process_index,
+                            gather=gather_for(self.engine, target, self.config))
 
     def close(self) -> None:
         """Finish in-flight saves (and the persists they start), stop the threads and free the store."""

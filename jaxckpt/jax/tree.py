@@ -9,7 +9,7 @@ import numpy as np
 
 from jaxckpt.core.dtypes import check_plain
 from jaxckpt.errors import UnsupportedLeafError
-from jaxckpt.core.manifest import KeyEntry
+from jaxckpt.core.keypath import KeyEntry, path_string
 
 # Plain values stored by value in the manifest (msgpack types).
 VALUE_TYPES = (bool, int, float, str, bytes, type(None))
@@ -38,11 +38,6 @@ def keypath_entries(path: tuple) -> tuple[KeyEntry, ...]:
         else:
             out.append(("key", str(k)))
     return tuple(out)
-
-
-def path_string(entries: tuple[KeyEntry, ...]) -> str:
-    """``params/Dense_0/kernel``: the name users see in errors and ``jaxckpt inspect``."""
-    return "/".join(str(v) for _, v in entries) or "<root>"
 
 
 def classify(value: Any, path: str) -> str:
@@ -96,25 +91,3 @@ def flatten(tree: Any, *, classify_leaves: bool = True) -> tuple[list[Leaf], Any
     values, treedef = jax.tree_util.tree_flatten(tree)
     return [Leaf(path, entries, value, classify(value, path) if classify_leaves else "")
             for (path, entries), value in zip(_paths(tree, treedef), values)], treedef
-
-
-def nested(items: list[tuple[tuple[KeyEntry, ...], Any]]) -> Any:
-    """Rebuild plain nested dicts/lists from keypaths (restore without a target)."""
-    root: dict = {}
-    for entries, value in items:
-        if not entries:
-            return value
-        node = root
-        for kind, key in entries[:-1]:
-            node = node.setdefault(key, {})
-        node[entries[-1][1]] = value
-
-    def lists(node: Any) -> Any:
-        if not isinstance(node, dict):
-            return node
-        node = {k: lists(v) for k, v in node.items()}
-        if node and all(isinstance(k, int) for k in node) and sorted(node) == list(range(len(node))):
-            return [node[i] for i in range(len(node))]
-        return node
-
-    return lists(root)

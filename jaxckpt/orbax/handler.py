@@ -257,7 +257,7 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
         """The jaxckpt step for a save Orbax calls ``step``: the same number while it is newer than every step
         saved so far; else (``overwrite``, ``delete(s)`` then ``save(s)``, a second manager sharing this
         Checkpointer, a bare Checkpointer without steps) the next free one. The marker records both."""
-        last = self.checkpointer.engine._last_step  # the engine refuses any step not newer than this
+        last = self.checkpointer.engine.newest_begun()  # the engine refuses any step not newer than this
         if step is not None and (last is None or step > last):
             return step
         return 0 if last is None else last + 1
@@ -299,12 +299,7 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
         if "layout" not in marker:  # a marker written before layouts: jaxckpt's own target semantics
             return self.checkpointer.restore(item, step=step)
         p = lay.plan(marker["layout"], item, restore_args, partial=partial, strict=strict, rich=self.rich_types)
-        if step in held or persister is None:
-            out = self.checkpointer.restore(p.target, step=step)
-        else:  # the persistent tier reads whole steps: skipped leaves are read as saved, then dropped
-            whole = lay.plan(marker["layout"]).target
-            target = jax.tree_util.tree_map(lambda t, w: w if t is lay.SKIP else t, p.target, whole)
-            out = self.checkpointer._restore(target, step).state
+        out = self.checkpointer.restore(p.target, step=step)  # memory, else the persistent tier
         return p.finish(lay.flat_values(out))
 
     def metadata(self, directory: epath.Path) -> "SnapshotMetadata | None":

@@ -18,7 +18,7 @@ commit hook when the step is decided):
      all. Process 0 answers a skip early (``Channel.answer_early``: that step's decision round is settled at
      once and process 0 runs no round for it) as soon as retention lets a queued step go; so a step skipped
      costs process 0 one key and every other process one read, not a round, and the worker does not fall
-     behind the commits on skips. The other processes hold every queued step (``engine.hold``, past
+     behind the commits on skips. The other processes hold every queued step (``engine.pin``, past
      ``Config.keep``) until that decision says skip, so none drops the bytes of a step process 0 still protects. The step being protected is held until every node has pulled
      its bytes. For a protected step the worker: waits for its parity, reads the manifests of the processes
      of the ``copies`` preceding nodes (small), reserves the slot of pseudo process ``PROTECT_BASE + p`` in its
@@ -82,7 +82,7 @@ class Protector:
         self._pending: set[int] = set()  # saved, not yet protected nor failed
         self._queued: set[int] = set()  # committed, waiting for the worker
         self._recent: list[int] = []  # the newest Config.keep committed steps: what retention keeps
-        self._held: set[int] = set()  # steps this runtime holds in the store (engine.hold)
+        self._held: set[int] = set()  # steps this runtime holds in the store (engine.pin)
         self._skipped: set[int] = set()  # committed steps retention let go before their turn (never protected)
         # process 0: queued steps whose skip it answers early -> True once answered (False: being answered)
         self._told: dict[int, bool] = {}
@@ -190,12 +190,12 @@ class Protector:
                 older, ask = [], [s for s in stale if s in self._held]
             self._queued.add(step)
             self._held.add(step)
-        self.engine.hold(step)  # before retention: the nodes pull this step's bytes while protecting it
+        self.engine.pin(step)  # before retention: the nodes pull this step's bytes while protecting it
         try:
             self._share_skips(tell, ask, older)
         finally:
             for s in older:
-                self.engine.release(s)
+                self.engine.unpin(s)
             self._pool.submit(self._protect, step)
 
     def _share_skips(self, tell: list[int], ask: list[int], older: list[int]) -> None:
@@ -286,7 +286,7 @@ class Protector:
                 hold = step not in self._held
                 self._held.add(step)
             if hold:  # released as probably skipped; keep it now, if retention has not dropped it yet
-                self.engine.hold(step)
+                self.engine.pin(step)
             blocks = list(fut.result()) if fut is not None else []
             me = self.nodes[self.p]
             local = [q for q in range(self.n) if self.nodes[q] == me]
@@ -322,7 +322,7 @@ class Protector:
                 held = step in self._held
                 self._held.discard(step)
             if held:
-                self.engine.release(step)
+                self.engine.unpin(step)
 
     def _slot_store(self):
         if self._store is None:  # of the engine's store class (a subclass of ShmStore, say)
@@ -392,13 +392,13 @@ class Protector:
         if done and (newest is None or step > newest):
             # Until a newer step is protected, this one is all a lost node can be rebuilt from: its local bytes
             # stay past Config.keep (its protection slots likewise, in _write) while newer steps are unprotected.
-            self.engine.hold(step)
+            self.engine.pin(step)
             if newest is not None:
-                self.engine.release(newest)
+                self.engine.unpin(newest)
             with self._cond:
                 fallbacks, self._fallbacks = self._fallbacks, []
             for s in fallbacks:
-                self.engine.release(s)
+                self.engine.unpin(s)
         if done:
             log.info("step %d is protected (%s)", step, self.config.protection)
 
