@@ -41,7 +41,7 @@ import msgpack
 import zmq
 
 from jaxckpt.core.checksum import crc32c
-from jaxckpt.errors import PeerError, PeerTimeoutError  # PeerTimeoutError: re-exported
+from jaxckpt.errors import PeerError
 from jaxckpt.core.store import SnapshotView, Store
 
 log = logging.getLogger("jaxckpt.backends.transport")
@@ -60,15 +60,6 @@ CONNECT_TIMEOUT_S = 2.0
 # whole peer time-out. A pong queues behind the reply being sent, so the time-out is also what the slowest link
 # may take to carry the last of a frame after a ping.
 HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 500, 2000
-
-
-class PeerUnreachableError(PeerTimeoutError):
-    """Nothing accepted a connection at the peer's address (a dead agent's stale address, most likely)."""
-
-
-class PeerHandshakeError(PeerUnreachableError):
-    """A CURVE handshake with the peer's address failed: the server there does not hold the key published for
-    that address (an impostor, or another server that took a dead one's port), or it refused this job's key."""
 
 
 class SnapshotSource(abc.ABC):

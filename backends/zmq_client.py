@@ -23,10 +23,11 @@ import numpy as np
 import zmq
 
 from jaxckpt.backends.transport import (_HEADER_SLACK, CONNECT_TIMEOUT_S, HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS,
-                                        VERSION, PeerClient, PeerHandshakeError, PeerUnreachableError, Span)
+                                        VERSION, PeerClient, Span)
 from jaxckpt.core import hostbuf
 from jaxckpt.core.manifest import MAX_MANIFEST_BYTES
-from jaxckpt.errors import PeerError, PeerTimeoutError, StepNotFoundError
+from jaxckpt.errors import (PeerError, PeerHandshakeError, PeerTimeoutError, PeerUnreachableError,
+                            StepNotFoundError)
 
 log = logging.getLogger("jaxckpt.backends.zmq_client")
 

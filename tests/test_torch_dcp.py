@@ -420,7 +420,7 @@ def dcp_two_rank_worker(job_id: str) -> dict:
             errs = {r: (type(f[0]).__name__, str(f[0])) for r, f in e.failures.items()}
         assert set(errs) == {0, 1} and all(name == "ChecksumError" for name, _ in errs.values()), errs
         assert "of rank 0's slot of checkpoint step 1 fails its crc32c" in errs[0][1], errs
-        assert errs[1][1].startswith("reading DCP checkpoint step 1 failed on rank 0: "), errs
+        assert errs[1][1].startswith("process 0 failed in reading DCP checkpoint step 1: "), errs
         done.append("corrupt")
 
         # A group of rank 0 alone: rank 1's shards of step 2 are in rank 1's memory store, out of its reach.

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("jaxckpt.core.fallback")
 
-__all__ = ["BAD_BYTES", "Outcome", "agree_outcome", "peer_error"]
+__all__ = ["BAD_BYTES", "Outcome", "agree_outcome"]
 
 # The step's saved bytes cannot be had bit for bit: a chunk failed its checksum at every source (protection
 # included), a holder vanished (StepNotFoundError, DataLossError), a manifest is corrupt.
@@ -118,15 +118,4 @@ def _raise(error: BaseException | None, p: int, kind: str, message: str, step: A
         if why:
             log.error("step %s: %s%s", step, error, why)
         raise error
-    raise peer_error(kind, f"process {p} of the restore of step {step} failed: {message}{why}")
-
-
-def peer_error(kind: str, message: str) -> Exception:
-    """An error of the ``jaxckpt.errors`` class named ``kind`` (CoordinationError if there is none)."""
-    cls = getattr(_errors, kind, None)
-    if isinstance(cls, type) and issubclass(cls, _errors.JaxckptError):
-        try:
-            return cls(message)
-        except TypeError:  # a class that carries more than a message
-            pass
-    return _errors.CoordinationError(message)
+    raise _errors.named(kind, f"process {p} of the restore of step {step} failed: {message}{why}")
