@@ -210,5 +210,5 @@ def test_ml_dtypes_stand_ins_have_the_widths_of_the_real_types():
 
     real = {n: np.dtype(getattr(ml, n)).itemsize for n in _ML_WIDTHS if hasattr(ml, n)}
     assert real and real == {n: _ML_WIDTHS[n] for n in real}
-    from jaxckpt.backends.torch.dtypes import _NAMES  # every ml_dtypes name torch uses has a stand-in
+    from jaxckpt.torch.dtypes import _NAMES  # every ml_dtypes name torch uses has a stand-in
     assert {n for n in _NAMES.values() if not hasattr(np, n)} <= set(_ML_WIDTHS)

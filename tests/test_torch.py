@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
 from jaxckpt import Config
-from jaxckpt.backends.torch import Checkpointer, PerRank, TorchStoreCoordinator
-from jaxckpt.backends.torch import dtensor as dt
-from jaxckpt.backends.torch.dtypes import _NAMES, numpy_view
+from jaxckpt.torch import Checkpointer, PerRank, TorchStoreCoordinator
+from jaxckpt.torch import dtensor as dt
+from jaxckpt.torch.dtypes import _NAMES, numpy_view
 from jaxckpt.errors import ClosedError, ConfigError, StepError, StepNotFoundError, TargetMismatchError, UnsupportedLeafError
 
 

@@ -36,7 +36,7 @@ def _same(a, b) -> bool:
 
 def ranks_job(job_id: str) -> dict:
     from jaxckpt import Config
-    from jaxckpt.backends.torch import Checkpointer
+    from jaxckpt.torch import Checkpointer
 
     info = node_info()
     rank, world = info.process_id, info.process_count

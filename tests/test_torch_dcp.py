@@ -24,11 +24,11 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 
 from jaxckpt import Config
 from jaxckpt.backends.agent import protocol as proto
-from jaxckpt.backends.torch import JaxckptReader, JaxckptWriter
-from jaxckpt.backends.torch import dcp_metadata
-from jaxckpt.backends.torch.dcp import checkpoint_step
-from jaxckpt.backends.torch.dcp_metadata import Locator, StorageIndex
-from jaxckpt.backends.torch.dtypes import _NAMES
+from jaxckpt.torch import JaxckptReader, JaxckptWriter
+from jaxckpt.torch import dcp_metadata
+from jaxckpt.torch.dcp import checkpoint_step
+from jaxckpt.torch.dcp_metadata import Locator, StorageIndex
+from jaxckpt.torch.dtypes import _NAMES
 from jaxckpt.errors import ChecksumError, ManifestError, PlanError, StepError, StepNotFoundError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -237,7 +237,7 @@ import sys, torch, warnings
 warnings.filterwarnings("ignore")
 import torch.distributed.checkpoint as dcp
 from jaxckpt import Config
-from jaxckpt.backends.torch import JaxckptWriter
+from jaxckpt.torch import JaxckptWriter
 sys.path.insert(0, sys.argv[3])
 from test_torch_dcp import every_dtype_state
 with JaxckptWriter(config=Config(store="shm", job_id=sys.argv[1], shm_dir=sys.argv[2])) as w:

@@ -24,13 +24,14 @@ from jaxckpt.core.adoption import decide
 from jaxckpt.core.advise import IntervalAdvice, SaveCosts
 from jaxckpt.core.collective import Collective
 from jaxckpt.core.coordination import CommitTracker, Coordinator
-from jaxckpt.errors import (ClosedError, CommitError, NoCheckpointError, StepError,
+from jaxckpt.errors import (ClosedError, CommitError, ConfigError, NoCheckpointError, StepError,
                             StepOutOfRangeError, StoreUnavailableError)
 from jaxckpt.core.capabilities import NodeAgent, ProtectionSlots
 from jaxckpt.core.catalog import Catalog
 from jaxckpt.core.fetch import ChunkReader
 from jaxckpt.core.sources import Holder
 from jaxckpt.core.plan import ArrayLayout, SavePlan, plan_save
+from jaxckpt.core.protect import Protection, ProtectionFactory
 from jaxckpt.core.registry import get_part, get_store_class
 from jaxckpt.core.copier import CopyTask, Copier, SnapshotResult
 
@@ -38,8 +39,9 @@ log = logging.getLogger("jaxckpt.core.engine")
 PLAN_CACHE = 64  # save plans kept, one per state layout (tree structure, shapes, dtypes, shardings)
 MAX_STEP = 1 << 62  # the largest step number: agents' records and messages carry steps up to it
 
-# device id -> (fetch() returning that device's shard on the host, optional start() of its transfer)
-Sources = dict[int, tuple[Callable[[], np.ndarray], Callable[[], None] | None]]
+# A record's shard reads on save: device id -> (fetch() returning that device's shard on the host, optional
+# start() of its transfer)
+ShardReads = dict[int, tuple[Callable[[], np.ndarray], Callable[[], None] | None]]
 
 
 class Tier(Protocol):
@@ -61,8 +63,10 @@ class ArrayRecord:
     layout_key: tuple  # hashable; equal keys promise equal layout() and meta()
     layout: Callable[[], ArrayLayout]
     meta: Callable[[], mf.ArrayMeta]  # chunks left empty
-    sources: Callable[[frozenset[int]], Sources]  # called inside save() for the devices the plan reads from;
-    # it must pin those devices' bytes as they are at the call (views that block donation, or device copies)
+    # Called inside save() for the devices the plan reads from; it must take those devices' bytes as they are at
+    # the call (views that block donation, or device copies). None for a front end that takes them itself
+    # (jaxckpt.frontend: its take()); then only begin()/start() save it, not save().
+    reads: Callable[[frozenset[int]], ShardReads] | None = None
 
 
 @dataclass
@@ -86,9 +90,9 @@ class Reservation:
     t0: float
 
 
-def _copy_tasks(prep: _Prepared, sources: Callable[[], list[Sources]]) -> list[CopyTask]:
+def _copy_tasks(prep: _Prepared, reads: Callable[[], list[ShardReads]]) -> list[CopyTask]:
     """The copy tasks of one save, built on the copier's dispatcher thread (O(chunks), off the caller)."""
-    srcs = sources()
+    srcs = reads()
     tasks = []
     for leaf_i, dev, sl, offset, nbytes in prep.copies:
         fetch, start = srcs[leaf_i][dev]
@@ -137,7 +141,8 @@ class SaveHandle:
 class CheckpointEngine:
     """Snapshots of neutral array records into a store, committed across processes, kept ``config.keep`` deep."""
 
-    def __init__(self, config: Config, coordinator: Coordinator, framework: str) -> None:
+    def __init__(self, config: Config, coordinator: Coordinator, framework: str, *,
+                 protection: ProtectionFactory | None = None) -> None:
         self.config = config
         self.framework = framework
         self.coordinator = coordinator
@@ -174,12 +179,21 @@ class CheckpointEngine:
         self._pins: dict[int, int] = {}
         self._deferred: set[int] = set()
         self.tier: Tier | None = None  # the persistent tier, once attached (attach_tier)
-        # Config.protection (jaxckpt.protection.runtime): needs node agents; registers its rebuild holder before
-        # _adopt so that a restarted job counts steps it can rebuild from protection.
-        self.protection = None
+        # Config.protection (``protection``: jaxckpt.protection.runtime.Protector, given by the front end's face):
+        # needs node agents; registers its rebuild holder before _adopt so that a restarted job counts steps it
+        # can rebuild from protection.
+        self.protection: Protection | None = None
         if config.protection != "none" and self.store.supports(ProtectionSlots):
-            from jaxckpt.protection.runtime import Protector
-            self.protection = Protector(self)
+            if protection is None:
+                self.store.close()
+                raise ConfigError(f"Config.protection={config.protection!r}: this engine was given no protection "
+                                  f"to run (build it through a Checkpointer, or pass protection="
+                                  f"jaxckpt.protection.runtime.Protector)")
+            try:
+                self.protection = protection(self)
+            except BaseException:
+                self.store.close()
+                raise
         elif config.protection != "none":
             log.warning("Config.protection=%r needs node agents (store='shm'); store %r keeps snapshots unprotected",
                         config.protection, config.store)
@@ -198,8 +212,8 @@ class CheckpointEngine:
         begun = self.begin(step, tuple((r.path, r.layout_key) for r in records), lambda: records, t0)
         if isinstance(begun, SaveHandle):
             return begun
-        sources = [r.sources(devs) if devs else {} for r, devs in zip(records, begun.prep.devices)]
-        return self.start(begun, lambda: sources, values, order)
+        reads = [r.reads(devs) if devs else {} for r, devs in zip(records, begun.prep.devices)]
+        return self.start(begun, lambda: reads, values, order)
 
     def begin(self, step: int, key: Hashable, records: Callable[[], list[ArrayRecord]], t0: float | None = None
               ) -> "Reservation | SaveHandle":
@@ -234,27 +248,27 @@ class CheckpointEngine:
             raise
         return Reservation(step, prep, slot, t0)
 
-    def start(self, res: "Reservation", sources: Callable[[], list[Sources]], values: list[mf.LeafMeta],
+    def start(self, res: "Reservation", reads: Callable[[], list[ShardReads]], values: list[mf.LeafMeta],
               order: tuple[str, ...]) -> SaveHandle:
         """Hand a reserved save to the copy workers and return its handle.
 
-        ``sources()`` gives each record's Sources for the devices ``res.prep.devices`` names; it runs on the
+        ``reads()`` gives each record's ShardReads for the devices ``res.prep.devices`` names; it runs on the
         copier's dispatcher thread (or here, when protection needs the views now), so whatever it returns must
         already be safe from later writes (views pinned or copies taken by the caller before this call)."""
         step, prep = res.step, res.prep
         handle = SaveHandle(step, self._tracker)
         handle.nbytes = prep.plan.nbytes
         if self.protection is not None:
-            got = sources()
+            got = reads()
             handle.parity = self.protection.on_save(step, prep.key, [m.path for m in prep.metas], got)
-            sources = lambda got=got: got  # noqa: E731
+            reads = lambda got=got: got  # noqa: E731
         self._last_step = step
         with self._lock:
             self._pending.append(handle)
         handle.save_call_seconds = time.perf_counter() - res.t0
         self.costs.record(step, time.monotonic() - handle.save_call_seconds, handle.save_call_seconds)
         # Last: from here the dispatcher runs (and on a loaded machine may take the caller's core for a while).
-        self._snap.submit(res.slot, functools.partial(_copy_tasks, prep, sources),
+        self._snap.submit(res.slot, functools.partial(_copy_tasks, prep, reads),
                           on_done=lambda f: self._local_finished(f, handle, res.slot, prep, values, order))
         return handle
 

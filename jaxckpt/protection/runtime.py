@@ -1,7 +1,8 @@
 """Config.protection at run time, trainer side: build each committed step's redundancy in the background.
 
-Per step (the engine calls :meth:`Protector.prepare` for a new layout, :meth:`on_save` in ``save()``, and the
-commit hook when the step is decided):
+The engine (a :class:`~jaxckpt.core.protect.ProtectionHost`: all this runtime asks of it) calls
+:meth:`Protector.prepare` for a new layout, :meth:`on_save` in ``save()``, and the commit hook when the step is
+decided; per step:
   0) ``prepare`` (once per layout; the first time, collectively) agrees on the node of every process (an
      ``all_gather`` round ``protection nodes`` of the engine's ``main`` channel, ``jaxckpt.core.collective``,
      of each process's node agent generation: O(processes) at process 0) and
@@ -28,7 +29,8 @@ commit hook when the step is decided):
      chunks from the other nodes' agents itself, verifies each by checksum, at most
      ``Config.protection_bandwidth`` bytes per second per request (``jaxckpt.backends.agent.protection_pull``), and
      replies with the blocks' checksums; the worker then commits the slot. The bytes never pass through the
-     trainer process. (A store without agents builds the blocks in this thread instead.)
+     trainer process. Protection needs node agents (a store offering ``ProtectionSlots``); with another store the
+     engine warns and keeps the snapshots unprotected.
   3) a ``reduce`` round ``announce <step>`` of the ``protect`` channel: every process contributes whether its
      part succeeded, every process gets whether all did. The step is then *protected* (:meth:`protected_steps`).
 The pull replaces a push: the bytes cross the network once either way, the agent needs no write path from peers,
@@ -40,7 +42,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -50,13 +52,12 @@ from jaxckpt.core.checksum import crc32c
 from jaxckpt.core.history import trim
 from jaxckpt.errors import AgentError, CommitError, PeerError
 from jaxckpt.core.plan import ArrayLayout, SavePlan
+from jaxckpt.core.protect import ProtectionHost
 from jaxckpt.protection.plan import (ProtectionPlan, SavedChunk, encode_plan, plan_for_config,
                                 range_from_copy, stripe_parity)
 from jaxckpt.protection.holder import RebuildHolder
 from jaxckpt.protection.slot import encode_meta, slot_header, slot_layout
 
-if TYPE_CHECKING:
-    from jaxckpt.core.engine import CheckpointEngine
 
 log = logging.getLogger("jaxckpt.protection.runtime")
 
@@ -64,7 +65,7 @@ log = logging.getLogger("jaxckpt.protection.runtime")
 class Protector:
     """The trainer side of ``Config.protection`` for one engine (see the module docstring)."""
 
-    def __init__(self, engine: "CheckpointEngine") -> None:
+    def __init__(self, engine: ProtectionHost) -> None:
         self.engine, self.config = engine, engine.config
         # the store offers both (jaxckpt.core.capabilities): the engine creates a Protector only then
         self._agent = engine.store.capability(NodeAgent)
@@ -295,7 +296,6 @@ class Protector:
             copies = [b for b in plan.copy_blocks if b.node == me and local[b.id % len(local)] == self.p]
             self.engine.catalog.begin(f"protection of step {step}")
             reader = _Sources(self, step)
-            store = self._slot_store()
             tasks, sources = [], {}
             try:
                 ids = plan.node_ids

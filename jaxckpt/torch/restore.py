@@ -24,13 +24,13 @@ from jaxckpt.core.manifest import ArrayMeta, Manifest, check_target_paths, merge
 from jaxckpt.core.restore import ArrayRequest, restore_leaves
 from jaxckpt.errors import TargetMismatchError
 
-from jaxckpt.backends.torch import dtensor as dt
-from jaxckpt.backends.torch.gather import replicated_layout
-from jaxckpt.backends.torch.dtypes import dtype_name, from_numpy, numpy_view, torch_dtype
-from jaxckpt.backends.torch.tree import Leaf, flatten, rebuild
+from jaxckpt.torch import dtensor as dt
+from jaxckpt.torch.gather import replicated_layout
+from jaxckpt.torch.dtypes import dtype_name, from_numpy, numpy_view, torch_dtype
+from jaxckpt.torch.tree import Leaf, flatten, rebuild
 from jaxckpt.core.keypath import nested
 
-log = logging.getLogger("jaxckpt.backends.torch.restore")
+log = logging.getLogger("jaxckpt.torch.restore")
 
 ROW_KINDS = ("torch_rng", "per_rank")  # saved as (process_count, *shape): one row per process
 

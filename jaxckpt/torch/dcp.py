@@ -84,13 +84,13 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from jaxckpt.backends.torch import dcp_exchange as xc
-from jaxckpt.backends.torch import dcp_metadata
-from jaxckpt.backends.torch.dcp_exchange import align, byte_tensor
-from jaxckpt.backends.torch.dcp_metadata import Locator, StorageIndex, pack_slot_manifest, unpack_slot_manifest
-from jaxckpt.backends.torch.coordination import TorchStoreCoordinator
-from jaxckpt.backends.torch.dcp_read import ChunkSet
-from jaxckpt.backends.torch.dtypes import numpy_view
+from jaxckpt.torch import dcp_exchange as xc
+from jaxckpt.torch import dcp_metadata
+from jaxckpt.torch.dcp_exchange import align, byte_tensor
+from jaxckpt.torch.dcp_metadata import Locator, StorageIndex, pack_slot_manifest, unpack_slot_manifest
+from jaxckpt.torch.coordination import TorchStoreCoordinator
+from jaxckpt.torch.dcp_read import ChunkSet
+from jaxckpt.torch.dtypes import numpy_view
 from jaxckpt.config import Config
 from jaxckpt.core.collective import Channel, Collective, agree
 from jaxckpt.core.copier import CopyTask, Copier
@@ -98,7 +98,7 @@ from jaxckpt.core.registry import get_store_class
 from jaxckpt.core.store import Slot, Store
 from jaxckpt.errors import ManifestError, PlanError, StepError, StepNotFoundError
 
-log = logging.getLogger("jaxckpt.backends.torch.dcp")
+log = logging.getLogger("jaxckpt.torch.dcp")
 
 _ID = re.compile(r"(?:jaxckpt://)?(?:step[_-]?)?(\d+)")
 

@@ -15,15 +15,15 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan
 
-from jaxckpt.backends.torch import dcp_exchange as xc
-from jaxckpt.backends.torch.dcp_metadata import Locator, StorageIndex, unpack_slot_manifest
+from jaxckpt.torch import dcp_exchange as xc
+from jaxckpt.torch.dcp_metadata import Locator, StorageIndex, unpack_slot_manifest
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.core.collective import Channel, agree
 from jaxckpt.core.fetch import buffer_source
 from jaxckpt.core.store import Store
 from jaxckpt.errors import ChecksumError, ManifestError, StepError, StepNotFoundError
 
-log = logging.getLogger("jaxckpt.backends.torch.dcp")
+log = logging.getLogger("jaxckpt.torch.dcp")
 
 Read = Callable[[int, int], memoryview]
 
