@@ -14,7 +14,7 @@ from jaxckpt.errors import ConfigError
 
 log = logging.getLogger("jaxckpt.config")
 
-STORES = ("memory", "shm")  # built into jaxckpt.core.registry; other names must be registered there
+STORES = ("memory", "shm")  # built into jaxckpt.registry; other names must be registered there
 PROTECTIONS = ("none", "replica", "parity", "xor-group", "hybrid")
 # Config.peer_security: how peer connections (trainers' and node agents' snapshot servers) are protected.
 PEER_SECURITY = ("auto", "curve", "insecure-token")
@@ -70,6 +70,9 @@ class Config:
     # leaves loopback, the token alone on loopback; "curve": always; "insecure-token": never, even off
     # loopback (the token then crosses the network in clear text in every request).
     peer_security: str = "auto"
+    # The peer transport (jaxckpt.core.transport) of trainers and node agents, by its name in the registry's group
+    # "transport" (jaxckpt.registry: "zmq", jaxckpt.backends.transport) or as "module:Class".
+    transport: str = "zmq"
     # store="shm": the node agent's directory (socket, lock, shared-memory segments); "" = a per-job directory
     # under /dev/shm. Simulated nodes on one machine each get their own (JAXCKPT_SHM_DIR).
     shm_dir: str = ""
@@ -93,7 +96,7 @@ class Config:
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), _field_types()[f.name])
         if self.store not in STORES and ":" not in self.store:  # "module:Class" is imported at use time
-            from jaxckpt.core.registry import registered_stores  # names only: imports no backend
+            from jaxckpt.registry import registered_stores  # names only: imports no backend
 
             known = registered_stores()
             if self.store not in known:
@@ -118,6 +121,13 @@ class Config:
                 raise ConfigError(f"Config.{name}={getattr(self, name)!r}: must be positive and at most "
                                   f"{MAX_TIMEOUT_S:g} (a week)")
         check_peer_security(self.peer_bind, self.peer_security)
+        if ":" not in self.transport:
+            from jaxckpt.registry import registered_parts  # names only: imports no transport
+
+            known = registered_parts("transport")
+            if self.transport not in known:
+                raise ConfigError(f"Config.transport={self.transport!r}: unknown peer transport (known: "
+                                  f"{', '.join(sorted(known))}; or 'module:Class')")
         if self.shm_dir and not os.path.isabs(self.shm_dir):
             raise ConfigError(f"Config.shm_dir={self.shm_dir!r}: must be an absolute path")
         if not self.job_id or any(c not in _JOB_ID_CHARS for c in self.job_id):

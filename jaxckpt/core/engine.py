@@ -32,7 +32,7 @@ from jaxckpt.core.fetch import ChunkReader
 from jaxckpt.core.sources import Holder
 from jaxckpt.core.plan import ArrayLayout, SavePlan, plan_save
 from jaxckpt.core.protect import Protection, ProtectionFactory
-from jaxckpt.core.registry import get_part, get_store_class
+from jaxckpt.registry import get_part, get_store_class
 from jaxckpt.core.copier import CopyTask, Copier, SnapshotResult
 
 log = logging.getLogger("jaxckpt.core.engine")

@@ -478,8 +478,8 @@ def _cast(state: Any, save_args: Any) -> Any:
     if save_args is None:
         return state
     is_sa = lambda x: isinstance(x, ocp.SaveArgs)  # noqa: E731
-    casts = dict(lay._flat(save_args, is_sa)[0])
-    flat, treedef = lay._flat(state)
+    casts = dict(lay.flat_with_paths(save_args, is_sa)[0])
+    flat, treedef = lay.flat_with_paths(state)
     out = []
     for path, x in flat:
         sa = casts.get(path)

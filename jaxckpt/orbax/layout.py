@@ -284,7 +284,8 @@ def _adapt(path: str, value: Any, saved: dict, want: Want) -> Any:
     return value
 
 
-def _flat(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[tuple[str, Any]], Any]:
+def flat_with_paths(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[tuple[str, Any]], Any]:
+    """``tree``'s leaves with their "/"-joined key paths ("<root>" for a bare leaf), and its treedef."""
     pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     out = []
     for kp, v in pairs:
@@ -298,13 +299,13 @@ def plan(layout: dict, item: Any = None, restore_args: Any = None, *, partial: b
     import orbax.checkpoint as ocp
     saved = leaves(layout)
     is_ra = lambda x: isinstance(x, ocp.RestoreArgs)  # noqa: E731
-    ras = dict(_flat(restore_args, is_ra)[0]) if restore_args is not None else {}
+    ras = dict(flat_with_paths(restore_args, is_ra)[0]) if restore_args is not None else {}
     wants: dict[str, Want] = {}
     if item is None:
         for path, leaf in saved.items():
             wants[path] = _want(path, leaf, None, ras.get(path), strict)
     else:
-        item_leaves, _ = _flat(item, lambda x: x is None or x is PLACEHOLDER)
+        item_leaves, _ = flat_with_paths(item, lambda x: x is None or x is PLACEHOLDER)
         for path, t in item_leaves:
             if path in saved:
                 wants[path] = _want(path, saved[path], t, ras.get(path), strict)
@@ -325,7 +326,7 @@ def plan(layout: dict, item: Any = None, restore_args: Any = None, *, partial: b
         adapted = {p: _adapt(p, values[p], saved[p], wants[p]) for p in saved}
         if item is None:
             return build(layout, lambda p, leaf: adapted[p], rich=rich)
-        flat, treedef = _flat(item, lambda x: x is None or x is PLACEHOLDER)
+        flat, treedef = flat_with_paths(item, lambda x: x is None or x is PLACEHOLDER)
         return jax.tree_util.tree_unflatten(treedef, [adapted[p] if p in saved else None for p, _ in flat])
     return Plan(target, wants, saved, finish)
 
@@ -344,7 +345,7 @@ def _none_at(layout: dict, path: str) -> bool:
 
 def flat_values(tree: Any) -> dict[str, Any]:
     """Path -> value of a restored tree (the SKIP sentinel counts as a leaf)."""
-    return dict(_flat(tree)[0])
+    return dict(flat_with_paths(tree)[0])
 
 
 def abstract(layout: dict) -> Any:

@@ -94,7 +94,7 @@ from jaxckpt.torch.dtypes import numpy_view
 from jaxckpt.config import Config
 from jaxckpt.core.collective import Channel, Collective, agree
 from jaxckpt.core.copier import CopyTask, Copier
-from jaxckpt.core.registry import get_store_class
+from jaxckpt.registry import get_store_class
 from jaxckpt.core.store import Slot, Store
 from jaxckpt.errors import ManifestError, PlanError, StepError, StepNotFoundError
 

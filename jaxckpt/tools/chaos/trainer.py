@@ -41,7 +41,7 @@ from jaxckpt.config import Config
 from jaxckpt.core.dtypes import dtype_name
 from jaxckpt.errors import ChecksumError, JaxckptError, ManifestError, NoCheckpointError, PlanError
 from jaxckpt.core.plan import ArrayLayout, Placement
-from jaxckpt.core.registry import register_store
+from jaxckpt.registry import register_store
 
 RESTART = 3  # exit code: this incarnation cannot go on; start a new one
 INTEGRITY = (ChecksumError, ManifestError, PlanError)  # the step's bytes are bad: never use it again
