@@ -10,16 +10,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from jaxckpt.core.dtypes import check_plain
+from jaxckpt.core.manifest import host_kind
 from jaxckpt.errors import UnsupportedLeafError
 from jaxckpt.core.keypath import KeyEntry, path_string
-
-# Plain values stored by value in the manifest (msgpack types), as in the JAX front end.
-VALUE_TYPES = (bool, int, float, str, bytes, type(None))
 
 
 class PerRank:
@@ -63,17 +59,9 @@ def classify(value: Any, path: str) -> str:
         return "generator"
     if isinstance(value, PerRank):
         return "per_rank"
-    if isinstance(value, np.ndarray):
-        if value.dtype.hasobject:
-            raise UnsupportedLeafError(f"{path}: numpy arrays of dtype object cannot be snapshotted")
-        check_plain(value.dtype, path)
-        return "numpy"
-    if isinstance(value, np.generic):
-        return "numpy_scalar"
-    if isinstance(value, VALUE_TYPES):
-        if isinstance(value, int) and not isinstance(value, bool) and not -(1 << 63) <= value < (1 << 64):
-            raise UnsupportedLeafError(f"{path}: integer {value} does not fit 64 bits")
-        return "value"
+    kind = host_kind(value, path)
+    if kind is not None:
+        return kind
     raise UnsupportedLeafError(f"{path}: leaf of type {type(value).__module__}.{type(value).__qualname__} is not "
                                f"supported (tensors, DTensors, torch.Generator, PerRank, numpy, "
                                f"int/float/bool/str/bytes/None are)")
