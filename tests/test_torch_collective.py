@@ -1,4 +1,4 @@
-"""Torch restore through the collective (backends/torch/gather.py) with two real ranks on gloo.
+"""Torch restore through the collective (jaxckpt/torch/gather.py) with two real ranks on gloo.
 
 Plain tensors are replicated on every rank; each rank saved half of each. On restore each rank reads only its
 own half and one ``all_gather_into_tensor`` forms the tensors: bit for bit (NaN payloads, bfloat16, int, bool),

@@ -226,7 +226,7 @@ def _untargeted(meta: ArrayMeta, step: int, process: int) -> ArrayRequest:
 
 
 def _by_collective(req: Any, leaf: Leaf, in_place: bool, world: int) -> Any:
-    """A plain tensor's request that may also be formed by the collective (``backends.torch.gather``): every
+    """A plain tensor's request that may also be formed by the collective (``jaxckpt.torch.gather``): every
     rank needs the whole tensor; ``target`` makes the leaf from the whole host array."""
     if not isinstance(req, ArrayRequest) or leaf.kind != "tensor" or req.meta.kind in ROW_KINDS:
         return req
