@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 import msgpack
-import numpy as np
 
 from jaxckpt.core.box import Box
 from jaxckpt.core.checksum import crc32c
@@ -203,6 +202,8 @@ def host_kind(value: Any, path: str) -> str | None:
     """The kind of a leaf every front end holds alike: "numpy", "numpy_scalar" or "value" (saved by value), None
     for any other leaf (the front end's own kinds); UnsupportedLeafError naming ``path`` for a numpy leaf of
     objects or of a dtype with no plain bytes, and an integer wider than 64 bits."""
+    import numpy as np  # here: the node agent decodes manifests and serves before it imports numpy
+
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
             raise UnsupportedLeafError(f"{path}: numpy arrays of dtype object cannot be snapshotted")
