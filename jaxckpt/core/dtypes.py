@@ -88,3 +88,9 @@ def check_plain(dtype: np.dtype, path: str) -> None:
     if dtype.names is not None or dtype.subdtype is not None:
         raise UnsupportedLeafError(f"{path}: numpy structured or sub-array dtype {dtype} cannot be snapshotted "
                                    f"(save each field as its own array)")
+
+
+def native_order(arr: np.ndarray) -> np.ndarray:
+    """``arr`` itself when its bytes are in the machine's order, else a copy in that order: a manifest names the
+    native dtype (:func:`dtype_name`), so the bytes saved under it must be native too."""
+    return arr if arr.dtype.isnative else arr.astype(arr.dtype.newbyteorder("="))

@@ -9,7 +9,7 @@ import numpy as np
 
 from jaxckpt.core import hostbuf
 from jaxckpt.core.box import Box
-from jaxckpt.core.dtypes import dtype_name
+from jaxckpt.core.dtypes import dtype_name, native_order
 from jaxckpt.core.plan import HOST, ArrayLayout, Placement
 
 
@@ -62,9 +62,7 @@ def local_sources(x: Any, kind: str, devices: frozenset[int], owned: bool = Fals
         x = jax.random.key_data(x)
     if kind in ("numpy", "numpy_scalar"):
         arr = np.asarray(x)
-        if not arr.dtype.isnative:  # the manifest names the native dtype (dtypes.dtype_name): save its bytes
-            return {HOST: (lambda arr=arr: arr.astype(arr.dtype.newbyteorder("=")), None)}
-        return {HOST: (lambda arr=arr: arr, None)}
+        return {HOST: (lambda arr=arr: native_order(arr), None)}
     out = {}
     if owned:
         # jaxckpt's own copy (the fused path): nothing else can touch it, so the workers read it lazily (and

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from jaxckpt.core import hostbuf
+from jaxckpt.core.dtypes import native_order
 from jaxckpt.core import manifest as mf
 from jaxckpt.core.engine import ArrayRecord, ShardReads
 from jaxckpt.core.plan import HOST
@@ -246,9 +247,7 @@ def _sources(reads: tuple, taken: list[Any], owned: list[Any] | None, plan: Tree
 def _copy_numpy(x: np.ndarray) -> np.ndarray:
     """A private copy of a numpy leaf, in native byte order (the manifest names the native dtype)."""
     arr = np.asarray(x)
-    if not arr.dtype.isnative:
-        return arr.astype(arr.dtype.newbyteorder("="))
-    return hostbuf.copy(arr)
+    return hostbuf.copy(arr) if arr.dtype.isnative else native_order(arr)
 
 
 def _fast_view() -> tuple[Callable[[Any], Any], Callable[[Any], np.ndarray]]:

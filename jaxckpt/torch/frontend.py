@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from jaxckpt.core import manifest as mf
 from jaxckpt.core.box import Box
 from jaxckpt.core.coordination import Coordinator, LocalCoordinator
-from jaxckpt.core.dtypes import dtype_from_name
+from jaxckpt.core.dtypes import dtype_from_name, native_order
 from jaxckpt.core.dtypes import dtype_name as np_dtype_name
 from jaxckpt.core.engine import ArrayRecord, CheckpointEngine, ShardReads
 from jaxckpt.core.fetch import ChunkReader
@@ -232,5 +232,4 @@ class TorchFrontend:
 
 def _native(v: Any) -> np.ndarray:
     """A private copy of a numpy leaf in native byte order (the manifest names the native dtype)."""
-    arr = np.array(v, copy=True)
-    return arr.astype(arr.dtype.newbyteorder("=")) if not arr.dtype.isnative else arr
+    return native_order(np.array(v, copy=True))
