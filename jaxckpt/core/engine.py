@@ -31,14 +31,15 @@ from jaxckpt.core.catalog import Catalog
 from jaxckpt.core.fetch import ChunkReader
 from jaxckpt.core.plan import ArrayLayout, SavePlan, plan_save
 from jaxckpt.core.registry import get_part, get_store_class
-from jaxckpt.core.copier import CopyTask, Copier, SnapshotResult
+from jaxckpt.core.copier import Copier, SnapshotResult
+from jaxckpt.core.hostbuf import host_bytes
 
 log = logging.getLogger("jaxckpt.core.engine")
 PLAN_CACHE = 64  # save plans kept, one per state layout (tree structure, shapes, dtypes, shardings)
 MAX_STEP = 1 << 62  # the largest step number: agents' records and messages carry steps up to it
 
-# device id -> (fetch() returning that device's shard on the host, optional start() of its transfer)
-Sources = dict[int, tuple[Callable[[], np.ndarray], Callable[[], None] | None]]
+# device id -> (that device's shard on the host, or fetch() returning it; optional start() of its transfer)
+Sources = dict[int, tuple[np.ndarray | Callable[[], np.ndarray], Callable[[], None] | None]]
 
 
 @dataclass
@@ -62,6 +63,32 @@ class _Prepared:
     devices: list[frozenset[int]]  # per array leaf, the local devices its chunks are read from
     key: Hashable = ()  # the layout key (protection plans are kept per layout)
     copies: tuple = ()  # per local chunk (leaf index, device, slice of the device's shard, slot offset, nbytes)
+    table: "_ChunkIndex | None" = None  # the copies as the copier's table reads them; made on first use
+
+
+@dataclass(frozen=True)
+class _ChunkIndex:
+    """A layout's chunks, indexed once: per chunk its source (a (leaf, device) pair, numbered), slice, offset
+    and size; per source, its (leaf, device) and how many chunks read it."""
+
+    sources: tuple[tuple[int, int], ...]
+    uses: tuple[int, ...]
+    source_of: tuple[int, ...]
+    slices: tuple[tuple[slice, ...], ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, copies: tuple) -> "_ChunkIndex":
+        number: dict[tuple[int, int], int] = {}
+        for leaf_i, dev, _, _, _ in copies:
+            number.setdefault((leaf_i, dev), len(number))
+        source_of = tuple(number[(c[0], c[1])] for c in copies)
+        uses = [0] * len(number)
+        for k in source_of:
+            uses[k] += 1
+        return cls(tuple(number), tuple(uses), source_of, tuple(c[2] for c in copies),
+                   tuple(c[3] for c in copies), tuple(c[4] for c in copies))
 
 
 @dataclass
@@ -74,14 +101,37 @@ class Reservation:
     t0: float
 
 
-def _copy_tasks(prep: _Prepared, sources: Callable[[], list[Sources]]) -> list[CopyTask]:
-    """The copy tasks of one save, built on the copier's dispatcher thread (O(chunks), off the caller)."""
-    srcs = sources()
-    tasks = []
-    for leaf_i, dev, sl, offset, nbytes in prep.copies:
-        fetch, start = srcs[leaf_i][dev]
-        tasks.append(CopyTask(fetch=(lambda f=fetch, s=sl: f()[s]), offset=offset, nbytes=nbytes, start=start))
-    return tasks
+class _SaveChunks:
+    """One save's chunks as the copier's table (``core.copier.Chunks``): a save allocates one list of its
+    sources and one of counts, nothing per chunk (see ``Chunks`` for why). A source is dropped as soon as its
+    last chunk is copied, so a donating step can reuse that buffer."""
+
+    __slots__ = ("_index", "_sources", "_left", "offsets", "sizes")
+
+    def __init__(self, prep: _Prepared, sources: Callable[[], list[Sources]]) -> None:
+        if prep.table is None:
+            prep.table = _ChunkIndex.of(prep.copies)
+        index = self._index = prep.table
+        srcs = sources()
+        self._sources: list[Any] = [srcs[leaf_i][dev] for leaf_i, dev in index.sources]
+        self._left = list(index.uses)
+        self.offsets, self.sizes = index.offsets, index.sizes
+
+    def start(self, i: int) -> None:
+        start = self._sources[self._index.source_of[i]][1]
+        if start is not None:
+            start()
+
+    def fetch(self, i: int) -> np.ndarray:
+        return host_bytes(self._sources[self._index.source_of[i]][0])[self._index.slices[i]]
+
+    def done(self, lo: int, hi: int) -> None:
+        source_of, left, sources = self._index.source_of, self._left, self._sources
+        for i in range(lo, hi):
+            k = source_of[i]
+            left[k] -= 1
+            if not left[k]:
+                sources[k] = None
 
 
 class SaveHandle:
@@ -241,7 +291,7 @@ class CheckpointEngine:
         handle.save_call_seconds = time.perf_counter() - res.t0
         self.costs.record(step, time.monotonic() - handle.save_call_seconds, handle.save_call_seconds)
         # Last: from here the dispatcher runs (and on a loaded machine may take the caller's core for a while).
-        self._snap.submit(res.slot, functools.partial(_copy_tasks, prep, sources),
+        self._snap.submit(res.slot, functools.partial(_SaveChunks, prep, sources),
                           on_done=lambda f: self._local_finished(f, handle, res.slot, prep, values, order))
         return handle
 

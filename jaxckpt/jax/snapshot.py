@@ -12,8 +12,11 @@ returns for the snapshot to equal the state at the call:
 - jax arrays on an accelerator, PRNG keys: a device-side copy dispatched now (``shards.local_sources``).
 - numpy arrays: copied now (the caller may write them in place as soon as ``save()`` returns).
 
-Everything per chunk (tasks, slices, closures) is built on the copier's dispatcher thread. A state that is
-jaxckpt's own (the fused path's host copies) needs no pin at all: its views are taken on the workers.
+Everything per shard after that (the engine's sources) is built on the copier's dispatcher thread, and as few
+Python objects as it can: the views themselves, no function per shard, no task per chunk (see
+``core.copier.Chunks``: objects per shard that live while the copy runs set off the collector's full
+collections, which cost the training thread more than the rest of a save). A state that is jaxckpt's own (the
+fused path's host copies) needs no pin at all: its views are taken on the dispatcher.
 """
 from __future__ import annotations
 
@@ -227,13 +230,15 @@ def _sources(reads: tuple, taken: list[Any], owned: list[Any] | None, plan: Tree
     for r, t in zip(reads, taken):
         what = r[0]
         if what == "view":
+            # The host arrays themselves, no function per shard (see core.copier.Chunks); the fused path's
+            # copies are viewed here, which waits for its program as the first chunk's copy would.
             if owned is not None:
                 arrs = owned[r[1]]._arrays
-                out.append({d: (lambda a=arrs[p]: unwrap(raw(a)), None) for p, d in zip(r[2], r[3])})
+                out.append({d: (unwrap(raw(arrs[p])), None) for p, d in zip(r[2], r[3])})
             else:
-                out.append({d: (lambda v=unwrap(v): v, None) for v, d in zip(t, r[3])})
+                out.append({d: (unwrap(v), None) for v, d in zip(t, r[3])})
         elif what in ("copy", "same"):
-            out.append({HOST: (lambda a=t: a, None)})
+            out.append({HOST: (t, None)})
         elif what == "sources":
             out.append(t if owned is None else
                        shards.local_sources(owned[r[1]], plan.leaves[r[1]].kind, r[2], True))
