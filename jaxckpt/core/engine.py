@@ -102,36 +102,45 @@ class Reservation:
 
 
 class _SaveChunks:
-    """One save's chunks as the copier's table (``core.copier.Chunks``): a save allocates one list of its
-    sources and one of counts, nothing per chunk (see ``Chunks`` for why). A source is dropped as soon as its
-    last chunk is copied, so a donating step can reuse that buffer."""
+    """One save's chunks as the copier's table (``core.copier.Chunks``): a save keeps two lists of its sources
+    and one of counts, nothing per chunk or per source that the collector tracks (see ``Chunks`` for why). A
+    source is dropped as soon as its last chunk is copied, so a donating step can reuse that buffer."""
 
-    __slots__ = ("_index", "_sources", "_left", "offsets", "sizes")
+    __slots__ = ("_index", "_fetch", "_start", "_left", "offsets", "sizes")
 
     def __init__(self, prep: _Prepared, sources: Callable[[], list[Sources]]) -> None:
         if prep.table is None:
             prep.table = _ChunkIndex.of(prep.copies)
         index = self._index = prep.table
         srcs = sources()
-        self._sources: list[Any] = [srcs[leaf_i][dev] for leaf_i, dev in index.sources]
+        self._fetch: list[Any] = []
+        starts: list[Any] = []
+        for leaf_i, dev in index.sources:
+            fetch, start = srcs[leaf_i][dev]
+            self._fetch.append(fetch)
+            starts.append(start)
+        self._start = starts if any(st is not None for st in starts) else None
         self._left = list(index.uses)
         self.offsets, self.sizes = index.offsets, index.sizes
 
     def start(self, i: int) -> None:
-        start = self._sources[self._index.source_of[i]][1]
-        if start is not None:
-            start()
+        if self._start is not None:
+            start = self._start[self._index.source_of[i]]
+            if start is not None:
+                start()
 
     def fetch(self, i: int) -> np.ndarray:
-        return host_bytes(self._sources[self._index.source_of[i]][0])[self._index.slices[i]]
+        return host_bytes(self._fetch[self._index.source_of[i]])[self._index.slices[i]]
 
     def done(self, lo: int, hi: int) -> None:
-        source_of, left, sources = self._index.source_of, self._left, self._sources
+        source_of, left = self._index.source_of, self._left
         for i in range(lo, hi):
             k = source_of[i]
             left[k] -= 1
             if not left[k]:
-                sources[k] = None
+                self._fetch[k] = None
+                if self._start is not None:
+                    self._start[k] = None
 
 
 class SaveHandle:
@@ -201,6 +210,7 @@ class CheckpointEngine:
         self._tracker = CommitTracker(self.collective.channel("commit"), config.commit_timeout_s,
                                       on_commit=self._after_commit)
         self._prepared: dict[tuple, _Prepared] = {}
+        self._last_prep: _Prepared | None = None
         self._pending: deque[SaveHandle] = deque()
         self._committed: list[int] = []
         self._last_step: int | None = None
@@ -271,6 +281,12 @@ class CheckpointEngine:
             raise
         return Reservation(step, prep, slot, t0)
 
+    def last_chunk_sizes(self) -> list[int]:
+        """The byte sizes of the newest save's chunks on this process, in slot order (what benchmarks compare a
+        snapshot against: the copy of the same bytes in the same pieces)."""
+        prep = self._last_prep
+        return [c[4] for c in prep.copies] if prep is not None else []
+
     def start(self, res: "Reservation", sources: Callable[[], list[Sources]], values: list[mf.LeafMeta],
               order: tuple[str, ...]) -> SaveHandle:
         """Hand a reserved save to the copy workers and return its handle.
@@ -279,6 +295,7 @@ class CheckpointEngine:
         copier's dispatcher thread (or here, when protection needs the views now), so whatever it returns must
         already be safe from later writes (views pinned or copies taken by the caller before this call)."""
         step, prep = res.step, res.prep
+        self._last_prep = prep
         handle = SaveHandle(step, self._tracker)
         handle.nbytes = prep.plan.nbytes
         if self.protection is not None:
