@@ -26,6 +26,10 @@ class UnsupportedTypeError(UnsupportedLeafError, ValueError):
     """A leaf jaxckpt cannot snapshot, saved through Orbax's args: Orbax's ``ValueError('Unsupported type: ...')``."""
 
 
+class EmptyItemError(JaxckptError, ValueError):
+    """An Orbax save of a tree without leaves (or of None): Orbax's ``ValueError('Found empty item.')``."""
+
+
 class TargetMismatchError(JaxckptError, ValueError):
     """The restore target differs from the saved state in structure, shape or dtype."""
 

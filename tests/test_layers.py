@@ -142,7 +142,40 @@ def test_node_agent_imports_no_tooling_flax_optax_jax_or_torch(agent_dir, tmp_pa
     # what the agent did is in the record: its lazily imported pull, its peer transport
     for m in ("jaxckpt.backends.agent.daemon", "jaxckpt.backends.agent.protection_pull", "jaxckpt.backends.transport"):
         assert m in modules, sorted(x for x in modules if x.startswith("jaxckpt"))
-    assert _offending(modules, TOOLING + ("jax", "jaxlib", "torch", "orbax")) == []
+    # ml_dtypes too: its import was most of the agent's start-up, and no name of these manifests needs it
+    assert _offending(modules, TOOLING + ("jax", "jaxlib", "torch", "orbax", "ml_dtypes")) == []
+
+
+def test_spawned_agent_serves_before_importing_numpy_and_never_imports_a_framework(agent_dir):
+    """The agent a replacement node's first store spawns (as ``Checkpointer()`` does) serves before it imports
+    numpy (it imports it next, in the background), and imports no jax, ml_dtypes or torch while it serves a
+    trainer, a reader, a peer and a pull: a restore on that node waits for its start. Its ``sys.modules`` and
+    its start-up cost come from the real process, through its status reply."""
+    from jaxckpt.backends.shm import ShmStore
+    from jaxckpt.config import Config
+
+    job, d = "layers-spawn", agent_dir
+    t0 = time.monotonic()
+    store = ShmStore(Config(store="shm", job_id=job, shm_dir=d))  # no agent runs there: this spawns one
+    waited = time.monotonic() - t0
+    try:
+        assert store.metrics["agent_spawns"] == 1
+        st = proto.agent_status(d, job)
+        assert st["pid"] != os.getpid() and st["trainers"] == {"0": os.getpid()}
+        at_serving = st["modules_at_serving"]  # numpy comes next, imported on a thread of its own
+        assert _offending(at_serving, ("numpy", "jax", "jaxlib", "ml_dtypes", "torch", "orbax") + TOOLING) == []
+        assert "jaxckpt" in at_serving and "zmq" in at_serving, at_serving  # it serves trainers and peers
+        assert _offending(st["modules"], ("jax", "jaxlib", "ml_dtypes", "torch", "orbax") + TOOLING) == []
+        # exec -> serving as the agent measured it (its size is a benchmark's business): it started after the
+        # store began to wait and served before the store returned (+ a clock tick: the kernel's start time)
+        startup = st["startup"]
+        assert 0 < startup["serving_s"] <= waited + 0.011 and 0 < startup["cpu_s"], (startup, waited)
+    finally:
+        store.close()
+    _exercise_agent(d, job)
+    modules = proto.agent_status(d, job)["modules"]
+    assert "numpy" in modules  # manifests and the pull's XOR need it
+    assert _offending(modules, ("jax", "jaxlib", "ml_dtypes", "torch", "orbax") + TOOLING) == []
 
 
 # ----------------------------------------------------------------------------------- the library, Orbax

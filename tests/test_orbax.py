@@ -162,7 +162,7 @@ def test_standalone_item_handlers(tmp_path):
         target = _target(NamedSharding(mesh, P(None, "data")), b_sh)
         _assert_bitwise(mngr.restore(30, args=SnapshotRestore(target)), states[30], target)
         _assert_bitwise(mngr.restore(20, args=SnapshotRestore(target)), states[20], target)
-        assert mngr.item_metadata(30)["step"] == 30
+        assert mngr.item_metadata(30).marker["step"] == 30
         mngr.close()
         assert ck.latest_step() == 30  # the handler did not close a Checkpointer it was given
 

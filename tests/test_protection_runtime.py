@@ -9,6 +9,7 @@ on the next node (sharded arrays). 4 x 1 rather than 4 x 2: the machine has 2 co
 """
 import os
 import shutil
+import time
 import uuid
 
 import numpy as np
@@ -110,6 +111,46 @@ def restore_job(base: str, job: str, policy: str, save_next: int = 0):
             protected = ck.engine.protection.protected_steps()
         multihost_utils.sync_global_devices("restored")
     return {"latest": latest, "report": report, "protected": protected}
+
+
+def save_and_train_on(base: str, job: str, policy: str, steps: list, ready: str):
+    """Save ``steps`` protected, say so (a file per process in ``ready``), then train on until killed."""
+    import time
+
+    import jaxckpt
+
+    mesh = _mesh()
+    with jaxckpt.Checkpointer(_config(base, job, policy)) as ck:
+        for step in steps:
+            ck.save(step, device_state(mesh, step))
+        ck.wait()
+        assert ck.engine.protection.protected_steps() == steps, ck.engine.protection.protected_steps()
+        with open(os.path.join(ready, f"ready-{node_info().process_id}"), "w") as f:
+            f.write(str(os.getpid()))
+        while True:  # a live trainer: its node is lost under it
+            time.sleep(0.05)
+
+
+def restore_on_replacement(base: str, job: str, policy: str):
+    """Restore the newest step bit for bit; with it, what this process's node agent says of itself: whether this
+    process's ``Checkpointer()`` spawned it, its start-up (exec -> serving) and the frameworks it imported."""
+    import jax
+    import jaxckpt
+    from jax.experimental import multihost_utils
+
+    mesh = _mesh()
+    target = {k: jax.ShapeDtypeStruct(h.shape, h.dtype, sharding=_sharding(mesh, k))
+              for k, h in host_state(0).items()} | {"step": 0}
+    with jaxckpt.Checkpointer(_config(base, job, policy)) as ck:
+        spawns = ck.engine.store.metrics["agent_spawns"]
+        latest = ck.latest_step()
+        check_bitwise(ck.restore(target), latest)
+        report = ck.last_restore_report.to_dict()
+        st = proto.agent_status(ck.engine.store.directory, job)
+        multihost_utils.sync_global_devices("restored")
+    frameworks = [m for m in ("numpy", "jax", "jaxlib", "ml_dtypes", "torch") if m in st["modules"]]
+    return {"latest": latest, "report": report, "spawns": spawns, "startup": st["startup"],
+            "agent_frameworks": frameworks}
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -251,6 +292,34 @@ def test_wrong_token_is_refused_and_ls_shows_protection(capsys):
             bad.held()
     finally:
         bad.close()
+
+
+def test_replacement_node_restores_bitwise_while_its_agent_starts(tmp_path):
+    """A node is lost under a running job: its trainer and its agent SIGKILLed, its memory removed, the rest of
+    the job killed as a scheduler would. The relaunched job's first ``Checkpointer()`` on the replacement spawns
+    a fresh agent (importing no framework: jax, ml_dtypes, torch, not even numpy before it serves), and its
+    restore of the newest protected step, rebuilt from the other nodes, is bit for bit."""
+    from jaxckpt.testing import start
+
+    job, lost = "relaunch", 1
+    with start(save_and_train_on, nodes=NODES, procs_per_node=PROCS, devices_per_proc=2 // PROCS,
+               args=(BASE, job, "hybrid", [1, 2], str(tmp_path)), env=ENV) as running:
+        deadline = time.monotonic() + 240
+        while len([n for n in os.listdir(tmp_path) if n.startswith("ready-")]) < NODES * PROCS:
+            assert all(c is None for c in running.poll()), running.results()
+            assert time.monotonic() < deadline, "the job did not protect its steps within 240 s"
+            time.sleep(0.1)
+        assert running.kill_node(lost) == list(range(lost * PROCS, (lost + 1) * PROCS))
+        lose_node(job, lost)  # its agent SIGKILLed, then its memory goes
+    out = run(restore_on_replacement, job, "hybrid")
+    assert [r["latest"] for r in out] == [2] * NODES * PROCS, out  # every array was checked bit for bit
+    assert rebuilt_bytes(out) > 0
+    on_lost = [r for i, r in enumerate(out) if i // PROCS == lost]
+    assert [r["spawns"] for r in on_lost] == [1] + [0] * (PROCS - 1), out  # its first store spawned the agent
+    assert all(r["spawns"] == 0 for i, r in enumerate(out) if i // PROCS != lost), out  # the others' lived on
+    for r in on_lost:
+        # no framework; numpy only if the agent served a peer or a pull by the time it was asked
+        assert set(r["agent_frameworks"]) <= {"numpy"} and r["startup"]["serving_s"] > 0, r
 
 
 @pytest.mark.skipif(os.environ.get("RUN_SLOW_TESTS") != "1", reason="slow: set RUN_SLOW_TESTS=1")

@@ -99,6 +99,8 @@ class Agent:
         self.snapshots = None  # agent_serve.AgentSnapshots once serving
         self.pulled_bytes = 0  # protection blocks' bytes this agent pulled from other nodes (protect_pull.py)
         self._pull_buckets = None  # protection_pull.Buckets, made at the first pull: each process's bandwidth cap
+        self.startup: dict[str, float] = {}  # startup_cost() once serving
+        self.modules_at_serving: list[str] = []  # _packages() once serving
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def acquire(self) -> bool:
@@ -133,8 +135,12 @@ class Agent:
             self._listen()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self._stop.set())
-            log.info("agent %s (pid %d) of job %s on node %s serving %s", self.generation, os.getpid(), self.job,
-                     self.node, self.dir)
+            self.startup = startup_cost()
+            self.modules_at_serving = _packages()
+            threading.Thread(target=_import_late, name="agent-import-late", daemon=True).start()
+            log.info("agent %s (pid %d) of job %s on node %s serving %s, %.0f ms after exec (%.0f ms CPU)",
+                     self.generation, os.getpid(), self.job, self.node, self.dir, 1e3 * self.startup["serving_s"],
+                     1e3 * self.startup["cpu_s"])
             self._accept_loop()
         finally:
             self.shutdown()
@@ -418,7 +424,10 @@ class Agent:
                     "peer_address": self.peer_server.address if self.peer_server else None,
                     "peer_key": self.peer_server.public_key if self.peer_server else "",
                     "peer_refused": self.peer_server.refused if self.peer_server else 0,
-                    "pulled_bytes": self.pulled_bytes,
+                    "pulled_bytes": self.pulled_bytes, "startup": self.startup,
+                    # what this process imported, when it began to serve and now: a replacement node's agent
+                    # must not pay for frameworks it never uses (jax, ml_dtypes, torch); tests read it here
+                    "modules_at_serving": self.modules_at_serving, "modules": _packages(),
                     **self.table.status()}, None
         if op == "manifest":
             m = self.table.manifest(_int(msg, "process", MAX_PROCESS), _int(msg, "step"))
@@ -433,6 +442,32 @@ class Agent:
                 self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop now
             except OSError:
                 pass
+
+
+def startup_cost() -> dict[str, float]:
+    """Seconds from this process's start (the spawn's fork and exec) to now, wall and CPU (all threads): what a
+    replacement node's first ``Checkpointer()`` waits for when it spawns the agent. Wall time is read against
+    the kernel's record of the process start (clock ticks), so the interpreter's own start-up counts too."""
+    with open("/proc/self/stat", "rb") as f:
+        fields = f.read().rpartition(b")")[2].split()  # the command name may hold spaces and parentheses
+    started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in ticks since boot
+    return {"serving_s": max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started),
+            "cpu_s": time.process_time()}
+
+
+def _packages() -> list[str]:
+    """The top-level packages this process has imported."""
+    return sorted({m.partition(".")[0] for m in list(sys.modules)})
+
+
+def _import_late() -> None:
+    """Import numpy once serving: the agent needs it to decode a manifest (the first index a reader or a peer
+    asks for, a protection pull), not to serve, so its start does not wait for it and its first index seldom
+    does."""
+    try:
+        import numpy  # noqa: F401
+    except Exception:  # noqa: BLE001 - the request that needs it will raise it to its caller
+        log.exception("agent: importing numpy failed")
 
 
 def _int(msg: dict, key: str, hi: int = MAX_INT) -> int:

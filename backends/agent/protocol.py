@@ -35,7 +35,7 @@ import msgpack
 from jaxckpt.config import Config
 from jaxckpt.errors import AgentError, BudgetExceededError, ClosedError, StepError, StoreUnavailableError
 from jaxckpt.core.manifest import MAX_MANIFEST_BYTES
-from jaxckpt.protection.slot import PROTECT_BASE  # noqa: F401 - re-exported: the agent lists protection slots apart
+from jaxckpt.protection import PROTECT_BASE  # noqa: F401 - re-exported: the agent lists protection slots apart
 
 VERSION = 1
 PAGE = mmap.PAGESIZE

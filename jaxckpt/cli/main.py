@@ -32,9 +32,10 @@ BENCHES: dict[str, str] = {
     "scaling": "save() and snapshot time vs state size and processes; the commit protocol's cost per step",
     "memory": "host memory per node, per store and protection policy",
     "cluster": "protection, restore paths and node-loss recovery on simulated nodes, vs Orbax",
+    "agent": "a fresh node agent's start-up (exec -> serving, wall and CPU), vs a bare interpreter",
     "all": "every benchmark, then BENCHMARKS.md sections and plots",
 }
-BENCH_MODULES = {"torch": "torch_dcp"}
+BENCH_MODULES = {"torch": "torch_dcp", "agent": "agent_start"}
 
 
 def _wanted(argv: Sequence[str] | None, names: Sequence[str]) -> set[str]:

@@ -1,16 +1,15 @@
 """Dtype names on the wire: numpy's names, plus the ml_dtypes extensions (bfloat16, float8_*) JAX and torch use."""
 from __future__ import annotations
 
+import functools
 import re
-
-import numpy as np
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from jaxckpt.errors import ManifestError, UnsupportedLeafError
 
-try:  # ml_dtypes ships with jax; a torch-only install may lack it (see _ML_WIDTHS)
-    import ml_dtypes as _ml
-except ImportError:  # pragma: no cover - depends on the environment
-    _ml = None
+if TYPE_CHECKING:
+    import numpy as np
 
 
 _NAME = re.compile(r"[a-z][a-z0-9_]{0,31}(\[[a-zA-Z0-9]{1,8}\])?\Z")
@@ -27,8 +26,30 @@ _ML_WIDTHS = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3f
               "uint1": 1, "uint2": 1, "uint4": 1}
 
 
+@functools.cache
+def _ml_dtypes() -> ModuleType | None:
+    """ml_dtypes, imported on the first name numpy does not know: its import costs about a second of CPU (it
+    registers hundreds of ufunc loops), which processes that never meet such a name (node agents, numpy trainers)
+    need not pay. It ships with jax; a torch-only install may lack it (see _ML_WIDTHS)."""
+    try:
+        import ml_dtypes
+    except ImportError:  # pragma: no cover - depends on the environment
+        return None
+    return ml_dtypes
+
+
+def _numpy() -> ModuleType:
+    """numpy, imported on the first dtype name: the node agent imports the manifest format (its limits, the
+    records it serves) but decodes no manifest before it serves, so its start, on which a replacement node's
+    first ``Checkpointer()`` waits, does not pay numpy's import (about half of it)."""
+    import numpy
+
+    return numpy
+
+
 def dtype_name(dtype: np.dtype) -> str:
     """The name under which ``dtype`` is written into a manifest."""
+    np = _numpy()
     dt = np.dtype(dtype)
     if dt.type in (np.str_, np.bytes_, np.void) and dt.names is None and dt.subdtype is None:  # not ml_dtypes
         return f"{_FIXED[dt.kind]}[{dt.itemsize // 4 if dt.kind == 'U' else dt.itemsize}]"
@@ -41,6 +62,7 @@ def dtype_from_name(name: str) -> np.dtype:
     Only plain element types are accepted: a name from another process or from disk must never turn bytes into
     Python objects (dtype object) or into another shape (sub-array and structured dtypes).
     """
+    np = _numpy()
     dt = None
     fixed = _FIXED_NAME.match(name) if isinstance(name, str) else None
     if fixed:
@@ -49,10 +71,11 @@ def dtype_from_name(name: str) -> np.dtype:
         try:
             dt = np.dtype(name)
         except (TypeError, ValueError):
-            scalar = getattr(_ml, name, None) if _ml is not None and not name.startswith("_") else None
+            ml = _ml_dtypes()
+            scalar = getattr(ml, name, None) if ml is not None and not name.startswith("_") else None
             if isinstance(scalar, type) and issubclass(scalar, np.generic):
                 dt = np.dtype(scalar)
-            elif _ml is None and name in _ML_WIDTHS:
+            elif ml is None and name in _ML_WIDTHS:
                 dt = np.dtype(f"u{_ML_WIDTHS[name]}")
     if dt is None or dt.hasobject or dt.subdtype is not None or dt.names is not None:
         raise ManifestError(f"unknown dtype {name!r} in manifest")

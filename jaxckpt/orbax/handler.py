@@ -18,8 +18,12 @@ saved tree's layout, ``jaxckpt.orbax.layout``), so Orbax's own step bookkeeping 
 Orbax's args and semantics. Besides ``SnapshotSave``/``SnapshotRestore`` the handler takes the args an Orbax user
 already passes (``StandardSave``/``PyTreeSave`` with ``save_args`` and ``custom_metadata``,
 ``StandardRestore``/``PyTreeRestore`` with ``restore_args``, ``partial_restore``, ``strict``), so registering it
-for an item is the only change, and restores as Orbax's pytree handlers do: see ``jaxckpt.orbax.layout``.
-``metadata()`` gives Orbax's ``.tree`` (``ArrayMetadata`` with shardings) and ``.custom_metadata``.
+for an item is the only change, and restores as Orbax's pytree handlers do: see ``jaxckpt.orbax.layout`` (masked
+optimizer states, ``None`` target leaves, PRNG keys, "Topology mismatch detected"). ``metadata()`` is Orbax's
+``TreeMetadata`` of the saved tree (:class:`SnapshotMetadata`). Orbax's argument errors are raised from save() as
+its handlers raise them: an empty item (:class:`jaxckpt.errors.EmptyItemError`, "Found empty item."), a leaf type
+the args do not take (:class:`jaxckpt.errors.UnsupportedTypeError`, "Unsupported type"; ``StandardSave`` takes
+arrays and numbers only), each a ``ValueError`` with Orbax's words first.
 
 The step number. Orbax does not pass the step to item handlers, only a directory such as
 ``<root>/<step>.orbax-checkpoint-tmp/<item>.orbax-checkpoint-tmp``. ``SnapshotSave(state, step=k)`` sets it
@@ -57,11 +61,15 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+# Orbax's own TreeMetadata (what its pytree handlers' metadata() returns) and ShardingMetadata: not exported.
+from orbax.checkpoint._src.metadata import sharding as sharding_metadata
+from orbax.checkpoint._src.metadata import tree as tree_metadata
 
 from jaxckpt.config import Config
-from jaxckpt.errors import (ClosedError, ManifestError, StepError, StepNotFoundError, UnsupportedLeafError,
-                            UnsupportedTypeError)
+from jaxckpt.errors import (ClosedError, EmptyItemError, ManifestError, StepError, StepNotFoundError,
+                            UnsupportedLeafError, UnsupportedTypeError)
 from jaxckpt.jax.checkpointer import Checkpointer, SaveHandle
+from jaxckpt.jax.shards import key_data_sharding
 from jaxckpt.orbax import layout as lay
 
 log = logging.getLogger("jaxckpt.orbax")
@@ -178,6 +186,10 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
     def _start_save(self, directory: epath.Path, args: Any) -> list[ocp.future.Future]:
         try:
             handle, commit = self.begin_save(directory, args)
+        except (EmptyItemError, UnsupportedTypeError):
+            # Refusals of the item itself, before anything started: raised from save() as Orbax's own handlers
+            # raise them (tests/test_orbax_contract.py; the process still exits at once, test_orbax_semantics).
+            raise
         except Exception as e:
             # Orbax started creating the directory and waits, on a thread of its own, for this save's commit
             # futures: raising here would leave that thread waiting (the process would not exit for minutes,
@@ -226,6 +238,13 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
         if explicit is not None and parsed is not None and parsed != explicit:
             log.warning("SnapshotSave(step=%d) differs from the step %d in %s; the marker records %d",
                         explicit, parsed, directory, explicit)
+        if isinstance(args, ocp.args.StandardSave):
+            if state is None:
+                raise EmptyItemError("Must provide item to save. StandardSave(None): there is no state to snapshot")
+            state = lay.standard_item(state)
+        if not jax.tree_util.tree_leaves(state) and not state:  # Orbax's test: a tuple of Nones is an item
+            raise EmptyItemError(f"Found empty item. The state to save has no leaves ({type(state).__name__}: "
+                                 f"{state!r:.80}): there is nothing to snapshot")
         state = _cast(state, save_args)
         try:
             tree_layout = lay.describe(state)
@@ -296,25 +315,31 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
                 f"such steps with SnapshotHandler(directory=<the manager's directory>) built before the manager, "
                 f"or keeps them with Config.persistent_dir")
         item, restore_args, partial, strict = _restore_request(args)
+        if isinstance(args, ocp.args.StandardRestore) and item is not None:
+            lay.check_standard_target(item)
         if "layout" not in marker:  # a marker written before layouts: jaxckpt's own target semantics
             return self.checkpointer.restore(item, step=step)
         p = lay.plan(marker["layout"], item, restore_args, partial=partial, strict=strict, rich=self.rich_types)
         if step in held or persister is None:
             out = self.checkpointer.restore(p.target, step=step)
-        else:  # the persistent tier reads whole steps: skipped leaves are read as saved, then dropped
-            whole = lay.plan(marker["layout"]).target
-            target = jax.tree_util.tree_map(lambda t, w: w if t is lay.SKIP else t, p.target, whole)
-            out = self.checkpointer._restore(target, step).state
+        else:  # the persistent tier reads whole steps: skipped leaves are read (to host memory), then dropped
+            out = self.checkpointer._restore(p.whole_target(), step).state
         return p.finish(lay.flat_values(out))
 
     def metadata(self, directory: epath.Path) -> "SnapshotMetadata | None":
-        """The saved tree's metadata (``.tree``: shapes, dtypes, shardings; ``.custom_metadata``), which is also
-        the marker as a dict (step, job id, bytes, process count); None without a marker."""
+        """The saved tree's metadata, Orbax's ``TreeMetadata`` (see :class:`SnapshotMetadata`: the tree of shapes,
+        dtypes and shardings, ``.custom_metadata``, and ``.marker``); None without a marker, or for a marker
+        written before layouts were recorded."""
+        directory = epath.Path(directory)
         try:
-            marker = self.read_marker(epath.Path(directory))
+            marker = self.read_marker(directory)
         except StepNotFoundError:
             return None
-        return SnapshotMetadata(marker, epath.Path(directory))
+        if "layout" not in marker:
+            return None
+        tree = lay.build(marker["layout"], lambda path, leaf: _leaf_metadata(path, leaf, directory),
+                         rich=self.rich_types)
+        return SnapshotMetadata(tree=tree, custom_metadata=marker.get("custom_metadata"), marker=marker)
 
     @staticmethod
     def read_marker(directory: epath.Path) -> dict[str, Any]:
@@ -423,43 +448,57 @@ class SnapshotRestore(ocp.args.CheckpointArgs):
     item: Any = None  # the legacy positional form ``ckptr.restore(path, item=...)``
 
 
-class SnapshotMetadata(dict):
-    """``SnapshotHandler.metadata``: the marker (a dict, as before) with Orbax's ``.tree`` and ``.custom_metadata``.
+@jax.tree_util.register_pytree_with_keys_class
+class SnapshotMetadata(tree_metadata._TreeMetadataImpl):
+    """``SnapshotHandler.metadata``: Orbax's ``TreeMetadata`` of the saved tree, as its pytree handlers give it,
+    plus jaxckpt's marker.
 
-    ``.tree`` mirrors the saved tree (its containers) with an ``ocp.metadata.ArrayMetadata`` per array leaf
-    (shape, dtype, ``ShardingMetadata``) and a ``ScalarMetadata`` per scalar, like ``PyTreeCheckpointHandler``'s.
+    It is the saved tree itself: a pytree over its leaves (``jax.tree.map(lambda m: m.dtype, metadata)``,
+    ``metadata["w"].shape``), with ``.tree`` (the containers, an ``ocp.metadata.ArrayMetadata`` per array with
+    its shape, dtype and ``ShardingMetadata``, a ``ScalarMetadata`` per number, a ``StringMetadata`` per string,
+    None where the saved tree had None or an empty node) and ``.custom_metadata`` beside it. ``.marker`` is the
+    marker (step, job id, bytes, process count, layout); :meth:`abstract` the saved tree as restore targets.
     """
 
-    def __init__(self, marker: dict, directory: epath.Path) -> None:
-        super().__init__(marker)
-        self.directory = directory
+    def __init__(self, *, tree: Any, custom_metadata: Any = None, use_zarr3: bool = False,
+                 marker: dict | None = None) -> None:
+        super().__init__(tree=tree, custom_metadata=custom_metadata, use_zarr3=use_zarr3)
+        self._marker = marker or {}
 
     @property
-    def custom_metadata(self) -> Any:
-        return self.get("custom_metadata") or {}
+    def marker(self) -> dict:
+        return self._marker
 
-    @property
-    def tree(self) -> Any:
-        if "layout" not in self:
-            return None
-        return lay.build(self["layout"], lambda path, leaf: _leaf_metadata(path, leaf, self.directory))
+    def __repr__(self) -> str:
+        return (f"SnapshotMetadata(step={self._marker.get('step')}, custom_metadata={self.custom_metadata!r}, "
+                f"tree={self.tree!r})")
 
     def abstract(self) -> Any:
         """The saved tree as restore targets: ``jax.ShapeDtypeStruct`` (saved sharding) or numpy per leaf."""
-        return lay.abstract(self["layout"])
+        return lay.abstract(self._marker["layout"])
+
+
+# Python values saved by value, as Orbax's pytree handlers describe them.
+_SCALAR_DTYPES = {"int": np.dtype(np.int64), "float": np.dtype(np.float64), "bool": np.dtype(np.bool_)}
 
 
 def _leaf_metadata(path: str, leaf: dict, directory: epath.Path) -> Any:
-    from orbax.checkpoint._src.metadata import sharding as sharding_metadata
-    if leaf["kind"] == "value":
-        return None  # saved by value: Orbax records no array metadata for it
-    shape = tuple(leaf["shape"])
-    if leaf["kind"] == "numpy_scalar":
-        return ocp.metadata.ScalarMetadata(name=path, directory=directory, shape=(),
-                                           dtype=np.dtype(leaf["dtype"]))
+    kind = leaf["kind"]
+    if kind == "value":  # a marker older than the recorded type, or bytes: no metadata (Orbax has none)
+        if leaf.get("type") == "str":
+            return ocp.metadata.StringMetadata(name=path, directory=directory)
+        dtype = _SCALAR_DTYPES.get(leaf.get("type"))
+        return None if dtype is None else ocp.metadata.ScalarMetadata(name=path, directory=directory, dtype=dtype)
+    if kind == "numpy_scalar":
+        return ocp.metadata.ScalarMetadata(name=path, directory=directory, shape=(), dtype=np.dtype(leaf["dtype"]))
     s = lay.saved_sharding(leaf)
+    if kind == "prng_key":  # as Orbax stores keys: their key data, trailing key dimensions unsharded
+        shape = lay.key_data_shape(leaf)
+        s = key_data_sharding(s, len(shape) - len(leaf["shape"])) if s is not None else None
+        dtype = np.dtype("uint32")
+    else:
+        shape, dtype = tuple(leaf["shape"]), lay.dtype_from_name(leaf["dtype"])
     sharding = sharding_metadata.from_jax_sharding(s) if s is not None else None
-    dtype = np.dtype("uint32") if leaf["kind"] == "prng_key" else lay.dtype_from_name(leaf["dtype"])
     return ocp.metadata.ArrayMetadata(name=path, directory=directory, shape=shape, sharding=sharding, dtype=dtype)
 
 
@@ -469,13 +508,17 @@ def _restore_request(args: Any) -> tuple[Any, Any, bool, bool]:
         return None, None, False, True
     if isinstance(args, SnapshotRestore):
         item = args.target if args.target is not None else args.item
-        return item, args.restore_args, args.partial_restore, args.strict
-    if isinstance(args, ocp.args.PyTreeRestore):
-        return args.item, args.restore_args, args.partial_restore, True
-    if isinstance(args, ocp.args.StandardRestore):
-        return args.item, None, False, args.strict
-    raise TypeError(f"SnapshotHandler.restore expects args=SnapshotRestore(...), StandardRestore(...) or "
-                    f"PyTreeRestore(...), got {type(args).__name__}")
+        request = item, args.restore_args, args.partial_restore, args.strict
+    elif isinstance(args, ocp.args.PyTreeRestore):
+        request = args.item, args.restore_args, args.partial_restore, True
+    elif isinstance(args, ocp.args.StandardRestore):
+        request = args.item, None, False, args.strict
+    else:
+        raise TypeError(f"SnapshotHandler.restore expects args=SnapshotRestore(...), StandardRestore(...) or "
+                        f"PyTreeRestore(...), got {type(args).__name__}")
+    if isinstance(request[0], tree_metadata.TreeMetadata):  # restored onto its metadata: the tree it holds
+        request = (request[0].tree, *request[1:])
+    return request
 
 
 def _cast(state: Any, save_args: Any) -> Any:

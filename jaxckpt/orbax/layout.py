@@ -9,31 +9,43 @@ per-leaf work Orbax does after reading (cast, pad or truncate, PRNG key data), s
 
 - a leaf saved as numpy comes back as numpy, and a target without a sharding gets the saved one (never an
   unasked-for move to device 0, never a 64-bit value narrowed by JAX);
-- a restore without a target returns the saved containers, ``None`` leaves and empty nodes;
-- ``PLACEHOLDER`` (``...``) in the item skips that leaf, and ``partial_restore=True`` skips leaves the item omits;
+- a restore without a target returns the saved containers, ``None`` leaves and empty nodes (an empty NamedTuple,
+  such as ``optax.MaskedNode``, as ``None`` in Orbax's legacy container types);
+- a leaf of the item that is ``PLACEHOLDER`` (``...``), ``None`` or an empty node (``optax.MaskedNode``) skips that
+  saved leaf and comes back as given; ``partial_restore=True`` skips leaves the item omits;
+- an item leaf where the saved tree had ``None`` or an empty node (an optimizer state saved masked, restored onto
+  the unmasked structure) comes back as ``None``;
 - ``strict=False`` pads or truncates to the target shape; a dtype in the target or restore args casts;
-- a target of ``uint32[..., 2]`` for saved PRNG keys receives their key data.
+- saved PRNG keys come back as key arrays, whether the target gives them as keys or as their key data
+  (``ocp.utils.to_shape_dtype_struct`` of a key array is a ``uint32[..., 2]`` ``ShapeDtypeStruct``);
+- an array whose saved sharding names devices this job lacks, asked for without a sharding, is refused with
+  Orbax's "Topology mismatch detected" (before anything is read).
+
+:func:`standard_item` and :func:`check_standard_target` are ``StandardCheckpointHandler``'s narrower leaf types.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import functools
-import logging
 from typing import Any, Callable
 
 import jax
 import numpy as np
 
 from jaxckpt.core.dtypes import dtype_from_name, dtype_name
-from jaxckpt.errors import TargetMismatchError
+from jaxckpt.errors import TargetMismatchError, UnsupportedTypeError
 from jaxckpt.jax.restore import SKIP
+from jaxckpt.jax.shards import key_data_sharding
 from jaxckpt.jax.tree import classify, keypath_entries
-
-log = logging.getLogger("jaxckpt.orbax.layout")
 
 PLACEHOLDER = ...  # Orbax's type_handlers.PLACEHOLDER: "do not restore this leaf"
 MISMATCH = "User-provided restore item and on-disk value metadata tree structures do not match"
+TOPOLOGY = ("Topology mismatch detected. The checkpoint was saved with a different topology than the current one. "
+            "Please provide a target tree with the desired topology to restore.")
+_VALUE_TYPES = {t.__name__: t for t in (bool, int, float, str, bytes)}  # saved by value ("type" in the layout)
+# StandardCheckpointHandler's leaf types (orbax.checkpoint.checkpoint_utils.STANDARD_ARRAY_TYPES).
+STANDARD_TYPES = (int, float, np.ndarray, jax.Array)
 
 
 # ------------------------------------------------------------------------------------------------ describe
@@ -46,10 +58,18 @@ def _is_namedtuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
 
+def is_empty_node(x: Any) -> bool:
+    """None or a pytree node without children (``optax.MaskedNode``, ``{}``, ``()``): no leaf to read or save."""
+    if x is None:
+        return True
+    children, treedef = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)
+    return not children and not jax.tree_util.treedef_is_leaf(treedef)
+
+
 def _leaf(x: Any, path: str) -> dict:
     kind = classify(x, path)  # UnsupportedLeafError for what jaxckpt cannot hold
-    if kind == "value":
-        return {"t": "leaf", "kind": "value"}
+    if kind == "value":  # the Python type: Orbax's metadata of the leaf (ScalarMetadata, StringMetadata)
+        return {"t": "leaf", "kind": "value", "type": type(x).__name__}
     if kind == "prng_key":
         return {"t": "leaf", "kind": kind, "shape": list(x.shape), "impl": str(jax.random.key_impl(x)),
                 "sharding": _sharding_json(x.sharding)}
@@ -92,15 +112,20 @@ def _sharding_json(s: Any) -> dict | None:
     return None
 
 
+def saved_devices(leaf: dict) -> list[int]:
+    """The ids of the devices a leaf's saved sharding names (none for numpy and value leaves)."""
+    d = leaf.get("sharding") or {}
+    return d["ids"] if "ids" in d else [d["device"]] if "device" in d else []
+
+
 def saved_sharding(leaf: dict) -> jax.sharding.Sharding | None:
     """The sharding a leaf was saved with, on this process's devices, or None if it cannot be rebuilt here."""
     d = leaf.get("sharding")
     if not d:
         return None
     devices = {dev.id: dev for dev in jax.devices()}
-    ids = d["ids"] if "ids" in d else [d["device"]]
+    ids = saved_devices(leaf)
     if any(i not in devices for i in ids):
-        log.warning("saved sharding %s names devices this job does not have", d)
         return None
     if "device" in d:
         return jax.sharding.SingleDeviceSharding(devices[d["device"]])
@@ -125,12 +150,23 @@ def leaves(layout: dict, path: str = "") -> dict[str, dict]:
     return out
 
 
+def empty_nodes(layout: dict, path: str = "") -> set[str]:
+    """The paths of ``layout``'s ``None`` leaves and empty nodes (a masked optimizer state's ``MaskedNode``)."""
+    if layout["t"] == "none" or (layout["t"] != "leaf" and not layout["c"]):
+        return {path or "<root>"}
+    out: set[str] = set()
+    for key, child in layout.get("c", ()):
+        out |= empty_nodes(child, f"{path}/{key[1]}" if path else str(key[1]))
+    return out
+
+
 def build(layout: dict, leaf: Callable[[str, dict], Any], path: str = "", *, rich: bool = True) -> Any:
     """The tree ``layout`` describes, each leaf ``leaf(path, description)``; dataclass-like nodes become dicts.
 
-    ``rich=False``: Orbax's legacy metadata mode (its default), namedtuples as dicts and tuples as lists."""
+    ``rich=False``: Orbax's legacy metadata mode (its default), namedtuples as dicts (an empty one as None) and
+    tuples as lists."""
     t = layout["t"]
-    if t == "none":
+    if t == "none" or (t == "namedtuple" and not layout["c"] and not rich):
         return None
     if t == "leaf":
         return leaf(path or "<root>", layout)
@@ -150,7 +186,7 @@ def build(layout: dict, leaf: Callable[[str, dict], Any], path: str = "", *, ric
 class Want:
     """What the caller asked of one saved leaf."""
 
-    kind: str  # "jax" | "numpy" | "value" | "key_data" | "skip"
+    kind: str  # "jax" | "numpy" | "value" | "skip"
     shape: tuple[int, ...] | None = None
     dtype: Any = None
     sharding: Any = None
@@ -195,16 +231,35 @@ def _want(path: str, saved: dict, t: Any, ra: Any, strict: bool) -> Want:
         return Want("value")
     if kind is None or kind == "value":
         kind = "jax" if skind in ("jax", "prng_key") or sharding is not None else "numpy"
-    if skind == "prng_key":
+    if skind == "prng_key":  # a key array whatever the target's form (Orbax rewraps the key data it reads)
         if kind == "jax" and dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-            return Want("key_data", shape, np.dtype(dtype), sharding)
+            sharding = _key_sharding(path, saved, shape, sharding)  # given for the key data
         return Want("jax", None, None, sharding if sharding is not None else saved_sharding(saved))
     if kind == "jax" and sharding is None:
-        sharding = saved_sharding(saved)
-        if sharding is None:
-            raise TargetMismatchError(f"{path}: saved with a sharding this job cannot rebuild; give the target a "
-                                      f"sharding (a jax.ShapeDtypeStruct with sharding=, or ArrayRestoreArgs)")
+        sharding = saved_sharding(saved)  # None when the saved devices are not all here: Plan raises TOPOLOGY
     return Want(kind, shape, None if dtype is None else np.dtype(dtype), sharding, strict)
+
+
+def key_data_shape(saved: dict) -> tuple[int, ...]:
+    """The shape of saved PRNG keys' key data (the keys' shape, then the impl's trailing dimensions)."""
+    keys = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=saved["impl"])))
+    return tuple(saved["shape"]) + tuple(keys.shape)
+
+
+def _key_sharding(path: str, saved: dict, shape: tuple[int, ...] | None, data: Any) -> Any:
+    """The keys' sharding from ``data``, a sharding given for their key data (trailing key dimensions)."""
+    want = key_data_shape(saved)
+    if shape is not None and tuple(shape) != want:
+        raise TargetMismatchError(f"{path}: saved PRNG keys whose key data is {list(want)}, target shape "
+                                  f"{list(shape)}")
+    ndim = len(saved["shape"])
+    if data is None or isinstance(data, jax.sharding.SingleDeviceSharding):
+        return data
+    if isinstance(data, jax.sharding.NamedSharding):
+        spec = tuple(data.spec)[:ndim]
+        return jax.sharding.NamedSharding(data.mesh, jax.sharding.PartitionSpec(*spec))
+    raise TargetMismatchError(f"{path}: a {type(data).__name__} given for saved PRNG keys' key data; give the keys' "
+                              f"own sharding (a ShapeDtypeStruct of the key dtype) or a NamedSharding")
 
 
 @dataclasses.dataclass
@@ -215,6 +270,13 @@ class Plan:
     wants: dict[str, Want]
     saved: dict[str, dict]
     finish: Callable[[dict[str, Any]], Any]
+    layout: dict
+
+    def whole_target(self) -> Any:
+        """``target`` with the skipped leaves read too, into host memory (the persistent tier reads whole steps;
+        ``finish`` drops them)."""
+        return build(self.layout, lambda p, leaf: _target_leaf(p, leaf, Want("numpy") if self.wants[p].kind == "skip"
+                                                                else self.wants[p]))
 
 
 def _target_leaf(path: str, saved: dict, want: Want) -> Any:
@@ -258,15 +320,8 @@ def _check_x64(path: str, dtype: Any) -> None:
 
 def _adapt(path: str, value: Any, saved: dict, want: Want) -> Any:
     """What the caller asked for, from the leaf as stored."""
-    if want.kind in ("skip", "value"):
-        return PLACEHOLDER if want.kind == "skip" else value
-    if want.kind == "key_data":
-        data = jax.random.key_data(value)
-        if want.shape is not None and tuple(want.shape) != tuple(data.shape):
-            raise TargetMismatchError(f"{path}: saved PRNG keys whose key data is {data.dtype}{list(data.shape)}, "
-                                      f"target is {np.dtype(want.dtype).name}{list(want.shape)}")
-        data = data.astype(want.dtype) if want.dtype != data.dtype else data
-        return jax.device_put(data, want.sharding) if want.sharding is not None else data
+    if want.kind == "value":
+        return value
     if saved["kind"] == "prng_key":
         return value if want.sharding is None else jax.device_put(value, want.sharding)
     shape = tuple(want.shape) if want.shape is not None else tuple(saved["shape"])
@@ -292,6 +347,11 @@ def _flat(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list
     return out, treedef
 
 
+def _given(t: Any) -> bool:
+    """An item leaf that is the caller's own answer, never read: PLACEHOLDER, None, an empty node."""
+    return t is PLACEHOLDER or is_empty_node(t)
+
+
 def plan(layout: dict, item: Any = None, restore_args: Any = None, *, partial: bool = False,
          strict: bool = True, rich: bool = True) -> Plan:
     """The restore of ``layout`` that Orbax would do for (``item``, ``restore_args``, ``partial``, ``strict``)."""
@@ -300,46 +360,81 @@ def plan(layout: dict, item: Any = None, restore_args: Any = None, *, partial: b
     is_ra = lambda x: isinstance(x, ocp.RestoreArgs)  # noqa: E731
     ras = dict(_flat(restore_args, is_ra)[0]) if restore_args is not None else {}
     wants: dict[str, Want] = {}
+    answers: dict[str, Any] = {}  # item leaves answered without a read
     if item is None:
         for path, leaf in saved.items():
             wants[path] = _want(path, leaf, None, ras.get(path), strict)
     else:
-        item_leaves, _ = _flat(item, lambda x: x is None or x is PLACEHOLDER)
-        for path, t in item_leaves:
-            if path in saved:
+        empty = empty_nodes(layout)
+        for path, t in _flat(item, _given)[0]:
+            if path in saved and not _given(t):
                 wants[path] = _want(path, saved[path], t, ras.get(path), strict)
-            elif not (t is None and _none_at(layout, path)):
-                raise TargetMismatchError(f"{MISMATCH}: {path!r} is in the restore item but not saved "
-                                          f"(saved leaves: {sorted(saved)[:8]}...)" if len(saved) > 8 else
-                                          f"{MISMATCH}: {path!r} is in the restore item but not saved "
-                                          f"(saved leaves: {sorted(saved)})")
-        missing = [p for p in saved if p not in wants]
+            elif path in saved or path in empty:
+                # The item's own None / MaskedNode / PLACEHOLDER; an array asked where the saved tree had none
+                # (a masked optimizer state restored onto the unmasked one) is None, as in Orbax.
+                answers[path] = t if _given(t) else None
+            else:
+                known = f"{sorted(saved)[:8]}..." if len(saved) > 8 else f"{sorted(saved)}"
+                raise TargetMismatchError(f"{MISMATCH}: {path!r} is in the restore item but not saved (saved "
+                                          f"leaves: {known})")
+        missing = [p for p in saved if p not in wants and p not in answers]
         if missing and not partial:
             raise TargetMismatchError(f"{MISMATCH}: saved leaves {missing} are missing from the restore item (pass "
                                       f"partial_restore=True to restore only the item's leaves)")
-        for p in missing:
-            wants[p] = Want("skip")
+        for p in saved:
+            wants.setdefault(p, Want("skip"))
+    _check_topology(saved, wants)
     target = build(layout, lambda p, leaf: _target_leaf(p, leaf, wants[p]))
 
     def finish(values: dict[str, Any]) -> Any:
-        adapted = {p: _adapt(p, values[p], saved[p], wants[p]) for p in saved}
+        adapted = {p: _adapt(p, values[p], saved[p], w) for p, w in wants.items() if w.kind != "skip"}
         if item is None:
             return build(layout, lambda p, leaf: adapted[p], rich=rich)
-        flat, treedef = _flat(item, lambda x: x is None or x is PLACEHOLDER)
-        return jax.tree_util.tree_unflatten(treedef, [adapted[p] if p in saved else None for p, _ in flat])
-    return Plan(target, wants, saved, finish)
+        flat, treedef = _flat(item, _given)
+        return jax.tree_util.tree_unflatten(treedef, [answers[p] if p in answers else adapted[p] for p, _ in flat])
+    return Plan(target, wants, saved, finish, layout)
 
 
-def _none_at(layout: dict, path: str) -> bool:
-    node = layout
-    for part in path.split("/"):
-        for key, child in node.get("c", ()):
-            if str(key[1]) == part:
-                node = child
-                break
-        else:
-            return False
-    return node["t"] == "none"
+def _check_topology(saved: dict[str, dict], wants: dict[str, Want]) -> None:
+    """Orbax's "Topology mismatch detected" for arrays asked for without a sharding whose saved one cannot be
+    rebuilt here (its devices are not all in this job), naming each; before anything is read."""
+    lost = [p for p, w in wants.items() if w.kind == "jax" and w.sharding is None]
+    give = "give the target a sharding (a jax.ShapeDtypeStruct with sharding=, or ArrayRestoreArgs)"
+    unknown = [p for p in lost if not saved_devices(saved[p])]
+    if unknown:  # saved as numpy, or with a kind of sharding the layout does not record
+        raise TargetMismatchError(f"{unknown[0]}: asked for as a jax.Array without a sharding, and saved without "
+                                  f"one this job can rebuild; {give}")
+    if lost:
+        where = "; ".join(f"{p}: saved on devices {saved_devices(saved[p])}" for p in lost)
+        raise TargetMismatchError(f"{TOPOLOGY} {where}; this job has devices {sorted(d.id for d in jax.devices())}: "
+                                  f"{give}")
+
+
+def standard_item(item: Any) -> Any:
+    """``item`` as ``StandardCheckpointHandler`` saves it: array-likes as numpy arrays; UnsupportedTypeError
+    (Orbax's "Unsupported type") for a leaf that is not an array or a number (a ``str``)."""
+    def check(kp: Any, x: Any) -> Any:
+        if not isinstance(x, (np.ndarray, jax.Array)) and hasattr(x, "__array__"):
+            x = np.asarray(x)
+        if not isinstance(x, STANDARD_TYPES):
+            raise _unsupported(kp, x, "StandardSave takes arrays and numbers (PyTreeSave also takes strings)")
+        return x
+    return jax.tree_util.tree_map_with_path(check, item)
+
+
+def check_standard_target(item: Any) -> None:
+    """UnsupportedTypeError (Orbax's "Unsupported type") for a ``StandardRestore`` item leaf that is not an array,
+    a number or a ``jax.ShapeDtypeStruct`` (``PLACEHOLDER`` and metadata leaves are ``PyTreeRestore``'s)."""
+    def check(kp: Any, x: Any) -> None:
+        if not isinstance(x, (*STANDARD_TYPES, jax.ShapeDtypeStruct)):
+            raise _unsupported(kp, x, "a StandardRestore target takes arrays, numbers and jax.ShapeDtypeStruct")
+    jax.tree_util.tree_map_with_path(check, item)
+
+
+def _unsupported(kp: Any, x: Any, why: str) -> UnsupportedTypeError:
+    entries = keypath_entries(kp)
+    path = "/".join(str(v) for _, v in entries) or "<root>"
+    return UnsupportedTypeError(f"Unsupported type: {type(x)} for key: {tuple(v for _, v in entries)}. {path}: {why}")
 
 
 def flat_values(tree: Any) -> dict[str, Any]:
@@ -349,10 +444,11 @@ def flat_values(tree: Any) -> dict[str, Any]:
 
 def abstract(layout: dict) -> Any:
     """The saved tree as restore targets: ``jax.ShapeDtypeStruct`` on the saved sharding (None where it cannot
-    be rebuilt here), ``np.ndarray``-like numpy leaves (zero-copy views), and the types of scalars."""
+    be rebuilt here), ``np.ndarray``-like numpy leaves (zero-copy views), the types of numpy scalars, and a value
+    of the saved type for a Python value (as Orbax v1's metadata: ``0``, ``""``; a None leaf would skip it)."""
     def leaf(path: str, d: dict) -> Any:
         if d["kind"] == "value":
-            return None
+            return _VALUE_TYPES.get(d.get("type"), int)()
         if d["kind"] == "prng_key":
             keys = jax.eval_shape(lambda: jax.random.key(0, impl=d["impl"]))
             return jax.ShapeDtypeStruct(tuple(d["shape"]), keys.dtype, sharding=saved_sharding(d))

@@ -21,8 +21,10 @@ name: use the context, or :func:`register`, which swaps that one entry of the gl
 
 Semantics are those of :class:`jaxckpt.orbax.SnapshotHandler` (the v0 handler this wraps): the step is the one
 Orbax writes, ``overwrite=True`` works, a load without ``abstract_state`` returns the saved tree (numpy leaves as
-numpy, jax leaves on their saved shardings), ``None`` leaves of an abstract tree are loaded from the saved
-metadata, and with ``Config.persistent_dir`` a step memory no longer holds comes from the persistent tier.
+numpy, jax leaves on their saved shardings), ``None`` leaves of an abstract tree are skipped and come back None
+(as from Orbax's own v1 pytree handler), and with ``Config.persistent_dir`` a step memory no longer holds comes
+from the persistent tier. Restores without an abstract tree give the saved container types (NamedTuples, tuples),
+where Orbax's v1 handler defaults to dicts and lists (its ``PyTreeMetadataOptions``).
 """
 from __future__ import annotations
 

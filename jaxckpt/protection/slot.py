@@ -23,16 +23,13 @@ from typing import Any, Iterable
 import msgpack
 import numpy as np
 
-from jaxckpt.protection import parity
+from jaxckpt.protection import PROTECT_BASE, parity  # noqa: F401 - PROTECT_BASE: re-exported, slots' indices
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.errors import ManifestError
 from jaxckpt.protection.plan import ALIGN
 
 FORMAT, VERSION = "jaxckpt-protect", 1
 MAX_HEADER_BYTES = 16 << 20
-# Pseudo process index of a trainer's protection slots: PROTECT_BASE + process. Far above any job's process count,
-# and within the nine digits the agent's file names give a process index.
-PROTECT_BASE = 500_000_000
 
 
 @dataclass(frozen=True)
