@@ -26,8 +26,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from jaxckpt.backends.agent.capacity import check_budget
 from jaxckpt.backends.agent.protocol import (AgentConnection, agent_dir, default_log_path, ensure_private_dir,
                                              open_segment, spawn_agent)
+from jaxckpt.node_identity import local_process_count, node_identity
 from jaxckpt.core.history import trim
 from jaxckpt.config import Config
 from jaxckpt.errors import ClosedError, StepError, StepNotFoundError, StoreUnavailableError
@@ -76,6 +78,9 @@ class ShmStore(Store):
     def __init__(self, config: Config, *, process_index: int = 0, process_count: int = 1) -> None:
         super().__init__(config, process_index=process_index, process_count=process_count)
         self.directory = agent_dir(config)
+        # A too-small /dev/shm (a container's 64 MB) fails here, naming the sizes and the fix, not at a save.
+        check_budget(self.directory, config.memory_budget_bytes, local_process_count() or 1,
+                     node_identity(config).name)
         # agent_requests / agent_request_ns: round trips to the agent and their time, every thread's
         self.metrics: dict[str, int] = {"saves_skipped": 0, "reconnects": 0, "agent_spawns": 0, "agent_requests": 0,
                                         "agent_request_ns": 0}

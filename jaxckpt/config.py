@@ -20,6 +20,7 @@ PROTECTIONS = ("none", "replica", "parity", "xor-group", "hybrid")
 PEER_SECURITY = ("auto", "curve", "insecure-token")
 ENV_PREFIX = "JAXCKPT_"
 MAX_JOB_ID = 128
+MAX_NODE_NAME = 253  # a Kubernetes node name (a DNS subdomain) may be this long
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
@@ -70,9 +71,13 @@ class Config:
     # leaves loopback, the token alone on loopback; "curve": always; "insecure-token": never, even off
     # loopback (the token then crosses the network in clear text in every request).
     peer_security: str = "auto"
-    # store="shm": the node agent's directory (socket, lock, shared-memory segments); "" = a per-job directory
-    # under /dev/shm. Simulated nodes on one machine each get their own (JAXCKPT_SHM_DIR).
+    # store="shm": the node agent's directory (socket, lock, shared-memory segments); "" = a directory per job and
+    # node (and SLURM allocation) under /dev/shm (jaxckpt.node_identity.agent_dir_name).
     shm_dir: str = ""
+    # The node (failure domain) of this process: "" = the scheduler's name for it (K8S_NODE_NAME, SLURMD_NODENAME)
+    # or the host name (jaxckpt.node_identity). Processes of one node share its agent; protection keeps a node's
+    # redundancy on other nodes.
+    node_name: str = ""
     # Restore from node agents (jaxckpt.core.catalog): agent directories of the saving job's nodes that this process
     # can read (comma-separated, glob patterns allowed, e.g. "/dev/shm/jaxckpt-sim/node*"); this process's own
     # node agent is always used, and the processes of a job share what they found through the coordination
@@ -120,6 +125,10 @@ class Config:
         check_peer_security(self.peer_bind, self.peer_security)
         if self.shm_dir and not os.path.isabs(self.shm_dir):
             raise ConfigError(f"Config.shm_dir={self.shm_dir!r}: must be an absolute path")
+        if self.node_name and (len(self.node_name) > MAX_NODE_NAME or any(c not in _JOB_ID_CHARS
+                                                                          for c in self.node_name)):
+            raise ConfigError(f"Config.node_name={self.node_name[:64]!r}: use letters, digits, '-', '_' and '.' "
+                              f"only, at most {MAX_NODE_NAME} characters")
         if not self.job_id or any(c not in _JOB_ID_CHARS for c in self.job_id):
             raise ConfigError(f"Config.job_id={self.job_id!r}: use letters, digits, '-', '_' and '.' only")
         if len(self.job_id) > MAX_JOB_ID:  # it names files and directories (NAME_MAX 255 with our prefixes)
@@ -165,7 +174,7 @@ class Config:
         types = _field_types()
         changes: dict[str, Any] = {}
         for key, raw in environ.items():
-            if not key.startswith(ENV_PREFIX) or key in _ENV_NOT_FIELDS:
+            if not key.startswith(ENV_PREFIX) or key in _env_not_fields():
                 continue
             name = key[len(ENV_PREFIX):].lower()
             if name not in types:
@@ -180,12 +189,14 @@ class Config:
         return self
 
 
-# Variables in our namespace that configure other things than Config (the CLI, the launcher).
-_ENV_NOT_FIELDS = frozenset({"JAXCKPT_LOG_LEVEL", "JAXCKPT_LAUNCH_SPEC",
-                             # set by jaxckpt.testing's launcher (jaxckpt/tools/node.py) in each process
-                             "JAXCKPT_COORDINATOR", "JAXCKPT_PROCESS_ID", "JAXCKPT_PROCESS_COUNT",
-                             "JAXCKPT_DEVICES_PER_PROC", "JAXCKPT_NODE", "JAXCKPT_NODE_COUNT", "JAXCKPT_LOCAL_RANK",
-                             "JAXCKPT_PROCS_PER_NODE", "JAXCKPT_LAUNCH_DIR"})
+def _env_not_fields() -> frozenset[str]:
+    """Variables in our namespace that configure other things than Config: the CLI, and the launcher's, whose names
+    live with the node identity (imported here, not at the top: that module imports this one)."""
+    from jaxckpt.node_identity import LAUNCH_ENV
+
+    return frozenset({"JAXCKPT_LOG_LEVEL", "JAXCKPT_LAUNCH_SPEC", *LAUNCH_ENV})
+
+
 # The design card once listed "peer" as a store; it never was one.
 _PEER_NOTE = ("; peers are not a store: every multi-process job serves its snapshots to the other processes "
               "over the peer transport, whichever store holds them")

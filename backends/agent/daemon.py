@@ -18,7 +18,9 @@ ZeroMQ CURVE, ``--peer-security``, jaxckpt.backends.curve), and publishes its ad
 ``peer.addr`` next to ``peer.token``.
 
 Peers must run as our uid (checked with SO_PEERCRED). On SIGTERM or SIGINT (or ``shutdown``) it stops
-listening, unlinks every segment and record, removes its directory and exits 0. It logs to a file.
+listening, unlinks every segment and record, removes its directory and exits 0; under SLURM a SIGTERM while the
+allocation runs (a step's end) leaves the memory to the next step's agent instead (``agent/lifetime.py``). It
+logs to a file.
 """
 from __future__ import annotations
 
@@ -41,12 +43,13 @@ from typing import Any
 
 import msgpack
 
-from jaxckpt.backends.agent import heap
+from jaxckpt.backends.agent import heap, lifetime
 from jaxckpt.backends.agent.protocol import (LOCK_NAME, PID_NAME, SOCKET_NAME, VERSION, ProtocolError, agent_dir,
-                                             default_log_path, ensure_private_dir, open_segment, recv_msg,
-                                             send_msg)
+                                             default_log_path, ensure_private_dir, open_segment, pid_alive,
+                                             recv_msg, send_msg, shm_base, stop_agent)
 from jaxckpt.backends.agent.table import Limits, Refused, SlotTable
 from jaxckpt.config import PEER_SECURITY, Config, peer_uses_curve
+from jaxckpt.node_identity import allocation, node_identity
 
 log = logging.getLogger("jaxckpt.backends.agent.daemon")
 
@@ -123,18 +126,31 @@ class Agent:
                 return True
             os.close(fd)
 
-    def run(self) -> int:
-        """Serve until SIGTERM/SIGINT or a shutdown request; free everything; the exit code."""
-        if not self.acquire():
-            log.info("another agent already serves %s; exiting", self.dir)
-            return EXIT_ALREADY_RUNNING
+    def run(self, *, wait: bool = False) -> int:
+        """Serve until SIGTERM/SIGINT or a shutdown request; free everything; the exit code. With ``wait``, an
+        agent already serving the directory is waited out (then this one adopts what it leaves) instead of
+        making this one exit: an agent run as its own SLURM step that a trainer's own agent beat to the lock."""
+        term = threading.Event()
+
+        def on_term(*_: Any) -> None:
+            term.set()
+            self._stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, on_term)
+        while not self.acquire():
+            if not wait:
+                log.info("another agent already serves %s; exiting", self.dir)
+                return EXIT_ALREADY_RUNNING
+            if self._stop.wait(0.2):
+                return 0
+        free = True
         try:
             self.adoption = self.table.adopt()
             self._write_pid()
             self._serve_peers()
             self._listen()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: self._stop.set())
+            # SIGTERM/SIGINT stay with on_term (set above): it also records the signal for the lifetime decision
             self.startup = startup_cost()
             self.modules_at_serving = _packages()
             threading.Thread(target=_import_late, name="agent-import-late", daemon=True).start()
@@ -142,8 +158,13 @@ class Agent:
                      self.generation, os.getpid(), self.job, self.node, self.dir, 1e3 * self.startup["serving_s"],
                      1e3 * self.startup["cpu_s"])
             self._accept_loop()
+            if term.is_set():  # a step's end under SLURM leaves the memory to the next step (agent/lifetime.py)
+                keep, why = lifetime.keep_on_term()
+                free = not keep
+                log.info("agent %s: SIGTERM (%s): %s", self.generation, why,
+                         "freeing the node's memory" if free else "leaving the node's memory to the next agent")
         finally:
-            self.shutdown()
+            self.shutdown(free=free)
         return 0
 
     def _write_pid(self) -> None:
@@ -216,8 +237,9 @@ class Agent:
                 self._conns[conn.id] = conn
             threading.Thread(target=self._serve, args=(conn,), name=f"agent-conn-{conn.id}", daemon=True).start()
 
-    def shutdown(self) -> None:
-        """Stop listening, drop every connection, unlink all memory, remove the directory."""
+    def shutdown(self, *, free: bool = True) -> None:
+        """Stop listening, drop every connection, unlink all memory, remove the directory; with ``free=False``
+        the segments, records and directory stay for the next agent to adopt, as after a kill."""
         self._stop.set()
         if self._listener is not None:
             self._listener.close()
@@ -237,6 +259,12 @@ class Agent:
             return
         from jaxckpt.backends.agent.serve import remove_peer_files
         remove_peer_files(self.dir)
+        if not free:
+            _unlink(os.path.join(self.dir, PID_NAME))  # its pid may be reused: never signalled through this file
+            os.close(self._lock_fd)
+            self._lock_fd = None
+            log.info("agent %s stopped: its memory stays in %s", self.generation, self.dir)
+            return
         nsegs, nbytes = self.table.close()
         _unlink(os.path.join(self.dir, PID_NAME))
         _unlink(os.path.join(self.dir, LOCK_NAME))  # while still locked: a newer agent re-creates it
@@ -336,7 +364,7 @@ class Agent:
         with self._lock:
             other = next((c for c in self._conns.values() if c.process == process and c is not conn), None)
         if other is not None:
-            if _alive(other.pid) and other.pid != conn.pid:
+            if pid_alive(other.pid) and other.pid != conn.pid:
                 raise Refused("busy", f"process {process} of job {self.job} is already connected (pid {other.pid})")
             log.warning("process %d: pid %d takes over from connection of pid %d", process, conn.pid, other.pid)
             try:
@@ -477,16 +505,6 @@ def _int(msg: dict, key: str, hi: int = MAX_INT) -> int:
     return v
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _unlink(path: str) -> None:
     try:
         os.unlink(path)
@@ -496,10 +514,17 @@ def _unlink(path: str) -> None:
 
 # --------------------------------------------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """``jaxckpt agent --job ID [--dir DIR] [--node NAME] [--budget-bytes N] [--log PATH]``."""
+    """``jaxckpt agent --job ID [--dir DIR] [--node NAME] [--budget-bytes N] [--log PATH] [--wait | --stop]``."""
     p.add_argument("--job", required=True, help="job id (Config.job_id) this agent serves")
-    p.add_argument("--dir", default="", help="agent directory (Config.shm_dir; default /dev/shm/jaxckpt-<uid>-<job>)")
-    p.add_argument("--node", default="", help="node name shown by `jaxckpt ls` (default: host name)")
+    p.add_argument("--dir", default="",
+                   help="agent directory (Config.shm_dir; default /dev/shm/jaxckpt-<uid>-<job>[@slurm<id>]@<node>)")
+    p.add_argument("--node", default="", help="this node's name (Config.node_name; default: the scheduler's name for "
+                                              "it, else the host name: `jaxckpt doctor` shows it)")
+    p.add_argument("--wait", action="store_true",
+                   help="if an agent already serves the directory, wait until it exits and take over (an agent run "
+                        "as its own SLURM step beside trainers that spawned theirs) instead of exiting")
+    p.add_argument("--stop", action="store_true",
+                   help="ask the directory's agent to stop and free its memory, wait until it has, and exit")
     p.add_argument("--budget-bytes", type=int, default=0, help="cap on the node's snapshot memory (0: none)")
     p.add_argument("--log", default="", help="log file (default: in the temp directory, named after --dir)")
     p.add_argument("--peer-bind", default="127.0.0.1",
@@ -514,8 +539,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Run the agent in the foreground until SIGTERM."""
+    config = Config(job_id=args.job, shm_dir=os.path.abspath(args.dir) if args.dir else "", node_name=args.node)
+    directory = agent_dir(config)
+    if args.stop:
+        stopped = stop_agent(directory, args.job)
+        print(f"jaxckpt agent: {'stopped the agent of' if stopped else 'no agent serves'} {directory}")
+        return 0
     heap.fix_mmap_threshold()  # before anything big is allocated and freed
-    directory = agent_dir(Config(job_id=args.job, shm_dir=os.path.abspath(args.dir) if args.dir else ""))
     log_path = args.log or default_log_path(directory)
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     # O_NOFOLLOW and 0600: the default log path is predictable (under /tmp), so a planted symlink must not
@@ -529,10 +559,12 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"jaxckpt agent: not logging to {log_path} ({e.strerror}); logging to stderr", file=sys.stderr)
     handler.setFormatter(logging.Formatter(f"%(asctime)s agent[{os.getpid()}] %(levelname)s %(message)s"))
     logging.getLogger("jaxckpt").addHandler(handler)
+    if allocation():  # memory an ended allocation left on this node (agent/lifetime.py)
+        lifetime.sweep_ended(shm_base())
     try:
-        return Agent(args.job, directory, node=args.node, node_budget=args.budget_bytes,
+        return Agent(args.job, directory, node=node_identity(config).name, node_budget=args.budget_bytes,
                      peer_bind=None if args.peer_bind == "none" else args.peer_bind,
-                     message_timeout_s=args.message_timeout_s, peer_security=args.peer_security).run()
+                     message_timeout_s=args.message_timeout_s, peer_security=args.peer_security).run(wait=args.wait)
     except Exception:
         log.exception("agent of job %s in %s failed", args.job, directory)
         raise

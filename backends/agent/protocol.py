@@ -1,6 +1,7 @@
 """The node agent's control protocol and directory layout, shared by the agent, ShmStore and the CLI.
 
-Directory (``Config.shm_dir``, default ``/dev/shm/jaxckpt-<uid>-<job>``; mode 0700, owned by us, checked):
+Directory (``Config.shm_dir``, default ``/dev/shm/jaxckpt-<uid>-<job>[@slurm<id>]@<node>``; mode 0700, owned by us,
+checked):
 
   agent.lock            fcntl lock held by the running agent (one agent per directory)
   agent.pid             its pid and generation, for tools and tests
@@ -35,6 +36,7 @@ import msgpack
 from jaxckpt.config import Config
 from jaxckpt.errors import AgentError, BudgetExceededError, ClosedError, StepError, StoreUnavailableError
 from jaxckpt.core.manifest import MAX_MANIFEST_BYTES
+from jaxckpt.node_identity import agent_dir_name, allocation, node_identity
 from jaxckpt.protection import PROTECT_BASE  # noqa: F401 - re-exported: the agent lists protection slots apart
 
 VERSION = 1
@@ -53,11 +55,16 @@ class ProtocolError(AgentError):
 
 # --------------------------------------------------------------------------------------------------- layout
 def agent_dir(config: Config) -> str:
-    """The node agent's directory for ``config``: ``Config.shm_dir`` or a per-job directory under /dev/shm."""
+    """The node agent's directory for ``config``: ``Config.shm_dir``, or under /dev/shm one per job and node (and
+    SLURM allocation): ``jaxckpt.node_identity.agent_dir_name``."""
     if config.shm_dir:
         return os.path.normpath(config.shm_dir)
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(base, f"jaxckpt-{os.geteuid()}-{config.job_id}")
+    return os.path.join(shm_base(), agent_dir_name(config.job_id, node_identity(config).name))
+
+
+def shm_base() -> str:
+    """Where default agent directories live: /dev/shm, or the temp directory on a system without it."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 def default_log_path(directory: str) -> str:
@@ -243,13 +250,28 @@ class AgentConnection:
 def spawn_agent(config: Config, directory: str, *, log_path: str | None = None) -> subprocess.Popen:
     """Start ``jaxckpt agent`` for ``config``'s job on ``directory``, detached (own session, no tty, no pipes).
 
+    Under SLURM it stays in the spawning task's process group instead: it is part of the step, and a session of
+    its own would only take it out of the step's signals where the step is a process group (proctrack/pgid),
+    leaving it running past the allocation; with proctrack/cgroup it dies with the step's cgroup either way, by
+    SIGKILL (slurmstepd sends other signals to the tasks alone: ``agent/lifetime.py``).
     Two spawns race harmlessly: the agent's lock lets one run; the other exits at once.
     """
     cmd = [sys.executable, "-m", "jaxckpt.cli", "agent", "--job", config.job_id, "--dir", directory,
-           "--log", log_path or default_log_path(directory), "--peer-bind", config.peer_bind,
-           "--peer-security", config.peer_security]
+           "--node", node_identity(config).name, "--log", log_path or default_log_path(directory),
+           "--peer-bind", config.peer_bind, "--peer-security", config.peer_security]
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, close_fds=True)
+                            start_new_session=not allocation(), close_fds=True)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user counts: it exists)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def read_pid_file(directory: str) -> tuple[int, str] | None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import msgpack
 
+from jaxckpt.backends.agent.capacity import shortage
 from jaxckpt.backends.agent.protocol import (MAX_MESSAGE_BYTES, PROTECT_BASE, REC_RE, SEG_RE, ProtocolError,
                                              check_name, record_name, round_to_pages, segment_name)
 
@@ -344,7 +345,7 @@ class SlotTable:
             os.close(fd)
             _unlink(path)
             raise Refused("budget", f"step {step} of process {process}: cannot allocate {size} bytes of shared "
-                                    f"memory in {self.dir}: {e.strerror or e}") from None
+                                    f"memory in {self.dir}: {e.strerror or e} ({shortage(self.dir)})") from None
         os.close(fd)
         self.allocations += 1
         log.info("process %d: new segment %s of %d bytes (held now %d)", process, name, size, self._held(None) + size)

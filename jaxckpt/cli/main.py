@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
               "add_arguments"),
     "ls": ("steps held by a node agent, per process, with bytes and age", "jaxckpt.cli.listing", "add_ls_arguments"),
     "inspect": ("arrays, shardings and chunk checksums of a step", "jaxckpt.cli.listing", "add_inspect_arguments"),
+    "doctor": ("preflight of this node: node identity, agent directory, shared memory vs the budget, ports",
+               "jaxckpt.cli.doctor", "add_arguments"),
     "advise": ("the snapshot interval that minimises expected lost time (Young/Daly), from measured costs",
                "jaxckpt.cli.advise", "add_arguments"),
     "chaos": ("seeded fault injection over a multi-process job on simulated nodes: every restore checked bit for "

@@ -210,12 +210,12 @@ class RebuildHolder(Holder):
                 log.warning("%s", err)
                 continue
             n_proc = len(plan.nodes)
-            # A node whose agent still holds this step's protection but lists nothing of its own processes for
-            # the step was not lost: retention dropped the step there. Such a step is simply gone, no warning.
-            alive = {plan.nodes[e.process - PROTECT_BASE] for _, e in slots if e.process - PROTECT_BASE < n_proc}
+            # An agent that still holds this step's protection but lists nothing of its own processes for the
+            # step was not lost: retention dropped the step there. Such a step is simply gone, no warning.
+            alive = {plan.agent_of(e.process - PROTECT_BASE) for _, e in slots if e.process - PROTECT_BASE < n_proc}
             listed = {e.process for _, e in real.get(step, ()) if e.process_count == n_proc} | \
                 {e.process for _, e in unreadable.get(step, ())}
-            dropped = sorted(q for q in range(n_proc) if plan.nodes[q] in alive and q not in listed)
+            dropped = sorted(q for q in range(n_proc) if plan.agent_of(q) in alive and q not in listed)
             if dropped:
                 log.debug("step %d: no longer held for processes %s (retention); not rebuilt", step, dropped[:16])
                 continue

@@ -168,10 +168,16 @@ class ProtectionPlan:
     stripes: tuple[Stripe, ...]
     copy_blocks: tuple[CopyBlock, ...]
     layout: str = ""
+    # The agent of each process where a node runs several (two pods of one machine); () = one agent per node.
+    agents: tuple[int, ...] = ()
 
     @property
     def node_ids(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.nodes)))
+
+    def agent_of(self, process: int) -> int:
+        """The agent (an id within this plan) holding ``process``'s slots."""
+        return self.agents[process] if self.agents else self.nodes[process]
 
     def chunk_index(self) -> dict[tuple[int, int], int]:
         """(process, offset) -> index into ``chunks``."""
@@ -237,8 +243,10 @@ def xor_groups(node_ids: Sequence[int], group_size: int) -> tuple[tuple[int, ...
 
 
 def plan_protection(layouts: Sequence[ArrayLayout], plans: Sequence[SavePlan], nodes: Sequence[int], policy: str,
-                    *, copies: int = 1, group_size: int = 4, unit_bytes: int = 64 << 20) -> ProtectionPlan:
-    """The protection of the global save plan ``plans`` of ``layouts``; ``nodes[p]`` is process p's node."""
+                    *, copies: int = 1, group_size: int = 4, unit_bytes: int = 64 << 20,
+                    agents: Sequence[int] | None = None) -> ProtectionPlan:
+    """The protection of the global save plan ``plans`` of ``layouts``; ``nodes[p]`` is process p's node (its
+    failure domain: redundancy is placed by it), ``agents[p]`` its agent where a node has several."""
     if policy not in POLICIES:
         raise PlanError(f"protection policy {policy!r}: expected one of {', '.join(POLICIES)}")
     if copies < 1 or group_size < 2 or unit_bytes < ALIGN:
@@ -279,17 +287,22 @@ def plan_protection(layouts: Sequence[ArrayLayout], plans: Sequence[SavePlan], n
     k = min(copies, len(node_ids) - 1)
     if k < copies and any(c.policy == "replica" for c in chunks):
         log.warning("protection: %d copies asked for but the job has %d nodes; keeping %d", copies, len(node_ids), k)
+    agents = tuple(int(a) for a in agents) if agents is not None else ()
+    if agents and len(agents) != len(nodes):
+        raise PlanError(f"protection needs an agent for each process ({len(agents)} for {len(nodes)} processes)")
     out = ProtectionPlan(policy, copies, group_size, unit_bytes, nodes, groups, tuple(chunks), tuple(stripes),
-                         _copy_blocks(chunks, node_ids, k), plans[0].layout if plans else "")
+                         _copy_blocks(chunks, node_ids, k), plans[0].layout if plans else "",
+                         () if agents == nodes else agents)
     validate_protection(out)
     return out
 
 
 def plan_for_config(layouts: Sequence[ArrayLayout], plans: Sequence[SavePlan], nodes: Sequence[int],
-                    config: "Config") -> ProtectionPlan:
+                    config: "Config", agents: Sequence[int] | None = None) -> ProtectionPlan:
     """:func:`plan_protection` with the policy, copies, group size and unit size (``chunk_bytes``) of ``config``."""
     return plan_protection(layouts, plans, nodes, config.protection, copies=config.protection_copies,
-                           group_size=config.protection_group, unit_bytes=max(config.chunk_bytes, ALIGN))
+                           group_size=config.protection_group, unit_bytes=max(config.chunk_bytes, ALIGN),
+                           agents=agents)
 
 
 def _choose(policy: str, n_nodes: int, replica_nodes: int, group: int) -> str:
@@ -486,6 +499,7 @@ def encode_plan(plan: ProtectionPlan) -> bytes:
         "stripes": [[s.kind, s.node, s.process, [[u.node, [[g.chunk, g.lo, g.hi] for g in u.ranges]]
                                                  for u in s.units]] for s in plan.stripes],
         "copy_blocks": [[b.node, b.source_node, b.process, list(b.chunks)] for b in plan.copy_blocks],
+        **({"agents": list(plan.agents)} if plan.agents else {}),
     }, use_bin_type=True)
     return msgpack.packb([WIRE_FORMAT, WIRE_VERSION, crc32c(body), body], use_bin_type=True)
 
@@ -520,7 +534,9 @@ def decode_plan(data: bytes | memoryview, *, source: str = "protection plan") ->
             blocks.append(CopyBlock(i, _i(node), _i(src), _i(proc), tuple(_i(c) for c in idx), tuple(positions), pos))
         plan = ProtectionPlan(str(d["policy"]), _i(d["copies"]), _i(d["group_size"]), _i(d["unit_bytes"]), nodes,
                               tuple(tuple(_i(n) for n in g) for g in d["groups"]), chunks, stripes, tuple(blocks),
-                              str(d["layout"]))
+                              str(d["layout"]), tuple(_i(a) for a in d.get("agents", ())))
+        if plan.agents and len(plan.agents) != len(nodes):
+            raise ValueError(f"{len(plan.agents)} agents for {len(nodes)} processes")
         validate_protection(plan)
         return plan
     except ManifestError:

@@ -4,7 +4,8 @@ Per step (the engine calls :meth:`Protector.prepare` for a new layout, :meth:`on
 commit hook when the step is decided):
   0) ``prepare`` (once per layout; the first time, collectively) agrees on the node of every process (an
      ``all_gather`` round ``protection nodes`` of the engine's ``main`` channel, ``jaxckpt.core.collective``,
-     of each process's node agent generation: O(processes) at process 0) and
+     of each process's node name (``jaxckpt.node_identity``: the failure domain, by which redundancy is placed,
+     also when a node runs two agents) and agent generation: O(processes) at process 0) and
      computes the :class:`~jaxckpt.protection.plan.ProtectionPlan`; it asks the engine to also pin the local device
      shards this process's ``parity`` stripes read;
   1) ``on_save``: a background thread XORs this process's ``parity`` stripes from those device copies (REFT:
@@ -50,6 +51,7 @@ from jaxckpt.core.checksum import crc32c
 from jaxckpt.core.history import trim
 from jaxckpt.core.hostbuf import host_bytes
 from jaxckpt.errors import AgentError, CommitError, PeerError
+from jaxckpt.node_identity import node_identity
 from jaxckpt.core.plan import ArrayLayout, SavePlan
 from jaxckpt.protection.plan import (ProtectionPlan, SavedChunk, encode_plan, plan_for_config,
                                 range_from_copy, stripe_parity)
@@ -71,8 +73,9 @@ class Protector:
         self._agent = engine.store.capability(NodeAgent)
         self._slots = engine.store.capability(ProtectionSlots)
         self.p, self.n = engine.process_index, engine.process_count
-        self.nodes: tuple[int, ...] | None = None
-        self.generations: list[str] = []  # agent generation of each node id
+        self.nodes: tuple[int, ...] | None = None  # node (failure domain) id of each process
+        self.agents: tuple[int, ...] = ()  # agent id of each process (a node may run several: two pods of a host)
+        self.generations: list[str] = []  # agent generation of each agent id
         self._plans: dict[tuple, ProtectionPlan] = {}
         self._devs: dict[tuple, dict] = {}  # layout -> (path, box) -> the local device holding that box
         self._need: dict[tuple, set] = {}  # layout -> the (path, device) views the parity stripes read
@@ -106,21 +109,24 @@ class Protector:
         return [h for h in self.engine.catalog.holders() if h.kind in ("node", "remote")]
 
     def _agree_nodes(self) -> None:
-        # an all_gather round of the main channel (prepare runs in save(), on the caller's thread)
-        gens = [str(g) for g in
-                self.engine.collective.channel("main").all_gather("protection nodes", self._agent.generation())]
-        ids: dict[str, int] = {}
-        self.nodes = tuple(ids.setdefault(g, len(ids)) for g in gens)
-        self.generations = list(ids)
-        log.info("process %d: protection %r over %d node(s): %s", self.p, self.config.protection, len(ids),
-                 self.nodes)
+        # an all_gather round of the main channel (prepare runs in save(), on the caller's thread): each process's
+        # node (jaxckpt.node_identity: redundancy is placed by it) and agent generation
+        got = self.engine.collective.channel("main").all_gather(
+            "protection nodes", [node_identity(self.config).name, self._agent.generation()])
+        names: dict[str, int] = {}
+        gens: dict[str, int] = {}
+        self.nodes = tuple(names.setdefault(str(name), len(names)) for name, _ in got)
+        self.agents = tuple(gens.setdefault(str(g), len(gens)) for _, g in got)
+        self.generations = list(gens)
+        log.info("process %d: protection %r over %d node(s) %s, %d agent(s): %s", self.p, self.config.protection,
+                 len(names), list(names), len(gens), self.nodes)
 
     def prepare(self, key: tuple, layouts: Sequence[ArrayLayout], plans: Sequence[SavePlan]
                 ) -> dict[str, frozenset[int]]:
         """Plan the protection of a new layout; the local devices whose shards this process's parity reads."""
         if self.nodes is None:
             self._agree_nodes()
-        plan = plan_for_config(layouts, plans, self.nodes, self.config)
+        plan = plan_for_config(layouts, plans, self.nodes, self.config, self.agents)
         self._plans[key] = plan
         self._encoded[id(plan)] = encode_plan(plan)
         mine = {(a.path, pl.box): pl.device for a in layouts for pl in a.placements if pl.process == self.p}
@@ -451,7 +457,7 @@ class _Sources:
 
     def _holder(self, q: int):
         """(holder, AgentInfo or None for this node's agent) of the agent of process ``q``'s node."""
-        gen = self.prot.generations[self.prot.nodes[q]]
+        gen = self.prot.generations[self.prot.agents[q]]
         found = self.prot.engine.catalog.agent_holder(gen)
         if found is None:
             raise PeerError(f"step {self.step}: no agent of the node of process {q} (generation "

@@ -14,20 +14,14 @@ import time
 from dataclasses import dataclass
 
 from jaxckpt.errors import LaunchError
+# The variables' names live with the node identity, at the bottom (Config's environment reader skips them).
+from jaxckpt.node_identity import (ENV_COORDINATOR, ENV_DEVICES_PER_PROC, ENV_LAUNCH_DIR, ENV_LOCAL_RANK, ENV_NODE,
+                                   ENV_NODE_COUNT, ENV_PROCESS_COUNT, ENV_PROCESS_ID, ENV_PROCS_PER_NODE, LAUNCH_ENV)
 
 log = logging.getLogger("jaxckpt.testing")
 
-ENV_COORDINATOR = "JAXCKPT_COORDINATOR"  # host:port of the JAX coordination service (process 0 binds it)
-ENV_PROCESS_ID = "JAXCKPT_PROCESS_ID"
-ENV_PROCESS_COUNT = "JAXCKPT_PROCESS_COUNT"
-ENV_DEVICES_PER_PROC = "JAXCKPT_DEVICES_PER_PROC"
-ENV_NODE = "JAXCKPT_NODE"
-ENV_NODE_COUNT = "JAXCKPT_NODE_COUNT"
-ENV_LOCAL_RANK = "JAXCKPT_LOCAL_RANK"
-ENV_PROCS_PER_NODE = "JAXCKPT_PROCS_PER_NODE"
-ENV_LAUNCH_DIR = "JAXCKPT_LAUNCH_DIR"  # scratch folder shared by the job's processes
-LAUNCH_ENV = (ENV_COORDINATOR, ENV_PROCESS_ID, ENV_PROCESS_COUNT, ENV_DEVICES_PER_PROC, ENV_NODE, ENV_NODE_COUNT,
-              ENV_LOCAL_RANK, ENV_PROCS_PER_NODE, ENV_LAUNCH_DIR)
+ENV_NODE_NAME = "JAXCKPT_NODE_NAME"  # Config.node_name
+
 PIDS_FILE = "pids.json"  # process id -> [pid, node], written by the launcher into the launch dir
 
 
@@ -66,7 +60,15 @@ def launch_env(*, process_id: int, nodes: int, procs_per_node: int, devices_per_
         ENV_LOCAL_RANK: str(process_id % procs_per_node),
         ENV_PROCS_PER_NODE: str(procs_per_node),
         ENV_LAUNCH_DIR: launch_dir,
+        # Each simulated node is a node of its own (jaxckpt.node_identity): its own default agent directory, and
+        # protection keeps its redundancy on the others.
+        ENV_NODE_NAME: sim_node_name(process_id // procs_per_node),
     }
+
+
+def sim_node_name(node: int) -> str:
+    """The node name (Config.node_name) of simulated node ``node``."""
+    return f"node{node}"
 
 
 def node_info() -> NodeInfo:

@@ -104,6 +104,11 @@ def records(arrays: dict[str, np.ndarray], process: int, processes: int, hook) -
 
 
 # ----------------------------------------------------------------------------------------------- the trainer
+
+def node_name(spec: dict) -> str:
+    """The simulated node a trainer runs on, named after its agent directory (as the chaos run names its agents)."""
+    return os.path.basename(spec["node_dir"])
+
 class Trainer:
     """One numpy trainer process (see the module docstring)."""
 
@@ -135,7 +140,9 @@ class Trainer:
 
     def config(self) -> Config:
         s = self.spec
-        return Config(store="shm-chaos", job_id=s["job"], shm_dir=s["node_dir"], keep=s.get("keep", 2),
+        # node_name: each simulated node is a failure domain of its own (jaxckpt.node_identity)
+        return Config(store="shm-chaos", job_id=s["job"], shm_dir=s["node_dir"], node_name=node_name(s),
+                      keep=s.get("keep", 2),
                       max_pending_saves=1, workers=1, chunk_bytes=CHUNK_BYTES, commit_timeout_s=s["timeout_s"],
                       peer_timeout_s=s.get("peer_timeout_s", s["timeout_s"]), peer_token=s.get("token", ""),
                       protection=s.get("protection", "none"), agent_dirs=s.get("agent_dirs", ""),
@@ -381,7 +388,7 @@ def jax_run(spec: dict) -> int:
         arrays["key"] = np.asarray(jax.random.key_data(st["key"]))
         return arrays, {k: st[k] for k in ("count", "lr")}
 
-    cfg = Config(store="shm", job_id=spec["job"], shm_dir=spec["node_dir"], keep=2,
+    cfg = Config(store="shm", job_id=spec["job"], shm_dir=spec["node_dir"], node_name=node_name(spec), keep=2,
                  commit_timeout_s=spec["timeout_s"], peer_security=spec.get("peer_security", "auto"))
     ckpt = jaxckpt.Checkpointer(cfg)
     step = ckpt.latest_step()

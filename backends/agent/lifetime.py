@@ -1,0 +1,132 @@
+"""How long a node's snapshot memory lives under a scheduler, and who frees it (docs/deploy.md has the table).
+
+Under SLURM with ProctrackType=proctrack/cgroup (measured on the emulated cluster of tests/test_slurm.py):
+
+* every process of a step dies with the step, ``setsid`` or not, by SIGKILL; files in /dev/shm stay;
+* signals other than SIGKILL reach a step's *tasks* only (the processes srun started, children of slurmstepd):
+  at the allocation's end (``scancel JOB``, the batch script's end, the time limit) each task gets SIGTERM, the
+  job is COMPLETING meanwhile, and the whole step gets SIGKILL ``KillWait`` seconds later;
+* a step whose srun dies is cancelled (SIGKILL).
+
+So an agent a trainer spawns lives and dies with the trainer's step: a failed step's memory stays and the next
+step's agent adopts it (a relaunched step restores from memory), but the agent never hears of the allocation's
+end. An agent run as its own step (``srun --overlap --ntasks-per-node=1 jaxckpt agent --job J --wait &`` in the
+batch script) is a task: it lives until the allocation ends, whatever the trainers' steps do, gets the SIGTERM
+then, sees the job COMPLETING and frees its memory (:func:`keep_on_term`) within ``KillWait``, with no
+administrator's epilog. A SIGTERM while the allocation runs (``scancel --signal=TERM``, srun forwarding a
+Ctrl-C) leaves the memory for the next agent instead.
+
+Memory no agent was left to free (agents spawned by the trainers, whose last step ended before the allocation)
+is swept by the next agent of the same user on that node (:func:`sweep_ended`), by ``jaxckpt doctor --sweep``, or
+by an administrator's epilog that removes ``/dev/shm/jaxckpt-*@slurm$SLURM_JOB_ID@*``: the default directory
+names its allocation (``jaxckpt.node_identity.agent_dir_name``).
+
+Outside SLURM nothing changes: SIGTERM frees the memory, as ``jaxckpt agent --stop`` and ``stop_agent`` do.
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import stat
+import subprocess
+from typing import Mapping
+
+from jaxckpt.backends.agent.protocol import LOCK_NAME
+from jaxckpt.node_identity import ENV_SLURM_JOB, allocation, parse_agent_dir_name
+
+log = logging.getLogger("jaxckpt.backends.agent.lifetime")
+
+QUERY_TIMEOUT_S = 5.0  # well inside slurmd's KillWait (30 s by default) between SIGTERM and SIGKILL
+# The states of a job whose allocation still runs: a step that ends now is not the allocation's end.
+RUNNING = frozenset({"RUNNING", "SUSPENDED", "STOPPED", "CONFIGURING", "RESIZING", "SIGNALING", "STAGE_OUT"})
+# States in which a job holds no allocation any more (a requeued one is a new allocation of the same id).
+ENDED = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
+                   "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED", "PENDING", "REQUEUED", "REQUEUE_HOLD",
+                   "REQUEUE_FED", "GONE"})
+
+
+def slurm_job_state(job: str, timeout_s: float = QUERY_TIMEOUT_S) -> str | None:
+    """The state SLURM reports for ``job`` ("RUNNING", "COMPLETING", ...; "GONE" once it has left the controller's
+    memory), or None if it cannot be asked (no squeue, no controller): callers then decide without it."""
+    try:
+        r = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True,
+                           timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.warning("cannot ask SLURM for the state of job %s: %s", job, e)
+        return None
+    if r.returncode == 0:
+        state = r.stdout.strip().split("\n")[0].strip()
+        return state or "GONE"
+    if "invalid job id" in r.stderr.lower():
+        return "GONE"
+    log.warning("cannot ask SLURM for the state of job %s: %s", job, r.stderr.strip()[-300:])
+    return None
+
+
+def keep_on_term(environ: Mapping[str, str] | None = None) -> tuple[bool, str]:
+    """Whether an agent that got SIGTERM keeps its node's memory for the next step's agent, and why: only under
+    SLURM while the allocation runs (a step's end, not the allocation's). Anything else frees it."""
+    env = os.environ if environ is None else environ
+    if not allocation(env):
+        return False, "not under SLURM"
+    job = env[ENV_SLURM_JOB]
+    state = slurm_job_state(job)
+    if state is None:
+        return False, f"the state of SLURM job {job} is unknown"
+    return state in RUNNING, f"SLURM job {job} is {state}"
+
+
+def sweep_ended(base: str, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Remove this user's default agent directories under ``base`` whose SLURM allocation has ended and that no
+    agent serves; the paths removed. Directories of running (or unknown) allocations and of this one are left."""
+    own = allocation(environ)
+    removed = []
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return removed
+    states: dict[str, str | None] = {}
+    for name in names:
+        parsed = parse_agent_dir_name(name)
+        if parsed is None or parsed[0] != os.geteuid() or not parsed[2] or parsed[2] == own:
+            continue
+        job = parsed[2][len("slurm"):]
+        if job not in states:
+            states[job] = slurm_job_state(job)
+        if states[job] not in ENDED:
+            continue
+        path = os.path.join(base, name)
+        if _remove_unserved(path):
+            log.warning("removed %s: left by SLURM job %s, which is %s", path, job, states[job])
+            removed.append(path)
+    return removed
+
+
+def _remove_unserved(path: str) -> bool:
+    """Remove the agent directory ``path`` (ours, private) unless an agent holds its lock."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        return False
+    lock = os.path.join(path, LOCK_NAME)
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        fd = None
+    except OSError:
+        return False
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False  # an agent serves it
+        shutil.rmtree(path, ignore_errors=True)
+        return not os.path.lexists(path)
+    finally:
+        if fd is not None:
+            os.close(fd)

@@ -1,0 +1,182 @@
+"""``jaxckpt doctor``: preflight of a node before a job, as the job's processes would see it.
+
+It reports the scheduler detected, this node's identity and where it came from (``jaxckpt.node_identity``), the
+job's agent directory and whether an agent serves it, the shared-memory filesystem's size and free bytes against
+the memory budget of the node's processes, the ports the job uses, and memory left by ended SLURM allocations.
+Problems (a budget the filesystem cannot hold) make it exit 1; warnings (a setting that works but loses what a
+user expects, such as Kubernetes without ``K8S_NODE_NAME``) do not. ``--sweep`` removes the memory of ended
+allocations; ``--json`` prints the report as one JSON document.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from jaxckpt.config import Config, peer_uses_curve
+from jaxckpt.errors import ConfigError, JaxckptError
+
+SMALL_SHM = 1 << 30  # without a budget, a shared-memory filesystem smaller than this is worth a warning
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``jaxckpt doctor [--config FILE] [--job ID] [--sweep] [--json]``."""
+    p.add_argument("--config", default="", help="a TOML config (Config.from_file); default Config() with JAXCKPT_*")
+    p.add_argument("--job", default="", help="job id (Config.job_id) to check, over the config's")
+    p.add_argument("--sweep", action="store_true",
+                   help="remove this user's agent directories left by ended SLURM allocations (no agent serving)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(run=run)
+
+
+def report(config: Config, *, sweep: bool = False) -> dict[str, Any]:
+    """The preflight report of this process's node for ``config`` (see the module docstring)."""
+    from jaxckpt.backends.agent import capacity, lifetime
+    from jaxckpt.backends.agent.protocol import SOCKET_NAME, agent_dir, pid_alive, read_pid_file, shm_base
+    from jaxckpt.node_identity import (ENV_K8S, ENV_K8S_NODE, allocation, detect_scheduler, local_process_count,
+                                       node_identity, parse_agent_dir_name)
+
+    problems: list[str] = []
+    warnings: list[str] = []
+    sched = detect_scheduler()
+    ident = node_identity(config)
+    procs = local_process_count()
+    directory = agent_dir(config)
+    out: dict[str, Any] = {
+        "scheduler": {"name": sched.name, "job": sched.job, **dict(sched.details)},
+        "node": {"name": ident.name, "source": ident.source},
+        "processes_on_node": procs, "job_id": config.job_id, "store": config.store,
+        "agent": {"directory": directory, "default": not config.shm_dir, "socket": os.path.join(directory,
+                                                                                              SOCKET_NAME)}}
+    pid = read_pid_file(directory) if os.path.isdir(directory) else None
+    out["agent"]["running"] = bool(pid and pid_alive(pid[0]))
+    if pid and out["agent"]["running"]:
+        out["agent"].update(pid=pid[0], generation=pid[1])
+    if os.environ.get(ENV_K8S) and not os.environ.get(ENV_K8S_NODE) and not config.node_name:
+        warnings.append(f"Kubernetes without {ENV_K8S_NODE}: the node is the pod's host name, so two pods on one "
+                        f"machine count as two nodes and protection may keep a node's redundancy on that machine; "
+                        f"set {ENV_K8S_NODE} from spec.nodeName through the downward API (docs/deploy.md)")
+    if sched.name == "slurm" and not out["agent"]["running"]:
+        warnings.append("no agent runs for this job on this node: the trainers will spawn one inside their step, "
+                        "which dies with it (the memory stays for the next step); for memory freed at the "
+                        "allocation's end whatever the steps do, run the agent as its own step: srun --overlap "
+                        f"--ntasks-per-node=1 jaxckpt agent --job {config.job_id} --wait & (docs/deploy.md)")
+    # Shared memory against the budget of this node's processes (what Checkpointer() checks).
+    try:
+        cap = capacity.shm_capacity(directory)
+        out["shm"] = {"mount": cap.mount, "fstype": cap.fstype, "size": cap.size, "free": cap.free,
+                      "held_by_job": capacity.held_bytes(directory)}
+        budget = config.memory_budget_bytes
+        out["budget"] = {"per_process": budget, "processes": procs or 1, "node": budget * (procs or 1)}
+        try:
+            capacity.check_budget(directory, budget, procs or 1, ident.name)
+        except ConfigError as e:
+            problems.append(str(e))
+        if not budget and cap.size < SMALL_SHM:
+            warnings.append(f"no memory budget (Config.memory_budget_bytes=0): snapshots may take up to the "
+                            f"{capacity.fmt_bytes(cap.size)} of {cap.mount or directory}; a larger one fails at its "
+                            f"save (set memory_budget_bytes to be told at Checkpointer())")
+        if cap.fstype and cap.fstype not in ("tmpfs", "shm", "ramfs"):
+            warnings.append(f"{cap.mount} is {cap.fstype}, not a memory filesystem: snapshots go to its disk")
+    except OSError as e:
+        problems.append(f"cannot look at the filesystem of {directory}: {e}")
+    out["ports"] = _ports(config)
+    # Memory of ended SLURM allocations (this user's default directories).
+    stale = []
+    for name in sorted(os.listdir(shm_base())) if os.path.isdir(shm_base()) else []:
+        parsed = parse_agent_dir_name(name)
+        if parsed and parsed[0] == os.geteuid() and parsed[2] and parsed[2] != allocation():
+            stale.append(name)
+    if sweep:
+        out["swept"] = lifetime.sweep_ended(shm_base())
+    out["other_allocations"] = [n for n in stale if os.path.join(shm_base(), n) not in out.get("swept", [])]
+    out["problems"], out["warnings"] = problems, warnings
+    return out
+
+
+def _ports(config: Config) -> dict[str, Any]:
+    """The addresses and ports the job uses: peer servers, the JAX coordinator the launcher implies."""
+    lo, hi = _ephemeral()
+    peers = {"bind": config.peer_bind, "port": f"ephemeral ({lo}-{hi})",
+             "security": "CURVE" if peer_uses_curve(config.peer_bind, config.peer_security) else "token"}
+    env = os.environ
+    coord: dict[str, Any] = {}
+    if env.get("JAXCKPT_COORDINATOR"):
+        coord = {"address": env["JAXCKPT_COORDINATOR"], "from": "jaxckpt launch"}
+    elif env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        coord = {"address": f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}", "from": "torchrun (torch.distributed)"}
+    else:
+        try:  # what jax.distributed.initialize() would pick without arguments (JAX's own cluster detection)
+            from jax._src import clusters
+
+            for c in clusters.ClusterEnv._cluster_types:
+                if not c.opt_in_only_method and c.is_env_present():
+                    coord = {"address": c.get_coordinator_address(None, env.get("JAX_COORDINATOR_PORT")),
+                             "from": f"JAX's {c.name} detection"}
+                    break
+        except Exception as e:  # noqa: BLE001 - jax absent or its internals moved: say so, nothing else depends on it
+            coord = {"address": "", "from": f"unknown ({type(e).__name__})"}
+    return {"peers": peers, "coordinator": coord}
+
+
+def _ephemeral() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 0, 0
+
+
+def render(r: dict[str, Any]) -> str:
+    """The report as text lines."""
+    from jaxckpt.backends.agent.capacity import fmt_bytes
+
+    s = r["scheduler"]
+    extra = "; ".join(f"{k} {v}" for k, v in s.items() if k not in ("name", "job") and v)
+    lines = [f"scheduler      {s['name']}" + (f" (job {s['job']}" + (f"; {extra}" if extra else "") + ")"
+                                               if s["job"] else (f" ({extra})" if extra else "")),
+             f"node           {r['node']['name']}  (from {r['node']['source']})",
+             f"processes      {r['processes_on_node'] or 'unknown (1 assumed)'} on this node",
+             f"job id         {r['job_id']}  (store {r['store']})"]
+    a = r["agent"]
+    state = f"agent running: pid {a['pid']}, generation {a['generation']}" if a["running"] else "no agent running"
+    lines.append(f"agent dir      {a['directory']}  ({'default' if a['default'] else 'Config.shm_dir'}; {state})")
+    if "shm" in r:
+        m, b = r["shm"], r["budget"]
+        lines.append(f"shared memory  {m['mount']} ({m['fstype']}): {fmt_bytes(m['size'])}, {fmt_bytes(m['free'])} "
+                     f"free, {fmt_bytes(m['held_by_job'])} held by this job's agent")
+        lines.append("budget         " + (f"{fmt_bytes(b['per_process'])} x {b['processes']} process(es) = "
+                                          f"{fmt_bytes(b['node'])}" if b["per_process"] else
+                                          "none (Config.memory_budget_bytes=0)"))
+    p = r["ports"]
+    lines.append(f"peers          bind {p['peers']['bind']}, port {p['peers']['port']}, {p['peers']['security']}")
+    c = p["coordinator"]
+    lines.append(f"coordinator    {c.get('address') or 'none'}" + (f"  ({c['from']})" if c.get("from") else ""))
+    if r.get("swept"):
+        lines.append(f"swept          {', '.join(r['swept'])}")
+    if r["other_allocations"]:
+        lines.append(f"other memory   {', '.join(r['other_allocations'])} (other SLURM allocations of this user; "
+                     f"--sweep removes those that ended)")
+    for w in r["warnings"]:
+        lines.append(f"WARNING        {w}")
+    for e in r["problems"]:
+        lines.append(f"PROBLEM        {e}")
+    lines.append("ok" if not r["problems"] else f"{len(r['problems'])} problem(s)")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``jaxckpt doctor``: print the report; 1 if it found a problem, 2 if the config itself is bad."""
+    try:
+        config = Config.from_file(args.config) if args.config else Config().with_env()
+        if args.job:
+            config = config.replace(job_id=args.job)
+    except JaxckptError as e:
+        print(f"jaxckpt doctor: {e}", file=sys.stderr)
+        return 2
+    r = report(config, sweep=args.sweep)
+    print(json.dumps(r, indent=1, sort_keys=True) if args.json else render(r))
+    return 1 if r["problems"] else 0

@@ -1,0 +1,141 @@
+"""jaxckpt under the real launchers users start jobs with, on this machine (one node), with the trainers of
+tests/scheduler_trainer.py and the default agent directory (the node being the host name, as neither launcher
+names nodes):
+
+- torchrun: a worker SIGKILLs itself once step 3 is committed; torchelastic stops the other; torchrun again, and
+  both restore step 3 from the node agent (torch front end) and, beside it, load the same step through
+  ``torch.distributed.checkpoint`` from jaxckpt's storage, then train on bit for bit;
+- mpirun (Open MPI, JAX's own detection in ``jax.distributed.initialize()``): a rank SIGKILLs itself at step 3,
+  mpirun ends the job; the job is launched again and restores from the node agent bit for bit.
+
+In both the agent is the one the first attempt's trainers spawned (its own session, so the launcher's kills do
+not reach it): the relaunched trainers find it with the memory, same pid. Each test stops its agents at the end.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+import jaxckpt
+from jaxckpt.backends.agent import protocol as proto
+from requires import available, missing
+from scheduler_trainer import live_pids, results
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRAINER = os.path.join(HERE, "scheduler_trainer.py")
+# torchrun's console script is torch.distributed.run's main: the script beside this interpreter when pip put one
+# there, else the same module through this interpreter (a venv that sees a system torch has no script of its own).
+_SCRIPT = os.path.join(os.path.dirname(sys.executable), "torchrun")
+TORCHRUN = [_SCRIPT] if os.path.exists(_SCRIPT) else [sys.executable, "-m", "torch.distributed.run"]
+RUN_TIMEOUT_S = 240.0
+MEMORY_KINDS = {"local", "node", "remote"}  # restored from memory: no persistent tier, no rebuild
+
+
+def _torchrun_missing() -> str | None:
+    try:
+        import torch.distributed.run  # noqa: F401
+    except ImportError:
+        return "torch not installed"
+    return None
+
+
+def run(cmd: list[str], job: str) -> subprocess.CompletedProcess:
+    """Run a launcher to its end, its output kept for the assertion messages. Bounded: past RUN_TIMEOUT_S every
+    trainer of ``job`` gets SIGUSR1 (it prints its threads' stacks), then the launcher and its trainers SIGKILL."""
+    p = subprocess.Popen(cmd, env={**os.environ, "JAXCKPT_LOG_LEVEL": "WARNING"}, cwd=HERE, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                         start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=RUN_TIMEOUT_S)
+        return subprocess.CompletedProcess(cmd, p.returncode, out)
+    except subprocess.TimeoutExpired:
+        trainers = trainer_pids(job)
+        signal_all(trainers, signal.SIGUSR1)
+        time.sleep(2)
+        signal_all(trainers, signal.SIGKILL)
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, _ = p.communicate()
+        raise AssertionError(f"{cmd[0]} did not finish in {RUN_TIMEOUT_S:g}s:\n{out[-6000:]}")
+
+
+def trainer_pids(job: str) -> list[int]:
+    """Live trainers of ``job``, wherever the launcher put them (torchrun's workers may outlive it)."""
+    return live_pids(TRAINER, job)
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def stop_agents(*jobs: str) -> None:
+    for job in jobs:
+        proto.stop_agent(proto.agent_dir(jaxckpt.Config(job_id=job)), job)
+
+
+@pytest.fixture
+def job():
+    name = f"l{uuid.uuid4().hex[:8]}"
+    yield name
+    signal_all(trainer_pids(name), signal.SIGKILL)  # none, unless the test failed midway
+    stop_agents(name, f"{name}-dcp")
+    assert not os.path.exists(proto.agent_dir(jaxckpt.Config(job_id=name)))
+
+
+@available(_torchrun_missing())
+def test_torchrun_relaunched_workers_restore_from_the_agent(job, tmp_path):
+    """torchrun --standalone, 2 workers; worker 1 dies at step 3 and torchrun stops the other and exits; torchrun
+    again: both restore step 3 from the agent the first run's workers spawned (same pid) and load it through DCP
+    on jaxckpt's storage, then train to 5 bit for bit. (Two launches, not --max-restarts: torchelastic's
+    in-place restart re-creates the gloo group, which hung or failed in 3 of 6 runs of a plain torch script on
+    this machine, with no jaxckpt in it; the agent's side is the same either way.)"""
+    out = str(tmp_path)
+    cmd = [*TORCHRUN, "--standalone", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0",
+           "--monitor-interval=0.5", TRAINER, "torch", "--out", out, "--job", job, "--steps", "5",
+           "--fail-rank", "1", "--fail-at", "3"]
+    first = run(cmd, job)
+    assert first.returncode != 0 and os.path.exists(os.path.join(out, "failed-1")), first.stdout[-4000:]
+    assert not os.path.exists(os.path.join(out, "result-0-first.json"))  # the first run's group was stopped
+    agent = proto.read_pid_file(proto.agent_dir(jaxckpt.Config(job_id=job)))
+    assert agent is not None
+    again = run(cmd, job)
+    assert again.returncode == 0, again.stdout[-4000:]
+    got = results(out, "relaunch", 2)
+    for d in got:
+        assert d["restored"] == 3 and d["latest"] == 5, d
+        assert d["bitwise"] and d["dcp_matches_restore"], d
+        assert d["kinds"] and set(d["kinds"]) <= MEMORY_KINDS, d
+        assert d["scheduler"] == "torchrun" and d["source"] == "host name", d
+    assert {(d["node"], d["agent_dir"], d["agent_pid"]) for d in got} == {
+        (got[0]["node"], proto.agent_dir(jaxckpt.Config(job_id=job)), agent[0])}, (got, agent)  # one node, one agent
+
+
+@available(missing("mpirun"))
+def test_mpirun_relaunched_job_restores_from_the_agent(job, tmp_path):
+    """mpirun -np 2 of the JAX trainer (JAX detects Open MPI); rank 1 dies at step 3 and mpirun ends the job; the
+    same mpirun again restores step 3 from the agent the first run spawned and trains to 5 bit for bit."""
+    out = str(tmp_path)
+    cmd = ["mpirun", "--oversubscribe", "--allow-run-as-root", "-np", "2", "-x", "JAXCKPT_LOG_LEVEL",
+           sys.executable, TRAINER, "jax", "--out", out, "--job", job, "--steps", "5"]
+    first = run(cmd + ["--fail-rank", "1", "--fail-at", "3"], job)
+    assert first.returncode != 0 and os.path.exists(os.path.join(out, "failed-1")), first.stdout[-4000:]
+    agent = proto.read_pid_file(proto.agent_dir(jaxckpt.Config(job_id=job)))
+    assert agent is not None
+    again = run(cmd + ["--fail-rank", "1", "--fail-at", "3"], job)
+    assert again.returncode == 0, again.stdout[-4000:]
+    got = results(out, "relaunch", 2)
+    for d in got:
+        assert d["restored"] == 3 and d["latest"] == 5 and d["bitwise"], d
+        assert d["kinds"] and set(d["kinds"]) <= MEMORY_KINDS, d
+        assert d["scheduler"] == "mpirun" and d["source"] == "host name" and d["processes"] == 2, d
+    assert {d["agent_pid"] for d in got} == {agent[0]}, (got, agent)  # the memory outlived the first job

@@ -1,0 +1,238 @@
+"""jaxckpt under a real SLURM: an emulated cluster of 3 nodes (slurmctld, one ``slurmd -N`` each, proctrack/cgroup),
+jobs through real ``salloc``/``srun``/``sbatch``, trainers that call ``jax.distributed.initialize()`` with no
+arguments (tests/scheduler_trainer.py), the node being SLURM's (SLURMD_NODENAME) and the agent's directory the
+default one, per job, allocation and node.
+
+- a step that fails in a running allocation is relaunched and restores from memory, bit for bit (agents spawned by
+  the trainers: they die with the step, the memory stays; what an ended allocation left is swept later);
+- agents run as their own step (``srun --overlap ... jaxckpt agent --wait``): a node is lost with its memory and
+  the job is relaunched on a fresh node of the allocation: rebuilt from protection, bit for bit; then scancel
+  frees every node's memory and stops every agent;
+- a batch script that ends normally frees the memory its agent step held.
+
+One cluster for the module, started and stopped here (its teardown checks that no daemon, step process or cgroup
+is left, also after a failed test); every test skips with the reason where it cannot run (not root, the packages
+absent), except under CI=true, where that is an error (tests/requires.py). Each test states what it takes in its docstring; the whole module is about 2-3 minutes
+on 2 cores.
+"""
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import pytest
+
+from jaxckpt.testing import slurm
+from requires import available
+from scheduler_trainer import live_pids, results
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRAINER = os.path.join(HERE, "scheduler_trainer.py")
+FREED_WITHIN_S = 30.0  # KillWait (5 s here) plus the agent's own exit, with room for a loaded machine
+STEP_TIMEOUT_S = 240.0
+
+pytestmark = available(slurm.unavailable())
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    root = tempfile.mkdtemp(prefix="jaxckpt-slurm-")
+    c = slurm.SlurmCluster(root, nodes=3)
+    # A SIGTERM to the test run (a time-out) unwinds through the teardown below instead of ending it at once.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        c.start()
+        yield c
+    finally:
+        try:
+            c.stop()
+            assert not c.leftovers(), f"the emulated cluster left {c.leftovers()}"
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            subprocess.run(["rm", "-rf", root], check=False)
+
+
+@pytest.fixture
+def job_name():
+    return f"t{uuid.uuid4().hex[:8]}"
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def nodes(cluster, *index: int) -> str:
+    """The node list of the cluster's nodes ``index`` (0-based)."""
+    return ",".join(cluster.nodes[i] for i in index)
+
+
+def srun(cluster, job: str, nodes: str, args: list[str], *, extra: tuple = ()) -> subprocess.Popen:
+    """``srun`` of the trainer in allocation ``job`` on ``nodes`` (one task per node), with this interpreter."""
+    cmd = ["srun", f"--jobid={job}", f"--nodelist={nodes}", f"-N{len(nodes.split(','))}", "--ntasks-per-node=1",
+           "--kill-on-bad-exit=1", *extra, sys.executable, TRAINER, "jax", *args]
+    return subprocess.Popen(cmd, env={**cluster.env, "JAXCKPT_LOG_LEVEL": "WARNING"}, cwd=HERE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(p: subprocess.Popen, timeout: float = STEP_TIMEOUT_S) -> str:
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+        raise AssertionError(f"srun did not finish in {timeout:g}s:\n{out[-4000:]}")
+    return out
+
+
+def wait_for(cond, timeout: float, what: str) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"not within {timeout:g}s: {what}")
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def job_dirs(name: str, job: str) -> list[str]:
+    """This job's default agent directories on every emulated node (all on this machine's /dev/shm)."""
+    return sorted(d for d in os.listdir("/dev/shm") if d.startswith(f"jaxckpt-{os.geteuid()}-{name}@slurm{job}@"))
+
+
+def agent_pids(name: str, job: str) -> list[int]:
+    """Live processes running ``jaxckpt agent`` for this job (its command line names the job)."""
+    return live_pids("agent", "--job", name)
+
+
+def assert_freed(name: str, job: str) -> float:
+    """Every node's memory of the allocation and every agent of it gone, within FREED_WITHIN_S; the seconds."""
+    return wait_for(lambda: not job_dirs(name, job) and not agent_pids(name, job), FREED_WITHIN_S,
+                    f"job {job}'s memory freed: dirs {job_dirs(name, job)}, agents {agent_pids(name, job)}")
+
+
+# ------------------------------------------------------------------------------------------------- tests
+def test_failed_step_relaunched_restores_from_memory(cluster, job_name, tmp_path):
+    """2 nodes, agents spawned by the trainers inside their step. In step 0 rank 1 dies once step 3 is committed
+    (SIGKILL; --kill-on-bad-exit ends the step, its agents with it); step 1 adopts the nodes' memory, restores
+    step 3 and trains to 5 bit for bit. The allocation then ends while step 1 runs: agents inside a step get only
+    SIGKILL (slurmstepd signals the tasks alone), so the memory stays, and the next agent of the user on the node,
+    in a later allocation, sweeps it. About 40 s."""
+    out = str(tmp_path)
+    job = cluster.salloc(2, job_name)
+    args = ["--out", out, "--job", job_name, "--steps", "5", "--fail-rank", "1", "--fail-at", "3"]
+    finish(srun(cluster, job, nodes(cluster, 0, 1), args))
+    assert os.path.exists(os.path.join(out, "failed-1"))
+    assert len(job_dirs(job_name, job)) == 2 and not agent_pids(job_name, job)  # died with the step; memory kept
+    p = srun(cluster, job, nodes(cluster, 0, 1), args + ["--linger"])
+    wait_for(lambda: all(os.path.exists(os.path.join(out, f"result-{r}-relaunch.json")) for r in (0, 1))
+             or p.poll() is not None, STEP_TIMEOUT_S, "the relaunched step's results")
+    got = results(out, "relaunch", 2)
+    for r in got:
+        assert r["restored"] == 3 and r["bitwise"] and r["latest"] == 5, r
+        assert set(r["kinds"]) <= {"local", "node", "remote"} and r["kinds"], r  # from memory, no other tier
+        assert r["scheduler"] == "slurm" and r["source"] == "SLURMD_NODENAME (SLURM)", r
+    assert [r["node"] for r in got] == cluster.nodes[:2]
+    assert [os.path.basename(r["agent_dir"]) for r in got] == job_dirs(job_name, job)
+    cluster.run(["scancel", job])
+    finish(p)
+    cluster.wait_gone(job)
+    wait_for(lambda: not agent_pids(job_name, job), FREED_WITHIN_S, "the agents killed with the step")
+    assert len(job_dirs(job_name, job)) == 2
+    later, name = cluster.salloc(1, f"{job_name}-later"), f"{job_name}-later"
+    agent = subprocess.Popen(["srun", f"--jobid={later}", "--overlap", sys.executable, "-m", "jaxckpt.cli", "agent",
+                              "--job", name], env=cluster.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: not job_dirs(job_name, job), 60, "the next agent's sweep of the ended allocation's memory")
+        wait_for(lambda: job_dirs(name, later), 60, "the next agent serving")
+        cluster.run(["scancel", later])
+        assert_freed(name, later)
+    finally:
+        agent.wait(60)
+
+
+def test_node_lost_relaunched_on_a_fresh_node_rebuilds_from_protection(cluster, job_name, tmp_path):
+    """3 nodes, an agent step on each (``srun --overlap ... jaxckpt agent --wait``); trainers on the first two
+    nodes with protection; rank 1 dies at step 3 (protected) and the second node is lost with its memory; the job
+    is relaunched on the first and the third (empty): rank 1's part is rebuilt from the first node's protection,
+    bit for bit. scancel then frees every node and stops every agent. About 35 s."""
+    out = str(tmp_path)
+    job = cluster.salloc(3, job_name)
+    agents = subprocess.Popen(["srun", f"--jobid={job}", "--overlap", "-N3", "--ntasks-per-node=1", sys.executable,
+                               "-m", "jaxckpt.cli", "agent", "--job", job_name, "--wait"],
+                              env=cluster.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: len([d for d in job_dirs(job_name, job)
+                              if os.path.exists(f"/dev/shm/{d}/agent.sock")]) == 3, 60, "3 agent steps listening")
+        args = ["--out", out, "--job", job_name, "--steps", "5", "--fail-rank", "1", "--fail-at", "3",
+                "--protection", "hybrid"]
+        finish(srun(cluster, job, nodes(cluster, 0, 1), args))
+        assert os.path.exists(os.path.join(out, "failed-1"))
+        from jaxckpt.backends.agent import protocol as proto
+        lost = f"/dev/shm/jaxckpt-{os.geteuid()}-{job_name}@slurm{job}@{cluster.nodes[1]}"
+        assert proto.kill_agent(lost, remove_memory=True) is not None  # the second node is lost with its memory
+        subprocess.run(["rm", "-rf", lost], check=True)
+        finish(srun(cluster, job, nodes(cluster, 0, 2), args))
+        got = results(out, "relaunch", 2)
+        for r in got:
+            assert r["restored"] == 3 and r["bitwise"] and r["latest"] == 5, r
+        assert [r["node"] for r in got] == [cluster.nodes[0], cluster.nodes[2]]
+        assert sum(r["kinds"].get("rebuild", 0) for r in got) > 0, got  # the lost node's part came from protection
+        assert all(5 in r["protected"] for r in got), got  # protection resumed on the new node set
+        cluster.run(["scancel", job])
+        took = assert_freed(job_name, job)
+        print(f"allocation end freed the memory in {took:.1f}s")
+    finally:
+        if agents.poll() is None:
+            agents.send_signal(signal.SIGTERM)
+        agents.wait(60)
+
+
+BATCH = """#!/bin/bash
+srun --overlap --ntasks-per-node=1 {py} -m jaxckpt.cli agent --job {name} --wait &
+srun --ntasks-per-node=1 --kill-on-bad-exit=1 {py} {trainer} jax --out {out} --job {name} --steps 2
+echo "trainer exit $?"
+"""
+
+
+def test_batch_script_end_frees_the_memory(cluster, job_name, tmp_path):
+    """sbatch on 2 nodes: an agent step in the background, one trainer step, then the script ends normally: the
+    allocation's end stops the agent step, which frees each node's memory. About 30 s."""
+    out = str(tmp_path)
+    script = tmp_path / "job.sh"
+    script.write_text(BATCH.format(py=sys.executable, name=job_name, trainer=TRAINER, out=out))
+    r = cluster.run(["sbatch", "-N2", "-J", job_name, "-o", str(tmp_path / "job.out"), str(script)])
+    job = r.stdout.split()[-1]
+    cluster.wait_gone(job, STEP_TIMEOUT_S)
+    took = assert_freed(job_name, job)
+    log = (tmp_path / "job.out").read_text()
+    assert "trainer exit 0" in log, log[-3000:]
+    got = results(out, "first", 2)
+    assert all(r["bitwise"] and r["latest"] == 2 for r in got), got
+    print(f"the batch script's end freed the memory in {took:.1f}s")
+
+
+def test_shipped_epilog_frees_an_ended_allocations_memory(job_name, tmp_path):
+    """A cluster of its own whose slurm.conf names examples/slurm/epilog.sh as Epilog. Agents spawned by the
+    trainers inside their step (nothing of jaxckpt's hears of the allocation's end); scancel while the step runs:
+    the epilog removes each node's memory, with no later agent to sweep it. About 25 s."""
+    epilog = os.path.join(os.path.dirname(HERE), "examples", "slurm", "epilog.sh")
+    root = tempfile.mkdtemp(prefix="jaxckpt-slurm-epilog-")
+    c = slurm.SlurmCluster(root, nodes=2, epilog=epilog)
+    try:
+        c.start()
+        out = str(tmp_path)
+        job = c.salloc(2, job_name)
+        p = srun(c, job, nodes(c, 0, 1), ["--out", out, "--job", job_name, "--steps", "2", "--linger"])
+        wait_for(lambda: all(os.path.exists(os.path.join(out, f"result-{r}-first.json")) for r in (0, 1))
+                 or p.poll() is not None, STEP_TIMEOUT_S, "the step's results")
+        assert all(r["bitwise"] for r in results(out, "first", 2))
+        assert len(job_dirs(job_name, job)) == 2
+        c.run(["scancel", job])
+        finish(p)
+        took = assert_freed(job_name, job)
+        print(f"the epilog freed the memory {took:.1f}s after the step ended")
+    finally:
+        try:
+            c.stop()
+            assert not c.leftovers(), f"the emulated cluster left {c.leftovers()}"
+        finally:
+            subprocess.run(["rm", "-rf", root], check=False)
