@@ -44,12 +44,12 @@ class Peers:
                  channel: Channel | None = None) -> None:
         """``channel``: the rounds to run set-up on (every process calls this together); default: a channel of
         a new collective instance of ``config.job_id``."""
-        from jaxckpt.backends.transport import get_transport  # pyzmq is needed only by multi-process jobs
+        from jaxckpt.core.transport import get_transport  # the transport's module is imported only here
 
         self._config, self._coord = config, coordinator
         if channel is None:
             channel = Collective.for_job(coordinator, config.job_id, config.commit_timeout_s).channel("main")
-        self._transport = get_transport()
+        self._transport = get_transport(config.transport)
         self._token = self._exchange_token(channel)
         self.server = self._transport.serve(store, token=self._token, host=config.peer_bind,
                                             curve=peer_uses_curve(config.peer_bind, config.peer_security))

@@ -1,8 +1,9 @@
-"""Peer transport: a process (or a node agent) serves committed snapshots; others fetch manifests and ranges.
+"""The ZeroMQ peer transport ("zmq" in the registry's group "transport", ``Config.transport``'s default): a
+process (or a node agent) serves committed snapshots; others fetch manifests and ranges.
 
-The interface is three small classes (:class:`Transport` makes servers and clients) so that another transport
-can be added next to the pyzmq one. A server serves a :class:`SnapshotSource`: one process's store, or a node
-agent's memory holding the snapshots of every process of its node. Wire protocol, version 1 (msgpack maps,
+It implements the interface of ``jaxckpt.core.transport`` (:class:`Transport` makes servers and clients; its
+names are also importable from here). A server serves a ``SnapshotSource``: one process's store
+(:class:`StoreSource`), or a node agent's memory holding the snapshots of every process of its node. Wire protocol, version 1 (msgpack maps,
 never pickle):
 
   request (one frame)  {"v": 1, "id": n, "token": bytes, "op": "steps"|"manifest"|"read"|"held", "step", "offset",
@@ -29,27 +30,27 @@ requests a lost connection carried again on a fresh one.
 """
 from __future__ import annotations
 
-import abc
 import hmac
 import logging
 import socket
 import threading
-from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator, Sequence
+from typing import Any
 
 import msgpack
 import zmq
 
 from jaxckpt.core.checksum import crc32c
-from jaxckpt.errors import PeerError, PeerTimeoutError  # PeerTimeoutError: re-exported
 from jaxckpt.core.store import SnapshotView, Store
+from jaxckpt.core.transport import (PeerClient, PeerServer, SnapshotSource, Span, Transport,  # noqa: F401 - kept names
+                                    get_transport)
+from jaxckpt.errors import PeerError
 
 log = logging.getLogger("jaxckpt.backends.transport")
 
 VERSION = 1
 MAX_REQUEST_BYTES = 4096
 DEFAULT_FRAME_BYTES = 16 << 20
-_HEADER_SLACK = 4096  # a reply header is far below this
+HEADER_SLACK = 4096  # a reply header is far below this
 OPS = ("steps", "manifest", "read", "held")
 # A request waits at most this long for a connection to exist: a restarted agent listens on a new port, and
 # ZeroMQ would otherwise queue requests for the dead one's address until the whole peer time-out ran out.
@@ -60,33 +61,6 @@ CONNECT_TIMEOUT_S = 2.0
 # whole peer time-out. A pong queues behind the reply being sent, so the time-out is also what the slowest link
 # may take to carry the last of a frame after a ping.
 HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 500, 2000
-
-
-class PeerUnreachableError(PeerTimeoutError):
-    """Nothing accepted a connection at the peer's address (a dead agent's stale address, most likely)."""
-
-
-class PeerHandshakeError(PeerUnreachableError):
-    """A CURVE handshake with the peer's address failed: the server there does not hold the key published for
-    that address (an impostor, or another server that took a dead one's port), or it refused this job's key."""
-
-
-class SnapshotSource(abc.ABC):
-    """What a peer server serves: committed snapshots of one or more processes, opened pinned."""
-
-    label: str  # for log lines, e.g. "process 3" or "node agent at /dev/shm/..."
-
-    @abc.abstractmethod
-    def steps(self, process: int | None) -> list[int]:
-        """Committed steps of ``process`` (None: the source's default process, or every process)."""
-
-    @abc.abstractmethod
-    def open(self, process: int | None, step: int) -> SnapshotView | None:
-        """Pin ``process``'s snapshot of ``step``; None if not held."""
-
-    @abc.abstractmethod
-    def held(self) -> list[list]:
-        """Every snapshot held, as HeldEntry wire lists."""
 
 
 class StoreSource(SnapshotSource):
@@ -122,83 +96,6 @@ class StoreSource(SnapshotSource):
                         self._entries[key] = [self.store.process_index, step, 0, "", key[1]]
                 out.append(self._entries[key])
         return out
-
-
-@dataclass(frozen=True)
-class Span:
-    """``nbytes`` bytes at ``offset`` of a snapshot buffer; ``chunk``: (offset, nbytes) of the chunk holding them,
-    when the reader wants to check them against that chunk's crc32c."""
-
-    offset: int
-    nbytes: int
-    chunk: tuple[int, int] | None = None
-
-
-class PeerServer(abc.ABC):
-    """Serves one store's committed snapshots at ``address`` until closed."""
-
-    address: str
-    public_key: str = ""  # its CURVE public key (Z85), "" when it speaks no CURVE
-
-    @abc.abstractmethod
-    def close(self) -> None: ...
-
-
-class PeerClient(abc.ABC):
-    """Reads another process's committed snapshots; every call raises PeerError on refusal or time-out."""
-
-    address: str
-
-    @abc.abstractmethod
-    def steps(self) -> list[int]:
-        """The committed steps the peer holds now."""
-
-    @abc.abstractmethod
-    def manifest(self, step: int, process: int | None = None) -> bytes:
-        """The peer's encoded manifest of ``step`` (of saving ``process``); StepNotFoundError if not held."""
-
-    @abc.abstractmethod
-    def read(self, step: int, offset: int, nbytes: int, process: int | None = None) -> memoryview:
-        """``nbytes`` bytes at ``offset`` of the peer's snapshot buffer of ``step`` (of saving ``process``)."""
-
-    @abc.abstractmethod
-    def read_spans(self, step: int, spans: Sequence[Span], process: int | None = None, *, manifest: bool = False
-                   ) -> Iterator[tuple[int, memoryview, tuple[int, int] | None]]:
-        """Read ``spans`` of the peer's snapshot of ``step``, several requests in flight at once; yields
-        ``(index in spans, bytes, rest)`` in the order the replies arrive, ``rest`` the crc32c of the bytes of the
-        span's chunk before and after it (None for a span that names no chunk). ``manifest``: the step's manifest
-        too, asked for first in the same flight (no round trip of its own), yielded as index -1."""
-
-    @abc.abstractmethod
-    def held(self) -> list[list]:
-        """Every snapshot the peer holds, as HeldEntry wire lists."""
-
-    @abc.abstractmethod
-    def close(self) -> None: ...
-
-
-class Transport(abc.ABC):
-    """Makes peer servers and clients; all of them authenticate with one shared token."""
-
-    name: ClassVar[str] = ""
-
-    @abc.abstractmethod
-    def serve(self, store: Store | SnapshotSource, *, token: bytes, host: str = "127.0.0.1",
-              curve: bool = False) -> PeerServer:
-        """Start serving ``store`` (a Store or any SnapshotSource) on ``host`` (an ephemeral port); returns at once.
-        ``curve``: speak CURVE only, with a key pair made here (its public half is ``server.public_key``)."""
-
-    @abc.abstractmethod
-    def connect(self, address: str, *, token: bytes, timeout_s: float, server_key: str = "") -> PeerClient:
-        """A client of the server at ``address`` (connects lazily; the first request may time out).
-        ``server_key``: the CURVE public key published for that address ("": no CURVE)."""
-
-
-def get_transport(name: str = "zmq", **options: Any) -> Transport:
-    """The transport registered under ``name``."""
-    if name == "zmq":
-        return ZmqTransport(**options)
-    raise PeerError(f"no peer transport named {name!r} (known: zmq)")
 
 
 # --------------------------------------------------------------------------------------------------- zmq

@@ -22,11 +22,13 @@ import msgpack
 import numpy as np
 import zmq
 
-from jaxckpt.backends.transport import (_HEADER_SLACK, CONNECT_TIMEOUT_S, HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS,
-                                        VERSION, PeerClient, PeerHandshakeError, PeerUnreachableError, Span)
+from jaxckpt.backends.transport import (CONNECT_TIMEOUT_S, HEADER_SLACK, HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS,
+                                        VERSION)
+from jaxckpt.core.transport import PeerClient, Span
 from jaxckpt.core import hostbuf
 from jaxckpt.core.manifest import MAX_MANIFEST_BYTES
-from jaxckpt.errors import PeerError, PeerTimeoutError, StepNotFoundError
+from jaxckpt.errors import (PeerError, PeerHandshakeError, PeerTimeoutError, PeerUnreachableError,
+                            StepNotFoundError)
 
 log = logging.getLogger("jaxckpt.backends.zmq_client")
 
@@ -72,7 +74,7 @@ class ZmqClient(PeerClient):
         """A fresh socket and its monitor, connecting to the peer."""
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, self._frame_bytes + _HEADER_SLACK)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, self._frame_bytes + HEADER_SLACK)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a live connection: see _send
         # A link that stops passing bytes is dropped from this end too: the server's drop may never arrive.
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)

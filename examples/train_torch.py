@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 import jaxckpt
-from jaxckpt.backends.torch import Checkpointer, PerRank
+from jaxckpt.torch import Checkpointer, PerRank
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

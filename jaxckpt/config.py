@@ -14,7 +14,7 @@ from jaxckpt.errors import ConfigError
 
 log = logging.getLogger("jaxckpt.config")
 
-STORES = ("memory", "shm")  # built into jaxckpt.core.registry; other names must be registered there
+STORES = ("memory", "shm")  # built into jaxckpt.registry; other names must be registered there
 PROTECTIONS = ("none", "replica", "parity", "xor-group", "hybrid")
 # Config.peer_security: how peer connections (trainers' and node agents' snapshot servers) are protected.
 PEER_SECURITY = ("auto", "curve", "insecure-token")
@@ -33,7 +33,7 @@ class Config:
     holds (0 = unlimited); ``inflight_bytes`` bounds device-to-host bytes in flight; ``workers`` host copy
     threads; ``max_pending_saves`` saves may be in flight before ``save()`` waits for the oldest.
     ``persistent_dir``: committed steps that are multiples of ``persistent_interval`` (0 = never) are also written
-    there in the standard Orbax format, ``persistent_keep`` newest kept (see ``jaxckpt.orbax.persist``).
+    there in the standard Orbax format, ``persistent_keep`` newest kept (see ``jaxckpt.persistent``).
     ``protection_bandwidth``: bytes per second the protection pulls of one process may take (0 = unlimited;
     one token bucket per process, kept by its node agent across pulls, with a burst of a tenth of a second,
     see ``jaxckpt.backends.agent.protection_pull``).
@@ -71,6 +71,9 @@ class Config:
     # leaves loopback, the token alone on loopback; "curve": always; "insecure-token": never, even off
     # loopback (the token then crosses the network in clear text in every request).
     peer_security: str = "auto"
+    # The peer transport (jaxckpt.core.transport) of trainers and node agents, by its name in the registry's group
+    # "transport" (jaxckpt.registry: "zmq", jaxckpt.backends.transport) or as "module:Class".
+    transport: str = "zmq"
     # store="shm": the node agent's directory (socket, lock, shared-memory segments); "" = a directory per job and
     # node (and SLURM allocation) under /dev/shm (jaxckpt.node_identity.agent_dir_name).
     shm_dir: str = ""
@@ -98,7 +101,7 @@ class Config:
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), _field_types()[f.name])
         if self.store not in STORES and ":" not in self.store:  # "module:Class" is imported at use time
-            from jaxckpt.core.registry import registered_stores  # names only: imports no backend
+            from jaxckpt.registry import registered_stores  # names only: imports no backend
 
             known = registered_stores()
             if self.store not in known:
@@ -123,6 +126,13 @@ class Config:
                 raise ConfigError(f"Config.{name}={getattr(self, name)!r}: must be positive and at most "
                                   f"{MAX_TIMEOUT_S:g} (a week)")
         check_peer_security(self.peer_bind, self.peer_security)
+        if ":" not in self.transport:
+            from jaxckpt.registry import registered_parts  # names only: imports no transport
+
+            known = registered_parts("transport")
+            if self.transport not in known:
+                raise ConfigError(f"Config.transport={self.transport!r}: unknown peer transport (known: "
+                                  f"{', '.join(sorted(known))}; or 'module:Class')")
         if self.shm_dir and not os.path.isabs(self.shm_dir):
             raise ConfigError(f"Config.shm_dir={self.shm_dir!r}: must be an absolute path")
         if self.node_name and (len(self.node_name) > MAX_NODE_NAME or any(c not in _JOB_ID_CHARS
@@ -189,11 +199,24 @@ class Config:
         return self
 
 
-def _env_not_fields() -> frozenset[str]:
-    """Variables in our namespace that configure other things than Config: the CLI, and the launcher's, whose names
-    live with the node identity (imported here, not at the top: that module imports this one)."""
-    from jaxckpt.node_identity import LAUNCH_ENV
+# The variables jaxckpt's launcher sets in every process it starts (jaxckpt.tools.node reads them): JAXCKPT_*
+# names that are not Config fields, which the environment reader skips.
+ENV_COORDINATOR = "JAXCKPT_COORDINATOR"  # host:port of the JAX coordination service (process 0 binds it)
+ENV_PROCESS_ID = "JAXCKPT_PROCESS_ID"
+ENV_PROCESS_COUNT = "JAXCKPT_PROCESS_COUNT"
+ENV_DEVICES_PER_PROC = "JAXCKPT_DEVICES_PER_PROC"
+ENV_NODE = "JAXCKPT_NODE"  # the simulated node's number; its name goes to Config.node_name (JAXCKPT_NODE_NAME)
+ENV_NODE_COUNT = "JAXCKPT_NODE_COUNT"
+ENV_LOCAL_RANK = "JAXCKPT_LOCAL_RANK"
+ENV_PROCS_PER_NODE = "JAXCKPT_PROCS_PER_NODE"
+ENV_LAUNCH_DIR = "JAXCKPT_LAUNCH_DIR"  # scratch folder shared by the job's processes
+LAUNCH_ENV = (ENV_COORDINATOR, ENV_PROCESS_ID, ENV_PROCESS_COUNT, ENV_DEVICES_PER_PROC, ENV_NODE, ENV_NODE_COUNT,
+              ENV_LOCAL_RANK, ENV_PROCS_PER_NODE, ENV_LAUNCH_DIR)
 
+
+
+def _env_not_fields() -> frozenset[str]:
+    """Variables in our namespace that configure other things than Config: the CLI's and the launcher's."""
     return frozenset({"JAXCKPT_LOG_LEVEL", "JAXCKPT_LAUNCH_SPEC", *LAUNCH_ENV})
 
 

@@ -78,6 +78,15 @@ class PeerTimeoutError(PeerError):
     """The peer did not answer in time (it may be dead), as opposed to answering with a refusal."""
 
 
+class PeerUnreachableError(PeerTimeoutError):
+    """Nothing accepted a connection at the peer's address (a dead agent's stale address, most likely)."""
+
+
+class PeerHandshakeError(PeerUnreachableError):
+    """A CURVE handshake with the peer's address failed: the server there does not hold the key published for
+    that address (an impostor, or another server that took a dead one's port), or it refused this job's key."""
+
+
 class CapabilityError(JaxckptError, LookupError):
     """A store was asked for a capability (``jaxckpt.core.capabilities``) its class does not declare."""
 
@@ -121,3 +130,16 @@ class CoordinationError(CommitError):
         super().__init__(message)
         self.processes, self.round_name, self.round_number = tuple(processes), round_name, round_number
         self.errors = dict(errors or {})
+
+
+def named(kind: str, message: str, default: type[JaxckptError] = CoordinationError) -> JaxckptError:
+    """An error of the class named ``kind`` in this module carrying ``message`` (``default`` when there is none):
+    how another process's error is raised here, its class kept (messages and classes cross processes, never
+    pickled exceptions)."""
+    cls = globals().get(kind)
+    if isinstance(cls, type) and issubclass(cls, JaxckptError):
+        try:
+            return cls(message)
+        except TypeError:  # a class that carries more than a message
+            pass
+    return default(message)

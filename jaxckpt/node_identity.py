@@ -15,9 +15,9 @@ The scheduler (:func:`detect_scheduler`) is reported beside it by ``jaxckpt doct
 also scopes the default agent directory (:func:`agent_dir_name`), so two allocations of one user on a shared
 node never meet, and the end of one frees only its own memory.
 
-This module sits at the bottom with ``jaxckpt.config`` and ``jaxckpt.errors``: it imports nothing else of
-jaxckpt. It also holds the names of the variables jaxckpt's own launcher (``jaxckpt.tools.node``) sets, so that
-the Config's environment reader knows they are not fields.
+This module sits just above ``jaxckpt.config`` and ``jaxckpt.errors``: it imports nothing else of jaxckpt. The
+names of the variables jaxckpt's own launcher (``jaxckpt.tools.node``) sets live in ``jaxckpt.config``, whose
+environment reader must know they are not fields.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import socket
 from dataclasses import dataclass
 from typing import Mapping
 
-from jaxckpt.config import Config
+from jaxckpt.config import ENV_LAUNCH_DIR, ENV_NODE, ENV_PROCS_PER_NODE, Config
 
 # The schedulers' variables jaxckpt reads (one place: nothing else names them).
 ENV_K8S_NODE = "K8S_NODE_NAME"  # ours, documented: the pod spec fills it from spec.nodeName
@@ -45,19 +45,6 @@ ENV_OMPI_LOCAL = "OMPI_COMM_WORLD_LOCAL_SIZE"
 ENV_TORCHRUN_RESTART = "TORCHELASTIC_RESTART_COUNT"
 ENV_OMPI_RANK = "OMPI_COMM_WORLD_RANK"
 ENV_OMPI_URI = "OMPI_MCA_orte_hnp_uri"
-
-# The variables jaxckpt's launcher sets in every process it starts (jaxckpt.tools.node reads them).
-ENV_COORDINATOR = "JAXCKPT_COORDINATOR"  # host:port of the JAX coordination service (process 0 binds it)
-ENV_PROCESS_ID = "JAXCKPT_PROCESS_ID"
-ENV_PROCESS_COUNT = "JAXCKPT_PROCESS_COUNT"
-ENV_DEVICES_PER_PROC = "JAXCKPT_DEVICES_PER_PROC"
-ENV_NODE = "JAXCKPT_NODE"  # the simulated node's number; its name goes to Config.node_name (JAXCKPT_NODE_NAME)
-ENV_NODE_COUNT = "JAXCKPT_NODE_COUNT"
-ENV_LOCAL_RANK = "JAXCKPT_LOCAL_RANK"
-ENV_PROCS_PER_NODE = "JAXCKPT_PROCS_PER_NODE"
-ENV_LAUNCH_DIR = "JAXCKPT_LAUNCH_DIR"  # scratch folder shared by the job's processes
-LAUNCH_ENV = (ENV_COORDINATOR, ENV_PROCESS_ID, ENV_PROCESS_COUNT, ENV_DEVICES_PER_PROC, ENV_NODE, ENV_NODE_COUNT,
-              ENV_LOCAL_RANK, ENV_PROCS_PER_NODE, ENV_LAUNCH_DIR)
 
 _DIR_PART = 48  # at most this much of a node name goes into a directory name as it is
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")

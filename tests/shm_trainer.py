@@ -37,7 +37,7 @@ from jaxckpt.core.dtypes import dtype_from_name, dtype_name
 from jaxckpt.core.engine import ArrayRecord, CheckpointEngine
 from jaxckpt.errors import StepNotFoundError
 from jaxckpt.core.plan import HOST, ArrayLayout, Placement
-from jaxckpt.core.registry import register_store
+from jaxckpt.registry import register_store
 from jaxckpt.testing.agents import agent_processes  # noqa: F401 - the agent tests import it from here
 
 DIE = {"phase": None, "step": -1}

@@ -298,8 +298,8 @@ def test_a_step_that_no_process_has_is_named(committed, tmp_path):
         with pytest.raises(NoCheckpointError, match="nothing has been committed yet .* nor in "):
             pk.restore()
         pk.save(1, {"x": np.arange(3)}).result()
-        with pytest.raises(StepNotFoundError, match=r"step 5 is not held .*; nor is it persisted in .* "
-                                                    r"\(persisted: none\)"):
+        with pytest.raises(StepNotFoundError, match=r"step 5 is not held by store 'memory' \(held: \[1\]\) nor by any "
+                                                    r"holder this process can reach \(asked: persistent directory "):
             pk.restore(step=5)
         np.testing.assert_array_equal(pk.restore()["x"], np.arange(3))
 

@@ -74,7 +74,7 @@ def test_a_store_no_one_registered_is_refused_at_config_time(name):
 
 
 def test_registered_and_module_class_stores_pass_validation():
-    from jaxckpt.core.registry import register_store
+    from jaxckpt.registry import register_store
 
     register_store("test-config-store", "jaxckpt.backends.memory:MemoryStore", clobber=True)
     assert Config(store="test-config-store").store == "test-config-store"

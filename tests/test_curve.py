@@ -41,7 +41,8 @@ from jaxckpt.backends.agent.serve import read_peer_info
 from jaxckpt.backends.curve import client_keys, valid_public_key
 from jaxckpt.backends.memory import MemoryStore
 from jaxckpt.backends.shm import ShmStore
-from jaxckpt.backends.transport import VERSION, PeerHandshakeError, ZmqTransport
+from jaxckpt.backends.transport import VERSION, ZmqTransport
+from jaxckpt.errors import PeerHandshakeError
 from jaxckpt.config import is_loopback, peer_uses_curve
 from jaxckpt.core.capabilities import AgentInfo
 from jaxckpt.errors import ConfigError, PeerError

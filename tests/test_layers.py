@@ -8,8 +8,12 @@
 - ``import jaxckpt`` and ``import jaxckpt.orbax``, and a save and restore through ``jaxckpt.Checkpointer``, import
   no tooling, flax or optax;
 - the torch front end saves and restores a state dict bit for bit with jax, jaxlib, orbax, flax, optax and
-  ml_dtypes blocked (a torch-only install: bfloat16 and float8 tensors included).
+  ml_dtypes blocked (a torch-only install: bfloat16 and float8 tensors included);
+- read from the source: every folder of the library imports only the layers below it (any import, at the top,
+  inside a function or under TYPE_CHECKING), none imports the tooling, and no module calls or imports another
+  module's private function or method.
 """
+import ast
 import json
 import os
 import signal
@@ -18,6 +22,8 @@ import sys
 import textwrap
 import time
 import uuid
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -243,5 +249,158 @@ def test_ml_dtypes_stand_ins_have_the_widths_of_the_real_types():
 
     real = {n: np.dtype(getattr(ml, n)).itemsize for n in _ML_WIDTHS if hasattr(ml, n)}
     assert real and real == {n: _ML_WIDTHS[n] for n in real}
-    from jaxckpt.backends.torch.dtypes import _NAMES  # every ml_dtypes name torch uses has a stand-in
+    from jaxckpt.torch.dtypes import _NAMES  # every ml_dtypes name torch uses has a stand-in
     assert {n for n in _NAMES.values() if not hasattr(np, n)} <= set(_ML_WIDTHS)
+
+
+# --------------------------------------------------------------------------------------- from the source
+ROOT = Path(__file__).resolve().parent.parent
+# Each unit of the library (a folder, or a module at the top of the package) and its layer: a unit imports only
+# units of a lower layer, so two units of one layer never import each other. A new folder must be placed here.
+LAYERS = {
+    "jaxckpt.errors": 0,
+    "jaxckpt.registry": 1,  # stores and parts by name (Config checks its names against it)
+    "jaxckpt.config": 2,
+    "jaxckpt.node_identity": 3,  # what a node is (Config.node_name, the scheduler's variables)
+    "jaxckpt.core": 4,
+    "jaxckpt.protection": 5, "jaxckpt.persistent": 5,  # parts of the core's protocols (core/protect.py, Tier)
+    "jaxckpt.backends.agent": 6,  # the node agent (builds protection blocks)
+    "jaxckpt.backends": 7,  # the stores (shm starts and talks to the agent) and the peer transport
+    "jaxckpt.frontend": 8,  # the front-end protocol and the shared Checkpointer face
+    "jaxckpt.jax": 9, "jaxckpt.torch": 9,  # the front ends
+    "jaxckpt.orbax": 10,  # Orbax's handler and tiered manager, on the JAX front end
+    "jaxckpt.backends.torch": 10,  # the torch front end's earlier public name (a re-export)
+    "jaxckpt": 11,  # the package's own __init__: the public face
+    "jaxckpt.cli": 12,
+}
+TOOLING_UNITS = {"jaxckpt.tools", "jaxckpt.testing"}  # may import anything (and each other); the library never them
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the installed package ``jaxckpt`` by name (``jaxckpt.backends`` lives in backends/)."""
+    out = {}
+    for base, pkg in ((ROOT / "jaxckpt", "jaxckpt"), (ROOT / "backends", "jaxckpt.backends")):
+        for path in base.rglob("*.py"):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join([pkg] + parts)] = path
+    return out
+
+
+def _unit(module: str, modules: dict[str, Path]) -> str | None:
+    """The layer unit ``module`` belongs to: the deepest one named in LAYERS or TOOLING_UNITS that holds it."""
+    best = None
+    for u in list(LAYERS) + list(TOOLING_UNITS):
+        if (module == u or module.startswith(u + ".")) and (best is None or len(u) > len(best)):
+            best = u
+    if best == "jaxckpt" and module != "jaxckpt":  # a module at the package's top is its own unit
+        return None
+    return best
+
+
+def _imports(tree: ast.AST, module: str, modules: dict[str, Path]) -> list[tuple[int, str]]:
+    """Every jaxckpt module ``tree`` imports anywhere in it (``from jaxckpt import Config`` is the package)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "jaxckpt"]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolved against this module's package
+                pkg = module.split(".")[:len(module.split(".")) - node.level + (1 if modules[module].name ==
+                                                                                 "__init__.py" else 0)]
+                base = ".".join(pkg + ([base] if base else []))
+            if base.split(".")[0] != "jaxckpt":
+                continue
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                out.append((node.lineno, sub if sub in modules else base))
+    return out
+
+
+def test_every_folder_imports_only_the_layers_below_it_and_never_the_tooling():
+    modules = _modules()
+    unplaced = sorted({m for m in modules if _unit(m, modules) is None and m.count(".") == 1
+                       and modules[m].name == "__init__.py"})
+    assert unplaced == [], f"folders with no layer in LAYERS (place them): {unplaced}"
+    bad = []
+    for module, path in sorted(modules.items()):
+        src = _unit(module, modules) or module  # a top-level module (config, errors, registry) is its own unit
+        for line, target in _imports(ast.parse(path.read_text()), module, modules):
+            dst = _unit(target, modules) or target
+            if dst == src or (src in TOOLING_UNITS and dst in TOOLING_UNITS):
+                continue
+            where = f"{path.relative_to(ROOT)}:{line}: {module} imports {target}"
+            if src in TOOLING_UNITS:
+                continue
+            if dst in TOOLING_UNITS:
+                bad.append(f"{where} (tooling)")
+            elif src not in LAYERS or dst not in LAYERS:
+                bad.append(f"{where} (a unit with no layer: {src if src not in LAYERS else dst})")
+            elif LAYERS[dst] >= LAYERS[src]:
+                bad.append(f"{where} ({src}, layer {LAYERS[src]}, may not import {dst}, layer {LAYERS[dst]})")
+    assert bad == [], "\n".join(bad)
+
+
+def test_the_layer_check_sees_an_upward_import_a_lazy_one_and_a_relative_one():
+    """The check itself: what a violation looks like to it (so that the test above cannot pass by seeing nothing)."""
+    modules = _modules()
+    lazy = ast.parse("def f():\n    from jaxckpt.protection.runtime import Protector\n")
+    assert _imports(lazy, "jaxckpt.core.engine", modules) == [(2, "jaxckpt.protection.runtime")]
+    assert _unit("jaxckpt.protection.runtime", modules) == "jaxckpt.protection"
+    assert LAYERS[_unit("jaxckpt.protection.runtime", modules)] > LAYERS[_unit("jaxckpt.core.engine", modules)]
+    rel = ast.parse("from .handler import SnapshotHandler\nfrom jaxckpt import Config\n")
+    assert _imports(rel, "jaxckpt.orbax.tiered", modules) == [(1, "jaxckpt.orbax.handler"), (2, "jaxckpt")]
+    assert _unit("jaxckpt.backends.agent.daemon", modules) == "jaxckpt.backends.agent"
+    assert _unit("jaxckpt.backends.shm", modules) == "jaxckpt.backends"
+    assert _unit("jaxckpt.config", modules) == "jaxckpt.config"  # a top-level module is its own unit
+
+
+def _private_uses(tree: ast.AST, defined_here: set[str], private_defs: dict[str, set[str]], module: str
+                  ) -> list[tuple[int, str]]:
+    """Calls of ``x._name(...)`` (x not self/cls) and imports of ``_name`` from jaxckpt, where ``_name`` is a
+    function or method another module defines and this one does not."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            name, owner = node.func.attr, node.func.value
+            if (name.startswith("_") and not name.startswith("__") and name not in defined_here
+                    and private_defs.get(name, set()) - {module}
+                    and not (isinstance(owner, ast.Name) and owner.id in ("self", "cls"))
+                    and not (isinstance(owner, ast.Call) and ast.unparse(owner.func) == "super")):
+                out.append((node.lineno, ast.unparse(node.func)))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxckpt"):
+            out += [(node.lineno, f"from {node.module} import {a.name}") for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")]
+    return out
+
+
+def _private_defs(trees: dict[str, ast.AST]) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """Per private name, the modules defining it as a function or method; per module, every private name it
+    defines (functions, methods, attributes it assigns)."""
+    defs: dict[str, set[str]] = {}
+    names: dict[str, set[str]] = {}
+    for module, tree in trees.items():
+        here = names.setdefault(module, set())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("_"):
+                defs.setdefault(node.name, set()).add(module)
+                here.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                here.add(node.attr)
+    return defs, names
+
+
+def test_no_module_calls_or_imports_another_module_s_private_functions():
+    modules = _modules()
+    trees = {m: ast.parse(p.read_text()) for m, p in modules.items()}
+    defs, names = _private_defs(trees)
+    bad = [f"{modules[m].relative_to(ROOT)}:{line}: {what}" for m in sorted(trees)
+           if _unit(m, modules) not in TOOLING_UNITS
+           for line, what in _private_uses(trees[m], names[m], defs, m)]
+    assert bad == [], "\n".join(bad)
+    # the check sees one: the Orbax handler calling Checkpointer._restore, as it once did
+    probe = ast.parse("def f(ck):\n    return ck._restore_step(None)\n")
+    assert _private_uses(probe, set(), {"_restore_step": {"jaxckpt.core.restore"}}, "jaxckpt.orbax.handler") == \
+        [(2, "ck._restore_step")]

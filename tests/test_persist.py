@@ -1,5 +1,4 @@
 """The persistent tier: committed snapshots in the standard Orbax format, read by plain Orbax and by restore."""
-import logging
 import os
 import signal
 import time
@@ -12,8 +11,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxckpt
+from jaxckpt.core import manifest as mf
 from jaxckpt.errors import StepNotFoundError, TargetMismatchError, UnsupportedLeafError
-from jaxckpt.orbax.persist import TMP_SUFFIX, persisted_steps
+from jaxckpt.persistent import TMP_SUFFIX, persisted_steps
 from jaxckpt.testing import expect_ok, launch, start
 
 AUTO = jax.sharding.AxisType.Auto
@@ -97,7 +97,7 @@ def test_persisted_steps_are_standard_orbax(tmp_path):
     mngr.close()
 
 
-def test_restore_falls_back_to_persisted_steps(tmp_path, caplog):
+def test_restore_reads_persisted_steps(tmp_path):
     mesh = _mesh((8,), ("data",))
     mesh2 = _mesh((2, 4), ("data", "model"))
     other = _target(mesh2, P(None, "model"), P("model", None))
@@ -108,30 +108,31 @@ def test_restore_falls_back_to_persisted_steps(tmp_path, caplog):
         assert ck.all_steps() == [5] and ck.persister.steps() == [0, 2, 4]
         assert ck.store.steps() == [5]  # steps held for their persist were freed once on disk
         # held in memory: memory serves it
-        assert ck._restore(other, None).source == "memory"
+        assert ck.restore_with_extra(other, None).source == "memory"
         # evicted from memory (keep=1): the persistent tier serves it, bit for bit onto another sharding
-        with caplog.at_level(logging.INFO, logger="jaxckpt.orbax.persist"):
-            r = ck._restore(other, 4)
+        r = ck.restore_with_extra(other, 4)
         assert r.source == "persistent" and r.step == 4
+        assert set(r.report.bytes_by_kind) == {"persistent"} and r.report.bytes_by_node == {"persistent": r.report.nbytes}
         _assert_state(r.state, 4, other)
-        assert "restoring from the persistent directory" in caplog.text and "step 4" in caplog.text
         _assert_state(ck.restore(other, step=2), 2, other)
         assert type(ck.restore(other, step=2)["count"]) is np.int32
-        # held in memory but its bytes are corrupt: the persisted copy is used instead
+        # held in memory but a chunk is corrupt: that chunk comes from the persisted copy, verified, reported
         ck.save(6, _state(6, mesh))
         ck.wait()
         ck.persister.wait()
         ck.store._entries[6].buf[0] ^= 0xFF
-        r = ck._restore(other, 6)
-        assert r.source == "persistent"
+        r = ck.restore_with_extra(other, 6)
+        assert r.source == "memory+persistent"
+        assert any("failed its crc32c check" in f and "persistent source" in f for f in r.report.fallbacks), \
+            r.report.fallbacks
         _assert_state(r.state, 6, other)
-        with pytest.raises(StepNotFoundError, match=r"step 3 is not held .* nor is it persisted .* \[2, 4, 6\]"):
+        with pytest.raises(StepNotFoundError, match=r"step 3 is not held .* \(asked: persistent directory "):
             ck.restore(other, step=3)  # neither in memory nor persisted
-        with pytest.raises(TargetMismatchError, match="params/ids: persisted shape"):
+        with pytest.raises(TargetMismatchError, match=r"params/ids: saved shape \(8, 16\), target shape \(8, 17\)"):
             bad = _target(mesh)
             bad["params"]["ids"] = jax.ShapeDtypeStruct((8, 17), jnp.int32, sharding=NamedSharding(mesh, P()))
             ck.restore(bad, step=4)
-        with pytest.raises(TargetMismatchError, match="params/w: persisted dtype float32 in step 4, target dtype f"):
+        with pytest.raises(TargetMismatchError, match="params/w: saved dtype float32, target dtype float16"):
             bad = _target(mesh)
             bad["params"]["w"] = jax.ShapeDtypeStruct((16, 8), jnp.float16, sharding=NamedSharding(mesh, P()))
             ck.restore(bad, step=4)
@@ -139,12 +140,63 @@ def test_restore_falls_back_to_persisted_steps(tmp_path, caplog):
     # A new process after a restart: nothing in memory, latest_step() and restore() use the directory.
     with jaxckpt.Checkpointer(jaxckpt.Config(persistent_dir=d, job_id="persist-fresh")) as fresh:
         assert fresh.all_steps() == [] and fresh.latest_step() == 6
-        r = fresh._restore(other, None)
+        r = fresh.restore_with_extra(other, None)
         assert (r.source, r.step) == ("persistent", 6)
         _assert_state(r.state, 6, other)
         host = fresh.restore(None, step=4)  # no target: numpy arrays
         assert isinstance(host["params"]["w"], np.ndarray)
         np.testing.assert_array_equal(_bits(host["params"]["w"]), _bits(_host(4)["w"]))
+
+
+def _flip(ck, step: int, path: str = "params/w") -> None:
+    """Flip a bit of the first chunk of ``path`` saved at ``step`` in this process's memory store."""
+    entry = ck.store._entries[step]
+    chunk = mf.decode(entry.manifest).array(path).chunks[0]
+    entry.buf[chunk.offset + 5] ^= 0x10
+
+
+def test_a_newest_step_corrupt_in_memory_comes_from_disk_in_the_same_restore(tmp_path):
+    mesh = _mesh((8,), ("data",))
+    other = _target(_mesh((2, 4), ("data", "model")), P(None, "model"), P("model", None))
+    cfg = jaxckpt.Config(persistent_dir=str(tmp_path), persistent_interval=2, keep=3, job_id="persist-corrupt")
+    with jaxckpt.Checkpointer(cfg) as ck:
+        _saved(ck, mesh, range(5))
+        assert ck.all_steps() == [2, 3, 4] and ck.persister.steps() == [0, 2, 4]
+        _flip(ck, 4)
+        r = ck.restore_with_extra(other)  # the newest step: the corrupt chunk comes from disk, nothing is skipped
+        _assert_state(r.state, 4, other)
+        rep = ck.last_restore_report
+        assert (r.step, r.source, rep.skipped) == (4, "memory+persistent", [])
+        assert 0 < rep.bytes_by_kind["persistent"] < rep.nbytes and rep.bytes_by_kind["local"] > 0
+        assert len(rep.fallbacks) == 1 and "params/w: step 4" in rep.fallbacks[0], rep.fallbacks
+        assert "local source own memory of process 0 failed (ChecksumError" in rep.fallbacks[0], rep.fallbacks
+        assert "read from persistent source persistent directory" in rep.fallbacks[0], rep.fallbacks
+        assert (ck.latest_step(), ck.all_steps()) == (4, [2, 3, 4])  # nothing forgotten
+
+
+def test_a_newest_step_corrupt_in_memory_and_not_persisted_falls_back_in_the_same_restore(tmp_path):
+    mesh = _mesh((8,), ("data",))
+    target = _target(mesh)
+    cfg = jaxckpt.Config(persistent_dir=str(tmp_path), persistent_interval=2, keep=2, job_id="persist-older")
+    with jaxckpt.Checkpointer(cfg) as ck:
+        _saved(ck, mesh, range(6))
+        assert ck.all_steps() == [4, 5] and ck.persister.steps() == [0, 2, 4]
+        _flip(ck, 5)
+        _flip(ck, 4)  # step 4's memory copy is bad too: its persisted copy is read instead
+        r = ck.restore_with_extra(target)
+        _assert_state(r.state, 4, target)
+        rep = ck.last_restore_report
+        assert (r.step, r.source) == (4, "memory+persistent") and len(rep.skipped) == 1, rep.skipped
+        assert rep.skipped[0].startswith("step 5: process 0 could not read it (ChecksumError: params/w: step 5")
+        assert rep.skipped[0].endswith("fell back to step 4")
+        assert (ck.latest_step(), ck.all_steps()) == (4, [4])  # step 5 forgotten: its number may be saved again
+        # a step only the directory holds is a fallback too: memory holds 6 and 7, both corrupt, 6 persisted
+        _saved(ck, mesh, [6, 7])
+        _flip(ck, 7)
+        ck.store._entries[6].buf[:] = 0  # step 6 in memory: every chunk bad, its manifest still good
+        r = ck.restore_with_extra(target)
+        _assert_state(r.state, 6, target)
+        assert (r.step, r.source) == (6, "persistent") and ck.last_restore_report.skipped[0].startswith("step 7:")
 
 
 def test_leaf_orbax_cannot_write_fails_that_persist_only(tmp_path):
@@ -290,7 +342,7 @@ def _mp_persist(directory: str) -> dict:
               "r": jax.ShapeDtypeStruct(repl.shape, jnp.float32, sharding=NamedSharding(mesh, P("data"))),
               "step": 0}
     with jaxckpt.Checkpointer(jaxckpt.Config(persistent_dir=directory, job_id="mp-fresh")) as fresh:
-        r = fresh._restore(target, None)
+        r = fresh.restore_with_extra(target, None)
         for shard in r.state["w"].addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data), (host + 4)[shard.index])
         for shard in r.state["r"].addressable_shards:

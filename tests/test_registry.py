@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from jaxckpt.core import registry
+from jaxckpt import registry
 from jaxckpt.backends.memory import MemoryStore
 from jaxckpt.errors import BackendNotFoundError
 
@@ -30,7 +30,7 @@ def test_lookup_is_lazy():
         import sys
         import jaxckpt
         from jaxckpt import Config
-        from jaxckpt.core.registry import get_store_class, registered_stores
+        from jaxckpt.registry import get_store_class, registered_stores
         Config(store="memory")
         registered_stores()
         assert "jaxckpt.backends.memory" not in sys.modules, "imported before use"
@@ -44,6 +44,16 @@ def test_lookup_is_lazy():
 def test_memory_is_built_in():
     assert registry.get_store_class("memory") is MemoryStore
     assert registry.get_store_class("memory") is MemoryStore  # cached
+
+
+def test_the_earlier_name_registers_in_the_same_registry():
+    """``jaxckpt.core.registry`` (the registry's earlier home) still registers stores that Config then accepts."""
+    from jaxckpt import Config
+    from jaxckpt.core.registry import get_store_class, register_store
+
+    register_store("earlier", OtherStore)
+    assert get_store_class("earlier") is OtherStore is registry.get_store_class("earlier")
+    assert Config(store="earlier").store == "earlier"
 
 
 def test_unknown_name_lists_known_stores():
@@ -146,7 +156,7 @@ def test_the_peer_transport_is_a_part_imported_only_when_asked():
     code = textwrap.dedent("""
         import sys
         import jaxckpt.core.engine
-        from jaxckpt.core.registry import get_part
+        from jaxckpt.registry import get_part
         assert "jaxckpt.backends.peers" not in sys.modules and "zmq" not in sys.modules, "imported before use"
         cls = get_part("peers", "default")
         assert cls.__module__ == "jaxckpt.backends.peers" and cls.__name__ == "Peers"

@@ -11,11 +11,11 @@ import torch
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxckpt
-import jaxckpt.backends.torch.restore as torch_restore
+import jaxckpt.torch.restore as torch_restore
 import jaxckpt.core.restore as driver
 import jaxckpt.jax.restore as jax_restore
 from jaxckpt import Config
-from jaxckpt.backends.torch import Checkpointer as TorchCheckpointer
+from jaxckpt.torch import Checkpointer as TorchCheckpointer
 from jaxckpt.core import plan as core_plan
 from jaxckpt.core.box import Box
 from jaxckpt.core.checksum import crc32c

@@ -421,15 +421,17 @@ def test_job_ids_that_could_name_paths_are_refused(job):
 
 @pytest.mark.parametrize("step", ["../x", "/etc", "..", "1/../../x", "5\x00", "9" * 5000, -1, 2.0, True, None])
 def test_step_numbers_cannot_name_paths_of_the_persistent_tier(tmp_path, step):
-    from jaxckpt.orbax import persist
+    from jaxckpt.persistent import PersistentHolder, directory as persisted
 
     directory = tmp_path / "persist"
     directory.mkdir()
     (tmp_path / "x").mkdir()
     with pytest.raises(StepError, match="step must be a non-negative int"):
-        persist.read_state(directory, step)
+        persisted.read_index(directory, step)
     with pytest.raises(StepError, match="step must be a non-negative int"):
-        persist.read_extra(directory, step)
+        persisted.step_dir(directory, step)
+    with pytest.raises(StepError, match="step must be a non-negative int"):
+        PersistentHolder(directory).open(0, step)
     assert os.listdir(directory) == [] and os.listdir(tmp_path / "x") == []
 
 

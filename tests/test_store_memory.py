@@ -3,7 +3,7 @@ import numpy as np
 
 from jaxckpt.backends.memory import MemoryStore
 from jaxckpt.config import Config
-from jaxckpt.core.registry import get_store_class
+from jaxckpt.registry import get_store_class
 from jaxckpt.core.store import Store
 from jaxckpt.testing.store import N, StoreTests
 

@@ -22,7 +22,7 @@ from jaxckpt.backends.agent import protocol as proto
 from jaxckpt.backends.shm import ShmStore
 from jaxckpt.config import Config
 from jaxckpt.errors import AgentError, BudgetExceededError, StepNotFoundError, StoreUnavailableError
-from jaxckpt.core.registry import get_store_class
+from jaxckpt.registry import get_store_class
 from jaxckpt.core.store import Store
 from jaxckpt.testing.store import N, StoreTests, manifest_of, pattern
 from shm_trainer import agent_processes

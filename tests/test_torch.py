@@ -14,10 +14,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
 from jaxckpt import Config
-from jaxckpt.backends.torch import Checkpointer, PerRank, TorchStoreCoordinator
-from jaxckpt.backends.torch import dtensor as dt
-from jaxckpt.backends.torch.dtypes import _NAMES, numpy_view
-from jaxckpt.errors import ClosedError, StepError, StepNotFoundError, TargetMismatchError, UnsupportedLeafError
+from jaxckpt.torch import Checkpointer, PerRank, TorchStoreCoordinator
+from jaxckpt.torch import dtensor as dt
+from jaxckpt.torch.dtypes import _NAMES, numpy_view
+from jaxckpt.errors import ClosedError, ConfigError, StepError, StepNotFoundError, TargetMismatchError, UnsupportedLeafError
 
 
 def bits(x) -> np.ndarray:
@@ -364,6 +364,17 @@ def test_steps_retention_and_close():
             ck.restore({"x": torch.zeros(2)}, step=1)
     with pytest.raises(ClosedError):
         ck.save(9, {"x": torch.zeros(2)})
+
+
+def test_persistent_dir_is_refused_at_construction(tmp_path):
+    d = tmp_path / "persistent"
+    with pytest.raises(ConfigError, match=r"Config.persistent_dir=.*the torch front end has no persistent tier"):
+        Checkpointer(Config(persistent_dir=str(d), persistent_interval=1))
+    import jaxckpt
+    with jaxckpt.Checkpointer(Config(persistent_dir=str(d))) as jck:  # sharing a JAX engine that has one: refused too
+        with pytest.raises(ConfigError, match="the torch front end has no persistent tier"):
+            Checkpointer(engine=jck.engine)
+    assert not d.exists()
 
 
 def test_jaxckpt_imports_no_torch():

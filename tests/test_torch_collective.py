@@ -1,4 +1,4 @@
-"""Torch restore through the collective (backends/torch/gather.py) with two real ranks on gloo.
+"""Torch restore through the collective (jaxckpt/torch/gather.py) with two real ranks on gloo.
 
 Plain tensors are replicated on every rank; each rank saved half of each. On restore each rank reads only its
 own half and one ``all_gather_into_tensor`` forms the tensors: bit for bit (NaN payloads, bfloat16, int, bool),
@@ -36,7 +36,7 @@ def _same(a, b) -> bool:
 
 def ranks_job(job_id: str) -> dict:
     from jaxckpt import Config
-    from jaxckpt.backends.torch import Checkpointer
+    from jaxckpt.torch import Checkpointer
 
     info = node_info()
     rank, world = info.process_id, info.process_count

@@ -24,11 +24,11 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 
 from jaxckpt import Config
 from jaxckpt.backends.agent import protocol as proto
-from jaxckpt.backends.torch import JaxckptReader, JaxckptWriter
-from jaxckpt.backends.torch import dcp_metadata
-from jaxckpt.backends.torch.dcp import checkpoint_step
-from jaxckpt.backends.torch.dcp_metadata import Locator, StorageIndex
-from jaxckpt.backends.torch.dtypes import _NAMES
+from jaxckpt.torch import JaxckptReader, JaxckptWriter
+from jaxckpt.torch import dcp_metadata
+from jaxckpt.torch.dcp import checkpoint_step
+from jaxckpt.torch.dcp_metadata import Locator, StorageIndex
+from jaxckpt.torch.dtypes import _NAMES
 from jaxckpt.errors import ChecksumError, ManifestError, PlanError, StepError, StepNotFoundError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -237,7 +237,7 @@ import sys, torch, warnings
 warnings.filterwarnings("ignore")
 import torch.distributed.checkpoint as dcp
 from jaxckpt import Config
-from jaxckpt.backends.torch import JaxckptWriter
+from jaxckpt.torch import JaxckptWriter
 sys.path.insert(0, sys.argv[3])
 from test_torch_dcp import every_dtype_state
 with JaxckptWriter(config=Config(store="shm", job_id=sys.argv[1], shm_dir=sys.argv[2])) as w:
@@ -420,7 +420,7 @@ def dcp_two_rank_worker(job_id: str) -> dict:
             errs = {r: (type(f[0]).__name__, str(f[0])) for r, f in e.failures.items()}
         assert set(errs) == {0, 1} and all(name == "ChecksumError" for name, _ in errs.values()), errs
         assert "of rank 0's slot of checkpoint step 1 fails its crc32c" in errs[0][1], errs
-        assert errs[1][1].startswith("reading DCP checkpoint step 1 failed on rank 0: "), errs
+        assert errs[1][1].startswith("process 0 failed in reading DCP checkpoint step 1: "), errs
         done.append("corrupt")
 
         # A group of rank 0 alone: rank 1's shards of step 2 are in rank 1's memory store, out of its reach.

@@ -105,7 +105,7 @@ class Trainer:
 
     def state(self) -> dict:
         import torch
-        from jaxckpt.backends.torch import PerRank
+        from jaxckpt.torch import PerRank
 
         out = {"model": self.model.state_dict(), "optim": self.opt.state_dict(), "data": self.data,
                "rng": PerRank(torch.get_rng_state()), "step": self.step}
@@ -117,7 +117,7 @@ class Trainer:
         """A restore target shaped like :meth:`state`, holding none of its values."""
         import torch
         from torch.distributed.tensor import distribute_tensor
-        from jaxckpt.backends.torch import PerRank
+        from jaxckpt.torch import PerRank
 
         def zeros(v):
             if isinstance(v, dict):
@@ -136,7 +136,7 @@ class Trainer:
     def bits(self) -> dict:
         """Every tensor of the training state (and the RNG streams' positions) as raw bytes, by path."""
         import torch
-        from jaxckpt.backends.torch.dtypes import numpy_view
+        from jaxckpt.torch.dtypes import numpy_view
 
         def raw(t):
             return numpy_view(t.detach().contiguous()).reshape(-1).view(np.uint8).tobytes()
@@ -171,7 +171,7 @@ def train_job(base: str, job: str, protection: str, kill_rank: int, kill_step: i
     returned (the snapshot still in flight). With ``protected``, the parity of that step is computed late (its
     thread busy for a moment), after the next step's in-place update was allowed to start; once that step is
     protected, rank 0 leaves a marker (the test then kills a node from outside)."""
-    from jaxckpt.backends.torch import Checkpointer
+    from jaxckpt.torch import Checkpointer
 
     info = _init()
     t = Trainer(info.process_id, info.process_count, table=protection != "none")
@@ -200,7 +200,7 @@ def resume_job(base: str, job: str, protection: str):
     on and compare again; then save a new step."""
     import torch
     import torch.distributed as dist
-    from jaxckpt.backends.torch import Checkpointer
+    from jaxckpt.torch import Checkpointer
 
     info = _init()
     table = protection != "none"

@@ -8,8 +8,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import Config
-from jaxckpt.backends.torch import Checkpointer as TorchCheckpointer
-from jaxckpt.backends.torch.dtypes import numpy_view
+from jaxckpt.torch import Checkpointer as TorchCheckpointer
+from jaxckpt.torch.dtypes import numpy_view
 
 AUTO = jax.sharding.AxisType.Auto
 

@@ -203,3 +203,72 @@ class TestZmqTransport(TransportTests):
         c._send("manifest", "the manifest of step 3", step=3)
         assert c.steps() == [3]
         np.testing.assert_array_equal(np.frombuffer(c.read(3, 0, 9000), dtype=np.uint8), data[:9000])
+
+
+# ------------------------------------------------------------------------------------ from the registry
+class RecordingTransport(ZmqTransport):
+    """The zmq transport, recording what it was asked to make (a transport registered by a user)."""
+
+    made: list[str] = []
+
+    def serve(self, store, **kw):
+        RecordingTransport.made.append("serve")
+        return super().serve(store, **kw)
+
+    def connect(self, address, **kw):
+        RecordingTransport.made.append("connect")
+        return super().connect(address, **kw)
+
+
+def test_the_transport_is_the_one_config_names_in_the_registry(monkeypatch):
+    """``Config.transport`` names the peer transport in the registry (group "transport"): the job's peer server
+    is made by it, "module:Class" names one directly, and an unknown name is a ConfigError at construction."""
+    from jaxckpt import registry
+    from jaxckpt.backends.peers import Peers
+    from jaxckpt.core.coordination import LocalCoordinator
+    from jaxckpt.core.transport import get_transport
+    from jaxckpt.errors import BackendNotFoundError, ConfigError
+
+    assert type(get_transport()) is ZmqTransport and type(get_transport(Config().transport)) is ZmqTransport
+    assert type(get_transport(f"{__name__}:RecordingTransport")) is RecordingTransport
+    with pytest.raises(ConfigError, match=r"Config.transport='pigeon': unknown peer transport \(known: zmq"):
+        Config(transport="pigeon")
+    monkeypatch.setenv("JAXCKPT_TRANSPORT", "pigeon")
+    with pytest.raises(ConfigError, match="environment: Config.transport='pigeon'"):
+        Config().with_env()
+    with pytest.raises(BackendNotFoundError, match="no transport named 'pigeon'"):
+        get_transport("pigeon")
+
+    registry.register_part("transport", "recording", RecordingTransport)
+    RecordingTransport.made.clear()
+    store = MemoryStore(Config(job_id="rec"))
+    peers = Peers(Config(job_id="rec", transport="recording"), LocalCoordinator(), store)
+    try:
+        assert RecordingTransport.made == ["serve"]
+        data = np.arange(64, dtype=np.uint8)
+        _commit(store, 5, data, b"manifest-of-step-5")
+        client = get_transport("recording").connect(peers.server.address, token=peers._token, timeout_s=20.0)
+        try:
+            assert client.steps() == [5] and bytes(client.read(5, 8, 16)) == data[8:24].tobytes()
+        finally:
+            client.close()
+        assert RecordingTransport.made == ["serve", "connect"]
+    finally:
+        peers.close()
+        store.close()
+        registry._parts["transport"].pop("recording")
+        registry._loaded_parts.pop(("transport", "recording"), None)
+
+
+def test_a_node_agent_refuses_a_transport_it_cannot_make(tmp_path):
+    """The node agent makes its peer server with ``--transport`` (``Config.transport``, passed by the trainer that
+    spawns it): an unknown name stops it at start with the ConfigError naming the field, before it serves."""
+    import subprocess
+    import sys
+
+    d, log = tmp_path / "agent", tmp_path / "agent.log"
+    r = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", "tr", "--dir", str(d), "--log",
+                        str(log), "--transport", "pigeon"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "ConfigError: Config.transport='pigeon': unknown peer transport (known: zmq" in log.read_text() + r.stderr
+    assert not (d / "peer.addr").exists()

@@ -80,9 +80,9 @@ class Agent:
 
     def __init__(self, job: str, directory: str, *, node: str = "", node_budget: int = 0,
                  peer_bind: str | None = "127.0.0.1", message_timeout_s: float = MESSAGE_TIMEOUT_S,
-                 peer_security: str = "auto") -> None:
+                 peer_security: str = "auto", transport: str = "zmq") -> None:
         # validates the job id (it names files), and refuses a bind off loopback that could not be protected
-        Config(job_id=job, peer_bind=peer_bind or "127.0.0.1", peer_security=peer_security)
+        Config(job_id=job, peer_bind=peer_bind or "127.0.0.1", peer_security=peer_security, transport=transport)
         self.job, self.dir = job, os.path.abspath(directory)
         self.node = node or socket.gethostname()
         self.generation = secrets.token_hex(8)
@@ -97,6 +97,7 @@ class Agent:
         self._listener: socket.socket | None = None
         self.peer_bind = peer_bind  # None: serve no peers
         self.peer_security = peer_security  # Config.peer_security of the peer server
+        self.transport = transport  # Config.transport: the peer server's, and the protection pull's reads
         self.message_timeout_s = message_timeout_s
         self.peer_server = None
         self.snapshots = None  # agent_serve.AgentSnapshots once serving
@@ -184,10 +185,10 @@ class Agent:
         if self.peer_bind is None:
             return
         try:
-            from jaxckpt.backends.transport import get_transport
+            from jaxckpt.core.transport import get_transport
 
             token = agent_serve.load_or_make_token(self.dir)
-            self.peer_server = get_transport().serve(self.snapshots, token=token, host=self.peer_bind,
+            self.peer_server = get_transport(self.transport).serve(self.snapshots, token=token, host=self.peer_bind,
                                                      curve=peer_uses_curve(self.peer_bind, self.peer_security))
             agent_serve.write_peer_info(self.dir, {"address": self.peer_server.address, "node": self.node,
                                                    "job": self.job, "generation": self.generation,
@@ -430,7 +431,7 @@ class Agent:
                 if self._pull_buckets is None:
                     self._pull_buckets = Buckets()
             crcs, pulled, account, times = pull_into(memoryview(m)[:entry.nbytes], msg, step, local,
-                                              buckets=self._pull_buckets, owner=p)
+                                              buckets=self._pull_buckets, owner=p, transport=self.transport)
         except JaxckptError as e:  # a peer that failed, a bad chunk: the trainer's protection of the step fails
             raise Refused("pull", f"step {step}: {type(e).__name__}: {e}") from None
         finally:
@@ -531,6 +532,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="address peers read this node's snapshots on (default loopback; 'none': do not serve)")
     p.add_argument("--peer-security", default="auto", choices=PEER_SECURITY,
                    help="Config.peer_security of the peer server (default auto: CURVE off loopback)")
+    p.add_argument("--transport", default="zmq",
+                   help="Config.transport: the peer transport's registry name or module:Class (default zmq)")
     p.add_argument("--message-timeout-s", type=float, default=MESSAGE_TIMEOUT_S,
                    help="a request must arrive whole within this long of its first byte, else the connection is "
                         f"dropped (default {MESSAGE_TIMEOUT_S:g})")
@@ -564,7 +567,8 @@ def run_cli(args: argparse.Namespace) -> int:
     try:
         return Agent(args.job, directory, node=node_identity(config).name, node_budget=args.budget_bytes,
                      peer_bind=None if args.peer_bind == "none" else args.peer_bind,
-                     message_timeout_s=args.message_timeout_s, peer_security=args.peer_security).run(wait=args.wait)
+                     message_timeout_s=args.message_timeout_s, peer_security=args.peer_security,
+                     transport=args.transport).run(wait=args.wait)
     except Exception:
         log.exception("agent of job %s in %s failed", args.job, directory)
         raise

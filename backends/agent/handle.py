@@ -8,23 +8,32 @@ agent's directory, incarnation and node, and finding the job's agents from the p
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Hashable, Sequence
+from typing import Any, Hashable, Protocol, Sequence
 
 from jaxckpt.backends.agent.readers import NodeAgentHolder, RemoteAgentHolder, expand_dirs, local_agents
 from jaxckpt.backends.agent.serve import PEER_NAME
+from jaxckpt.config import Config
 from jaxckpt.core.capabilities import AgentHolders, AgentInfo, NodeAgent, ProtectionSlots
 from jaxckpt.core.sources import Holder
 from jaxckpt.core.store import Slot, Store
 from jaxckpt.protection.slot import PROTECT_BASE
 
-if TYPE_CHECKING:
-    from jaxckpt.backends.shm import ShmStore
+class AgentStore(Protocol):
+    """What the handle reads of its store (``jaxckpt.backends.shm.ShmStore``, which imports this module)."""
+
+    config: Config
+    directory: str
+    agent: dict[str, Any]  # the agent's hello: its generation and node
+    process_count: int
+
+    def pull(self, slot: Slot, *, plan: bytes, tasks: list, sources: dict, rate: int, timeout: float) -> dict:
+        """Have the agent build protection blocks into ``slot``."""
 
 
 class AgentHandle(NodeAgent, AgentHolders, ProtectionSlots):
     """The capabilities of one ShmStore, through the node agent it is connected to."""
 
-    def __init__(self, store: "ShmStore") -> None:
+    def __init__(self, store: AgentStore) -> None:
         self._store = store
         self.directory = store.directory
 
@@ -57,7 +66,7 @@ class AgentHandle(NodeAgent, AgentHolders, ProtectionSlots):
 
     def remote_holder(self, agent: AgentInfo, node: str) -> Holder:
         c = self._store.config
-        return RemoteAgentHolder(agent, node, c.peer_timeout_s, c.restore_workers)
+        return RemoteAgentHolder(agent, node, c.peer_timeout_s, c.restore_workers, transport=c.transport)
 
     # ------------------------------------------------------------------------------------ ProtectionSlots
     def slot_store(self, process: int) -> Store:

@@ -51,15 +51,15 @@ FETCH_THREADS = 4
 PARALLEL_BYTES = 8 << 20  # below this a pull fetches its sources one after another
 
 
-def _client(address: str, token: bytes, timeout_s: float, server_key: str = ""):
-    from jaxckpt.backends.transport import get_transport
+def _client(address: str, token: bytes, timeout_s: float, server_key: str = "", transport: str = "zmq"):
+    from jaxckpt.core.transport import get_transport
 
     with _clients_lock:
         c = _clients.get((address, token, server_key))
         if c is None:
             if len(_clients) >= MAX_CLIENTS:  # the oldest goes: a job's peers are few, stale ones pile up
                 _clients.pop(next(iter(_clients))).close()
-            c = _clients[(address, token, server_key)] = get_transport().connect(
+            c = _clients[(address, token, server_key)] = get_transport(transport).connect(
                 address, token=token, timeout_s=timeout_s, server_key=server_key)
         return c
 
@@ -78,8 +78,9 @@ class _Sources:
     flight, the sources in parallel."""
 
     def __init__(self, local, sources: dict[int, Any], step: int, timeout_s: float,
-                 bucket: "TokenBucket | None") -> None:
+                 bucket: "TokenBucket | None", transport: str = "zmq") -> None:
         self.local, self.sources, self.step, self.timeout = local, sources, step, timeout_s
+        self.transport = transport  # Config.transport of the agent (the one its peers serve with)
         self.bucket = bucket
         self.pulled = 0
         self.slept = 0.0  # this pull's share of the bucket's sleep
@@ -94,7 +95,8 @@ class _Sources:
 
     def _remote(self, q: int):
         where = self.sources[q]
-        return where[0], where[1], _client(where[0], where[1], self.timeout, where[2] if len(where) > 2 else "")
+        return where[0], where[1], _client(where[0], where[1], self.timeout, where[2] if len(where) > 2 else "",
+                                           self.transport)
 
     def _open_local(self, q: int) -> None:
         """This node's snapshot of process ``q``: its view (zero-copy) and its manifest's crc32c."""
@@ -136,7 +138,7 @@ class _Sources:
                 parity.check(data, self._crc(c, q), f"{c.path}: step {self.step} chunk of process {q}")
                 self._keep(c, lo, data[lo:hi])
             return
-        from jaxckpt.backends.transport import Span
+        from jaxckpt.core.transport import Span
 
         spans = [Span(c.offset + lo, hi - lo, None if (lo, hi) == (0, c.nbytes) else (c.offset, c.nbytes))
                  for c, lo, hi in needs]
@@ -223,13 +225,14 @@ class _Sources:
             v.close()
 
 
-def pull_into(buffer: memoryview, msg: dict, step: int, local, *, buckets: "Buckets", owner: int
-              ) -> tuple[list[int], int, dict]:
+def pull_into(buffer: memoryview, msg: dict, step: int, local, *, buckets: "Buckets", owner: int,
+              transport: str = "zmq") -> tuple[list[int], int, dict]:
     """Build the blocks ``msg`` asks for (see the module docstring) into ``buffer``, the writing slot of ``step``
     that process ``owner`` writes, its pulls from other nodes paced by ``owner``'s bucket in ``buckets``;
     returns the crc32c of each block in task order, the bytes pulled from other nodes, and the bandwidth
     account of a limited pull: the owner's bucket since its first admission (rate, burst, bytes admitted,
-    seconds of sleep asked for, span) and this pull's share (``pull_bytes``, ``pull_slept``)."""
+    seconds of sleep asked for, span) and this pull's share (``pull_bytes``, ``pull_slept``). ``transport``: the
+    peer transport's name (``Config.transport``) its reads from other nodes go through."""
     tasks = msg["tasks"]
     if not isinstance(tasks, list) or len(tasks) > MAX_TASKS:
         raise ValueError(f"step {step}: tasks must be a list of at most {MAX_TASKS} [kind, id, offset]")
@@ -250,7 +253,7 @@ def pull_into(buffer: memoryview, msg: dict, step: int, local, *, buckets: "Buck
     stripes = {s.id: s for s in plan.stripes}
     blocks = {b.id: b for b in plan.copy_blocks}
     out = np.frombuffer(buffer, np.uint8)
-    src = _Sources(local, sources, step, timeout, buckets.get(owner, rate))
+    src = _Sources(local, sources, step, timeout, buckets.get(owner, rate), transport)
     crcs = []
     times = {"start": time.monotonic()}
     try:

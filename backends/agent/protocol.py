@@ -258,7 +258,7 @@ def spawn_agent(config: Config, directory: str, *, log_path: str | None = None) 
     """
     cmd = [sys.executable, "-m", "jaxckpt.cli", "agent", "--job", config.job_id, "--dir", directory,
            "--node", node_identity(config).name, "--log", log_path or default_log_path(directory),
-           "--peer-bind", config.peer_bind, "--peer-security", config.peer_security]
+           "--peer-bind", config.peer_bind, "--peer-security", config.peer_security, "--transport", config.transport]
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=not allocation(), close_fds=True)
 

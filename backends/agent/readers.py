@@ -143,12 +143,13 @@ class RemoteAgentHolder(Holder):
 
     kind = "remote"
 
-    def __init__(self, info: AgentInfo, node: str, timeout_s: float, clients: int = MAX_CLIENTS) -> None:
-        from jaxckpt.backends.transport import get_transport
+    def __init__(self, info: AgentInfo, node: str, timeout_s: float, clients: int = MAX_CLIENTS, *,
+                 transport: str = "zmq") -> None:
+        from jaxckpt.core.transport import get_transport
 
         self.info, self.node = info, node
         self.name = f"agent of node {info.node} at {info.address}"
-        self._transport, self._timeout = get_transport(), timeout_s
+        self._transport, self._timeout = get_transport(transport), timeout_s
         self._idle: queue.LifoQueue = queue.LifoQueue()
         self._made, self._max = 0, max(1, clients)
         self._all: list = []

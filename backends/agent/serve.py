@@ -28,8 +28,8 @@ import msgpack
 
 from jaxckpt.backends.agent.protocol import SEG_RE, open_segment
 from jaxckpt.backends.agent.table import SlotTable
-from jaxckpt.backends.transport import SnapshotSource
 from jaxckpt.core.checksum import crc32c
+from jaxckpt.core.transport import SnapshotSource
 from jaxckpt.errors import AgentError, ManifestError
 from jaxckpt.core.sources import held_entry
 from jaxckpt.core.store import SnapshotView

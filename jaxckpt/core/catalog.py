@@ -453,7 +453,11 @@ class Catalog:
                           for q in range(prefer.process_count) if q != me]
             entries = [e for _, e in index] + ([own[1]] if own else [])
             if not entries:
-                raise own_bad or own_error or self._not_held(step)
+                if own_bad is not None:
+                    raise own_bad
+                if self._providers:  # say where else it was looked for (the persistent directory, rebuilds)
+                    raise self._missing(step, [], None)
+                raise own_error or self._not_held(step)
             version = choose_version(entries, step, prefer)
             if version is None:
                 raise self._missing(step, entries, own_bad or own_error)
@@ -550,7 +554,7 @@ class Catalog:
                                      f"(asked: {asked})")
         said = "; ".join(f"saved by {v.process_count} processes: no holder has processes {p[:16]}"
                          f"{' ...' if len(p) > 16 else ''}" for v, p in gaps.items())
-        return StepNotFoundError(f"step {step} cannot be restored from memory: {said}"
+        return StepNotFoundError(f"step {step} cannot be restored: {said}"
                                  + (f" ({own_error})" if own_error else ""))
 
     # ----------------------------------------------------------------------------------------------- close

@@ -56,12 +56,12 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import msgpack
 
 from jaxckpt.core.coordination import Coordinator
-from jaxckpt.errors import CoordinationError
+from jaxckpt.errors import CoordinationError, named
 
 log = logging.getLogger("jaxckpt.core.collective")
 
@@ -470,6 +470,28 @@ class Channel:
                 for key in [k for k, _ in self._unacked] + [k for _, k, _ in early]:
                     self._c._delete(key)
                 self._unacked = []
+
+
+class Rounds(Protocol):
+    """Anything that runs ``all_gather`` rounds: a :class:`Channel`, a front end's restore collective."""
+
+    def all_gather(self, name: str, value: Any) -> list:
+        """Every process's ``value``, by process."""
+
+
+def agree(rounds: Rounds, name: str, error: BaseException | None, value: Any = None) -> list:
+    """Every process's ``value`` (one ``all_gather`` round ``name``), or, when a process failed, an error on every
+    process: that process's own error, the others one of the same ``jaxckpt.errors`` class naming it. So a
+    process that failed locally never leaves the others waiting in their next round."""
+    got = rounds.all_gather(name, [None if error is None else [type(error).__name__, str(error)], value])
+    if error is not None:
+        raise error
+    failed = [(p, e) for p, (e, _) in enumerate(got) if e is not None]
+    if failed:
+        p, (kind, message) = failed[0]
+        more = f" ({len(failed) - 1} more process(es) failed)" if len(failed) > 1 else ""
+        raise named(kind, f"process {p} failed in {name}{more}: {message}")
+    return [v for _, v in got]
 
 
 def _apply(fn: Callable[[list], Any], values: list, what: str, name: str, n: int) -> Any:

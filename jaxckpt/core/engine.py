@@ -14,7 +14,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator, Protocol
 
 import numpy as np
 
@@ -24,13 +24,15 @@ from jaxckpt.core.adoption import decide
 from jaxckpt.core.advise import IntervalAdvice, SaveCosts
 from jaxckpt.core.collective import Collective
 from jaxckpt.core.coordination import CommitTracker, Coordinator
-from jaxckpt.errors import (ClosedError, CommitError, NoCheckpointError, StepError,
+from jaxckpt.errors import (ClosedError, CommitError, ConfigError, NoCheckpointError, StepError,
                             StepOutOfRangeError, StoreUnavailableError)
 from jaxckpt.core.capabilities import NodeAgent, ProtectionSlots
 from jaxckpt.core.catalog import Catalog
 from jaxckpt.core.fetch import ChunkReader
+from jaxckpt.core.sources import Holder
 from jaxckpt.core.plan import ArrayLayout, SavePlan, plan_save
-from jaxckpt.core.registry import get_part, get_store_class
+from jaxckpt.core.protect import Protection, ProtectionFactory
+from jaxckpt.registry import get_part, get_store_class
 from jaxckpt.core.copier import Copier, SnapshotResult
 from jaxckpt.core.hostbuf import host_bytes
 
@@ -38,8 +40,20 @@ log = logging.getLogger("jaxckpt.core.engine")
 PLAN_CACHE = 64  # save plans kept, one per state layout (tree structure, shapes, dtypes, shardings)
 MAX_STEP = 1 << 62  # the largest step number: agents' records and messages carry steps up to it
 
-# device id -> (that device's shard on the host, or fetch() returning it; optional start() of its transfer)
-Sources = dict[int, tuple[np.ndarray | Callable[[], np.ndarray], Callable[[], None] | None]]
+# A record's shard reads on save: device id -> (that device's shard on the host, or fetch() returning it;
+# optional start() of its transfer)
+ShardReads = dict[int, tuple[np.ndarray | Callable[[], np.ndarray], Callable[[], None] | None]]
+
+
+class Tier(Protocol):
+    """What the engine reads of the persistent tier (``jaxckpt.persistent.Persister``): its directory, the steps
+    it holds and the holder the catalog reads them through."""
+
+    directory: Any
+    holder: Holder
+
+    def steps(self) -> list[int]:
+        """Persisted steps a restore can read, ascending."""
 
 
 @dataclass
@@ -50,8 +64,10 @@ class ArrayRecord:
     layout_key: tuple  # hashable; equal keys promise equal layout() and meta()
     layout: Callable[[], ArrayLayout]
     meta: Callable[[], mf.ArrayMeta]  # chunks left empty
-    sources: Callable[[frozenset[int]], Sources]  # called inside save() for the devices the plan reads from;
-    # it must pin those devices' bytes as they are at the call (views that block donation, or device copies)
+    # Called inside save() for the devices the plan reads from; it must take those devices' bytes as they are at
+    # the call (views that block donation, or device copies). None for a front end that takes them itself
+    # (jaxckpt.frontend: its take()); then only begin()/start() save it, not save().
+    reads: Callable[[frozenset[int]], ShardReads] | None = None
 
 
 @dataclass
@@ -108,11 +124,11 @@ class _SaveChunks:
 
     __slots__ = ("_index", "_fetch", "_start", "_left", "offsets", "sizes")
 
-    def __init__(self, prep: _Prepared, sources: Callable[[], list[Sources]]) -> None:
+    def __init__(self, prep: _Prepared, reads: Callable[[], list[ShardReads]]) -> None:
         if prep.table is None:
             prep.table = _ChunkIndex.of(prep.copies)
         index = self._index = prep.table
-        srcs = sources()
+        srcs = reads()
         self._fetch: list[Any] = []
         starts: list[Any] = []
         for leaf_i, dev in index.sources:
@@ -184,7 +200,8 @@ class SaveHandle:
 class CheckpointEngine:
     """Snapshots of neutral array records into a store, committed across processes, kept ``config.keep`` deep."""
 
-    def __init__(self, config: Config, coordinator: Coordinator, framework: str) -> None:
+    def __init__(self, config: Config, coordinator: Coordinator, framework: str, *,
+                 protection: ProtectionFactory | None = None) -> None:
         self.config = config
         self.framework = framework
         self.coordinator = coordinator
@@ -216,17 +233,27 @@ class CheckpointEngine:
         self._last_step: int | None = None
         self._lock = threading.Lock()
         self._closed = False
-        # The persistent tier (jaxckpt.orbax.persist): hooks run on the commit thread before retention, and steps held
-        # for a pending persist outlive ``keep`` until released.
+        # Commit hooks (the persistent tier, protection) run on the commit thread before retention; a pinned step
+        # (a pending persist, protection's guard) outlives ``keep`` until its last pin goes.
         self._commit_hooks: list[Callable[[int, bool], None]] = []
-        self._holds: dict[int, int] = {}
+        self._pins: dict[int, int] = {}
         self._deferred: set[int] = set()
-        # Config.protection (jaxckpt.protection.runtime): needs node agents; registers its rebuild holder before
-        # _adopt so that a restarted job counts steps it can rebuild from protection.
-        self.protection = None
+        self.tier: Tier | None = None  # the persistent tier, once attached (attach_tier)
+        # Config.protection (``protection``: jaxckpt.protection.runtime.Protector, given by the front end's face):
+        # needs node agents; registers its rebuild holder before _adopt so that a restarted job counts steps it
+        # can rebuild from protection.
+        self.protection: Protection | None = None
         if config.protection != "none" and self.store.supports(ProtectionSlots):
-            from jaxckpt.protection.runtime import Protector
-            self.protection = Protector(self)
+            if protection is None:
+                self.store.close()
+                raise ConfigError(f"Config.protection={config.protection!r}: this engine was given no protection "
+                                  f"to run (build it through a Checkpointer, or pass protection="
+                                  f"jaxckpt.protection.runtime.Protector)")
+            try:
+                self.protection = protection(self)
+            except BaseException:
+                self.store.close()
+                raise
         elif config.protection != "none":
             log.warning("Config.protection=%r needs node agents (store='shm'); store %r keeps snapshots unprotected",
                         config.protection, config.store)
@@ -245,8 +272,8 @@ class CheckpointEngine:
         begun = self.begin(step, tuple((r.path, r.layout_key) for r in records), lambda: records, t0)
         if isinstance(begun, SaveHandle):
             return begun
-        sources = [r.sources(devs) if devs else {} for r, devs in zip(records, begun.prep.devices)]
-        return self.start(begun, lambda: sources, values, order)
+        reads = [r.reads(devs) if devs else {} for r, devs in zip(records, begun.prep.devices)]
+        return self.start(begun, lambda: reads, values, order)
 
     def begin(self, step: int, key: Hashable, records: Callable[[], list[ArrayRecord]], t0: float | None = None
               ) -> "Reservation | SaveHandle":
@@ -287,11 +314,11 @@ class CheckpointEngine:
         prep = self._last_prep
         return [c[4] for c in prep.copies] if prep is not None else []
 
-    def start(self, res: "Reservation", sources: Callable[[], list[Sources]], values: list[mf.LeafMeta],
+    def start(self, res: "Reservation", reads: Callable[[], list[ShardReads]], values: list[mf.LeafMeta],
               order: tuple[str, ...]) -> SaveHandle:
         """Hand a reserved save to the copy workers and return its handle.
 
-        ``sources()`` gives each record's Sources for the devices ``res.prep.devices`` names; it runs on the
+        ``reads()`` gives each record's ShardReads for the devices ``res.prep.devices`` names; it runs on the
         copier's dispatcher thread (or here, when protection needs the views now), so whatever it returns must
         already be safe from later writes (views pinned or copies taken by the caller before this call)."""
         step, prep = res.step, res.prep
@@ -299,16 +326,16 @@ class CheckpointEngine:
         handle = SaveHandle(step, self._tracker)
         handle.nbytes = prep.plan.nbytes
         if self.protection is not None:
-            got = sources()
+            got = reads()
             handle.parity = self.protection.on_save(step, prep.key, [m.path for m in prep.metas], got)
-            sources = lambda got=got: got  # noqa: E731
+            reads = lambda got=got: got  # noqa: E731
         self._last_step = step
         with self._lock:
             self._pending.append(handle)
         handle.save_call_seconds = time.perf_counter() - res.t0
         self.costs.record(step, time.monotonic() - handle.save_call_seconds, handle.save_call_seconds)
         # Last: from here the dispatcher runs (and on a loaded machine may take the caller's core for a while).
-        self._snap.submit(res.slot, functools.partial(_SaveChunks, prep, sources),
+        self._snap.submit(res.slot, functools.partial(_SaveChunks, prep, reads),
                           on_done=lambda f: self._local_finished(f, handle, res.slot, prep, values, order))
         return handle
 
@@ -410,29 +437,29 @@ class CheckpointEngine:
         with self._lock:
             self._committed = sorted(self._committed + [step])
             drop, self._committed = self._committed[:-self.config.keep], self._committed[-self.config.keep:]
-            self._deferred.update(s for s in drop if self._holds.get(s))
-            drop = [s for s in drop if not self._holds.get(s)]
+            self._deferred.update(s for s in drop if self._pins.get(s))
+            drop = [s for s in drop if not self._pins.get(s)]
         for s in drop:
             self.store.delete(s)
 
-    # ------------------------------------------------------------------------------- persistent tier hooks
+    # ------------------------------------------------------------------------- commit hooks, pins, the tier
     def add_commit_hook(self, hook: Callable[[int, bool], None]) -> None:
         """Call ``hook(step, committed)`` on the commit thread for every decided step, before retention."""
         self._commit_hooks.append(hook)
 
-    def hold(self, step: int) -> None:
-        """Keep ``step`` in the store past ``Config.keep`` until :meth:`release` (call from a commit hook)."""
+    def pin(self, step: int) -> None:
+        """Keep ``step`` in the store past ``Config.keep`` until :meth:`unpin` (call from a commit hook)."""
         with self._lock:
-            self._holds[step] = self._holds.get(step, 0) + 1
+            self._pins[step] = self._pins.get(step, 0) + 1
 
-    def release(self, step: int) -> None:
-        """Drop one hold of ``step``; a step retention already let go is freed with its last hold."""
+    def unpin(self, step: int) -> None:
+        """Drop one pin of ``step``; a step retention already let go is freed with its last pin."""
         with self._lock:
-            n = self._holds.get(step, 0) - 1
+            n = self._pins.get(step, 0) - 1
             if n > 0:
-                self._holds[step] = n
+                self._pins[step] = n
                 return
-            self._holds.pop(step, None)
+            self._pins.pop(step, None)
             free = step in self._deferred
             self._deferred.discard(step)
         if free:
@@ -452,7 +479,7 @@ class CheckpointEngine:
             self._committed = [s for s in self._committed if s not in steps]
             self._pending = deque(h for h in self._pending if h.step not in steps)  # decided long ago
             for s in steps:
-                self._holds.pop(s, None)
+                self._pins.pop(s, None)
                 self._deferred.discard(s)
             if self._last_step is not None and begun is not None and self._last_step <= begun:
                 self._last_step = restored  # no newer save began here: the next one may be restored + 1
@@ -499,11 +526,32 @@ class CheckpointEngine:
         with self._lock:
             return list(self._committed)
 
-    def kept_steps(self) -> list[int]:
-        """Steps held past retention (protection's guard, adoption's rebuildable fallbacks), ascending: a restore
+    def pinned_steps(self) -> list[int]:
+        """Steps pinned past retention (protection's guard, adoption's rebuildable fallbacks), ascending: a restore
         may fall back to them when the newer steps' bytes are proven bad (``jaxckpt.core.fallback``)."""
         with self._lock:
-            return sorted(s for s, n in self._holds.items() if n > 0)
+            return sorted(s for s, n in self._pins.items() if n > 0)
+
+    def attach_tier(self, tier: "Tier") -> None:
+        """Read steps from the persistent tier too: its holder joins the catalog (ranked last), and its steps are
+        restore targets and fallbacks like the committed ones (``restorable_steps``)."""
+        self.tier = tier
+        self.catalog.add_holders(lambda: [tier.holder])
+
+    def restorable_steps(self) -> list[int]:
+        """Committed steps and, with a persistent tier, persisted ones, ascending, without asking the store."""
+        steps = set(self.committed_steps())
+        if self.tier is not None:
+            steps.update(self.tier.steps())
+        return sorted(steps)
+
+    def newest_step(self) -> int | None:
+        """What a restore of the newest step restores: the newest committed step, else the newest persisted."""
+        step = self.latest_step()
+        if step is None and self.tier is not None:
+            steps = self.tier.steps()
+            step = steps[-1] if steps else None
+        return step
 
     def all_steps(self) -> list[int]:
         """Committed steps still held, ascending."""
@@ -521,8 +569,8 @@ class CheckpointEngine:
             self.store.delete(s)
         for step, complete in a.holds:
             with self._lock:
-                self._holds[step] = self._holds.get(step, 0) + 1
-                if step not in a.agreed:  # freed with its last hold, like a step retention let go
+                self._pins[step] = self._pins.get(step, 0) + 1
+                if step not in a.agreed:  # freed with its last pin, like a step retention let go
                     self._deferred.add(step)
             self.protection.adopt(step, complete=complete)
             log.info("process %d keeps step %d, the newest %s, until a newer step is protected", self.process_index,
@@ -548,19 +596,21 @@ class CheckpointEngine:
                                           f"{self.all_steps() or 'none'}): it is out of range (steps are at most "
                                           f"{MAX_STEP})")
             return int(step)
-        latest = self.latest_step()
+        latest = self.newest_step()
         if latest is None and self.protection is not None and self.protection.holder.losses:
             raise self.protection.holder.losses[max(self.protection.holder.losses)]
         if latest is None:
+            where = f" nor in {self.tier.directory}" if self.tier is not None else ""
             raise NoCheckpointError(f"nothing has been committed yet (store {self.config.store!r}, "
-                                    f"job {self.config.job_id!r})")
+                                    f"job {self.config.job_id!r}){where}")
         return latest
 
     @contextlib.contextmanager
-    def open(self, step: int | None) -> Iterator[tuple[int, list[mf.Manifest], ChunkReader]]:
-        """Pin ``step`` (default: latest) and yield (step, manifests of every process that saved it, a verified
-        chunk reader over the cheapest sources of each: jaxckpt.core.catalog). The reader's report (bytes per source
-        kind and node, fallbacks) is logged and kept as ``last_restore_report``."""
+    def open(self, step: int | None, *, report: bool = True) -> Iterator[tuple[int, list[mf.Manifest], ChunkReader]]:
+        """Open ``step`` (default: the newest, :meth:`newest_step`) and yield (step, manifests of every process
+        that saved it, a verified chunk reader over the cheapest sources of each: jaxckpt.core.catalog); its
+        holders keep the bytes until the block ends. With ``report``, the reader's report (bytes per source kind
+        and node, fallbacks) is logged and kept as ``last_restore_report`` (the persistent tier's reads are not)."""
         self.check_open()
         t0 = time.perf_counter()
         step = self.resolve_step(step)
@@ -571,9 +621,11 @@ class CheckpointEngine:
             try:
                 yield step, manifests, reader
             finally:
-                self.last_restore_report = report = reader.finish()
-                if report.chunks:
-                    log.info("restored %s", report.summary())
+                done = reader.finish()
+                if report:
+                    self.last_restore_report = done
+                    if done.chunks:
+                        log.info("restored %s", done.summary())
 
     # ---------------------------------------------------------------------------------------------- close
     def close(self) -> None:
@@ -607,6 +659,11 @@ class CheckpointEngine:
             self.collective.channel("main").barrier("close", timeout_s=timeout)
         except Exception as e:  # noqa: BLE001 - closing must not hang or fail on a dead peer
             log.warning("close: not every process reached close within %.0fs (%s); closing anyway", timeout, e)
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._closed
 
     def check_open(self) -> None:
         if self._closed:

@@ -7,13 +7,13 @@ manifest is corrupt, is the step lost to the job; a relaunch would then only fal
 the same ``restore()`` call:
 
   0) (every process) contributes its outcome (the step, and its error's class and message or None) and the
-     older committed steps it holds, in one ``all_gather`` round of the ``restored`` channel
-     (``jaxckpt.core.collective``; a single process has no round);
+     older steps it can restore (committed, or persisted with a persistent tier), in one ``all_gather`` round
+     of the ``restored`` channel (``jaxckpt.core.collective``; a single process has no round);
   1) (every process, from the same contributions) decides alike: all restored the same step -> done; a process
      met bad bytes (:data:`BAD_BYTES`) and no process failed otherwise -> the newest older step every process
-     holds (committed, or, when every failure is bytes proven bad, held past retention: protection's guard, a
-     step adoption kept because it can be rebuilt); anything else -> every process raises (its own error, or
-     one of the same class naming the process that failed);
+     can restore (committed or persisted, or, when every failure is bytes proven bad, pinned past retention:
+     protection's guard, a step adoption kept because it can be rebuilt); anything else -> every process
+     raises (its own error, or one of the same class naming the process that failed);
   2) on a fallback every process restores the older step, which may itself fall back; once one is restored,
      every process forgets the steps passed over (``CheckpointEngine.forget_newer``: their numbers may be
      saved again, the numbered rounds of later steps shifted past every number used). The restore report's
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("jaxckpt.core.fallback")
 
-__all__ = ["BAD_BYTES", "Outcome", "agree_outcome", "peer_error"]
+__all__ = ["BAD_BYTES", "Outcome", "agree_outcome"]
 
 # The step's saved bytes cannot be had bit for bit: a chunk failed its checksum at every source (protection
 # included), a holder vanished (StepNotFoundError, DataLossError), a manifest is corrupt.
@@ -68,12 +68,12 @@ def agree_outcome(engine: "CheckpointEngine", step: int | None, error: BaseExcep
     """One round (above) over this process's attempt at ``step``; raises what the job cannot get past."""
     # Not all_steps(): that asks the store, and a store whose agent died mid-restore would hold this process
     # back from the round while the others wait. A step the store no longer holds fails its attempt instead.
-    older = [s for s in engine.committed_steps() if step is not None and s < step]
-    # The steps held past retention (protection's guard, adoption's rebuildable fallbacks) are candidates only
+    older = [s for s in engine.restorable_steps() if step is not None and s < step]
+    # The steps pinned past retention (protection's guard, adoption's rebuildable fallbacks) are candidates only
     # when every failure is bytes proven bad: when a holder went away instead (this process's own agent died
     # mid-restore, say), the newer steps' bytes may survive in its memory, and falling back would forget them
     # (the chaos run lost 4 steps so); the job relaunches then and loses nothing.
-    kept = [s for s in engine.kept_steps() if step is not None and s < step and s not in older]
+    kept = [s for s in engine.pinned_steps() if step is not None and s < step and s not in older]
     mine = [step, None if error is None else [type(error).__name__, str(error), is_bad_bytes(error),
                                               is_proven_bad(error)], older, engine.newest_begun(), kept]
     if engine.process_count == 1:
@@ -118,15 +118,4 @@ def _raise(error: BaseException | None, p: int, kind: str, message: str, step: A
         if why:
             log.error("step %s: %s%s", step, error, why)
         raise error
-    raise peer_error(kind, f"process {p} of the restore of step {step} failed: {message}{why}")
-
-
-def peer_error(kind: str, message: str) -> Exception:
-    """An error of the ``jaxckpt.errors`` class named ``kind`` (CoordinationError if there is none)."""
-    cls = getattr(_errors, kind, None)
-    if isinstance(cls, type) and issubclass(cls, _errors.JaxckptError):
-        try:
-            return cls(message)
-        except TypeError:  # a class that carries more than a message
-            pass
-    return _errors.CoordinationError(message)
+    raise _errors.named(kind, f"process {p} of the restore of step {step} failed: {message}{why}")

@@ -31,5 +31,5 @@ def copy(a: np.ndarray) -> np.ndarray:
 
 
 def host_bytes(fetch: np.ndarray | Callable[[], np.ndarray]) -> np.ndarray:
-    """A save source's shard on the host (``core.engine.Sources``): the array itself, or what ``fetch()`` returns."""
+    """A save source's shard on the host (``core.engine.ShardReads``): the array itself, or what ``fetch()`` returns."""
     return fetch if isinstance(fetch, np.ndarray) else fetch()

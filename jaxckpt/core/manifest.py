@@ -15,15 +15,15 @@ import msgpack
 
 from jaxckpt.core.box import Box
 from jaxckpt.core.checksum import crc32c
-from jaxckpt.core.dtypes import dtype_from_name
-from jaxckpt.errors import ManifestError, TargetMismatchError
+from jaxckpt.core.dtypes import check_plain, dtype_from_name
+from jaxckpt.core.keypath import KeyEntry
+from jaxckpt.errors import ManifestError, TargetMismatchError, UnsupportedLeafError
 
 FORMAT = "jaxckpt-manifest"
 VERSION = 1
 # A manifest is read from other processes and from disk: refuse absurd sizes before decoding.
 MAX_MANIFEST_BYTES = 256 << 20
 
-KeyEntry = tuple[str, Any]  # ("key", dict key) | ("idx", sequence index) | ("attr", attribute name)
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ def _from_wire(d: Any) -> Manifest:
                                 sharding=_expect(a["sharding"], str, f"{path}.sharding"),
                                 attrs=_expect(a["attrs"], dict, f"{path}.attrs"), chunks=tuple(chunks)))
     leaves = tuple(LeafMeta(_expect(x["path"], str, "leaf.path"), _keypath_from_wire(x["keypath"]),
-                            _expect(x["value"], _VALUE_TYPES, f"{x['path']}.value"))
+                            _expect(x["value"], VALUE_TYPES, f"{x['path']}.value"))
                    for x in (_expect(x, dict, "leaf") for x in _expect(d["leaves"], list, "leaves")))
     m = Manifest(step=_int(d["step"], "step"), process=_int(d["process"], "process"),
                  process_count=_int(d["process_count"], "process_count"),
@@ -195,7 +195,28 @@ def _from_wire(d: Any) -> Manifest:
     return m
 
 
-_VALUE_TYPES = (bool, int, float, str, bytes, type(None))
+VALUE_TYPES = (bool, int, float, str, bytes, type(None))  # what a manifest holds by value (LeafMeta.value)
+
+
+def host_kind(value: Any, path: str) -> str | None:
+    """The kind of a leaf every front end holds alike: "numpy", "numpy_scalar" or "value" (saved by value), None
+    for any other leaf (the front end's own kinds); UnsupportedLeafError naming ``path`` for a numpy leaf of
+    objects or of a dtype with no plain bytes, and an integer wider than 64 bits."""
+    import numpy as np  # here: the node agent decodes manifests and serves before it imports numpy
+
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject:
+            raise UnsupportedLeafError(f"{path}: numpy arrays of dtype object cannot be snapshotted")
+        check_plain(value.dtype, path)
+        return "numpy"
+    if isinstance(value, np.generic):
+        check_plain(value.dtype, path)
+        return "numpy_scalar"
+    if isinstance(value, VALUE_TYPES):
+        if isinstance(value, int) and not isinstance(value, bool) and not -(1 << 63) <= value < (1 << 64):
+            raise UnsupportedLeafError(f"{path}: integer {value} does not fit 64 bits")
+        return "value"
+    return None
 
 
 def _check_consistent(m: Manifest) -> None:

@@ -42,7 +42,8 @@ from jaxckpt.core import plan as _plan
 from jaxckpt.core import routes as _routes
 from jaxckpt.core.box import Box
 from jaxckpt.core.dtypes import dtype_from_name
-from jaxckpt.core.fallback import agree_outcome, peer_error
+from jaxckpt.core.collective import agree
+from jaxckpt.core.fallback import agree_outcome
 from jaxckpt.core.fetch import ChunkReader, assemble
 from jaxckpt.core.manifest import ArrayMeta, ChunkMeta, Manifest
 from jaxckpt.core.plan import HOST, Assembly
@@ -185,7 +186,7 @@ def restore_step(engine: "CheckpointEngine", step: int | None,
 
 def _attempted(engine: "CheckpointEngine", want: int | None) -> int | None:
     """The step an attempt that failed before it opened one was for."""
-    return want if want is not None else engine.latest_step()
+    return want if want is not None else engine.newest_step()
 
 
 @functools.lru_cache(maxsize=1)
@@ -242,7 +243,7 @@ def restore_leaves(items: Iterable[ArrayRequest | Any], reader: ChunkReader, *, 
         rows = _stage(staged, reader, timeline)
     except Exception as e:  # noqa: BLE001 - every process hears of it in the next round, then it raises
         error = e
-    _agree(gather, "restore staged", error)
+    agree(gather, "restore staged", error)
     t0 = time.perf_counter()
     values = gather.run([Staged(jobs[i].request, r.route, rows[i]) for i, r in staged.items()])
     timeline.record("collective", t0, time.perf_counter(), reader.report.collective_bytes, len(values))
@@ -279,24 +280,11 @@ def _build_while_fetching(jobs: list[Any], chunks: list[tuple[str, ChunkMeta]], 
     return out
 
 
-def _agree(gather: Gather, name: str, error: Exception | None, value: Any = None) -> list:
-    """Every process's ``value`` (a round of ``gather``). When a process failed, every process raises: that
-    process its own error, the others an error of the same ``jaxckpt.errors`` class naming the process."""
-    got = gather.all_gather(name, [None if error is None else [type(error).__name__, str(error)], value])
-    if error is not None:
-        raise error
-    failed = [(p, e) for p, (e, _) in enumerate(got) if e is not None]
-    if failed:
-        p, (kind, message) = failed[0]
-        raise peer_error(kind, f"process {p} of the restore failed: {message}")
-    return [v for _, v in got]
-
-
 def _route(jobs: list[Any], pending: list[int], chunks: list[tuple[str, ChunkMeta]], reader: ChunkReader,
            gather: Gather, error: Exception | None, process: int) -> dict[int, "_Routed"]:
     """Route every pending job (one round: which saving processes each process reads from its node's memory);
     the chunks each needs are added to ``chunks``; the jobs routed to the collective are returned."""
-    held = _agree(gather, "restore holders", error, reader.local_processes())
+    held = agree(gather, "restore holders", error, reader.local_processes())
     t0 = time.perf_counter()
     holders: dict[int, list[int]] = {}
     for p, qs in enumerate(held):

@@ -28,11 +28,13 @@ MAX_PROGRAMS = 16  # fused programs kept, one per state layout
 class FusedTarget(Protocol):
     """What ``wrap_step`` needs of a checkpointer (``jaxckpt.jax.checkpointer.Checkpointer``)."""
 
-    def _begin(self, step: int, leaves: list[Any], treedef: Any, state: Any, t0: float) -> Any: ...
+    frontend: Any  # its JaxFrontend: ``layout(state)``
 
-    def _start(self, begun: Any, leaves: list[Any], owned: bool, exclude_s: float = 0.0) -> Any: ...
+    def begin_save(self, step: int, layout: Any, leaves: list[Any], t0: float) -> Any: ...
 
-    def _cancel(self, begun: Any, error: BaseException) -> None: ...  # sets begun.failed, the failed handle
+    def start_save(self, begun: Any, leaves: list[Any], owned: bool, exclude_s: float = 0.0) -> Any: ...
+
+    def cancel_save(self, begun: Any, error: BaseException) -> None: ...  # sets begun.failed, the failed handle
 
 
 def _host_sharding(x: Any) -> Any:
@@ -72,23 +74,22 @@ def wrap_step(target: FusedTarget, fn: Callable, *, state_argnum: int = 0,
         if save_step is None:
             return plain(*args)
         t0 = time.perf_counter()
-        state = args[state_argnum]
-        leaves, treedef = jax.tree_util.tree_flatten(state)
-        begun = target._begin(save_step, leaves, treedef, state, t0)  # may refuse: nothing has run yet
-        program = fused_for(begun.plan.key, leaves)
+        layout, leaves = target.frontend.layout(args[state_argnum])
+        begun = target.begin_save(save_step, layout, leaves, t0)  # may refuse: nothing has run yet
+        program = fused_for(layout.key, leaves)
         t1 = time.perf_counter()
         try:
             out, copy = program(*args)
         except BaseException as e:
-            target._cancel(begun, e)
+            target.cancel_save(begun, e)
             raise
         ran = time.perf_counter() - t1
         # jax.Array leaves were donated, so their copies (host, or device) are the only ones left, and ours.
         # Python and numpy leaves come back from jit as device arrays: save the caller's own leaves for those.
-        if len(begun.plan.jax_leaves) != len(leaves):
-            copy = [c if i in begun.plan.jax_leaves else orig for i, (orig, c) in enumerate(zip(leaves, copy))]
+        if len(layout.jax_leaves) != len(leaves):
+            copy = [c if i in layout.jax_leaves else orig for i, (orig, c) in enumerate(zip(leaves, copy))]
         try:
-            call.last_save = target._start(begun, copy, owned=True, exclude_s=ran)
+            call.last_save = target.start_save(begun, copy, owned=True, exclude_s=ran)
         except Exception as e:  # noqa: BLE001 - the state was donated: the output must reach the caller
             call.last_save = begun.failed
             log.error("step %s: the fused snapshot failed after the step ran (%s: %s); training goes on, "

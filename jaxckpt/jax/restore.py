@@ -22,7 +22,8 @@ from jaxckpt.core.restore import ArrayRequest, Gather, restore_leaves
 from jaxckpt.errors import ManifestError, TargetMismatchError
 from jaxckpt.jax import shards
 from jaxckpt.jax.gather import target_layout
-from jaxckpt.jax.tree import flatten, nested
+from jaxckpt.core.keypath import nested
+from jaxckpt.jax.tree import flatten
 
 log = logging.getLogger("jaxckpt.jax.restore")
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxckpt.core import hostbuf
 from jaxckpt.core import manifest as mf
-from jaxckpt.core.engine import ArrayRecord, Sources
+from jaxckpt.core.engine import ArrayRecord, ShardReads
 from jaxckpt.core.plan import HOST
 from jaxckpt.jax import shards
 from jaxckpt.jax.tree import Leaf, classify, paths
@@ -195,7 +195,7 @@ class Saver:
         return tuple(out), tuple(j for j, r in enumerate(out) if r[0] in ("copy", "same"))
 
     def pins(self, plan: TreePlan, devices: list[frozenset[int]], leaves: list[Any], owned: bool
-             ) -> Callable[[], list[Sources]]:
+             ) -> Callable[[], list[ShardReads]]:
         """Take now what must be taken before ``save()`` returns; return the function (run on the dispatcher
         thread) that makes the engine's sources from it. ``owned``: the jax leaves are jaxckpt's own copies
         (the fused path), so only numpy leaves are taken now."""
@@ -224,9 +224,9 @@ def _take(r: tuple, leaves: list[Any]) -> np.ndarray:
 
 
 def _sources(reads: tuple, taken: list[Any], owned: list[Any] | None, plan: TreePlan,
-             views: Callable[[list[Any]], list[np.ndarray]]) -> list[Sources]:
+             views: Callable[[list[Any]], list[np.ndarray]]) -> list[ShardReads]:
     """The engine's sources, on the dispatcher thread; ``owned``: the fused path's copies, read from here."""
-    out: list[Sources] = []
+    out: list[ShardReads] = []
     for r, t in zip(reads, taken):
         what = r[0]
         if what == "view":

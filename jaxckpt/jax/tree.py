@@ -5,15 +5,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import numpy as np
 
-from jaxckpt.core.dtypes import check_plain
+from jaxckpt.core.manifest import host_kind
 from jaxckpt.errors import UnsupportedLeafError
-from jaxckpt.core.manifest import KeyEntry
-
-# Plain values stored by value in the manifest (msgpack types).
-VALUE_TYPES = (bool, int, float, str, bytes, type(None))
-
+from jaxckpt.core.keypath import KeyEntry, path_string
 
 @dataclass
 class Leaf:
@@ -40,28 +35,14 @@ def keypath_entries(path: tuple) -> tuple[KeyEntry, ...]:
     return tuple(out)
 
 
-def path_string(entries: tuple[KeyEntry, ...]) -> str:
-    """``params/Dense_0/kernel``: the name users see in errors and ``jaxckpt inspect``."""
-    return "/".join(str(v) for _, v in entries) or "<root>"
-
-
 def classify(value: Any, path: str) -> str:
     if isinstance(value, jax.Array):
         if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
             return "prng_key"
         return "jax"
-    if isinstance(value, np.ndarray):
-        if value.dtype.hasobject:
-            raise UnsupportedLeafError(f"{path}: numpy arrays of dtype object cannot be snapshotted")
-        check_plain(value.dtype, path)
-        return "numpy"
-    if isinstance(value, np.generic):
-        check_plain(value.dtype, path)
-        return "numpy_scalar"
-    if isinstance(value, VALUE_TYPES):
-        if isinstance(value, int) and not isinstance(value, bool) and not -(1 << 63) <= value < (1 << 64):
-            raise UnsupportedLeafError(f"{path}: integer {value} does not fit 64 bits")
-        return "value"
+    kind = host_kind(value, path)
+    if kind is not None:
+        return kind
     raise UnsupportedLeafError(f"{path}: leaf of type {type(value).__module__}.{type(value).__qualname__} "
                                f"is not supported (arrays, numpy, int/float/bool/str/bytes/None are)")
 
@@ -96,25 +77,3 @@ def flatten(tree: Any, *, classify_leaves: bool = True) -> tuple[list[Leaf], Any
     values, treedef = jax.tree_util.tree_flatten(tree)
     return [Leaf(path, entries, value, classify(value, path) if classify_leaves else "")
             for (path, entries), value in zip(_paths(tree, treedef), values)], treedef
-
-
-def nested(items: list[tuple[tuple[KeyEntry, ...], Any]]) -> Any:
-    """Rebuild plain nested dicts/lists from keypaths (restore without a target)."""
-    root: dict = {}
-    for entries, value in items:
-        if not entries:
-            return value
-        node = root
-        for kind, key in entries[:-1]:
-            node = node.setdefault(key, {})
-        node[entries[-1][1]] = value
-
-    def lists(node: Any) -> Any:
-        if not isinstance(node, dict):
-            return node
-        node = {k: lists(v) for k, v in node.items()}
-        if node and all(isinstance(k, int) for k in node) and sorted(node) == list(range(len(node))):
-            return [node[i] for i in range(len(node))]
-        return node
-
-    return lists(root)

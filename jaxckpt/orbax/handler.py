@@ -276,7 +276,7 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
         """The jaxckpt step for a save Orbax calls ``step``: the same number while it is newer than every step
         saved so far; else (``overwrite``, ``delete(s)`` then ``save(s)``, a second manager sharing this
         Checkpointer, a bare Checkpointer without steps) the next free one. The marker records both."""
-        last = self.checkpointer.engine._last_step  # the engine refuses any step not newer than this
+        last = self.checkpointer.engine.newest_begun()  # the engine refuses any step not newer than this
         if step is not None and (last is None or step > last):
             return step
         return 0 if last is None else last + 1
@@ -320,10 +320,7 @@ class SnapshotHandler(ocp.AsyncCheckpointHandler):
         if "layout" not in marker:  # a marker written before layouts: jaxckpt's own target semantics
             return self.checkpointer.restore(item, step=step)
         p = lay.plan(marker["layout"], item, restore_args, partial=partial, strict=strict, rich=self.rich_types)
-        if step in held or persister is None:
-            out = self.checkpointer.restore(p.target, step=step)
-        else:  # the persistent tier reads whole steps: skipped leaves are read (to host memory), then dropped
-            out = self.checkpointer._restore(p.whole_target(), step).state
+        out = self.checkpointer.restore(p.target, step=step)  # memory, else the persistent tier
         return p.finish(lay.flat_values(out))
 
     def metadata(self, directory: epath.Path) -> "SnapshotMetadata | None":
@@ -526,8 +523,8 @@ def _cast(state: Any, save_args: Any) -> Any:
     if save_args is None:
         return state
     is_sa = lambda x: isinstance(x, ocp.SaveArgs)  # noqa: E731
-    casts = dict(lay._flat(save_args, is_sa)[0])
-    flat, treedef = lay._flat(state)
+    casts = dict(lay.flat_with_paths(save_args, is_sa)[0])
+    flat, treedef = lay.flat_with_paths(state)
     out = []
     for path, x in flat:
         sa = casts.get(path)

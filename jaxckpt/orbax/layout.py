@@ -270,13 +270,6 @@ class Plan:
     wants: dict[str, Want]
     saved: dict[str, dict]
     finish: Callable[[dict[str, Any]], Any]
-    layout: dict
-
-    def whole_target(self) -> Any:
-        """``target`` with the skipped leaves read too, into host memory (the persistent tier reads whole steps;
-        ``finish`` drops them)."""
-        return build(self.layout, lambda p, leaf: _target_leaf(p, leaf, Want("numpy") if self.wants[p].kind == "skip"
-                                                                else self.wants[p]))
 
 
 def _target_leaf(path: str, saved: dict, want: Want) -> Any:
@@ -339,7 +332,8 @@ def _adapt(path: str, value: Any, saved: dict, want: Want) -> Any:
     return value
 
 
-def _flat(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[tuple[str, Any]], Any]:
+def flat_with_paths(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[tuple[str, Any]], Any]:
+    """``tree``'s leaves with their "/"-joined key paths ("<root>" for a bare leaf), and its treedef."""
     pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     out = []
     for kp, v in pairs:
@@ -358,7 +352,7 @@ def plan(layout: dict, item: Any = None, restore_args: Any = None, *, partial: b
     import orbax.checkpoint as ocp
     saved = leaves(layout)
     is_ra = lambda x: isinstance(x, ocp.RestoreArgs)  # noqa: E731
-    ras = dict(_flat(restore_args, is_ra)[0]) if restore_args is not None else {}
+    ras = dict(flat_with_paths(restore_args, is_ra)[0]) if restore_args is not None else {}
     wants: dict[str, Want] = {}
     answers: dict[str, Any] = {}  # item leaves answered without a read
     if item is None:
@@ -366,7 +360,7 @@ def plan(layout: dict, item: Any = None, restore_args: Any = None, *, partial: b
             wants[path] = _want(path, leaf, None, ras.get(path), strict)
     else:
         empty = empty_nodes(layout)
-        for path, t in _flat(item, _given)[0]:
+        for path, t in flat_with_paths(item, _given)[0]:
             if path in saved and not _given(t):
                 wants[path] = _want(path, saved[path], t, ras.get(path), strict)
             elif path in saved or path in empty:
@@ -390,9 +384,9 @@ def plan(layout: dict, item: Any = None, restore_args: Any = None, *, partial: b
         adapted = {p: _adapt(p, values[p], saved[p], w) for p, w in wants.items() if w.kind != "skip"}
         if item is None:
             return build(layout, lambda p, leaf: adapted[p], rich=rich)
-        flat, treedef = _flat(item, _given)
+        flat, treedef = flat_with_paths(item, _given)
         return jax.tree_util.tree_unflatten(treedef, [answers[p] if p in answers else adapted[p] for p, _ in flat])
-    return Plan(target, wants, saved, finish, layout)
+    return Plan(target, wants, saved, finish)
 
 
 def _check_topology(saved: dict[str, dict], wants: dict[str, Want]) -> None:
@@ -439,7 +433,7 @@ def _unsupported(kp: Any, x: Any, why: str) -> UnsupportedTypeError:
 
 def flat_values(tree: Any) -> dict[str, Any]:
     """Path -> value of a restored tree (the SKIP sentinel counts as a leaf)."""
-    return dict(_flat(tree)[0])
+    return dict(flat_with_paths(tree)[0])
 
 
 def abstract(layout: dict) -> Any:

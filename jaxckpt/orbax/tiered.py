@@ -8,7 +8,7 @@ jaxckpt's engine::
         state = train_step(state, batch)
         mngr.save(step, state, extra={"data": loader.state(), "rng": rng.bit_generator.state})
     mngr.wait_until_finished()
-    r = mngr.restore(target=abstract_state)   # r.state, r.extra, r.step, r.source ("memory" | "persistent")
+    r = mngr.restore(target=abstract_state)   # r.state, r.extra, r.step, r.source ("memory", "persistent", ...)
 
 Unlike the emergency manager it needs no second data-parallel replica (any sharding works, one process or
 many), honours the target's shardings on restore (resharding from memory or from disk), and saves small
@@ -33,8 +33,8 @@ from etils import epath
 
 from jaxckpt.config import Config
 from jaxckpt.errors import ConfigError, NoCheckpointError
-from jaxckpt.jax.checkpointer import Checkpointer, SaveHandle
-from jaxckpt.orbax.persist import Restored, encode_extra
+from jaxckpt.core.extra import encode_extra
+from jaxckpt.jax.checkpointer import Checkpointer, Restored, SaveHandle
 
 log = logging.getLogger("jaxckpt.orbax.tiered")
 
@@ -83,7 +83,7 @@ class TieredCheckpointManager:
             return False
         if extra is not None:
             encode_extra(extra)  # refuse a bad extra here, on the caller's thread, with its path
-        self.last_handle = self.checkpointer._save(step, state, owned=False, extra=extra)
+        self.last_handle = self.checkpointer.save(step, state, extra=extra)
         return True
 
     # --------------------------------------------------------------------------------------------- listing
@@ -118,7 +118,7 @@ class TieredCheckpointManager:
             step = self.latest_step()
             if step is None:
                 raise NoCheckpointError(f"no step in memory (job {self.config.job_id!r}) nor in {self.directory}")
-        out = self.checkpointer._restore(target, step)
+        out = self.checkpointer.restore_with_extra(target, step)
         log.info("tiered restore of step %d from %s", out.step, out.source)
         return out
 

@@ -69,7 +69,7 @@ def configure(checkpointer: Checkpointer | None = None, *, config: Config | None
 def _shared() -> SnapshotHandler:
     global _handler
     with _lock:
-        if _handler is None or _handler.checkpointer.engine._closed:
+        if _handler is None or _handler.checkpointer.engine.closed:
             _handler = SnapshotHandler()  # the shared default_checkpointer (reopened if it was closed)
         return _handler
 

@@ -1,7 +1,8 @@
 """Config.protection at run time, trainer side: build each committed step's redundancy in the background.
 
-Per step (the engine calls :meth:`Protector.prepare` for a new layout, :meth:`on_save` in ``save()``, and the
-commit hook when the step is decided):
+The engine (a :class:`~jaxckpt.core.protect.ProtectionHost`: all this runtime asks of it) calls
+:meth:`Protector.prepare` for a new layout, :meth:`on_save` in ``save()``, and the commit hook when the step is
+decided; per step:
   0) ``prepare`` (once per layout; the first time, collectively) agrees on the node of every process (an
      ``all_gather`` round ``protection nodes`` of the engine's ``main`` channel, ``jaxckpt.core.collective``,
      of each process's node name (``jaxckpt.node_identity``: the failure domain, by which redundancy is placed,
@@ -19,7 +20,7 @@ commit hook when the step is decided):
      all. Process 0 answers a skip early (``Channel.answer_early``: that step's decision round is settled at
      once and process 0 runs no round for it) as soon as retention lets a queued step go; so a step skipped
      costs process 0 one key and every other process one read, not a round, and the worker does not fall
-     behind the commits on skips. The other processes hold every queued step (``engine.hold``, past
+     behind the commits on skips. The other processes hold every queued step (``engine.pin``, past
      ``Config.keep``) until that decision says skip, so none drops the bytes of a step process 0 still protects. The step being protected is held until every node has pulled
      its bytes. For a protected step the worker: waits for its parity, reads the manifests of the processes
      of the ``copies`` preceding nodes (small), reserves the slot of pseudo process ``PROTECT_BASE + p`` in its
@@ -29,7 +30,8 @@ commit hook when the step is decided):
      chunks from the other nodes' agents itself, verifies each by checksum, at most
      ``Config.protection_bandwidth`` bytes per second per request (``jaxckpt.backends.agent.protection_pull``), and
      replies with the blocks' checksums; the worker then commits the slot. The bytes never pass through the
-     trainer process. (A store without agents builds the blocks in this thread instead.)
+     trainer process. Protection needs node agents (a store offering ``ProtectionSlots``); with another store the
+     engine warns and keeps the snapshots unprotected.
   3) a ``reduce`` round ``announce <step>`` of the ``protect`` channel: every process contributes whether its
      part succeeded, every process gets whether all did. The step is then *protected* (:meth:`protected_steps`).
 The pull replaces a push: the bytes cross the network once either way, the agent needs no write path from peers,
@@ -41,7 +43,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -53,13 +55,12 @@ from jaxckpt.core.hostbuf import host_bytes
 from jaxckpt.errors import AgentError, CommitError, PeerError
 from jaxckpt.node_identity import node_identity
 from jaxckpt.core.plan import ArrayLayout, SavePlan
+from jaxckpt.core.protect import ProtectionHost
 from jaxckpt.protection.plan import (ProtectionPlan, SavedChunk, encode_plan, plan_for_config,
                                 range_from_copy, stripe_parity)
 from jaxckpt.protection.holder import RebuildHolder
 from jaxckpt.protection.slot import encode_meta, slot_header, slot_layout
 
-if TYPE_CHECKING:
-    from jaxckpt.core.engine import CheckpointEngine
 
 log = logging.getLogger("jaxckpt.protection.runtime")
 
@@ -67,7 +68,7 @@ log = logging.getLogger("jaxckpt.protection.runtime")
 class Protector:
     """The trainer side of ``Config.protection`` for one engine (see the module docstring)."""
 
-    def __init__(self, engine: "CheckpointEngine") -> None:
+    def __init__(self, engine: ProtectionHost) -> None:
         self.engine, self.config = engine, engine.config
         # the store offers both (jaxckpt.core.capabilities): the engine creates a Protector only then
         self._agent = engine.store.capability(NodeAgent)
@@ -86,7 +87,7 @@ class Protector:
         self._pending: set[int] = set()  # saved, not yet protected nor failed
         self._queued: set[int] = set()  # committed, waiting for the worker
         self._recent: list[int] = []  # the newest Config.keep committed steps: what retention keeps
-        self._held: set[int] = set()  # steps this runtime holds in the store (engine.hold)
+        self._held: set[int] = set()  # steps this runtime holds in the store (engine.pin)
         self._skipped: set[int] = set()  # committed steps retention let go before their turn (never protected)
         # process 0: queued steps whose skip it answers early -> True once answered (False: being answered)
         self._told: dict[int, bool] = {}
@@ -197,12 +198,12 @@ class Protector:
                 older, ask = [], [s for s in stale if s in self._held]
             self._queued.add(step)
             self._held.add(step)
-        self.engine.hold(step)  # before retention: the nodes pull this step's bytes while protecting it
+        self.engine.pin(step)  # before retention: the nodes pull this step's bytes while protecting it
         try:
             self._share_skips(tell, ask, older)
         finally:
             for s in older:
-                self.engine.release(s)
+                self.engine.unpin(s)
             self._pool.submit(self._protect, step)
 
     def _share_skips(self, tell: list[int], ask: list[int], older: list[int]) -> None:
@@ -293,7 +294,7 @@ class Protector:
                 hold = step not in self._held
                 self._held.add(step)
             if hold:  # released as probably skipped; keep it now, if retention has not dropped it yet
-                self.engine.hold(step)
+                self.engine.pin(step)
             blocks = list(fut.result()) if fut is not None else []
             me = self.nodes[self.p]
             local = [q for q in range(self.n) if self.nodes[q] == me]
@@ -302,7 +303,6 @@ class Protector:
             copies = [b for b in plan.copy_blocks if b.node == me and local[b.id % len(local)] == self.p]
             self.engine.catalog.begin(f"protection of step {step}")
             reader = _Sources(self, step)
-            store = self._slot_store()
             tasks, sources = [], {}
             try:
                 ids = plan.node_ids
@@ -329,7 +329,7 @@ class Protector:
                 held = step in self._held
                 self._held.discard(step)
             if held:
-                self.engine.release(step)
+                self.engine.unpin(step)
 
     def _slot_store(self):
         if self._store is None:  # of the engine's store class (a subclass of ShmStore, say)
@@ -399,13 +399,13 @@ class Protector:
         if done and (newest is None or step > newest):
             # Until a newer step is protected, this one is all a lost node can be rebuilt from: its local bytes
             # stay past Config.keep (its protection slots likewise, in _write) while newer steps are unprotected.
-            self.engine.hold(step)
+            self.engine.pin(step)
             if newest is not None:
-                self.engine.release(newest)
+                self.engine.unpin(newest)
             with self._cond:
                 fallbacks, self._fallbacks = self._fallbacks, []
             for s in fallbacks:
-                self.engine.release(s)
+                self.engine.unpin(s)
         if done:
             log.info("step %d is protected (%s)", step, self.config.protection)
 

@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 
 from jaxckpt.errors import LaunchError
-# The variables' names live with the node identity, at the bottom (Config's environment reader skips them).
-from jaxckpt.node_identity import (ENV_COORDINATOR, ENV_DEVICES_PER_PROC, ENV_LAUNCH_DIR, ENV_LOCAL_RANK, ENV_NODE,
-                                   ENV_NODE_COUNT, ENV_PROCESS_COUNT, ENV_PROCESS_ID, ENV_PROCS_PER_NODE, LAUNCH_ENV)
+# The variables' names live with Config, whose environment reader skips them.
+from jaxckpt.config import (ENV_COORDINATOR, ENV_DEVICES_PER_PROC, ENV_LAUNCH_DIR, ENV_LOCAL_RANK, ENV_NODE,
+                            ENV_NODE_COUNT, ENV_PROCESS_COUNT, ENV_PROCESS_ID, ENV_PROCS_PER_NODE, LAUNCH_ENV)
 
 log = logging.getLogger("jaxckpt.testing")
 

@@ -110,7 +110,8 @@ def setup() -> tuple[Any, Any]:
 
     from jaxckpt.testing import node_info
     logging.getLogger("absl").setLevel(logging.WARNING)
-    for name in ("jaxckpt.jax.checkpointer", "jaxckpt.orbax.persist", "jaxckpt.protection.runtime", "jaxckpt.core.catalog"):
+    for name in ("jaxckpt.jax.checkpointer", "jaxckpt.persistent.writer", "jaxckpt.protection.runtime",
+                 "jaxckpt.core.catalog"):
         logging.getLogger(name).setLevel(logging.WARNING)
     return node_info(), jax
 

@@ -146,7 +146,7 @@ def tcp_gbps_processes(nbytes: int = 256 << 20, streams: int = 4, piece: int = 4
 
 def _snapshot_source(buf: memoryview) -> Any:
     """One immutable snapshot held in memory (process 0, step 1), as the peer server serves a store's."""
-    from jaxckpt.backends.transport import SnapshotSource
+    from jaxckpt.core.transport import SnapshotSource
     from jaxckpt.core.store import SnapshotView
 
     class View(SnapshotView):
@@ -172,7 +172,7 @@ def _snapshot_source(buf: memoryview) -> Any:
 
 def transport_gbps(nbytes: int = 256 << 20, streams: int = 4, chunk_bytes: int = 16 << 20) -> dict[str, Any]:
     """The peer transport: ``streams`` clients reading ``nbytes`` in ``chunk_bytes`` ranges from one server."""
-    from jaxckpt.backends.transport import get_transport
+    from jaxckpt.core.transport import get_transport
 
     buf = memoryview(np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8))
     source = _snapshot_source(buf)

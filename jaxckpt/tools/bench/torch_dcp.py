@@ -46,7 +46,7 @@ QUICK = {"sizes": "1M,4M", "repeats": 3, "warmup": 1, "memcpy_bytes": 32 << 20, 
 STATE = (f"{{'model': {LAYERS} bfloat16 weights [rows, {COLS}], 'optim': {{'state': per weight float32 'master', "
          f"'exp_avg', 'exp_avg_sq' of the same shape and a scalar float32 'step' tensor; 'param_groups': plain "
          f"values}}}} ({BYTES_PER_PARAM} bytes per parameter), CPU tensors")
-JAXCKPT_SETUP = ("jaxckpt.backends.torch.Checkpointer(Config()) (store=memory, keep=1); the defer_reads=True "
+JAXCKPT_SETUP = ("jaxckpt.torch.Checkpointer(Config()) (store=memory, keep=1); the defer_reads=True "
                  "Checkpointer shares its engine")
 DCP_SETUP = ("torch.distributed.checkpoint.async_save (default stager: a synchronous CPU copy, then a writer "
              "thread) and dcp.save, FileSystemWriter to a fresh directory under /dev/shm (tmpfs) each repeat; "
@@ -127,7 +127,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     log.info("bench torch: sizes %s, %d repeats after %d warm-up", [report.fmt_size(s) for s in opts["sizes"]],
              opts["repeats"], opts["warmup"])
     mem = report.summarize(memcpy.memcpy_gbps(opts["memcpy_bytes"], opts["memcpy_repeats"]))
-    quiet = logging.getLogger("jaxckpt.backends.torch")  # it logs every restore at INFO
+    quiet = logging.getLogger("jaxckpt.torch")  # it logs every restore at INFO
     level = quiet.level
     quiet.setLevel(logging.WARNING)
     try:
@@ -251,7 +251,7 @@ def check_equal(what: str, out: Any, state: Any) -> None:
 def bench_jaxckpt(state: dict, target: dict, repeats: int, warmup: int) -> dict[str, Any]:
     """save() call (safe and deferred), wait_for_reads(), save-to-committed and restore seconds."""
     from jaxckpt import Config
-    from jaxckpt.backends.torch import Checkpointer
+    from jaxckpt.torch import Checkpointer
 
     call, total, dcall, dreads, dtotal, rin, rnew = [], [], [], [], [], [], []
     step = 0
@@ -355,7 +355,7 @@ def bench_dcp_jaxckpt(state: dict, target: dict, repeats: int, warmup: int, stor
 
     from jaxckpt import Config
     from jaxckpt.backends.agent import protocol as proto
-    from jaxckpt.backends.torch import JaxckptReader, JaxckptWriter
+    from jaxckpt.torch import JaxckptReader, JaxckptWriter
 
     call, total, sync, load = [], [], [], []
     root = _tmpfs_dir() if store == "shm" else None

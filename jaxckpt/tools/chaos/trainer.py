@@ -1,13 +1,14 @@
 """One trainer process of a ``jaxckpt chaos`` job: ``python -m jaxckpt.tools.chaos.trainer SPEC.json``.
 
-Numpy trainers (the default) drive the core engine with ``store="shm"`` across real processes: the commit,
-recovery and peer protocols run for real (coordination through :class:`~jaxckpt.tools.filecoord.FileCoordinator`),
-and so do the node agents. The training state is a pure function of (seed, step) (:func:`state`), replicated,
+Numpy trainers (the default) use the shared ``Checkpointer`` face (``jaxckpt.frontend``) with a front end of
+their own (:class:`NumpyFrontend`), ``store="shm"``, across real processes: the commit, adoption and peer
+protocols run for real (coordination through :class:`~jaxckpt.tools.filecoord.FileCoordinator`), and so do
+the node agents. The training state is a pure function of (seed, step) (:func:`state`), replicated,
 sharded and single-owner arrays across the job's processes, NaN payloads included; the chaos driver computes the
 same function to check every restore bit for bit, outside the system under test.
 
 Call order of one incarnation (every process):
-  0) recovery: the engine agrees with the other processes on the steps every process still holds;
+  0) adoption: the engine agrees with the other processes on the steps every process still holds;
   1) restore the newest agreed step: every array whole (other processes' chunks through the peer transport),
      reported as a digest; the processes check that they all restored the same step. A step whose bytes
      cannot be had (checksum, manifest, a holder gone) is passed over inside the same restore, for the newest
@@ -37,10 +38,10 @@ from jaxckpt.backends.agent import heap
 from jaxckpt.backends.shm import ShmStore
 from jaxckpt.core.box import Box
 from jaxckpt.config import Config
-from jaxckpt.core.dtypes import dtype_from_name, dtype_name
+from jaxckpt.core.dtypes import dtype_name
 from jaxckpt.errors import ChecksumError, JaxckptError, ManifestError, NoCheckpointError, PlanError
 from jaxckpt.core.plan import ArrayLayout, Placement
-from jaxckpt.core.registry import register_store
+from jaxckpt.registry import register_store
 
 RESTART = 3  # exit code: this incarnation cannot go on; start a new one
 INTEGRITY = (ChecksumError, ManifestError, PlanError)  # the step's bytes are bad: never use it again
@@ -83,24 +84,96 @@ def digest(arrays: dict[str, np.ndarray], values: dict[str, Any]) -> str:
 
 
 def records(arrays: dict[str, np.ndarray], process: int, processes: int, hook) -> list:
-    """The engine's ArrayRecords of this process's part of ``arrays``."""
+    """The engine's ArrayRecords of this process's part of ``arrays`` (with their shard reads, for
+    ``CheckpointEngine.save``)."""
     from jaxckpt.core.engine import ArrayRecord
 
     out = []
-    for k, (path, arr) in enumerate(arrays.items()):
+    for (path, arr), reads in zip(arrays.items(), shard_reads(arrays, process, processes, hook)):
         places = placements(path, arr.shape, processes)
         layout = ArrayLayout(path, arr.shape, dtype_name(arr.dtype), arr.dtype.itemsize, places)
         meta = mf.ArrayMeta(path, (("key", path),), arr.shape, dtype_name(arr.dtype), "numpy")
-        mine = next((p.box for p in places if p.process == process), None)
+        out.append(ArrayRecord(path, ("chaos", path, arr.shape, arr.dtype.str), lambda lay=layout: lay,
+                               lambda m=meta: m, lambda devs, r=reads: r if devs else {}))
+    return out
+
+
+def shard_reads(arrays: dict[str, np.ndarray], process: int, processes: int, hook) -> list[dict]:
+    """Per array, this process's shard read (its box of the array; the hook fires when the third is read)."""
+    out = []
+    for k, (path, arr) in enumerate(arrays.items()):
+        mine = next((p.box for p in placements(path, arr.shape, processes) if p.process == process), None)
         local = arr[tuple(slice(lo, hi) for lo, hi in zip(mine.start, mine.stop))] if mine is not None else None
 
         def fetch(local=local, k=k):
             if k == 2:
                 hook("copy")  # earlier arrays' chunks are copied by now, later ones not yet
             return local
-        out.append(ArrayRecord(path, ("chaos", path, arr.shape, arr.dtype.str), lambda lay=layout: lay,
-                               lambda m=meta: m, lambda devs, f=fetch: {process: (f, None)} if devs else {}))
+        out.append({process: (fetch, None)} if mine is not None else {})
     return out
+
+
+class NumpyLayout:
+    """The layout of a state ``(arrays, values)``: array paths, shapes and dtypes, and value paths."""
+
+    def __init__(self, key: tuple, order: tuple[str, ...], frontend: "NumpyFrontend") -> None:
+        self.key, self.order, self._frontend = key, order, frontend
+
+    def records(self, leaves: list) -> list:
+        arrays, _ = leaves
+        f = self._frontend
+        return records(arrays, f.process, f.processes, f.hook)
+
+    def value_metas(self, leaves: list) -> list[mf.LeafMeta]:
+        _, values = leaves
+        return [mf.LeafMeta(k, (("key", k),), v) for k, v in sorted(values.items())]
+
+
+class NumpyFrontend:
+    """The chaos trainer's front end (``jaxckpt.frontend.protocol.Frontend``): a state is ``(arrays, values)``,
+    each array placed by :func:`placements`; restored whole, every array, through the restore driver."""
+
+    framework = "numpy"
+    persists = False
+
+    def __init__(self, process: int, processes: int, hook, coordinator) -> None:
+        self.process, self.processes, self.hook, self._coordinator = process, processes, hook, coordinator
+        self._layouts: dict[tuple, NumpyLayout] = {}
+
+    def coordinator(self):
+        return self._coordinator
+
+    def layout(self, state: tuple) -> tuple[NumpyLayout, list]:
+        arrays, values = state
+        arrays = dict(sorted(arrays.items()))
+        key = (tuple((p, a.shape, a.dtype.str) for p, a in arrays.items()), tuple(sorted(values)))
+        got = self._layouts.get(key)
+        if got is None:
+            got = self._layouts[key] = NumpyLayout(key, tuple(arrays) + tuple(sorted(values)), self)
+        return got, [arrays, values]
+
+    def take(self, layout: NumpyLayout, devices: list, leaves: list, owned: bool):
+        reads = shard_reads(leaves[0], self.process, self.processes, self.hook)
+        return lambda: [r if devs else {} for r, devs in zip(reads, devices)]
+
+    def build(self, target, manifests: list, reader, *, step: int, process: int, gather) -> tuple[dict, dict]:
+        """Every array whole (other processes' chunks through the peer transport), and the values."""
+        from jaxckpt.core.restore import ArrayRequest, restore_leaves
+
+        own = next(m for m in manifests if m.process == process)
+        merged = sorted(mf.merge_chunks(manifests).items())
+
+        def whole(i: int, meta):
+            def make(host: np.ndarray) -> np.ndarray:
+                if i == 1:
+                    self.hook("restore")
+                return host.copy()
+            return ArrayRequest.whole(meta, make)
+        got = restore_leaves([whole(i, a) for i, (_, a) in enumerate(merged)], reader, step=step, process=process)
+        return {p: arr for (p, _), arr in zip(merged, got)}, {v.path: v.value for v in own.leaves}
+
+    def gather(self, engine, target):
+        return None
 
 
 # ----------------------------------------------------------------------------------------------- the trainer
@@ -149,22 +222,22 @@ class Trainer:
                       peer_security=s.get("peer_security", "auto"))
 
     def run(self) -> int:
-        from jaxckpt.core.engine import CheckpointEngine
+        from jaxckpt.frontend import Checkpointer
         from jaxckpt.tools.filecoord import FileCoordinator
 
         _ChaosStore.trainer = self
         coord = FileCoordinator(self.spec["coord_dir"], self.p, self.n)
         try:
-            eng = CheckpointEngine(self.config(), coord, framework="numpy")
+            ck = Checkpointer(NumpyFrontend(self.p, self.n, self.hook, coord), self.config())
         except JaxckptError as e:
             self.emit("restart", reason=f"recovery: {type(e).__name__}: {e}")
             return RESTART
-        self.emit("held", steps=eng.all_steps())
-        restored = self.restore(eng)
-        verdict = self.agree(eng, restored)
+        self.emit("held", steps=ck.all_steps())
+        restored = self.restore(ck)
+        verdict = self.agree(ck, restored)
         if verdict != "ok":
             if isinstance(restored, tuple):  # bad bytes: every process is done reading, the step goes for good
-                eng.store.delete(restored[1])
+                ck.store.delete(restored[1])
             self.emit("restart", reason=verdict)
             return RESTART
         first = self.first = (restored or 0) + 1
@@ -172,60 +245,45 @@ class Trainer:
             span = (self.fault["after"] + 100) * self.spec["interval"]  # a soak pushes "after" past its segment
             saves = [s for s in range(first, first + span) if s % self.spec["interval"] == 0]
             self.fault["step"] = saves[self.fault["after"] - 1]
-        self.train(eng, first)
-        eng.close()
+        self.train(ck, first)
+        ck.close()
         return 0
 
-    def restore(self, eng) -> int | None | str | tuple:
+    def restore(self, ck) -> int | None | str | tuple:
         """The newest agreed step, restored (a step whose bytes cannot be had falls back inside the restore,
         ``jaxckpt.core.fallback``); None if there is none; ("integrity", step) if no step's bytes are good
         (deleted after the agreement, so that the next incarnation falls back past it); "failed" otherwise."""
-        from jaxckpt.core.restore import restore_step
-
-        step = eng.latest_step()
+        step = ck.latest_step()
         try:  # every process takes part in the restore's outcome round, one with nothing committed too
-            step, arrays, values = restore_step(eng, None, self.read)
+            arrays, values = ck.restore()
+            step = ck.last_restore_report.step
         except NoCheckpointError:  # every process has nothing (a partial "nothing" is a CoordinationError)
             self.emit("fresh")
             return None
         except INTEGRITY as e:  # no older step to fall back to: the one that failed last is the newest left
-            step = eng.latest_step() if eng.latest_step() is not None else step
+            step = ck.latest_step() if ck.latest_step() is not None else step
             self.emit("restore-failed", step=step, error=f"{type(e).__name__}: {e}", integrity=True)
             return ("integrity", step)
         except JaxckptError as e:  # unreachable peer or agent: try again in a new incarnation
             self.emit("restore-failed", step=step, error=f"{type(e).__name__}: {e}", integrity=False)
             return "failed"
-        for line in eng.last_restore_report.skipped:
+        for line in ck.last_restore_report.skipped:
             self.emit("restore-fell-back", why=line)
         self.emit("restored", step=step, digest=digest(arrays, values))
         return step
 
-    def read(self, step: int, manifests: list, reader) -> tuple[int, dict[str, np.ndarray], dict[str, Any]]:
-        """Every array whole, from the chunks of every process (the ``fill`` of ``restore_step``)."""
-        own = next(m for m in manifests if m.process == self.p)
-        arrays = {}
-        for i, (path, a) in enumerate(sorted(mf.merge_chunks(manifests).items())):
-            arr = np.empty(a.shape, dtype=dtype_from_name(a.dtype))
-            for c in a.chunks:
-                arr[tuple(slice(lo, hi) for lo, hi in zip(c.box.start, c.box.stop))] = \
-                    reader.array(path, c, arr.dtype)
-            arrays[path] = arr
-            if i == 1:
-                self.hook("restore")
-        return step, arrays, {v.path: v.value for v in own.leaves}
-
-    def agree(self, eng, restored) -> str:
+    def agree(self, ck, restored) -> str:
         """Every process restored the same step (a ``reduce`` round of the engine's ``main`` channel)."""
         def verdict(got: list) -> str:
             same = len(set(map(str, got))) == 1 and (got[0] is None or isinstance(got[0], int))
             return "ok" if same else f"restored {got}"
         try:
-            return eng.collective.channel("main").reduce("chaos restored", restored, verdict,
+            return ck.engine.collective.channel("main").reduce("chaos restored", restored, verdict,
                                                          timeout_s=self.spec["timeout_s"])
         except JaxckptError as e:  # CoordinationError: a process did not report its restore in time
             return f"no agreement on the restored step: {e}"
 
-    def train(self, eng, first: int) -> None:
+    def train(self, ck, first: int) -> None:
         s = self.spec
         pending = []
         for step in range(first, s["steps"] + 1):
@@ -236,18 +294,16 @@ class Trainer:
                 self.test_leak(s["test_leak"])
             self.emit("trained", step=step)
             if step % s["interval"] == 0:
-                leaves = [mf.LeafMeta(k, (("key", k),), v) for k, v in values.items()]
                 try:
-                    pending.append(eng.save(step, records(arrays, self.p, self.n, self.hook), leaves,
-                                            tuple(sorted(arrays)) + tuple(sorted(values))))
+                    pending.append(ck.save(step, (arrays, values)))
                 except JaxckptError as e:  # over budget: the committed steps are kept, training goes on
                     self.emit("save-failed", step=step, error=f"{type(e).__name__}: {e}")
-            pending = self.drain(pending, eng)
-            self.report_protected(eng)
+            pending = self.drain(pending, ck)
+            self.report_protected(ck)
             self.hook("idle")
         for h in pending:
             h.wait_local(s["timeout_s"])
-        self.drain(pending, eng, wait=True)
+        self.drain(pending, ck, wait=True)
         self.emit("done", step=self.step)
 
     def test_leak(self, leak: dict) -> None:
@@ -260,15 +316,16 @@ class Trainer:
             else:  # written, not zero-filled: calloc'd pages would never become resident
                 held.append(bytearray(b"\x5a") * (int(leak.get("kib", 64)) << 10))
 
-    def report_protected(self, eng) -> None:
+    def report_protected(self, ck) -> None:
         """Emit the newest step whose redundancy is in place on every node, when it changes."""
-        done = eng.protection.protected_steps() if eng.protection is not None else []
+        prot = ck.engine.protection
+        done = prot.protected_steps() if prot is not None else []
         if done and done[-1] != getattr(self, "_protected", None):
             self._protected = done[-1]
-            at = eng.protection.protected_times().get(done[-1])
+            at = prot.protected_times().get(done[-1])
             self.emit("protected", step=done[-1], **({"at": round(at, 4)} if at is not None else {}))
 
-    def drain(self, pending: list, eng, wait: bool = False) -> list:
+    def drain(self, pending: list, ck, wait: bool = False) -> list:
         left = []
         for h in pending:
             if not wait and not h.done():
@@ -276,7 +333,7 @@ class Trainer:
                 continue
             try:
                 h.result(self.spec["timeout_s"] * 2 if wait else 0)
-                decided = eng.commit_times().get(h.step)  # the commit's own time, not this look's
+                decided = ck.engine.commit_times().get(h.step)  # the commit's own time, not this look's
                 self.emit("committed", step=h.step, **({"at": round(decided[1], 4)} if decided else {}))
             except JaxckptError as e:
                 self.emit("save-failed", step=h.step, error=f"{type(e).__name__}: {e}")

@@ -10,16 +10,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from jaxckpt.core.dtypes import check_plain
+from jaxckpt.core.manifest import host_kind
 from jaxckpt.errors import UnsupportedLeafError
-from jaxckpt.core.manifest import KeyEntry
-
-# Plain values stored by value in the manifest (msgpack types), as in the JAX front end.
-VALUE_TYPES = (bool, int, float, str, bytes, type(None))
+from jaxckpt.core.keypath import KeyEntry, path_string
 
 
 class PerRank:
@@ -51,11 +47,6 @@ class Leaf:
     kind: str
 
 
-def path_string(entries: tuple[KeyEntry, ...]) -> str:
-    """``model/layer.weight``: the same spelling as ``jaxckpt.jax.tree.path_string``."""
-    return "/".join(str(v) for _, v in entries) or "<root>"
-
-
 def classify(value: Any, path: str) -> str:
     """The kind of a leaf; UnsupportedLeafError naming ``path`` for anything else."""
     if isinstance(value, DTensor):
@@ -68,17 +59,9 @@ def classify(value: Any, path: str) -> str:
         return "generator"
     if isinstance(value, PerRank):
         return "per_rank"
-    if isinstance(value, np.ndarray):
-        if value.dtype.hasobject:
-            raise UnsupportedLeafError(f"{path}: numpy arrays of dtype object cannot be snapshotted")
-        check_plain(value.dtype, path)
-        return "numpy"
-    if isinstance(value, np.generic):
-        return "numpy_scalar"
-    if isinstance(value, VALUE_TYPES):
-        if isinstance(value, int) and not isinstance(value, bool) and not -(1 << 63) <= value < (1 << 64):
-            raise UnsupportedLeafError(f"{path}: integer {value} does not fit 64 bits")
-        return "value"
+    kind = host_kind(value, path)
+    if kind is not None:
+        return kind
     raise UnsupportedLeafError(f"{path}: leaf of type {type(value).__module__}.{type(value).__qualname__} is not "
                                f"supported (tensors, DTensors, torch.Generator, PerRank, numpy, "
                                f"int/float/bool/str/bytes/None are)")
@@ -135,25 +118,3 @@ def rebuild(state: Any, fn: Callable[[Any], Any]) -> Any:
             return type(state)(*items)
         return type(state)(items) if type(state) in (list, tuple) else list(items)
     return fn(state)
-
-
-def nested(items: list[tuple[tuple[KeyEntry, ...], Any]]) -> Any:
-    """Plain nested containers from keypaths (restore without a target): "key" entries make dicts (int keys stay
-    ints, as an optimizer's ``state`` needs), "idx" entries make lists."""
-    root: dict = {}
-    for entries, value in items:
-        if not entries:
-            return value
-        node = root
-        for entry in entries[:-1]:
-            node = node.setdefault(tuple(entry), {})
-        node[tuple(entries[-1])] = value
-
-    def build(node: Any) -> Any:
-        if not isinstance(node, dict):
-            return node
-        if node and all(kind == "idx" for kind, _ in node):
-            return [build(node[e]) for e in sorted(node, key=lambda e: e[1])]
-        return {key: build(v) for (_, key), v in node.items()}
-
-    return build(root)

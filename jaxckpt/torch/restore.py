@@ -24,12 +24,13 @@ from jaxckpt.core.manifest import ArrayMeta, Manifest, check_target_paths, merge
 from jaxckpt.core.restore import ArrayRequest, restore_leaves
 from jaxckpt.errors import TargetMismatchError
 
-from jaxckpt.backends.torch import dtensor as dt
-from jaxckpt.backends.torch.gather import replicated_layout
-from jaxckpt.backends.torch.dtypes import dtype_name, from_numpy, numpy_view, torch_dtype
-from jaxckpt.backends.torch.tree import Leaf, flatten, nested, rebuild
+from jaxckpt.torch import dtensor as dt
+from jaxckpt.torch.gather import replicated_layout
+from jaxckpt.torch.dtypes import dtype_name, from_numpy, numpy_view, torch_dtype
+from jaxckpt.torch.tree import Leaf, flatten, rebuild
+from jaxckpt.core.keypath import nested
 
-log = logging.getLogger("jaxckpt.backends.torch.restore")
+log = logging.getLogger("jaxckpt.torch.restore")
 
 ROW_KINDS = ("torch_rng", "per_rank")  # saved as (process_count, *shape): one row per process
 
@@ -225,7 +226,7 @@ def _untargeted(meta: ArrayMeta, step: int, process: int) -> ArrayRequest:
 
 
 def _by_collective(req: Any, leaf: Leaf, in_place: bool, world: int) -> Any:
-    """A plain tensor's request that may also be formed by the collective (``backends.torch.gather``): every
+    """A plain tensor's request that may also be formed by the collective (``jaxckpt.torch.gather``): every
     rank needs the whole tensor; ``target`` makes the leaf from the whole host array."""
     if not isinstance(req, ArrayRequest) or leaf.kind != "tensor" or req.meta.kind in ROW_KINDS:
         return req

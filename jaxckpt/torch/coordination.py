@@ -16,7 +16,7 @@ import threading
 
 import torch.distributed as dist
 
-log = logging.getLogger("jaxckpt.backends.torch.coordination")
+log = logging.getLogger("jaxckpt.torch.coordination")
 
 
 def _tcp_store(store: dist.Store) -> dist.TCPStore | None:

@@ -22,9 +22,9 @@ import torch
 from jaxckpt.core.engine import SaveHandle
 from jaxckpt.errors import CommitError
 
-from jaxckpt.backends.torch.dtypes import numpy_view
+from jaxckpt.torch.dtypes import numpy_view
 
-log = logging.getLogger("jaxckpt.backends.torch.host")
+log = logging.getLogger("jaxckpt.torch.host")
 
 Fetch = tuple[np.ndarray | Callable[[], np.ndarray], Callable[[], None] | None]
 

@@ -3,7 +3,8 @@
 Own slot: zero-copy views. Another rank of the group: sent by that rank in two ``all_to_all`` rounds. A rank the
 group no longer has: its slot at this node's agent (``store="shm"``). Every rank of the group runs
 :meth:`ChunkSet.gather` at the same point; a failure on any rank (a missing slot, a bad checksum) is agreed on
-before the bytes move, so it is raised on every rank and nobody waits for a rank that gave up.
+before the bytes move (``jaxckpt.core.collective.agree``, a round of the reader's channel), so it is raised on
+every rank and nobody waits for a rank that gave up.
 """
 from __future__ import annotations
 
@@ -14,14 +15,15 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan
 
-from jaxckpt.backends.torch import dcp_exchange as xc
-from jaxckpt.backends.torch.dcp_metadata import Locator, StorageIndex, unpack_slot_manifest
+from jaxckpt.torch import dcp_exchange as xc
+from jaxckpt.torch.dcp_metadata import Locator, StorageIndex, unpack_slot_manifest
 from jaxckpt.core.checksum import crc32c
+from jaxckpt.core.collective import Channel, agree
 from jaxckpt.core.fetch import buffer_source
 from jaxckpt.core.store import Store
 from jaxckpt.errors import ChecksumError, ManifestError, StepError, StepNotFoundError
 
-log = logging.getLogger("jaxckpt.backends.torch.dcp")
+log = logging.getLogger("jaxckpt.torch.dcp")
 
 Read = Callable[[int, int], memoryview]
 
@@ -30,8 +32,9 @@ class ChunkSet:
     """The chunks of one load on this rank; :meth:`close` unpins the slots they were read from."""
 
     def __init__(self, store: Store, index: StorageIndex, group: dist.ProcessGroup | None, rank: int,
-                 world: int) -> None:
+                 world: int, rounds: Channel | None = None) -> None:
         self.store, self.index, self.group, self.rank, self.world = store, index, group, rank, world
+        self.rounds = rounds  # the group's error agreement (None: one rank)
         self.verify = store.config.verify_on_restore
         self._closers: list[Callable[[], None]] = []
 
@@ -79,7 +82,10 @@ class ChunkSet:
                             got[mi] = self._read(read, mi)
         except Exception as e:  # noqa: BLE001 - agreed on below, raised on every rank
             error = e
-        xc.agree(group, error, f"reading DCP checkpoint step {idx.step}")
+        if self.rounds is not None:
+            agree(self.rounds, f"reading DCP checkpoint step {idx.step}", error)
+        elif error is not None:
+            raise error
         if in_group:
             recv = [[idx.locators[mi].nbytes for mi in ms] for ms in from_peer]
             for ms, bufs in zip(from_peer, xc.all_to_all_bytes(group, send, recv)):

@@ -22,7 +22,7 @@ from jaxckpt.core.dtypes import dtype_from_name
 from jaxckpt.core.restore import Staged
 from jaxckpt.core.routes import TargetLayout
 
-log = logging.getLogger("jaxckpt.backends.torch.gather")
+log = logging.getLogger("jaxckpt.torch.gather")
 
 __all__ = ["TorchGather", "replicated_layout"]
 

@@ -2,8 +2,8 @@
 
 ``torch.distributed``'s ``*_object`` collectives pickle; what one rank sends another here is always a uint8 or
 int64 tensor (msgpack inside where it has structure). Every function is called by every rank of the group at
-the same point, and :func:`agree` turns one rank's failure into an error raised on all of them, so a rank that
-fails locally never leaves the others waiting in the next collective. The group needs a CPU backend (gloo, or
+the same point; errors are agreed on before (``jaxckpt.core.collective.agree``), so a rank that fails locally
+never leaves the others waiting in the next collective. The group needs a CPU backend (gloo, or
 ``"cpu:gloo,cuda:nccl"``), as DCP's ``async_save`` does.
 """
 from __future__ import annotations
@@ -11,12 +11,8 @@ from __future__ import annotations
 import warnings
 from typing import Sequence
 
-import msgpack
 import torch
 import torch.distributed as dist
-
-from jaxckpt import errors
-from jaxckpt.errors import JaxckptError
 
 ALIGN = 64  # chunks start at multiples of this in slots and in exchanged buffers: any dtype can view them
 
@@ -37,14 +33,6 @@ def byte_tensor(buf: memoryview) -> torch.Tensor:
         return torch.frombuffer(buf, dtype=torch.uint8)
 
 
-def remote_error(name: str, message: str) -> JaxckptError:
-    """The jaxckpt error class ``name`` (JaxckptError if it names none) with ``message``."""
-    cls = getattr(errors, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, JaxckptError)):
-        cls = JaxckptError
-    return cls(message)
-
-
 def broadcast_bytes(group: dist.ProcessGroup, data: bytes | None, src: int = 0) -> bytes:
     """``data`` of group rank ``src``, on every rank (the others pass None)."""
     src_global = dist.get_global_rank(group, src)
@@ -54,42 +42,6 @@ def broadcast_bytes(group: dist.ProcessGroup, data: bytes | None, src: int = 0) 
     if int(n):
         dist.broadcast(buf, src_global, group=group)
     return buf.numpy().tobytes()
-
-
-def allgather_bytes(group: dist.ProcessGroup, data: bytes) -> list[bytes]:
-    """Every rank's ``data``, in group rank order."""
-    world = dist.get_world_size(group)
-    n = torch.tensor([len(data)], dtype=torch.int64)
-    sizes = [torch.empty(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, n, group=group)
-    lengths = [int(s) for s in sizes]
-    top = max(lengths)
-    if top == 0:
-        return [b""] * world
-    mine = torch.zeros(top, dtype=torch.uint8)
-    if data:
-        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    out = [torch.empty(top, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(out, mine, group=group)
-    return [t[:k].numpy().tobytes() for t, k in zip(out, lengths)]
-
-
-def agree(group: dist.ProcessGroup | None, error: BaseException | None, what: str) -> None:
-    """Raise on every rank if ``error`` is set on any: the rank's own error, else the first failing rank's,
-    re-created as the same jaxckpt error class with the rank in its message."""
-    if group is None:
-        if error is not None:
-            raise error
-        return
-    mine = b"" if error is None else msgpack.packb([type(error).__name__, str(error)])
-    failures = [(r, p) for r, p in enumerate(allgather_bytes(group, mine)) if p]
-    if error is not None:
-        raise error
-    if failures:
-        rank, payload = failures[0]
-        name, message = msgpack.unpackb(payload)
-        more = f" ({len(failures) - 1} more ranks failed)" if len(failures) > 1 else ""
-        raise remote_error(name, f"{what} failed on rank {rank}{more}: {message}")
 
 
 def all_to_all_ints(group: dist.ProcessGroup, send: Sequence[Sequence[int]]) -> list[list[int]]:

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    MetadataIndex, StorageMeta, TensorProperties,
                                                    TensorStorageMetadata)
 
-from jaxckpt.backends.torch.dtypes import dtype_name, torch_dtype
+from jaxckpt.torch.dtypes import dtype_name, torch_dtype
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.errors import ManifestError, UnsupportedLeafError
 

@@ -18,15 +18,15 @@ Save, in DCP's call order (ranks are those of the process group DCP runs on):
 0) (all ranks) ``reset(checkpoint_id)``; 1) ``set_up_storage_writer``; 2) ``prepare_local_plan``: unchanged.
 3) (coordinator) ``prepare_global_plan``: stamps every rank's plan with one save id and the rank's index.
 4) (all ranks) ``write_data``: reserves one slot of the exact size at step = checkpoint id in the rank's own
-   store, copies each ``WriteItem`` into it (tensors straight from the live tensor, 64-byte aligned; ``BytesIO``
-   items as the raw bytes DCP serialised) with a crc32c each, and commits it; the coordinator keeps its slot
-   uncommitted. Each WriteResult carries a :class:`Locator` (rank, offset, size, crc32c).
+   store, copies each ``WriteItem`` into it with a crc32c each on the engine's copy workers
+   (``jaxckpt.core.copier``: tensors straight from the live tensor, 64-byte aligned; ``BytesIO`` items as the raw
+   bytes DCP serialised), and commits it; the coordinator keeps its slot uncommitted. Each WriteResult carries a :class:`Locator` (rank, offset, size, crc32c).
 5) (coordinator) ``finish(metadata, results)``: encodes DCP's ``Metadata`` with every locator as msgpack
    (``dcp_metadata``: no pickle; what cannot be encoded is refused) and commits its slot with it as the
    manifest. A checkpoint exists once that commit is done: a save that fails anywhere leaves no metadata.
 
-Load: ``read_metadata`` (all ranks): group rank 0 reads the metadata from its own store and broadcasts it (or
-its error) as bytes. ``read_data`` (all ranks, DCP's planner having assigned each rank its ``ReadItem`` list):
+Load: ``read_metadata`` (all ranks): group rank 0 reads the metadata from its own store; its error, if any, is
+agreed on, then the metadata is broadcast as bytes. ``read_data`` (all ranks, DCP's planner having assigned each rank its ``ReadItem`` list):
 
 - a chunk in the rank's own slot is read there, zero-copy;
 - a chunk in the slot of another rank of the group is sent by that rank: two ``all_to_all`` rounds on the
@@ -45,7 +45,8 @@ where no rank of the group holds the slot any more.
 
 Every chunk's crc32c is checked where it is read, by its owner before it is sent (``Config.verify_on_restore``);
 a mismatch raises :class:`jaxckpt.errors.ChecksumError` naming the chunk, rank and step, on every rank, and no
-rank waits in a collective for one that failed (``dcp_exchange.agree``). DCP wraps errors raised inside its
+rank waits in a collective for one that failed (``jaxckpt.core.collective.agree``: a round of the reader's
+channel over the process group's store, the one wrapper every cross-process agreement goes through). DCP wraps errors raised inside its
 steps in its ``CheckpointException``; the jaxckpt error is in ``.failures[rank][0]``, except for
 ``read_metadata`` (e.g. an id no store holds), whose error DCP turns into an ``AssertionError`` that carries our
 message ("metadata is None; global metadata read failed: ...").
@@ -70,11 +71,11 @@ import math
 import os
 import re
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import msgpack
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
@@ -83,18 +84,21 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from jaxckpt.backends.torch import dcp_exchange as xc
-from jaxckpt.backends.torch import dcp_metadata
-from jaxckpt.backends.torch.dcp_exchange import align, byte_tensor
-from jaxckpt.backends.torch.dcp_metadata import Locator, StorageIndex, pack_slot_manifest, unpack_slot_manifest
-from jaxckpt.backends.torch.dcp_read import ChunkSet
+from jaxckpt.torch import dcp_exchange as xc
+from jaxckpt.torch import dcp_metadata
+from jaxckpt.torch.dcp_exchange import align, byte_tensor
+from jaxckpt.torch.dcp_metadata import Locator, StorageIndex, pack_slot_manifest, unpack_slot_manifest
+from jaxckpt.torch.coordination import TorchStoreCoordinator
+from jaxckpt.torch.dcp_read import ChunkSet
+from jaxckpt.torch.dtypes import numpy_view
 from jaxckpt.config import Config
-from jaxckpt.core.checksum import crc32c
-from jaxckpt.core.registry import get_store_class
+from jaxckpt.core.collective import Channel, Collective, agree
+from jaxckpt.core.copier import CopyTask, Copier
+from jaxckpt.registry import get_store_class
 from jaxckpt.core.store import Slot, Store
 from jaxckpt.errors import ManifestError, PlanError, StepError, StepNotFoundError
 
-log = logging.getLogger("jaxckpt.backends.torch.dcp")
+log = logging.getLogger("jaxckpt.torch.dcp")
 
 _ID = re.compile(r"(?:jaxckpt://)?(?:step[_-]?)?(\d+)")
 
@@ -159,6 +163,7 @@ class JaxckptWriter(StorageWriter):
         self.checkpoint_id: str | None = None
         self._step: int | None = None
         self._pending: tuple[Slot, dict] | None = None  # the coordinator's slot, committed by finish()
+        self._copier: Copier | None = None  # made on the first write_data
         self._is_coordinator = False
         if checkpoint_id is not None:
             self.reset(checkpoint_id)
@@ -278,37 +283,27 @@ class JaxckptWriter(StorageWriter):
                             f"{self.rank}: {e} (a load still reading it, or a save of it still running?)") from None
 
     def _copy(self, slot: Slot, layout: list, planner: SavePlanner, step: int) -> list[int]:
-        """Copy (tensors straight from their source, on any device) and checksum each item; a thread per item
-        up to ``Config.workers`` (torch copies and crc32c release the GIL)."""
-        dest = byte_tensor(slot.buffer)
-        jobs: list[Callable[[], int]] = []
+        """Copy each item into ``slot`` and checksum it on the engine's copy workers (``jaxckpt.core.copier``:
+        ``Config.workers`` threads, ``Config.inflight_bytes`` in flight; torch copies and crc32c release the
+        GIL); tensors straight from their source, on any device. The crc32c of each item, in order."""
+        tasks = []
         for item, off, n, raw in layout:
-            region = slot.buffer[off:off + n]
             if raw is not None:
-                dest[off:off + n] = byte_tensor(raw)
-                jobs.append(lambda region=region: crc32c(region))
-                continue
-            t = planner.resolve_data(item)
-            jobs.append(self._tensor_job(item, t, dest[off:off + n], region, step))
-        workers = max(1, min(len(jobs), self.config.workers))
-        if workers == 1:
-            return [job() for job in jobs]
-        with ThreadPoolExecutor(workers, thread_name_prefix="jaxckpt-dcp-copy") as pool:
-            return list(pool.map(lambda job: job(), jobs))
+                tasks.append(CopyTask(lambda raw=raw: np.frombuffer(raw, np.uint8), off, n))
+            else:
+                tasks.append(CopyTask(self._tensor_fetch(item, planner.resolve_data(item), step), off, n))
+        if self._copier is None:
+            self._copier = Copier(max(1, self.config.workers), self.config.inflight_bytes)
+        return self._copier.submit(slot, tasks).result().crcs
 
     @staticmethod
-    def _tensor_job(item: WriteItem, t: Any, dest: torch.Tensor, region: memoryview, step: int) -> Callable[[], int]:
+    def _tensor_fetch(item: WriteItem, t: Any, step: int) -> Callable[[], np.ndarray]:
         sizes = tuple(item.tensor_data.chunk.sizes)
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != sizes or t.dtype != item.tensor_data.properties.dtype:
             raise PlanError(f"{item.index.fqn}: step {step}: the planner resolved {type(t).__name__} "
                             f"{getattr(t, 'dtype', '')}{list(getattr(t, 'shape', []))} for a chunk of "
                             f"{item.tensor_data.properties.dtype}{list(sizes)}")
-
-        def job() -> int:
-            if dest.numel():
-                dest.view(t.dtype).view(sizes).copy_(t.detach())
-            return crc32c(region)
-        return job
+        return lambda: numpy_view(t.detach().cpu())
 
     def _commit(self, slot: Slot, body: dict) -> None:
         self.store.commit(slot, pack_slot_manifest(body))
@@ -324,6 +319,9 @@ class JaxckptWriter(StorageWriter):
     def close(self) -> None:
         """Abort an unfinished save and close the store if this writer made it (a memory store's data goes)."""
         self._abort_pending()
+        if self._copier is not None:
+            self._copier.close()
+            self._copier = None
         if self._owns_store:
             self.store.close()
 
@@ -348,6 +346,7 @@ class JaxckptReader(StorageReader):
         self.checkpoint_id: str | None = None
         self._step: int | None = None
         self._index: StorageIndex | None = None
+        self._collective: Collective | None = None  # the group's rounds (error agreement), made on first use
         self._chunks: dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]] = {}
         if checkpoint_id is not None:
             self.reset(checkpoint_id)
@@ -369,19 +368,23 @@ class JaxckptReader(StorageReader):
         payload, error = None, None
         if self.rank == 0:
             try:
-                payload = msgpack.packb(["ok", self._local_metadata()])
-            except Exception as e:  # noqa: BLE001 - sent to the other ranks, which would wait for it otherwise
+                payload = msgpack.packb(self._local_metadata())
+            except Exception as e:  # noqa: BLE001 - agreed on: the other ranks would wait for it otherwise
                 error = e
-                payload = msgpack.packb(["error", type(e).__name__, str(e)])
-        if self._group is not None:
+        if self._group is None:
+            if error is not None:
+                raise error
+        else:
+            agree(self._rounds(), "reading DCP checkpoint metadata", error)
             payload = xc.broadcast_bytes(self._group, payload)
-        if error is not None:
-            raise error
-        msg = msgpack.unpackb(payload)
-        if msg[0] == "error":
-            raise xc.remote_error(msg[1], f"rank 0: {msg[2]}")
-        md = dcp_metadata.decode(msg[1], f"metadata of checkpoint {self.checkpoint_id or 'newest'}")
-        return md
+        return dcp_metadata.decode(msgpack.unpackb(payload), f"metadata of checkpoint {self.checkpoint_id or 'newest'}")
+
+    def _rounds(self) -> Channel:
+        """This reader's channel of rounds over the process group's store (jaxckpt.core.collective)."""
+        if self._collective is None:
+            coordinator = TorchStoreCoordinator.from_process_group(self._group)
+            self._collective = Collective.for_job(coordinator, self.config.job_id, self.config.commit_timeout_s)
+        return self._collective.channel("dcp")
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Index the saved chunks' dtypes and shapes."""
@@ -409,7 +412,8 @@ class JaxckptReader(StorageReader):
         index = self._index
         if index is None:
             raise PlanError("read_data() before set_up_storage_reader()")
-        chunks = ChunkSet(self.store, index, self._group, self.rank, self.world)
+        chunks = ChunkSet(self.store, index, self._group, self.rank, self.world,
+                          self._rounds() if self._group is not None else None)
         try:
             got = chunks.gather(plan)
             for req in plan.items:
@@ -463,7 +467,11 @@ class JaxckptReader(StorageReader):
         planner.commit_tensor(req, target)
 
     def close(self) -> None:
-        """Close the store if this reader made it."""
+        """End this reader's rounds (bounded by ``Config.peer_timeout_s`` for ranks that do not close), and close
+        the store if this reader made it."""
+        if self._collective is not None:
+            self._collective.close(timeout_s=self.config.peer_timeout_s)
+            self._collective = None
         if self._owns_store:
             self.store.close()
 
