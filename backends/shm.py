@@ -81,7 +81,9 @@ class ShmStore(Store):
         # A too-small /dev/shm (a container's 64 MB) fails here, naming the sizes and the fix, not at a save.
         check_budget(self.directory, config.memory_budget_bytes, local_process_count() or 1,
                      node_identity(config).name)
-        self.metrics: dict[str, int] = {"saves_skipped": 0, "reconnects": 0, "agent_spawns": 0}
+        # agent_requests / agent_request_ns: round trips to the agent and their time, every thread's
+        self.metrics: dict[str, int] = {"saves_skipped": 0, "reconnects": 0, "agent_spawns": 0, "agent_requests": 0,
+                                        "agent_request_ns": 0}
         self.allocations = 0  # segments the agent created for this process through this store
         self.agent: dict[str, Any] = {}  # the hello reply of the agent we are connected to
         self._lock = threading.RLock()
@@ -176,12 +178,16 @@ class ShmStore(Store):
         for attempt in (0, 1):
             fresh = self._conn is None
             conn = self._connect(block=block)
+            t0 = time.perf_counter_ns()
             try:
                 return conn.call(op, **fields)
             except StoreUnavailableError:
                 self._disconnect()
                 if not retry or fresh or attempt:
                     raise
+            finally:
+                self.metrics["agent_requests"] += 1
+                self.metrics["agent_request_ns"] += time.perf_counter_ns() - t0
         raise AssertionError("unreachable")
 
     def _disconnect(self) -> None:

@@ -246,6 +246,22 @@ def reference(o: dict) -> None:
                 step += 1
                 _emit("timing", kind=kind, n=len(times["with"]) + len(times["without"]))
         ckpt.wait()  # the newest snapshot now holds ``state``
+        _emit("phase", text="where a snapshot's time goes: the same steps without and with a snapshot, per thread")
+        from jaxckpt.tools.bench.breakdown import Breakdown, copy_floor
+
+        breakdown = {}
+        for kind in ("without", "with"):
+            probe = Breakdown(ckpt)
+            probe.start()
+            for _ in range(o["timing_steps"]):
+                state, loss = step_fn(state, batch(step))
+                np.asarray(loss)
+                if kind == "with":
+                    ckpt.save(step + 1, state)
+                step += 1
+            ckpt.wait()  # the last copy's CPU counts too
+            breakdown[kind] = probe.stop(o["timing_steps"])
+        floor = copy_floor(ckpt.engine.last_chunk_sizes())
 
         _emit("phase", text="Orbax's StandardCheckpointer saves the same state to tmpfs (its first save compiles "
                             "its helpers: seconds)")
@@ -275,7 +291,7 @@ def reference(o: dict) -> None:
         finally:
             orbax.close()
     _emit("timings", first_save=first_save, latency=latency, times=times, save_calls=save_calls,
-          restores=restores, equal=equal, orbax_save=orbax_save)
+          restores=restores, equal=equal, orbax_save=orbax_save, breakdown=breakdown, floor=floor)
 
 
 # ------------------------------------------------------------------------------------------------ the driver
@@ -525,6 +541,20 @@ def main(argv: list[str] | None = None) -> int:
     return report(args, run1, run2, ref, agent_log, wall, advise_interval)
 
 
+def _breakdown(ref: dict, overhead: float) -> str:
+    """The per-thread CPU of a step with a snapshot against one without, beside the copy + crc32c floor."""
+    from jaxckpt.tools.bench.breakdown import describe
+
+    b, floor = ref["breakdown"], ref["floor"]
+    cpu = {k: b["with"]["cpu_ms"].get(k, 0.0) - b["without"]["cpu_ms"].get(k, 0.0)
+           for k in b["with"]["cpu_ms"]}
+    extra = sum(cpu.values())
+    text = (f"{overhead * 1e3:.1f} ms of step time = {overhead / floor['copy_crc_s']:.1f}x the floor; CPU added "
+            f"per step {extra:.1f} ms = {extra / (floor['copy_crc_s'] * 1e3):.1f}x the floor (" +
+            ", ".join(f"{k} {v:+.1f}" for k, v in sorted(cpu.items())) + ")\n")
+    return text + "\n".join(" " * 33 + line for line in describe(b["with"], floor).splitlines())
+
+
 def report(args, run1: dict, run2: dict, ref: dict, agent_log: str, wall: float, advise_interval) -> int:
     """Print the summary and the checks; 0 if every check passed."""
     k, r, n = args.kill_at, run2["restored"], args.steps
@@ -570,6 +600,7 @@ def report(args, run1: dict, run2: dict, ref: dict, agent_log: str, wall: float,
                             f"{with_ms * 1e3:.1f} ms: x{with_ms / without_ms:.3f}, {overhead * 1e3:.1f} ms per "
                             f"snapshot "
                             f"(medians of {nw} and {nt} steps; one process, one compiled step)"),
+        ("snapshot cost, per step", _breakdown(ref, overhead)),
         ("save() call", f"median {_median(saves):.2f} ms, max {max(saves):.2f} ms over the {len(saves)} saves of runs "
                         f"1 and 2; median {_median(ref['save_calls']) * 1e3:.2f} ms in the timed steps"),
         ("save() -> committed", f"{_ms(ref['latency'])} ms, each waited for (the first save to a fresh agent, "

@@ -160,7 +160,7 @@ def torch_main(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")  # torchrun's environment: rank, world size, its rendezvous store
     import jaxckpt
     from jaxckpt.backends.torch import Checkpointer as TorchCheckpointer
-    from jaxckpt.backends.torch.dcp import JaxckptReader, JaxckptWriter
+    from jaxckpt.torch.dcp import JaxckptReader, JaxckptWriter
 
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -72,3 +72,47 @@ def test_a_failing_fetch_fails_the_snapshot_future():
             fut.result(timeout=30)
     finally:
         eng.close()
+
+
+def test_a_chunk_table_lands_every_chunk_and_drops_each_source_after_its_last_chunk():
+    """The copier's table form (``Chunks``, what a save hands it): several chunks read one source; each source
+    is dropped once, after the last chunk that reads it is copied, and the slot holds every chunk bit for bit."""
+    sources = [np.arange(4096, dtype=np.uint32) * (k + 1) for k in range(5)]
+    chunks_of = [(k, lo) for k in range(5) for lo in range(0, 4096, 1024)]  # 4 chunks of 4 KiB per source
+    log: list[tuple[str, int]] = []
+
+    class Table:
+        offsets = [i * 4096 for i in range(len(chunks_of))]
+        sizes = [4096] * len(chunks_of)
+        left = [4] * 5
+        held = list(sources)
+
+        def start(self, i):
+            log.append(("start", i))
+
+        def fetch(self, i):
+            k, lo = chunks_of[i]
+            assert self.held[k] is not None, f"source {k} dropped before its chunk {i} was copied"
+            return self.held[k][lo:lo + 1024]
+
+        def done(self, lo, hi):
+            for i in range(lo, hi):
+                k = chunks_of[i][0]
+                self.left[k] -= 1
+                if not self.left[k]:
+                    log.append(("drop", k))
+                    self.held[k] = None
+
+    table = Table()
+    buf = bytearray(len(chunks_of) * 4096)
+    eng = Copier(workers=2, inflight_bytes=3 * 4096)  # a few chunks per batch: several batches in flight
+    try:
+        res = eng.submit(Slot(0, len(buf), memoryview(buf)), lambda: table).result(timeout=30)
+    finally:
+        eng.close()
+    want = b"".join(s[lo:lo + 1024].tobytes() for s, lo in ((sources[k], lo) for k, lo in chunks_of))
+    assert bytes(buf) == want
+    assert res.crcs == [crc32c(sources[k][lo:lo + 1024]) for k, lo in chunks_of]
+    assert [i for what, i in log if what == "start"] == list(range(len(chunks_of)))
+    assert sorted(k for what, k in log if what == "drop") == list(range(5))
+    assert table.held == [None] * 5

@@ -489,3 +489,15 @@ def test_two_ranks_shm_snapshots_load_in_one_process_after_they_exited():
         assert_same(target, full)
     finally:
         _stop_agent(config)
+
+
+def test_the_earlier_module_names_still_import_the_same_classes():
+    """Code written against ``jaxckpt.backends.torch`` (the README's earlier import) and its ``dcp`` module keeps
+    working: the names are the front end's own classes, not copies."""
+    import jaxckpt.backends.torch as old
+    import jaxckpt.backends.torch.dcp as old_dcp
+    import jaxckpt.torch as new
+
+    assert old.Checkpointer is new.Checkpointer and old.restore_state is new.restore_state
+    assert (old_dcp.JaxckptWriter, old_dcp.JaxckptReader) == (JaxckptWriter, JaxckptReader)
+    assert old_dcp.checkpoint_step is checkpoint_step

@@ -25,7 +25,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -43,6 +43,50 @@ class CopyTask:
     offset: int
     nbytes: int
     start: Callable[[], None] | None = None
+
+
+class Chunks(Protocol):
+    """A save's chunks as one table (what :meth:`Copier.submit` takes besides a list of :class:`CopyTask`).
+
+    A state of thousands of shards made a Python object or three per chunk (a task, its closure) that lived as
+    long as the copy: enough to promote into the collector's oldest generation and set off a full collection
+    (100+ ms of the training thread's time with JAX's heap) every few saves. A table keeps per chunk only
+    what a plan already holds; the copier asks it for each chunk's bytes when a worker copies that chunk."""
+
+    offsets: Sequence[int]  # per chunk, its byte offset in the slot
+    sizes: Sequence[int]  # per chunk, its bytes
+
+    def start(self, i: int) -> None:
+        """Begin chunk ``i``'s transfer to host, if it has one (called in order, under the byte budget)."""
+
+    def fetch(self, i: int) -> np.ndarray:
+        """Chunk ``i``'s bytes as a host array (may wait for its transfer)."""
+
+    def done(self, lo: int, hi: int) -> None:
+        """Chunks ``lo`` to ``hi - 1`` are copied (or failed): drop what only they read. Called under a lock."""
+
+
+class _TaskList:
+    """A list of :class:`CopyTask` as :class:`Chunks`."""
+
+    def __init__(self, tasks: list[CopyTask]) -> None:
+        self._tasks = tasks
+        self.offsets = [t.offset for t in tasks]
+        self.sizes = [t.nbytes for t in tasks]
+
+    def start(self, i: int) -> None:
+        start = self._tasks[i].start
+        if start is not None:
+            start()
+
+    def fetch(self, i: int) -> np.ndarray:
+        return self._tasks[i].fetch()
+
+    def done(self, lo: int, hi: int) -> None:
+        for task in self._tasks[lo:hi]:
+            # Drop these chunks' references to their sources now: a view released early lets a later
+            # donating step reuse that buffer instead of allocating a fresh one.
+            task.fetch = task.start = None  # type: ignore[assignment]
 
 
 @dataclass
@@ -90,13 +134,14 @@ class Copier:
         self._dispatcher = threading.Thread(target=self._dispatch, name="jaxckpt-dispatch", daemon=True)
         self._dispatcher.start()
 
-    def submit(self, slot: Slot, tasks: list[CopyTask] | Callable[[], list[CopyTask]],
+    def submit(self, slot: Slot, tasks: list[CopyTask] | Chunks | Callable[[], list[CopyTask] | Chunks],
                release: Callable[[], None] | None = None,
                on_done: Callable[[Future], None] | None = None) -> Future:
         """Copy every task into ``slot``; the future resolves to a SnapshotResult (crcs in task order).
 
-        ``tasks`` may be a function returning them: it then runs on the dispatcher thread, so the caller pays
-        nothing per chunk (an exception it raises fails the future).
+        ``tasks`` (a list of :class:`CopyTask` or a :class:`Chunks` table) may be a function returning them: it
+        then runs on the dispatcher thread, so the caller pays nothing per chunk (an exception it raises fails
+        the future).
 
         ``release`` runs once all copies are done (or failed): the caller drops its views of the source
         buffers there, so a donating step can reuse them as early as possible. ``on_done(future)`` is
@@ -123,14 +168,18 @@ class Copier:
                 except BaseException as e:  # noqa: BLE001 - delivered through the future
                     tasks = [CopyTask(fetch=_raiser(e), offset=0, nbytes=0)]
                 del make  # the sources it captured now live only in the tasks
+            if isinstance(tasks, list):
+                tasks = _TaskList(tasks)
             self._run_one(slot, tasks, release, fut)
             del tasks, slot, release, fut
 
-    def _run_one(self, slot: Slot, tasks: list[CopyTask], release, fut: Future) -> None:
+    def _run_one(self, slot: Slot, chunks: Chunks, release, fut: Future) -> None:
         t0 = time.perf_counter()
         dst = np.frombuffer(slot.buffer, dtype=np.uint8)
-        crcs = [0] * len(tasks)
-        pending = [len(tasks)]
+        offsets, sizes = chunks.offsets, chunks.sizes
+        n = len(sizes)
+        crcs = [0] * n
+        pending = [n]
         errors: list[BaseException] = []
         done = threading.Event()
 
@@ -148,19 +197,17 @@ class Copier:
 
         def work(lo: int, hi: int, nbytes: int) -> None:
             for i in range(lo, hi):
-                task = tasks[i]
                 try:
                     if not errors:
-                        src = task.fetch()
-                        crcs[i] = copy_and_checksum(dst[task.offset:task.offset + task.nbytes], src)
+                        off = offsets[i]
+                        crcs[i] = copy_and_checksum(dst[off:off + sizes[i]], chunks.fetch(i))
                 except BaseException as e:  # noqa: BLE001 - delivered through the future
                     errors.append(e)
-                finally:
-                    # Drop this chunk's reference to its source now: a view released early lets a later
-                    # donating step reuse that buffer instead of allocating a fresh one.
-                    task.fetch = task.start = None  # type: ignore[assignment]
-                    src = None
             with self._cv:
+                try:
+                    chunks.done(lo, hi)
+                except BaseException as e:  # noqa: BLE001
+                    errors.append(e)
                 self._inflight -= nbytes
                 pending[0] -= hi - lo
                 last = pending[0] == 0
@@ -168,26 +215,26 @@ class Copier:
             if last:
                 finish()
 
-        if not tasks:
+        if not n:
             finish()
             return
         # Small chunks (a state of many small leaves) go to the workers in batches of up to BATCH_BYTES: one
         # hand-over per chunk would cost more than its copy and keep the GIL busy while the step runs.
-        lo, n, limit = 0, len(tasks), min(BATCH_BYTES, self._budget)
+        lo, limit = 0, min(BATCH_BYTES, self._budget)
         while lo < n:
-            hi, nbytes = lo + 1, tasks[lo].nbytes
-            while hi < n and hi - lo < BATCH_TASKS and nbytes + tasks[hi].nbytes <= limit:
-                nbytes += tasks[hi].nbytes
+            hi, nbytes = lo + 1, sizes[lo]
+            while hi < n and hi - lo < BATCH_TASKS and nbytes + sizes[hi] <= limit:
+                nbytes += sizes[hi]
                 hi += 1
             with self._cv:
                 # One batch may exceed the budget alone; it then runs with nothing else in flight.
                 while self._inflight and self._inflight + nbytes > self._budget:
                     self._cv.wait()
                 self._inflight += nbytes
-            for task in tasks[lo:hi]:
+            for i in range(lo, hi):
                 try:
-                    if task.start is not None and not errors:
-                        task.start()
+                    if not errors:
+                        chunks.start(i)
                 except BaseException as e:  # noqa: BLE001
                     errors.append(e)
             self._pool.submit(work, lo, hi, nbytes)

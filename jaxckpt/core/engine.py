@@ -33,15 +33,16 @@ from jaxckpt.core.sources import Holder
 from jaxckpt.core.plan import ArrayLayout, SavePlan, plan_save
 from jaxckpt.core.protect import Protection, ProtectionFactory
 from jaxckpt.registry import get_part, get_store_class
-from jaxckpt.core.copier import CopyTask, Copier, SnapshotResult
+from jaxckpt.core.copier import Copier, SnapshotResult
+from jaxckpt.core.hostbuf import host_bytes
 
 log = logging.getLogger("jaxckpt.core.engine")
 PLAN_CACHE = 64  # save plans kept, one per state layout (tree structure, shapes, dtypes, shardings)
 MAX_STEP = 1 << 62  # the largest step number: agents' records and messages carry steps up to it
 
-# A record's shard reads on save: device id -> (fetch() returning that device's shard on the host, optional
-# start() of its transfer)
-ShardReads = dict[int, tuple[Callable[[], np.ndarray], Callable[[], None] | None]]
+# A record's shard reads on save: device id -> (that device's shard on the host, or fetch() returning it;
+# optional start() of its transfer)
+ShardReads = dict[int, tuple[np.ndarray | Callable[[], np.ndarray], Callable[[], None] | None]]
 
 
 class Tier(Protocol):
@@ -78,6 +79,32 @@ class _Prepared:
     devices: list[frozenset[int]]  # per array leaf, the local devices its chunks are read from
     key: Hashable = ()  # the layout key (protection plans are kept per layout)
     copies: tuple = ()  # per local chunk (leaf index, device, slice of the device's shard, slot offset, nbytes)
+    table: "_ChunkIndex | None" = None  # the copies as the copier's table reads them; made on first use
+
+
+@dataclass(frozen=True)
+class _ChunkIndex:
+    """A layout's chunks, indexed once: per chunk its source (a (leaf, device) pair, numbered), slice, offset
+    and size; per source, its (leaf, device) and how many chunks read it."""
+
+    sources: tuple[tuple[int, int], ...]
+    uses: tuple[int, ...]
+    source_of: tuple[int, ...]
+    slices: tuple[tuple[slice, ...], ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, copies: tuple) -> "_ChunkIndex":
+        number: dict[tuple[int, int], int] = {}
+        for leaf_i, dev, _, _, _ in copies:
+            number.setdefault((leaf_i, dev), len(number))
+        source_of = tuple(number[(c[0], c[1])] for c in copies)
+        uses = [0] * len(number)
+        for k in source_of:
+            uses[k] += 1
+        return cls(tuple(number), tuple(uses), source_of, tuple(c[2] for c in copies),
+                   tuple(c[3] for c in copies), tuple(c[4] for c in copies))
 
 
 @dataclass
@@ -90,14 +117,46 @@ class Reservation:
     t0: float
 
 
-def _copy_tasks(prep: _Prepared, reads: Callable[[], list[ShardReads]]) -> list[CopyTask]:
-    """The copy tasks of one save, built on the copier's dispatcher thread (O(chunks), off the caller)."""
-    srcs = reads()
-    tasks = []
-    for leaf_i, dev, sl, offset, nbytes in prep.copies:
-        fetch, start = srcs[leaf_i][dev]
-        tasks.append(CopyTask(fetch=(lambda f=fetch, s=sl: f()[s]), offset=offset, nbytes=nbytes, start=start))
-    return tasks
+class _SaveChunks:
+    """One save's chunks as the copier's table (``core.copier.Chunks``): a save keeps two lists of its sources
+    and one of counts, nothing per chunk or per source that the collector tracks (see ``Chunks`` for why). A
+    source is dropped as soon as its last chunk is copied, so a donating step can reuse that buffer."""
+
+    __slots__ = ("_index", "_fetch", "_start", "_left", "offsets", "sizes")
+
+    def __init__(self, prep: _Prepared, reads: Callable[[], list[ShardReads]]) -> None:
+        if prep.table is None:
+            prep.table = _ChunkIndex.of(prep.copies)
+        index = self._index = prep.table
+        srcs = reads()
+        self._fetch: list[Any] = []
+        starts: list[Any] = []
+        for leaf_i, dev in index.sources:
+            fetch, start = srcs[leaf_i][dev]
+            self._fetch.append(fetch)
+            starts.append(start)
+        self._start = starts if any(st is not None for st in starts) else None
+        self._left = list(index.uses)
+        self.offsets, self.sizes = index.offsets, index.sizes
+
+    def start(self, i: int) -> None:
+        if self._start is not None:
+            start = self._start[self._index.source_of[i]]
+            if start is not None:
+                start()
+
+    def fetch(self, i: int) -> np.ndarray:
+        return host_bytes(self._fetch[self._index.source_of[i]])[self._index.slices[i]]
+
+    def done(self, lo: int, hi: int) -> None:
+        source_of, left = self._index.source_of, self._left
+        for i in range(lo, hi):
+            k = source_of[i]
+            left[k] -= 1
+            if not left[k]:
+                self._fetch[k] = None
+                if self._start is not None:
+                    self._start[k] = None
 
 
 class SaveHandle:
@@ -168,6 +227,7 @@ class CheckpointEngine:
         self._tracker = CommitTracker(self.collective.channel("commit"), config.commit_timeout_s,
                                       on_commit=self._after_commit)
         self._prepared: dict[tuple, _Prepared] = {}
+        self._last_prep: _Prepared | None = None
         self._pending: deque[SaveHandle] = deque()
         self._committed: list[int] = []
         self._last_step: int | None = None
@@ -248,6 +308,12 @@ class CheckpointEngine:
             raise
         return Reservation(step, prep, slot, t0)
 
+    def last_chunk_sizes(self) -> list[int]:
+        """The byte sizes of the newest save's chunks on this process, in slot order (what benchmarks compare a
+        snapshot against: the copy of the same bytes in the same pieces)."""
+        prep = self._last_prep
+        return [c[4] for c in prep.copies] if prep is not None else []
+
     def start(self, res: "Reservation", reads: Callable[[], list[ShardReads]], values: list[mf.LeafMeta],
               order: tuple[str, ...]) -> SaveHandle:
         """Hand a reserved save to the copy workers and return its handle.
@@ -256,6 +322,7 @@ class CheckpointEngine:
         copier's dispatcher thread (or here, when protection needs the views now), so whatever it returns must
         already be safe from later writes (views pinned or copies taken by the caller before this call)."""
         step, prep = res.step, res.prep
+        self._last_prep = prep
         handle = SaveHandle(step, self._tracker)
         handle.nbytes = prep.plan.nbytes
         if self.protection is not None:
@@ -268,7 +335,7 @@ class CheckpointEngine:
         handle.save_call_seconds = time.perf_counter() - res.t0
         self.costs.record(step, time.monotonic() - handle.save_call_seconds, handle.save_call_seconds)
         # Last: from here the dispatcher runs (and on a loaded machine may take the caller's core for a while).
-        self._snap.submit(res.slot, functools.partial(_copy_tasks, prep, reads),
+        self._snap.submit(res.slot, functools.partial(_SaveChunks, prep, reads),
                           on_done=lambda f: self._local_finished(f, handle, res.slot, prep, values, order))
         return handle
 

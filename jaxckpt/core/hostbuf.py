@@ -1,4 +1,4 @@
-"""Host buffers a CPU device can adopt as they are.
+"""Host buffers a CPU device can adopt as they are, and a save source's bytes on the host.
 
 XLA:CPU takes a host array given to ``device_put`` without copying it only when the data is aligned to 64 bytes;
 numpy's large allocations come from malloc's mmap path at 16 bytes past a page boundary, so a restored shard
@@ -6,7 +6,7 @@ held in such memory is copied a second time by ``device_put``. Restore allocates
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -28,3 +28,8 @@ def copy(a: np.ndarray) -> np.ndarray:
     out = empty(a.shape, a.dtype)
     np.copyto(out, a, casting="no")
     return out
+
+
+def host_bytes(fetch: np.ndarray | Callable[[], np.ndarray]) -> np.ndarray:
+    """A save source's shard on the host (``core.engine.ShardReads``): the array itself, or what ``fetch()`` returns."""
+    return fetch if isinstance(fetch, np.ndarray) else fetch()

@@ -12,8 +12,11 @@ returns for the snapshot to equal the state at the call:
 - jax arrays on an accelerator, PRNG keys: a device-side copy dispatched now (``shards.local_sources``).
 - numpy arrays: copied now (the caller may write them in place as soon as ``save()`` returns).
 
-Everything per chunk (tasks, slices, closures) is built on the copier's dispatcher thread. A state that is
-jaxckpt's own (the fused path's host copies) needs no pin at all: its views are taken on the workers.
+Everything per shard after that (the engine's sources) is built on the copier's dispatcher thread, and as few
+Python objects as it can: the views themselves, no function per shard, no task per chunk (see
+``core.copier.Chunks``: objects per shard that live while the copy runs set off the collector's full
+collections, which cost the training thread more than the rest of a save). A state that is jaxckpt's own (the
+fused path's host copies) needs no pin at all: its views are taken on the dispatcher.
 """
 from __future__ import annotations
 
@@ -146,7 +149,7 @@ class Saver:
 
     def __init__(self) -> None:
         self._plans: dict[tuple, TreePlan] = {}
-        self._raw, self._unwrap = _fast_view()
+        self._views = _fast_view()
 
     def plan(self, leaves: list[Any], treedef: Any, key: LayoutKey | None = None, tree: Any = None) -> TreePlan:
         """The plan of a flattened state (``tree`` is needed only for a layout not seen before). Raises
@@ -199,42 +202,44 @@ class Saver:
         (the fused path), so only numpy leaves are taken now."""
         if plan.reads is None:
             plan.reads, plan.eager = self._reads(plan, devices)
-        reads, raw = plan.reads, self._raw
+        reads, views = plan.reads, self._views
         taken: list[Any] = [None] * len(reads)
         if owned:
             for j in plan.eager:
                 taken[j] = _take(reads[j], leaves)
-            return lambda: _sources(reads, taken, leaves, plan, raw, self._unwrap)
+            return lambda: _sources(reads, taken, leaves, plan, views)
         for j, r in enumerate(reads):
             what = r[0]
             if what == "view":  # the one per-shard cost of a save (see the module docstring)
                 arrs = leaves[r[1]]._arrays
-                taken[j] = list(map(raw, arrs)) if r[4] else [raw(arrs[p]) for p in r[2]]
+                taken[j] = views(arrs if r[4] else [arrs[p] for p in r[2]])
             elif what == "sources":
                 taken[j] = shards.local_sources(leaves[r[1]], plan.leaves[r[1]].kind, r[2])
             elif what != "none":
                 taken[j] = _take(r, leaves)
-        return lambda: _sources(reads, taken, None, plan, raw, self._unwrap)
+        return lambda: _sources(reads, taken, None, plan, views)
 
 
 def _take(r: tuple, leaves: list[Any]) -> np.ndarray:
     return _copy_numpy(leaves[r[1]]) if r[0] == "copy" else np.asarray(leaves[r[1]])
 
 
-def _sources(reads: tuple, taken: list[Any], owned: list[Any] | None, plan: TreePlan, raw: Callable,
-             unwrap: Callable) -> list[ShardReads]:
+def _sources(reads: tuple, taken: list[Any], owned: list[Any] | None, plan: TreePlan,
+             views: Callable[[list[Any]], list[np.ndarray]]) -> list[ShardReads]:
     """The engine's sources, on the dispatcher thread; ``owned``: the fused path's copies, read from here."""
     out: list[ShardReads] = []
     for r, t in zip(reads, taken):
         what = r[0]
         if what == "view":
+            # The host arrays themselves, no function per shard (see core.copier.Chunks); the fused path's
+            # copies are viewed here, which waits for its program as the first chunk's copy would.
             if owned is not None:
                 arrs = owned[r[1]]._arrays
-                out.append({d: (lambda a=arrs[p]: unwrap(raw(a)), None) for p, d in zip(r[2], r[3])})
+                out.append({d: (v, None) for v, d in zip(views([arrs[p] for p in r[2]]), r[3])})
             else:
-                out.append({d: (lambda v=unwrap(v): v, None) for v, d in zip(t, r[3])})
+                out.append({d: (v, None) for v, d in zip(t, r[3])})
         elif what in ("copy", "same"):
-            out.append({HOST: (lambda a=t: a, None)})
+            out.append({HOST: (t, None)})
         elif what == "sources":
             out.append(t if owned is None else
                        shards.local_sources(owned[r[1]], plan.leaves[r[1]].kind, r[2], True))
@@ -250,11 +255,13 @@ def _copy_numpy(x: np.ndarray) -> np.ndarray:
     return hostbuf.copy(arr) if arr.dtype.isnative else native_order(arr)
 
 
-def _fast_view() -> tuple[Callable[[Any], Any], Callable[[Any], np.ndarray]]:
-    """(take, unwrap): ``unwrap(take(a))`` is ``np.asarray`` of a single-device CPU array. Where jaxlib has the
-    direct call, ``take`` is that (it returns (array, copied)), skipping the Python of ``__array__``: a third of
-    the per-shard cost here; the unwrapping runs on the dispatcher thread."""
+def _fast_view() -> Callable[[list[Any]], list[np.ndarray]]:
+    """``views(arrays)``: ``np.asarray`` of each single-device CPU array. Where jaxlib has the direct call (it
+    returns (array, copied)), that, skipping the Python of ``__array__`` (a third of the per-shard cost here);
+    its tuple is dropped at once, so it never reaches the collector (kept, 1,272 per save set off a collection
+    of the young objects every 700)."""
     direct = getattr(_array_type(), "_single_device_array_to_np_array_did_copy", None)
     if direct is None:
-        return np.asarray, lambda v: v
-    return direct, lambda t: t[0]
+        return lambda arrs: list(map(np.asarray, arrs))
+    first = operator.itemgetter(0)
+    return lambda arrs: list(map(first, map(direct, arrs)))

@@ -51,6 +51,7 @@ from jaxckpt.protection import parity
 from jaxckpt.core.capabilities import NodeAgent, ProtectionSlots
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.core.history import trim
+from jaxckpt.core.hostbuf import host_bytes
 from jaxckpt.errors import AgentError, CommitError, PeerError
 from jaxckpt.node_identity import node_identity
 from jaxckpt.core.plan import ArrayLayout, SavePlan
@@ -164,7 +165,7 @@ class Protector:
         def read(c: SavedChunk, lo: int, hi: int) -> np.ndarray:
             k = (c.path, c.source)
             if k not in shards:
-                shards[k] = np.asarray(fetchers[(c.path, devs[k])]())
+                shards[k] = np.asarray(host_bytes(fetchers[(c.path, devs[k])]))
             return range_from_copy(c, lo, hi, shards[k], c.source)
         try:
             return [("stripe", s.id, stripe_parity(plan, s, read)) for s in tasks]

@@ -26,7 +26,7 @@ from jaxckpt.torch.dtypes import numpy_view
 
 log = logging.getLogger("jaxckpt.torch.host")
 
-Fetch = tuple[Callable[[], np.ndarray], Callable[[], None] | None]
+Fetch = tuple[np.ndarray | Callable[[], np.ndarray], Callable[[], None] | None]
 
 
 @dataclass
@@ -72,19 +72,19 @@ class HostCopies:
         return reads
 
     def source(self, t: torch.Tensor, reads: Reads, lead: bool = False) -> Fetch:
-        """(fetch, start) for the engine: ``fetch()`` returns ``t``'s bytes as of now (``lead``: with a new first
-        axis of size 1, for per-process rows)."""
+        """(fetch, start) for the engine: ``t``'s bytes as of now, as a host array or a ``fetch()`` returning
+        them (``lead``: with a new first axis of size 1, for per-process rows)."""
         t = t.detach()
         if t.device.type == "cpu":
             view = numpy_view(t)
             view = view.reshape((1,) + view.shape) if lead else view
             reads.views = True
-            return (lambda: view), None
+            return view, None  # the array itself: nothing per tensor for the collector (core.copier.Chunks)
         if t.device.type == "cuda" and torch.cuda.is_available():
             return self._cuda_source(t, reads, lead)
         host = numpy_view(t.cpu())  # unknown accelerators: a synchronous copy is always correct
         host = host.reshape((1,) + host.shape) if lead else host
-        return (lambda: host), None
+        return host, None
 
     def _cuda_source(self, t: torch.Tensor, reads: Reads, lead: bool) -> Fetch:
         stream = self._streams.get(t.device)

@@ -59,6 +59,7 @@ def run_process(spec: dict) -> dict:
 
     import jaxckpt
     from jaxckpt.tools.bench import gpt
+    from jaxckpt.tools.bench.breakdown import Breakdown, copy_floor
 
     cfg = gpt.GPTConfig(**spec["gpt"])
     mesh = gpt.make_mesh()
@@ -83,7 +84,10 @@ def run_process(spec: dict) -> dict:
             tmp = spec["orbax_dir"]
             ckptr = ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler())
         handles = []
+        probe = Breakdown(ck)
         for i, batch in enumerate(data):
+            if i == spec["warmup"]:
+                probe.start()
             t0 = time.perf_counter()
             if fused is not None:
                 state, loss = fused(state, batch, save_step=i)
@@ -106,7 +110,9 @@ def run_process(spec: dict) -> dict:
                 step_times.append(time.perf_counter() - t0)
                 call_times.append(call)
         if ck is not None:
-            ck.wait()
+            ck.wait()  # the last copy's CPU counts in the breakdown
+            breakdown = probe.stop(spec["steps"])
+            out.setdefault("floor", copy_floor(ck.engine.last_chunk_sizes()))
             if fused is None:
                 snap_times = [h.snapshot_seconds for h in handles[spec["warmup"]:]]
                 nbytes = handles[-1].nbytes
@@ -127,13 +133,14 @@ def run_process(spec: dict) -> dict:
                     proto.stop_agent(agent_dir(spec, mode), job_id(spec, mode), timeout_s=60)
             out["modes"][mode] = {"step_s": summarize(step_times), "save_call_s": summarize(call_times),
                                   "idle_snapshot_s": summarize(idle), "bytes_this_process": nbytes}
+            out["modes"][mode]["breakdown"] = breakdown
             if snap_times:
                 out["modes"][mode]["snapshot_s"] = summarize(snap_times)
         else:
             if ckptr is not None:
                 ckptr.wait_until_finished()
                 ckptr.close()
-            entry = {"step_s": summarize(step_times)}
+            entry = {"step_s": summarize(step_times), "breakdown": probe.stop(spec["steps"])}
             if mode == "orbax":
                 entry["save_call_s"] = summarize(call_times)
             out["modes"][mode] = entry
@@ -167,6 +174,12 @@ def _merge(size: str, procs: int, per_proc: list[dict], memcpy: dict) -> dict:
                        for p in per_proc)
             summary[f"idle_snapshot_gbps_{mode}"] = gbps
             summary[f"idle_snapshot_vs_memcpy_{mode}"] = gbps / memcpy["median"]
+    floor = max((p["floor"]["copy_crc_s"] for p in per_proc if "floor" in p), default=None)
+    if floor:
+        summary["floor_copy_crc_s"] = floor  # the slowest process's, as the step waits for the slowest
+        for mode in MODES[1:]:
+            if f"step_s_{mode}" in summary:
+                summary[f"cost_vs_floor_{mode}"] = (summary[f"step_s_{mode}"] - base) / floor
     if "orbax" in per_proc[0]["modes"] and "jaxckpt" in per_proc[0]["modes"]:
         summary["save_call_ratio_orbax_over_jaxckpt"] = summary["save_call_s_orbax"] / summary["save_call_s_jaxckpt"]
     if "orbax" in per_proc[0]["modes"]:
@@ -305,12 +318,37 @@ def render_stall(result: dict) -> str:
                          "-" if gbps is None else f"{gbps:.2f} ({100 * s[f'idle_snapshot_vs_memcpy_{mode}']:.0f}%)"])
     lines.append(table(["size", "processes", "leaves", "state GB", "mode", "step ms", "overhead",
                         "overhead / Orbax's", "save() call ms", "idle snapshot GB/s per process (vs memcpy)"], rows))
+    lines += ["", "Where a snapshot's time goes (process 0; per step, against `none` in the same run; the floor is "
+                  "copy + crc32c of the same bytes in the same pieces on one thread; CPU figures need a quiet "
+                  "machine to compare across runs):", ""]
+    for row in result["results"]:
+        lines += _breakdown_lines(row)
     ratios = [f"{row['size']} on {row.get('procs', counts[0])}: "
               f"{row['summary']['save_call_ratio_orbax_over_jaxckpt']:.0f}x"
               for row in result["results"] if "save_call_ratio_orbax_over_jaxckpt" in row["summary"]]
     if ratios:
         lines += ["", "Orbax save-call time / jaxckpt save-call time: " + ", ".join(ratios)]
     return "\n".join(lines)
+
+
+def _breakdown_lines(row: dict) -> list[str]:
+    from jaxckpt.tools.bench.breakdown import describe
+
+    p0, s = row["processes"][0], row["summary"]
+    base = p0["modes"].get("none", {}).get("breakdown")
+    out = []
+    for mode in MODES[1:]:
+        b = p0["modes"].get(mode, {}).get("breakdown")
+        if b is None or base is None:
+            continue
+        added = {k: v - base["cpu_ms"].get(k, 0.0) for k, v in b["cpu_ms"].items()}
+        cost = s.get(f"cost_vs_floor_{mode}")
+        head = f"- {row['size']} on {row.get('procs', 1)}, `{mode}`: " + \
+            ("" if cost is None else f"step time added {cost:.1f}x the floor; ") + \
+            "CPU added per step " + ", ".join(f"{k} {v:+.2f} ms" for k, v in sorted(added.items()))
+        out.append(head)
+        out += ["  " + line for line in describe(b, p0.get("floor") if mode == "jaxckpt" else None).splitlines()]
+    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
