@@ -25,7 +25,8 @@ MAY_BE_ZERO = {"process", "exit_code", "extra_bytes_per_node", "sent_bytes_per_n
                "rss_growth_bytes", "cycle", "steps_lost",
                "transport_bytes", "collective_bytes",  # a restore may need neither (all local, one process)
                "try_gets", "live_keys"}  # the commit protocol polls no key; all keys of a round may be gone
-SIGNED = ("overhead_pct_", "overhead_of_orbax_")  # step-time overhead vs the baseline: within noise it can be below zero
+# step-time overhead and cost vs the baseline (bench stall): within noise they can be below zero
+SIGNED = ("overhead_pct_", "overhead_of_orbax_", "cost_vs_floor_")
 EXPECTED = [n for n in bench_all.BENCHES if n != "torch" or importlib.util.find_spec("torch") is not None]
 from conftest import BENCH_PROSE as PROSE  # the markdown file the session's run updates
 # Keys each result has beyond bench/machine/date/command, and the list of rows that must not be empty.
