@@ -250,3 +250,22 @@ def test_a_fast_process_never_runs_ahead_of_the_commit_protocol(tmp_path):
                 a.send_signal(signal.SIGKILL)
             a.wait()
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_every_process_reaches_the_copy_phase_of_a_save(processes):
+    """A ``copy``-phase fault must fire on whichever process it targets: the hook fires at the third array each
+    process itself holds (an array held by process 0 alone, sorted third, once left process 1's hook unreached and
+    its trials hung until the time-out)."""
+    from jaxckpt.tools.chaos import trainer as ct
+
+    arrays, _ = ct.state(1, 4, processes)
+    arrays = dict(sorted(arrays.items()))  # the order the front end hands them in
+    for p in range(processes):
+        fired = []
+        reads = ct.shard_reads(arrays, p, processes, fired.append)
+        held = [r[p][0] for r in reads if r]
+        assert len(held) >= 3
+        for i, fetch in enumerate(held):
+            fetch()
+            assert fired == (["copy"] if i >= 2 else []), (p, i)

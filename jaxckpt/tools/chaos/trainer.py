@@ -99,17 +99,23 @@ def records(arrays: dict[str, np.ndarray], process: int, processes: int, hook) -
 
 
 def shard_reads(arrays: dict[str, np.ndarray], process: int, processes: int, hook) -> list[dict]:
-    """Per array, this process's shard read (its box of the array; the hook fires when the third is read)."""
-    out = []
-    for k, (path, arr) in enumerate(arrays.items()):
+    """Per array, this process's shard read (its box of the array; the hook fires when the third of the arrays
+    this process holds is read: counted over its own, so that every process reaches the phase whatever the
+    arrays' order)."""
+    out, held = [], 0
+    for path, arr in arrays.items():
         mine = next((p.box for p in placements(path, arr.shape, processes) if p.process == process), None)
-        local = arr[tuple(slice(lo, hi) for lo, hi in zip(mine.start, mine.stop))] if mine is not None else None
+        if mine is None:
+            out.append({})
+            continue
+        local = arr[tuple(slice(lo, hi) for lo, hi in zip(mine.start, mine.stop))]
 
-        def fetch(local=local, k=k):
+        def fetch(local=local, k=held):
             if k == 2:
                 hook("copy")  # earlier arrays' chunks are copied by now, later ones not yet
             return local
-        out.append({process: (fetch, None)} if mine is not None else {})
+        out.append({process: (fetch, None)})
+        held += 1
     return out
 
 
