@@ -420,7 +420,7 @@ def test_corrupt_agent_memory_is_routed_around_or_named(saved):
             shutil.copy(os.path.join(node1, name), os.path.join(mirror, name))
             os.chmod(os.path.join(mirror, name), 0o600)
     agent = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", JOB, "--dir", mirror,
-                              "--node", "~mirror1"], start_new_session=True)  # "~": tried after node 1's agent
+                              "--node", "node1-mirror"], start_new_session=True)  # sorts after node1: tried after its agent
     try:
         deadline = time.monotonic() + 60
         while read_peer_info(mirror) is None and time.monotonic() < deadline:
@@ -453,14 +453,14 @@ def test_corrupt_agent_memory_is_routed_around_or_named(saved):
                                                 rf"check \(corrupt\) at agent of node .* at tcp://", v["error"])
         r = v["report"]
         assert v["latest"] == 3 and len(r["fallbacks"]) == 1 and "params/w: step 3 chunk of process 2" in \
-            r["fallbacks"][0] and "read from remote source agent of node ~mirror1" in r["fallbacks"][0]
-        assert any("~mirror1" in s for s in r["bytes_by_source"])
+            r["fallbacks"][0] and "read from remote source agent of node node1-mirror" in r["fallbacks"][0]
+        assert any("node1-mirror" in s for s in r["bytes_by_source"])
     for v in collective:
         assert re.search(rf"params/w: step 3 chunk {box} of process 2 failed its crc32c "
                          rf"check \(corrupt\) at agent of node .* at tcp://", v["error"]), v["error"]
         assert v["latest"] == 3 and v["report"]["routes"]["params/w"] == "collective"
     assert sum(len(v["report"]["fallbacks"]) for v in collective) == 1
-    assert sum(any("~mirror1" in s for s in v["report"]["bytes_by_source"]) for v in collective) == 1
+    assert sum(any("node1-mirror" in s for s in v["report"]["bytes_by_source"]) for v in collective) == 1
     assert agent.returncode == 0 and not os.path.exists(mirror)
 
 

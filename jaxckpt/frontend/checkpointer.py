@@ -220,7 +220,7 @@ class Checkpointer:
 
     def _build(self, target: Any, manifests: list[mf.Manifest], reader: Any, step: int, **options: Any) -> Any:
         return self.frontend.build(target, manifests, reader, step=step, process=self.engine.process_index,
-                                   gather=self.frontend.gather(self.engine, target), **options)
+                                   gather=self.frontend.gather(self.engine, target, self.config), **options)
 
     # ------------------------------------------------------------------------------------------------ close
     def close(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Hashable, Protocol
 
+from jaxckpt.config import Config
 from jaxckpt.core import manifest as mf
 from jaxckpt.core.coordination import Coordinator
 from jaxckpt.core.engine import ArrayRecord, CheckpointEngine, ShardReads
@@ -63,8 +64,10 @@ class Frontend(Protocol):
               gather: Gather | None, **options: Any) -> Any:
         """The state of ``target``'s structure (None: plain nested containers) from an opened step."""
 
-    def gather(self, engine: CheckpointEngine, target: Any) -> Gather | None:
-        """The collective of a restore onto ``target`` in a job of several processes, else None."""
+    def gather(self, engine: CheckpointEngine, target: Any, config: Config) -> Gather | None:
+        """The collective of a restore onto ``target`` in a job of several processes, else None. ``config``: the
+        Checkpointer's as of this call (``Config.restore_collective``; a Config replaced after construction
+        counts)."""
 
     def persist_note(self, layout: StateLayout, leaves: list[Any]) -> tuple[Any, list[Any]]:
         """For the persistent tier (only when ``persists``): the state's structure and its leaves (``path``,

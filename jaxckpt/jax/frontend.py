@@ -51,8 +51,8 @@ class JaxFrontend:
               gather: Gather | None) -> Any:
         return restore_tree(target, manifests, reader, step=step, process=process, gather=gather)
 
-    def gather(self, engine: CheckpointEngine, target: Any) -> Gather | None:
-        return gather_for(engine, target, self.config)
+    def gather(self, engine: CheckpointEngine, target: Any, config: Config) -> Gather | None:
+        return gather_for(engine, target, config)
 
     def persist_note(self, layout: TreePlan, leaves: list[Any]) -> tuple[Any, list[Any]]:
         return layout.treedef, layout.leaf_list(leaves)

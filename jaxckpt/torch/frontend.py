@@ -24,6 +24,7 @@ import numpy as np
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from jaxckpt.config import Config
 from jaxckpt.core import manifest as mf
 from jaxckpt.core.box import Box
 from jaxckpt.core.coordination import Coordinator, LocalCoordinator
@@ -216,10 +217,10 @@ class TorchFrontend:
         return restore_state(target, manifests, reader, step=step, process=process, in_place=in_place,
                              gather=gather)
 
-    def gather(self, engine: CheckpointEngine, target: Any) -> Gather | None:
+    def gather(self, engine: CheckpointEngine, target: Any, config: Config) -> Gather | None:
         """The collective of a multi-rank restore onto a target (the default process group, its ranks the
         engine's processes), else None."""
-        if target is None or engine.process_count <= 1 or not engine.config.restore_collective or \
+        if target is None or engine.process_count <= 1 or not config.restore_collective or \
                 not dist.is_available() or not dist.is_initialized() or \
                 dist.get_world_size() != engine.process_count or dist.get_rank() != engine.process_index:
             return None

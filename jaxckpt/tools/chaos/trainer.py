@@ -178,7 +178,7 @@ class NumpyFrontend:
         got = restore_leaves([whole(i, a) for i, (_, a) in enumerate(merged)], reader, step=step, process=process)
         return {p: arr for (p, _), arr in zip(merged, got)}, {v.path: v.value for v in own.leaves}
 
-    def gather(self, engine, target):
+    def gather(self, engine, target, config):
         return None
 
 
