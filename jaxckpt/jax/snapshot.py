@@ -8,7 +8,11 @@ returns for the snapshot to equal the state at the call:
 
 - jax arrays on CPU: a zero-copy numpy view of each shard read. It makes a donating next step leave that
   buffer alone (JAX skips donation of buffers with external references), so the workers copy the state as it
-  was at the call. Measured here (2 cores, jax 0.10.2): about 3.5 us per shard, the one per-shard cost left.
+  was at the call. Measured here (2 cores, jax 0.10.2): about 3.5 us per shard, the one per-shard cost left,
+  beside JAX's own cost of exposing the buffers of an array a step just made (``_arrays`` builds a Python
+  array and a sharding for every local buffer, and the first view of each builds more): a fully replicated
+  array read from one device is taken through its one buffer (``_fully_replicated_shard``), and the collector
+  is paused while the views are taken (see ``Saver.pins``).
 - jax arrays on an accelerator, PRNG keys: a device-side copy dispatched now (``shards.local_sources``).
 - numpy arrays: copied now (the caller may write them in place as soon as ``save()`` returns).
 
@@ -20,6 +24,7 @@ fused path's host copies) needs no pin at all: its views are taken on the dispat
 """
 from __future__ import annotations
 
+import gc
 import logging
 import operator
 from dataclasses import dataclass, field
@@ -174,8 +179,8 @@ class Saver:
         return got
 
     def _reads(self, plan: TreePlan, devices: list[frozenset[int]]) -> tuple[tuple, tuple[int, ...]]:
-        """Per array record: ("view", leaf, positions in ``_arrays``, device ids, all positions?) for a CPU jax
-        array, ("copy", leaf) for numpy, ("same", leaf) for a numpy scalar, ("sources", leaf, devs) otherwise,
+        """Per array record: ("view", leaf, positions in ``_arrays``, device ids, all positions? or "one": the
+        fully replicated array's one buffer read) for a CPU jax array, ("copy", leaf) for numpy, ("same", leaf) for a numpy scalar, ("sources", leaf, devs) otherwise,
         or ("none",) when this process reads nothing of it; and the records an owned state still takes at once
         (numpy leaves are the caller's memory even there)."""
         out = []
@@ -190,7 +195,11 @@ class Saver:
             elif lf.kind == "jax" and shards.needs_private_hosts(plan.shardings[i]):
                 order = shards.local_order(plan.shardings[i])
                 pos = tuple(k for k, d in enumerate(order) if d in devs)
-                out.append(("view", i, pos, tuple(order[k] for k in pos), pos == tuple(range(len(order)))))
+                # A fully replicated array read from one device: its first buffer holds the same bytes and is
+                # the one JAX exposes without building a Python array (and a sharding) for every local buffer.
+                whole = plan.shardings[i].is_fully_replicated and len(pos) == 1
+                out.append(("view", i, pos, tuple(order[k] for k in pos),
+                            "one" if whole else pos == tuple(range(len(order)))))
             else:
                 out.append(("sources", i, devs))
         return tuple(out), tuple(j for j, r in enumerate(out) if r[0] in ("copy", "same"))
@@ -208,16 +217,36 @@ class Saver:
             for j in plan.eager:
                 taken[j] = _take(reads[j], leaves)
             return lambda: _sources(reads, taken, leaves, plan, views)
-        for j, r in enumerate(reads):
-            what = r[0]
-            if what == "view":  # the one per-shard cost of a save (see the module docstring)
-                arrs = leaves[r[1]]._arrays
-                taken[j] = views(arrs if r[4] else [arrs[p] for p in r[2]])
-            elif what == "sources":
-                taken[j] = shards.local_sources(leaves[r[1]], plan.leaves[r[1]].kind, r[2])
-            elif what != "none":
-                taken[j] = _take(r, leaves)
+        # JAX builds several collector-tracked objects per buffer it exposes (a Python array, its sharding, tuples);
+        # with the collector running, a many-leaf save sets off a young collection every 700 of them and promotes
+        # them all to the oldest generation while the loop runs, which feeds the full collections. Paused, they
+        # are looked at once, after the loop, and stay young (they die with the state at the next step).
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            _pin(reads, taken, leaves, plan, views)
+        finally:
+            if was:
+                gc.enable()
         return lambda: _sources(reads, taken, None, plan, views)
+
+
+def _pin(reads: tuple, taken: list[Any], leaves: list[Any], plan: TreePlan,
+         views: Callable[[list[Any]], list[np.ndarray]]) -> None:
+    """Take the views (and copies) of ``reads`` into ``taken``."""
+    for j, r in enumerate(reads):
+        what = r[0]
+        if what == "view":  # the one per-shard cost of a save (see the module docstring)
+            x = leaves[r[1]]
+            if r[4] == "one":
+                taken[j] = views([x._fully_replicated_shard()])
+            else:
+                arrs = x._arrays
+                taken[j] = views(arrs if r[4] else [arrs[p] for p in r[2]])
+        elif what == "sources":
+            taken[j] = shards.local_sources(leaves[r[1]], plan.leaves[r[1]].kind, r[2])
+        elif what != "none":
+            taken[j] = _take(r, leaves)
 
 
 def _take(r: tuple, leaves: list[Any]) -> np.ndarray:
@@ -234,8 +263,13 @@ def _sources(reads: tuple, taken: list[Any], owned: list[Any] | None, plan: Tree
             # The host arrays themselves, no function per shard (see core.copier.Chunks); the fused path's
             # copies are viewed here, which waits for its program as the first chunk's copy would.
             if owned is not None:
-                arrs = owned[r[1]]._arrays
-                out.append({d: (v, None) for v, d in zip(views([arrs[p] for p in r[2]]), r[3])})
+                x = owned[r[1]]
+                if r[4] == "one":
+                    got = views([x._fully_replicated_shard()])
+                else:
+                    arrs = x._arrays
+                    got = views([arrs[p] for p in r[2]])
+                out.append({d: (v, None) for v, d in zip(got, r[3])})
             else:
                 out.append({d: (v, None) for v, d in zip(t, r[3])})
         elif what in ("copy", "same"):
