@@ -30,20 +30,15 @@ from jaxckpt.core.capabilities import NodeAgent, ProtectionSlots
 from jaxckpt.core.catalog import Catalog
 from jaxckpt.core.fetch import ChunkReader
 from jaxckpt.core.sources import Holder
-from jaxckpt.core.plan import ArrayLayout, SavePlan, plan_save
 from jaxckpt.core.protect import Protection, ProtectionFactory
 from jaxckpt.registry import get_part, get_store_class
 from jaxckpt.core.copier import Copier, SnapshotResult
-from jaxckpt.core.hostbuf import host_bytes
+# ArrayRecord and ShardReads: the front ends' names for what they hand a save (defined with the chunk table)
+from jaxckpt.core.save_table import ArrayRecord, Prepared, SaveChunks, ShardReads, prepare
 
 log = logging.getLogger("jaxckpt.core.engine")
 PLAN_CACHE = 64  # save plans kept, one per state layout (tree structure, shapes, dtypes, shardings)
 MAX_STEP = 1 << 62  # the largest step number: agents' records and messages carry steps up to it
-
-# A record's shard reads on save: device id -> (that device's shard on the host, or fetch() returning it;
-# optional start() of its transfer)
-ShardReads = dict[int, tuple[np.ndarray | Callable[[], np.ndarray], Callable[[], None] | None]]
-
 
 class Tier(Protocol):
     """What the engine reads of the persistent tier (``jaxckpt.persistent.Persister``): its directory, the steps
@@ -57,106 +52,13 @@ class Tier(Protocol):
 
 
 @dataclass
-class ArrayRecord:
-    """A front end's array leaf, neutral: the engine calls ``layout``/``meta`` only when the layout is new."""
-
-    path: str
-    layout_key: tuple  # hashable; equal keys promise equal layout() and meta()
-    layout: Callable[[], ArrayLayout]
-    meta: Callable[[], mf.ArrayMeta]  # chunks left empty
-    # Called inside save() for the devices the plan reads from; it must take those devices' bytes as they are at
-    # the call (views that block donation, or device copies). None for a front end that takes them itself
-    # (jaxckpt.frontend: its take()); then only begin()/start() save it, not save().
-    reads: Callable[[frozenset[int]], ShardReads] | None = None
-
-
-@dataclass
-class _Prepared:
-    plan: SavePlan
-    metas: list[mf.ArrayMeta]
-    chunk_leaf: list[int]
-    chunk_slices: list[tuple[slice, ...]]
-    devices: list[frozenset[int]]  # per array leaf, the local devices its chunks are read from
-    key: Hashable = ()  # the layout key (protection plans are kept per layout)
-    copies: tuple = ()  # per local chunk (leaf index, device, slice of the device's shard, slot offset, nbytes)
-    table: "_ChunkIndex | None" = None  # the copies as the copier's table reads them; made on first use
-
-
-@dataclass(frozen=True)
-class _ChunkIndex:
-    """A layout's chunks, indexed once: per chunk its source (a (leaf, device) pair, numbered), slice, offset
-    and size; per source, its (leaf, device) and how many chunks read it."""
-
-    sources: tuple[tuple[int, int], ...]
-    uses: tuple[int, ...]
-    source_of: tuple[int, ...]
-    slices: tuple[tuple[slice, ...], ...]
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-
-    @classmethod
-    def of(cls, copies: tuple) -> "_ChunkIndex":
-        number: dict[tuple[int, int], int] = {}
-        for leaf_i, dev, _, _, _ in copies:
-            number.setdefault((leaf_i, dev), len(number))
-        source_of = tuple(number[(c[0], c[1])] for c in copies)
-        uses = [0] * len(number)
-        for k in source_of:
-            uses[k] += 1
-        return cls(tuple(number), tuple(uses), source_of, tuple(c[2] for c in copies),
-                   tuple(c[3] for c in copies), tuple(c[4] for c in copies))
-
-
-@dataclass
 class Reservation:
     """A save that passed every check and holds its slot: :meth:`CheckpointEngine.start` or ``cancel`` it."""
 
     step: int
-    prep: _Prepared
+    prep: Prepared
     slot: Any
     t0: float
-
-
-class _SaveChunks:
-    """One save's chunks as the copier's table (``core.copier.Chunks``): a save keeps two lists of its sources
-    and one of counts, nothing per chunk or per source that the collector tracks (see ``Chunks`` for why). A
-    source is dropped as soon as its last chunk is copied, so a donating step can reuse that buffer."""
-
-    __slots__ = ("_index", "_fetch", "_start", "_left", "offsets", "sizes")
-
-    def __init__(self, prep: _Prepared, reads: Callable[[], list[ShardReads]]) -> None:
-        if prep.table is None:
-            prep.table = _ChunkIndex.of(prep.copies)
-        index = self._index = prep.table
-        srcs = reads()
-        self._fetch: list[Any] = []
-        starts: list[Any] = []
-        for leaf_i, dev in index.sources:
-            fetch, start = srcs[leaf_i][dev]
-            self._fetch.append(fetch)
-            starts.append(start)
-        self._start = starts if any(st is not None for st in starts) else None
-        self._left = list(index.uses)
-        self.offsets, self.sizes = index.offsets, index.sizes
-
-    def start(self, i: int) -> None:
-        if self._start is not None:
-            start = self._start[self._index.source_of[i]]
-            if start is not None:
-                start()
-
-    def fetch(self, i: int) -> np.ndarray:
-        return host_bytes(self._fetch[self._index.source_of[i]])[self._index.slices[i]]
-
-    def done(self, lo: int, hi: int) -> None:
-        source_of, left = self._index.source_of, self._left
-        for i in range(lo, hi):
-            k = source_of[i]
-            left[k] -= 1
-            if not left[k]:
-                self._fetch[k] = None
-                if self._start is not None:
-                    self._start[k] = None
 
 
 class SaveHandle:
@@ -226,8 +128,8 @@ class CheckpointEngine:
         self.costs = SaveCosts()  # this job's measured save costs: what advise_interval reads
         self._tracker = CommitTracker(self.collective.channel("commit"), config.commit_timeout_s,
                                       on_commit=self._after_commit)
-        self._prepared: dict[tuple, _Prepared] = {}
-        self._last_prep: _Prepared | None = None
+        self._prepared: dict[tuple, Prepared] = {}
+        self._last_prep: Prepared | None = None
         self._pending: deque[SaveHandle] = deque()
         self._committed: list[int] = []
         self._last_step: int | None = None
@@ -335,7 +237,7 @@ class CheckpointEngine:
         handle.save_call_seconds = time.perf_counter() - res.t0
         self.costs.record(step, time.monotonic() - handle.save_call_seconds, handle.save_call_seconds)
         # Last: from here the dispatcher runs (and on a loaded machine may take the caller's core for a while).
-        self._snap.submit(res.slot, functools.partial(_SaveChunks, prep, reads),
+        self._snap.submit(res.slot, functools.partial(SaveChunks, prep, reads),
                           on_done=lambda f: self._local_finished(f, handle, res.slot, prep, values, order))
         return handle
 
@@ -370,36 +272,18 @@ class CheckpointEngine:
             except CommitError:  # decided as failed in the end; the loop looks again
                 pass
 
-    def _prepare(self, key: Hashable, make_records: Callable[[], list[ArrayRecord]]) -> _Prepared:
+    def _prepare(self, key: Hashable, make_records: Callable[[], list[ArrayRecord]]) -> Prepared:
         prep = self._prepared.get(key)
         if prep is not None:
             return prep
-        records = make_records()
-        layouts = [r.layout() for r in records]
-        plans = plan_save(layouts, self.process_count, self.config.chunk_bytes)
-        plan = plans[self.process_index]
-        index = {r.path: i for i, r in enumerate(records)}
-        src_box = {(lay.path, p.device): p.box for lay in layouts for p in lay.placements}
-        devices: list[set[int]] = [set() for _ in records]
-        for c in plan.chunks:
-            devices[index[c.path]].add(c.device)
-        if self.protection is not None:  # the device copies this process's parity stripes are computed from
-            for path, devs in self.protection.prepare(key, layouts, plans).items():
-                devices[index[path]] |= devs
-        chunk_leaf = [index[c.path] for c in plan.chunks]
-        chunk_slices = [src_box[(c.path, c.device)].relative(c.box) for c in plan.chunks]
-        prep = _Prepared(plan, [r.meta() for r in records], chunk_leaf, chunk_slices,
-                         [frozenset(d) for d in devices], key,
-                         tuple((i, c.device, sl, c.offset, c.nbytes)
-                               for c, i, sl in zip(plan.chunks, chunk_leaf, chunk_slices)))
+        prep = prepare(key, make_records(), self.process_index, self.process_count, self.config.chunk_bytes,
+                       self.protection)
         if len(self._prepared) >= PLAN_CACHE:  # a job that keeps changing its layout: forget the oldest
             self._prepared.pop(next(iter(self._prepared)))
         self._prepared[key] = prep
-        log.info("planned a new state layout: %d arrays, %d local chunks, %d bytes on process %d",
-                 len(records), len(plan.chunks), plan.nbytes, self.process_index)
         return prep
 
-    def _local_finished(self, fut, handle: SaveHandle, slot, prep: _Prepared, values, order) -> None:
+    def _local_finished(self, fut, handle: SaveHandle, slot, prep: Prepared, values, order) -> None:
         try:
             res: SnapshotResult = fut.result()
             chunks: dict[int, list[mf.ChunkMeta]] = {}
