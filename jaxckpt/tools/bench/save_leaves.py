@@ -23,25 +23,72 @@ from jaxckpt.tools.bench import report
 log = logging.getLogger("jaxckpt.tools.bench")
 
 FULL = {"leaf_counts": "8,128,1024,4096", "leaf_total": "64M", "leaf_repeats": 5}
+# The mixed layout (issue 26): a 4x2 mesh whose shardings alternate fully sharded, split over one axis and
+# replicated over the other, and fully replicated, so that most local buffers are replicas a save reads once.
+MIXED_MESH = (4, 2)
+MIXED_SPECS = (("data", "model"), (None, "model"), ("data", None), ())
 QUICK = {"leaf_counts": "8,64", "leaf_total": "1M", "leaf_repeats": 3}
 
 
-def make_state(n_leaves: int, total_bytes: int) -> dict[str, Any]:
-    """``n_leaves`` float32 arrays of about ``total_bytes`` together, each sharded over all 8 devices."""
+def make_state(n_leaves: int, total_bytes: int, mixed: bool = False) -> dict[str, Any]:
+    """``n_leaves`` float32 arrays of about ``total_bytes`` together, each sharded over all 8 devices (or, with
+    ``mixed``, on the mixed layout: ``MIXED_MESH``, ``MIXED_SPECS``)."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from jaxckpt.tools.bench.state import DEVICES, MESH, SPECS
 
-    mesh = Mesh(np.array(jax.devices()[:DEVICES]).reshape(MESH), ("data", "model"))
+    shape, specs = (MIXED_MESH, MIXED_SPECS) if mixed else (MESH, SPECS)
+    mesh = Mesh(np.array(jax.devices()[:DEVICES]).reshape(shape), ("data", "model"))
     per_leaf = max(DEVICES * DEVICES, total_bytes // 4 // n_leaves)
     cols = 64 if per_leaf >= 64 * 64 else DEVICES
     rows = max(DEVICES, per_leaf // cols // DEVICES * DEVICES)
     host = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols)
-    state = {f"layer{i:05d}/w": jax.device_put(host + np.float32(i), NamedSharding(mesh, P(*SPECS[i % len(SPECS)])))
+    state = {f"layer{i:05d}/w": jax.device_put(host + np.float32(i), NamedSharding(mesh, P(*specs[i % len(specs)])))
              for i in range(n_leaves)}
     return jax.block_until_ready(state)
+
+
+def bench_fresh(state: dict[str, Any], repeats: int, warmup: int) -> dict[str, Any]:
+    """save() of the arrays a donating step just made, as in training (JAX has built no per-device arrays of
+    them yet): the call's seconds, and in the same run the floor of what it takes: a zero-copy view of each
+    shard it saves, first views of fresh buffers (``view_s``), and JAX's cost of exposing an array's local
+    buffers (``expose_s``: ``_arrays`` of every local buffer, or the one buffer of a fully replicated array)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxckpt.jax.snapshot import _fast_view
+
+    step = jax.jit(lambda s: jax.tree.map(lambda x: x * 0.5 + 1.0, s), donate_argnums=0)
+    state = jax.tree.map(jnp.copy, state)
+    call, state, devices = _save_calls(state, repeats, warmup, step)
+    saved = 0
+    views = _fast_view()
+    expose, view = [], []
+    for _ in range(3):
+        state = jax.block_until_ready(step(state))
+        gc.collect()
+        gc.disable()  # as save() takes its views
+        t0 = time.perf_counter()
+        taken = [[x._fully_replicated_shard()] if x.is_fully_replicated else x._arrays for x in state.values()]
+        t1 = time.perf_counter()
+        order = [[d.id for d in x.sharding._addressable_device_assignment] for x in state.values()]
+        picked = [a if len(a) == 1 else [b for b, d in zip(a, o) if d in devs]
+                  for a, o, devs in zip(taken, order, devices)]
+        saved = sum(map(len, picked))
+        t2 = time.perf_counter()
+        got = [views(a) for a in picked]
+        t3 = time.perf_counter()
+        gc.enable()
+        expose.append(t1 - t0)
+        view.append(t3 - t2)
+        del got, taken, picked
+    del state
+    med = report.summarize(call)["median"]
+    view_s, expose_s = min(view), min(expose)
+    return {"fresh_save_call_s": report.summarize(call), "saved_shards": saved, "view_s": view_s,
+            "expose_s": expose_s, "over_views": med / view_s, "over_views_and_expose": med / (view_s + expose_s)}
 
 
 def _step(state: dict[str, Any]) -> dict[str, Any]:
@@ -51,18 +98,29 @@ def _step(state: dict[str, Any]) -> dict[str, Any]:
 
 def bench_plain(state: dict[str, Any], repeats: int, warmup: int) -> dict[str, Any]:
     """jaxckpt ``save()`` call seconds, the state unchanged between saves."""
+    return report.summarize(_save_calls(state, repeats, warmup)[0])
+
+
+def _save_calls(state: dict[str, Any], repeats: int, warmup: int, step: Any = None) -> tuple[list[float], Any, Any]:
+    """save() call seconds of ``repeats`` saves after the warm-up ones (each of ``step(state)`` when a step is
+    given), the last state and the devices the save read of each array."""
+    import jax
+
     from jaxckpt import Checkpointer, Config
 
     call = []
     with Checkpointer(Config()) as ck:
         for i in range(max(warmup, 2) + repeats):
+            if step is not None:
+                state = jax.block_until_ready(step(state))
             t0 = time.perf_counter()
             ck.save(i + 1, state)
             t1 = time.perf_counter()
             ck.wait()
             if i >= max(warmup, 2):
                 call.append(t1 - t0)
-    return report.summarize(call)
+        devices = ck.engine._last_prep.devices
+    return call, state, devices
 
 
 def bench_wrap_step(state: dict[str, Any], repeats: int, warmup: int) -> dict[str, Any]:
@@ -199,8 +257,19 @@ def measure(opts: Mapping[str, Any], warmup: int) -> dict[str, Any]:
         view = view_seconds_per_shard(state)
         del state
         gc.collect()
+        mixed = make_state(n, opts["leaf_total"], mixed=True)
+        fresh = {"sharded": bench_fresh(make_state(n, opts["leaf_total"]), reps, warmup),
+                 "mixed": bench_fresh(mixed, reps, warmup)}
+        fresh["mixed"]["shards"] = sum(len(x.sharding.addressable_devices) for x in mixed.values())
+        del mixed
+        gc.collect()
+        for name, f in fresh.items():
+            log.info("%d leaves, %s layout, fresh state: save() %.1f ms for %d saved shards; their views %.1f ms, "
+                     "JAX exposing the buffers %.1f ms: %.2fx the views, %.2fx views + exposing", n, name,
+                     f["fresh_save_call_s"]["median"] * 1e3, f["saved_shards"], f["view_s"] * 1e3,
+                     f["expose_s"] * 1e3, f["over_views"], f["over_views_and_expose"])
         row = {"leaves": n, "shards": shards, "size_bytes": nbytes, "jaxckpt_save_call_s": plain, **wrapped,
-               "orbax_save_call_s": orbax, "view_s_per_shard": view, **restored,
+               "orbax_save_call_s": orbax, "view_s_per_shard": view, "fresh": fresh, **restored,
                "orbax_over_jaxckpt": orbax["median"] / plain["median"],
                "orbax_over_wrap_step_save": orbax["median"] / wrapped["wrap_step_save_s"]["median"]}
         rows.append(row)
@@ -239,4 +308,25 @@ def render(sweep: Mapping[str, Any]) -> str:
         "the same run." + (" Restore: onto the saved shardings in the same process, jaxckpt from memory "
                            "(`store=\"memory\"`), Orbax `StandardRestore` from tmpfs; each checked bit for bit once."
                            if restores else ""),
-    ])
+    ] + _render_fresh(sweep))
+
+
+def _render_fresh(sweep: Mapping[str, Any]) -> list[str]:
+    rows = []
+    for r in sweep["rows"]:
+        for name, f in r.get("fresh", {}).items():
+            rows.append([str(r["leaves"]), name, str(f.get("shards", r["shards"])), str(f["saved_shards"]),
+                         report.fmt_ms(f["fresh_save_call_s"]), f"{f['view_s'] * 1e3:.1f}",
+                         f"{f['expose_s'] * 1e3:.1f}", f"{report.fmt_num(f['over_views'])}x",
+                         f"{report.fmt_num(f['over_views_and_expose'])}x"])
+    if not rows:
+        return []
+    return ["", "#### save() of the state a donating step just made, against its floor in the same run", "",
+            report.table(["leaves", "layout", "local shards", "shards saved", "save() ms", "views ms",
+                          "JAX exposing ms", "save()/views", "save()/(views + exposing)"], rows), "",
+            "As in training, every save sees the arrays a donating step just made. Layouts: sharded (the sweep's "
+            "own) and mixed (4x2 mesh, shardings alternating P('data','model'), P(None,'model'), P('data',None), "
+            "P()). Views: a first zero-copy view of each shard the save reads (the column \"us per shard view\" "
+            "above re-views buffers already viewed, which JAX caches); JAX exposing: building the Python arrays of "
+            "an array's local buffers (`_arrays`, or the one buffer of a fully replicated array), which JAX does "
+            "for every local buffer before any one can be viewed."]
