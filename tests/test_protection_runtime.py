@@ -348,6 +348,18 @@ def test_replacement_node_restores_bitwise_while_its_agent_starts(tmp_path):
     for r in on_lost:
         # no framework; numpy only if the agent served a peer or a pull by the time it was asked
         assert set(r["agent_frameworks"]) <= {"numpy"} and r["startup"]["serving_s"] > 0, r
+    # The lost bytes moved once: every range rebuilt from parity was XORed where its parity lives, and what each
+    # process received to rebuild (those results, copies of copied chunks) is at most 1.1x what it rebuilt; the
+    # replacement rebuilt all of its own node's share.
+    for r in out:
+        rep = r["report"]
+        assert rep["rebuild_received"] <= 1.1 * rep["rebuilt_bytes"], rep
+        assert not [fb for fb in rep["fallbacks"] if "rebuilt here" in fb], rep  # no holder failed to
+    for r in on_lost:  # its node held no parity: every range was rebuilt at a holder
+        rep = r["report"]
+        assert set(rep["rebuilt_at"]) == {"holder"} and rep["rebuilt_bytes"] > 0, rep
+        print(f"replacement process: received {rep['rebuild_received']} bytes to rebuild {rep['rebuilt_bytes']} "
+              f"(transport {rep['transport_bytes']}, rebuilt at {rep['rebuilt_at']})")
 
 
 @pytest.mark.skipif(os.environ.get("RUN_SLOW_TESTS") != "1", reason="slow: set RUN_SLOW_TESTS=1")

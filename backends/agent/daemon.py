@@ -181,7 +181,7 @@ class Agent:
         """Serve the node's committed snapshots to peers and publish the address (agent_serve.py)."""
         from jaxckpt.backends.agent import serve as agent_serve
 
-        self.snapshots = agent_serve.AgentSnapshots(self.table, self.dir)
+        self.snapshots = agent_serve.AgentSnapshots(self.table, self.dir, self.transport)
         if self.peer_bind is None:
             return
         try:
