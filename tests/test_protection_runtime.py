@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from jaxckpt.backends.agent import protocol as proto
+from jaxckpt.errors import StoreUnavailableError
 from jaxckpt.testing import expect_ok, launch, node_info, remove_agents
 import sharded_state
 
@@ -360,6 +361,59 @@ def test_replacement_node_restores_bitwise_while_its_agent_starts(tmp_path):
         assert set(rep["rebuilt_at"]) == {"holder"} and rep["rebuilt_bytes"] > 0, rep
         print(f"replacement process: received {rep['rebuild_received']} bytes to rebuild {rep['rebuilt_bytes']} "
               f"(transport {rep['transport_bytes']}, rebuilt at {rep['rebuilt_at']})")
+
+
+def test_a_replacement_agent_recovers_its_node_share_and_the_restore_reads_it_locally(tmp_path):
+    """A node is lost under a running job (trainer and agent SIGKILLed, memory removed). The replacement node's
+    agent is started first, as a launcher starts it, knowing the job's other agents (``--agent-dirs``): as soon as
+    it serves it rebuilds the lost node's share of the newest step into its own memory, receiving at most 1.1x
+    the bytes it rebuilt. The relaunched trainer there finds that agent (it spawns none), and its restore reads
+    its own process's bytes from its node's memory, rebuilding nothing; every array bit for bit."""
+    import subprocess
+    import sys
+
+    from jaxckpt.testing import start
+
+    job, lost = "recover", 1
+    with start(save_and_train_on, nodes=NODES, procs_per_node=PROCS, devices_per_proc=2 // PROCS,
+               args=(BASE, job, "hybrid", [1, 2], str(tmp_path)), env=ENV) as running:
+        deadline = time.monotonic() + 240
+        while len([n for n in os.listdir(tmp_path) if n.startswith("ready-")]) < NODES * PROCS:
+            assert all(c is None for c in running.poll()), running.results()
+            assert time.monotonic() < deadline, "the job did not protect its steps within 240 s"
+            time.sleep(0.1)
+        assert running.kill_node(lost) == list(range(lost * PROCS, (lost + 1) * PROCS))
+        lose_node(job, lost)
+    d = f"{BASE}/{job}-node{lost}"
+    agent = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d, "--node",
+                              f"node{lost}", "--agent-dirs", f"{BASE}/{job}-node*",
+                              "--log", str(tmp_path / "agent.log")], stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # serving: the trainers then find it (the recovery may still run: their hellos wait for it)
+            assert agent.poll() is None, f"the replacement agent exited ({agent.returncode})"
+            assert time.monotonic() < deadline, "the replacement agent did not serve within 60 s"
+            try:
+                proto.agent_status(d, job)
+                break
+            except StoreUnavailableError:  # not listening yet
+                time.sleep(0.05)
+        out = run(restore_on_replacement, job, "hybrid")
+        recovery = proto.agent_status(d, job)["recovery"]
+        mine = list(range(lost * PROCS, (lost + 1) * PROCS))
+        assert recovery["state"] == "done" and recovery["step"] == 2 and recovery["processes"] == mine, recovery
+        assert 0 < recovery["received"] <= 1.1 * recovery["bytes"], recovery
+        assert [r["latest"] for r in out] == [2] * NODES * PROCS, out  # every array was checked bit for bit
+        for q in mine:
+            r = out[q]
+            rep = r["report"]
+            assert r["spawns"] == 0, r  # the running agent served it
+            assert rep["bytes_by_kind"].get("rebuild", 0) == 0, rep
+            own = rep["bytes_by_process"].get(str(q), 0)
+            assert own > 0 and rep["bytes_by_kind"].get("local", 0) + rep["bytes_by_kind"].get("node", 0) >= own, rep
+    finally:
+        proto.stop_agent(d, job)
+        agent.wait(timeout=30)
 
 
 @pytest.mark.skipif(os.environ.get("RUN_SLOW_TESTS") != "1", reason="slow: set RUN_SLOW_TESTS=1")
