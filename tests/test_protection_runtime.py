@@ -162,6 +162,22 @@ def lose_node(job: str, node: int) -> None:
     shutil.rmtree(d, ignore_errors=True)
 
 
+def lose_node_under_running_job(job: str, lost: int, ready: str) -> None:
+    """Steps 1 and 2 saved protected ("hybrid") by a job that trains on; node ``lost`` is lost under it (its
+    trainers and agent SIGKILLed, its memory removed), then the rest of the job is killed as a scheduler would."""
+    from jaxckpt.testing import start
+
+    with start(save_and_train_on, nodes=NODES, procs_per_node=PROCS, devices_per_proc=2 // PROCS,
+               args=(BASE, job, "hybrid", [1, 2], str(ready)), env=ENV) as running:
+        deadline = time.monotonic() + 240
+        while len([n for n in os.listdir(ready) if n.startswith("ready-")]) < NODES * PROCS:
+            assert all(c is None for c in running.poll()), running.results()
+            assert time.monotonic() < deadline, "the job did not protect its steps within 240 s"
+            time.sleep(0.1)
+        assert running.kill_node(lost) == list(range(lost * PROCS, (lost + 1) * PROCS))
+        lose_node(job, lost)  # its agent SIGKILLed, then its memory goes
+
+
 def run(fn, *args):
     return expect_ok(launch(fn, nodes=NODES, procs_per_node=PROCS, devices_per_proc=2 // PROCS, args=(BASE, *args),
                             env=ENV, timeout=240))
@@ -328,18 +344,8 @@ def test_replacement_node_restores_bitwise_while_its_agent_starts(tmp_path):
     the job killed as a scheduler would. The relaunched job's first ``Checkpointer()`` on the replacement spawns
     a fresh agent (importing no framework: jax, ml_dtypes, torch, not even numpy before it serves), and its
     restore of the newest protected step, rebuilt from the other nodes, is bit for bit."""
-    from jaxckpt.testing import start
-
     job, lost = "relaunch", 1
-    with start(save_and_train_on, nodes=NODES, procs_per_node=PROCS, devices_per_proc=2 // PROCS,
-               args=(BASE, job, "hybrid", [1, 2], str(tmp_path)), env=ENV) as running:
-        deadline = time.monotonic() + 240
-        while len([n for n in os.listdir(tmp_path) if n.startswith("ready-")]) < NODES * PROCS:
-            assert all(c is None for c in running.poll()), running.results()
-            assert time.monotonic() < deadline, "the job did not protect its steps within 240 s"
-            time.sleep(0.1)
-        assert running.kill_node(lost) == list(range(lost * PROCS, (lost + 1) * PROCS))
-        lose_node(job, lost)  # its agent SIGKILLed, then its memory goes
+    lose_node_under_running_job(job, lost, tmp_path)
     out = run(restore_on_replacement, job, "hybrid")
     assert [r["latest"] for r in out] == [2] * NODES * PROCS, out  # every array was checked bit for bit
     assert rebuilt_bytes(out) > 0
@@ -372,18 +378,8 @@ def test_a_replacement_agent_recovers_its_node_share_and_the_restore_reads_it_lo
     import subprocess
     import sys
 
-    from jaxckpt.testing import start
-
     job, lost = "recover", 1
-    with start(save_and_train_on, nodes=NODES, procs_per_node=PROCS, devices_per_proc=2 // PROCS,
-               args=(BASE, job, "hybrid", [1, 2], str(tmp_path)), env=ENV) as running:
-        deadline = time.monotonic() + 240
-        while len([n for n in os.listdir(tmp_path) if n.startswith("ready-")]) < NODES * PROCS:
-            assert all(c is None for c in running.poll()), running.results()
-            assert time.monotonic() < deadline, "the job did not protect its steps within 240 s"
-            time.sleep(0.1)
-        assert running.kill_node(lost) == list(range(lost * PROCS, (lost + 1) * PROCS))
-        lose_node(job, lost)
+    lose_node_under_running_job(job, lost, tmp_path)
     d = f"{BASE}/{job}-node{lost}"
     agent = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d, "--node",
                               f"node{lost}", "--agent-dirs", f"{BASE}/{job}-node*",
