@@ -19,7 +19,7 @@ from jaxckpt.core.sources import Holder
 from jaxckpt.core.store import Store
 from jaxckpt.errors import DataLossError
 
-__all__ = ["AgentCatalog", "Protection", "ProtectionFactory", "ProtectionHost", "RebuildSource"]
+__all__ = ["AgentCatalog", "Protection", "ProtectionFactory", "ProtectionHost", "RebuildSteps"]
 
 
 class AgentCatalog(Protocol):
@@ -67,7 +67,7 @@ class ProtectionHost(Protocol):
         """Newest steps' (local done, decided) times (``time.monotonic()``)."""
 
 
-class RebuildSource(Protocol):
+class RebuildSteps(Protocol):
     """Protection's restore holder as the engine and adoption read it (``jaxckpt.protection.holder``)."""
 
     losses: dict[int, DataLossError]  # steps a node loss made unrestorable, with why
@@ -82,7 +82,7 @@ class RebuildSource(Protocol):
 class Protection(Protocol):
     """What the engine drives of ``Config.protection`` (``jaxckpt.protection.runtime.Protector``)."""
 
-    holder: RebuildSource
+    holder: RebuildSteps
 
     def prepare(self, key: Hashable, layouts: Sequence[ArrayLayout], plans: Sequence[SavePlan]
                 ) -> dict[str, frozenset[int]]:
