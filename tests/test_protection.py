@@ -414,7 +414,7 @@ def test_rebuilt_chunks_feed_the_ordinary_chunk_reader():
     assert plan.lost_processes == (2, 3) and plan.nbytes == sum(c.nbytes for c in lost_chunks(j, {1}))
     rb = rc.Rebuilder(plan, IO(j, {1}), j.crcs)
     sources = {p: (lambda off, n, p=p: memoryview(j.bufs[p])[off:off + n]) for p in range(6) if nodes[p] != 1}
-    sources.update({p: rb.source(p) for p in plan.lost_processes})
+    sources.update({p: rb.reader(p) for p in plan.lost_processes})
     reader = ChunkReader(sources, STEP)
     for c in j.prot.chunks:
         meta = ChunkMeta(c.box, c.offset, c.nbytes, j.crcs[c.key], c.process)

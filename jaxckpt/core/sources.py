@@ -32,7 +32,7 @@ KINDS = ("local", "node", "remote", "peer", "rebuild", "persistent")
 RANK = {k: i for i, k in enumerate(KINDS)}
 
 # (offset, nbytes) -> the bytes of one process's snapshot buffer in that range
-ByteSource = Callable[[int, int], memoryview]
+ByteReader = Callable[[int, int], memoryview]
 
 
 class RestoreReads(Protocol):
@@ -130,7 +130,7 @@ class Opened:
     """One process's snapshot of one step, opened at a holder: its manifest and its bytes (until ``close``)."""
 
     manifest: bytes
-    read: ByteSource
+    read: ByteReader
     close: Callable[[], None] = lambda: None
     lend: Callable[[], bool] | None = None  # see Source.lend
     bind: Callable[[RestoreReads], None] | None = None  # see Source.bind
@@ -166,7 +166,7 @@ class Source:
     kind: str
     name: str
     node: str
-    read: ByteSource = field(compare=False, repr=False)
+    read: ByteReader = field(compare=False, repr=False)
     # Only a source whose memory is never rewritten while it is referenced has one (SnapshotView.lend): then the
     # restored arrays may use the bytes read from it as their own memory. True when it agreed.
     lend: Callable[[], bool] | None = field(default=None, compare=False, repr=False)

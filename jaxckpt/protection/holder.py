@@ -299,11 +299,11 @@ class RebuildHolder(Holder):
                            io, info.crcs, workers=self._workers)
             log.warning("step %d: process %d was lost with node(s) %s; its chunks are rebuilt from protection "
                         "%r", step, process, list(info.lost_nodes), info.plan.policy)
-            return Opened(info.manifests[process], rb.source(process), io.close, bind=io.bind)
+            return Opened(info.manifests[process], rb.reader(process), io.close, bind=io.bind)
 
         def read(offset: int, nbytes: int) -> memoryview:
             # a surviving process's chunk failed at its holders: rebuild it as if it were lost
             rp = plan_rebuild(info.plan, info.lost_nodes, step=step, bad_chunks=[(process, offset)],
                               bad_blocks=info.bad_blocks)
-            return Rebuilder(rp, io, info.crcs, workers=self._workers).source(process)(offset, nbytes)
+            return Rebuilder(rp, io, info.crcs, workers=self._workers).reader(process)(offset, nbytes)
         return Opened(info.manifests[process], read, io.close, bind=io.bind)

@@ -12,7 +12,7 @@ Planning (pure, every process gets the same answer from the step's :class:`~jaxc
      (the flat byte ranges of each chunk mapped back to boxes of the array).
 Execution: :class:`Rebuilder` reads surviving chunks, parity and copies through a :class:`RebuildIO` the caller
 provides (local snapshot buffers, peers), verifies the rebuilt chunk against its manifest crc32c, and serves
-rebuilt chunks as a :data:`~jaxckpt.core.fetch.ByteSource`, so the ordinary restore path reads a lost process's
+rebuilt chunks as a :data:`~jaxckpt.core.fetch.ByteReader`, so the ordinary restore path reads a lost process's
 chunks as if it were still there.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import numpy as np
 from jaxckpt.protection import parity
 from jaxckpt.core.box import Box
 from jaxckpt.errors import ChecksumError, DataLossError, PeerError, PlanError, StepNotFoundError
-from jaxckpt.core.fetch import ByteSource
+from jaxckpt.core.fetch import ByteReader
 from jaxckpt.protection.plan import CopyBlock, ProtectionPlan, SavedChunk, Stripe, Unit
 
 log = logging.getLogger("jaxckpt.protection.rebuild")
@@ -391,8 +391,8 @@ class Rebuilder:
             pos += g.nbytes
         return out
 
-    def source(self, process: int) -> ByteSource:
-        """A ByteSource for lost ``process``: reads of whole chunks come back rebuilt (for ChunkReader)."""
+    def reader(self, process: int) -> ByteReader:
+        """A ByteReader for lost ``process``: reads of whole chunks come back rebuilt (for ChunkReader)."""
         def read(offset: int, nbytes: int) -> memoryview:
             data = self.chunk(process, offset)
             if data.size != nbytes:
