@@ -50,7 +50,7 @@ import numpy as np
 from jaxckpt.protection import parity
 from jaxckpt.core.capabilities import NodeAgent, ProtectionSlots
 from jaxckpt.core.checksum import crc32c
-from jaxckpt.core.history import trim
+from jaxckpt.core.trim import trim
 from jaxckpt.core.hostbuf import host_bytes
 from jaxckpt.errors import AgentError, CommitError, PeerError
 from jaxckpt.node_identity import node_identity
