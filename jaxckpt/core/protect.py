@@ -2,9 +2,10 @@
 imports the other's module and the direction core <- protection holds.
 
 The engine takes a :data:`ProtectionFactory` (the front end's face passes ``jaxckpt.protection.runtime.Protector``
-when ``Config.protection`` asks for it and the store has node agents), calls it with itself as the
-:class:`ProtectionHost`, and then drives the :class:`Protection` it gets back: ``prepare`` for a new layout,
-``on_save`` in ``save()``, ``adopt`` at start-up, ``wait`` and ``close``.
+when ``Config.protection`` asks for it); when the store has node agents (``ProtectionSlots``) it calls it with
+itself as the :class:`ProtectionHost` (with another store it warns and keeps snapshots unprotected), and then
+drives the :class:`Protection` it gets back: ``prepare`` for a new layout, ``on_save`` when a save starts
+(``CheckpointEngine.start``), ``adopt`` at start-up, ``wait`` and ``close``.
 """
 from __future__ import annotations
 

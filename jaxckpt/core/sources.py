@@ -1,7 +1,8 @@
 """Where a restore reads saved bytes from: holders of snapshots, their cost order, and the restore report.
 
-Pure planning (numpy only). A *holder* holds whole snapshot buffers, each one process's saved bytes of one step,
-and reads ranges of them; it lists what it holds as :class:`HeldEntry` records. Kinds, cheapest first:
+Numpy only: the holder interface, the source records and report, and the pure decisions over them (which
+version, which holders, cheapest first: the fetch plan); no I/O of its own. A *holder* holds whole snapshot
+buffers, each one process's saved bytes of one step, and reads ranges of them; it lists what it holds as :class:`HeldEntry` records. Kinds, cheapest first:
 
   ``local``       this process's own store (the same process index of the saving job): zero-copy
   ``node``        this node's agent, for the node's other processes: zero-copy from its shared memory
