@@ -2,9 +2,9 @@
 process (or a node agent) serves committed snapshots; others fetch manifests and ranges.
 
 It implements the interface of ``jaxckpt.core.transport`` (:class:`Transport` makes servers and clients; its
-names are also importable from here). A server serves a ``SnapshotSource``: one process's store
-(:class:`StoreSource`), or a node agent's memory holding the snapshots of every process of its node. Wire protocol, version 1 (msgpack maps,
-never pickle):
+names are also importable from here). A server serves a ``ServedHolder``: one process's store
+(:class:`StoreHolder`), or a node agent's memory holding the snapshots of every process of its node. Wire
+protocol, version 1 (msgpack maps, never pickle):
 
   request (one frame)  {"v": 1, "id": n, "token": bytes, "op": "steps"|"manifest"|"read"|"held", "step", "offset",
                         "nbytes", "process", "chunk"}
@@ -14,7 +14,7 @@ A read may name the chunk that holds its range (``chunk``: [offset, nbytes]); it
 the crc32c of the chunk's bytes before and after the range, so that the client checks the bytes it got against
 the chunk's crc32c without reading the whole chunk (``jaxckpt.core.checksum.span_crc``).
 A manifest is paged: each reply carries at most one frame from ``offset`` and the manifest's total ``size``.
-``rebuild`` (a node agent holding a parity stripe, ``SnapshotSource.rebuild``) asks for bytes [offset, offset +
+``rebuild`` (a node agent holding a parity stripe, ``ServedHolder.rebuild``) asks for bytes [offset, offset +
 nbytes) of unit ``unit`` of ``stripe``, whose parity is in protection slot ``process``, rebuilt there: the request
 names where the other units' processes are (``agents``: [[address, token, CURVE key], ...]; ``sources``:
 [[process, index in agents], ...]) and the milliseconds each of those reads may take (``timeout_ms``); the reply's
@@ -50,7 +50,7 @@ import zmq
 
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.core.store import SnapshotView, Store
-from jaxckpt.core.transport import (PeerClient, PeerServer, SnapshotSource, Span, Transport,  # noqa: F401 - kept names
+from jaxckpt.core.transport import (PeerClient, PeerServer, ServedHolder, Span, Transport,  # noqa: F401 - kept names
                                     get_transport)
 from jaxckpt.errors import PeerError, StepNotFoundError
 
@@ -73,8 +73,8 @@ CONNECT_TIMEOUT_S = 2.0
 HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 500, 2000
 
 
-class StoreSource(SnapshotSource):
-    """One process's Store as a SnapshotSource (its own process only)."""
+class StoreHolder(ServedHolder):
+    """One process's Store as a ServedHolder (its own process only)."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -118,9 +118,9 @@ class ZmqTransport(Transport):
         self.frame_bytes = frame_bytes
         self.window = window
 
-    def serve(self, store: Store | SnapshotSource, *, token: bytes, host: str = "127.0.0.1",
+    def serve(self, store: Store | ServedHolder, *, token: bytes, host: str = "127.0.0.1",
               curve: bool = False) -> "ZmqServer":
-        source = store if isinstance(store, SnapshotSource) else StoreSource(store)
+        source = store if isinstance(store, ServedHolder) else StoreHolder(store)
         return ZmqServer(source, token=token, host=host, frame_bytes=self.frame_bytes, curve=curve)
 
     def connect(self, address: str, *, token: bytes, timeout_s: float, server_key: str = "") -> PeerClient:
@@ -141,7 +141,7 @@ class ZmqServer(PeerServer):
 
     POLL_MS = 100
 
-    def __init__(self, source: SnapshotSource, *, token: bytes, host: str, frame_bytes: int,
+    def __init__(self, source: ServedHolder, *, token: bytes, host: str, frame_bytes: int,
                  curve: bool = False) -> None:
         if not token:
             raise PeerError("a peer server needs a non-empty token")

@@ -3,7 +3,7 @@
 After a node loss, a restoring process (``jaxckpt.protection.holder``) needs bytes [lo, hi) of unit ``unit`` of a
 parity stripe whose other units survive. Read where it restores, that takes the parity's bytes and every other
 unit's (about G-1 times the bytes rebuilt for an XOR group of G nodes). Instead it asks the agent holding the
-stripe's parity (the peer transport's ``rebuild``, ``jaxckpt.core.transport.SnapshotSource.rebuild``), which
+stripe's parity (the peer transport's ``rebuild``, ``jaxckpt.core.transport.ServedHolder.rebuild``), which
 
   1) finds the stripe in the protection slot (``jaxckpt.protection.slot``) it holds: the plan kept in the slot's
      meta, decoded once per slot and step, and the parity block's place in the slot;
