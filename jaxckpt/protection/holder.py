@@ -50,6 +50,7 @@ class _IO:
     def __init__(self, info: _StepInfo) -> None:
         self.info, self._opened, self._lock = info, {}, threading.Lock()
         self.reads: RestoreReads | None = None
+        self._peers: dict[int, tuple[str, bytes, str] | None] = {}  # saving process -> where its agent serves
 
     def bind(self, reads: RestoreReads) -> None:
         """Read surviving chunks through the restore that reads this rebuild (Source.bind): a chunk that restore
@@ -143,7 +144,10 @@ class _IO:
                 for g in u.ranges:
                     q = plan.chunks[g.chunk].process
                     if k != unit and pos < hi and pos + g.nbytes > lo and q not in sources:
-                        where = next((p for h in self.info.held.get(q, ()) if (p := h.peer()) is not None), None)
+                        where = self._peers.get(q)
+                        if where is None:  # looked up once per restore (this node's agent: its peer files)
+                            where = self._peers[q] = next(
+                                (p for h in self.info.held.get(q, ()) if (p := h.peer()) is not None), None)
                         if where is None:
                             errors.append(f"no agent of process {q} serves peers")
                             break
