@@ -9,7 +9,8 @@ names nodes):
   mpirun ends the job; the job is launched again and restores from the node agent bit for bit.
 
 In both the agent is the one the first attempt's trainers spawned (its own session, so the launcher's kills do
-not reach it): the restarted or relaunched trainers find it with the memory, same pid. Each test stops its agents at the end.
+not reach it): the restarted or relaunched trainers find it with the memory, same pid. Each test stops its
+agents at the end.
 """
 import os
 import signal
