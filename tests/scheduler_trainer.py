@@ -161,7 +161,8 @@ def torch_main(args: argparse.Namespace) -> None:
     # torchrun's environment: rank, world size, its rendezvous store. That store outlives a restart under
     # --max-restarts and still holds the last attempt's gloo addresses under the same keys: a restarted worker
     # that reads them before its peer rewrites them connects to a dead port (connectFullMesh fails; 8 of 11
-    # restarts of a plain torch 2.13 script here, none of 10 with the prefix). A key prefix per attempt keeps the attempts apart.
+    # restarts of a plain torch 2.13 script here, none of 10 with the prefix). A key prefix per attempt keeps
+    # the attempts apart.
     store, rank, world = next(dist.rendezvous("env://"))
     dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank,
                             world_size=world)
