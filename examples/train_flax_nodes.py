@@ -20,10 +20,7 @@ that the run continues bit for bit.
    that died with node 1, a rebuild from the protection data node 0 holds (bytes per source kind are printed),
    and trains on. Then, in the same processes and with no checkpointer, it trains the same steps from scratch
    without checkpointing or failure: the reference. Per-step losses and the final state of every process's shards
-   must be bit-identical to jobs 1+2. Exit status 1 otherwise. Agents, memory and caches are removed.
-
-JAX's persistent compilation cache (in the run's directory) lets job 2 load the steps job 1 compiled, as a
-production relaunch does.
+   must be bit-identical to jobs 1+2. Exit status 1 otherwise. Agents and memory are removed.
 
 Why ``hybrid``: every array of this GPT (tensor-parallel on ``model`` inside a process, replicated over ``data``)
 has device copies on both nodes, and plan.py saves each replicated box once, cut into pieces over the 4 data
@@ -77,11 +74,7 @@ def _setup(opts: dict):
 
     from jaxckpt.tools.bench import gpt
 
-    import jax
-
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-    jax.config.update("jax_compilation_cache_dir", os.path.join(opts["base"], "jax-cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     cfg = gpt.GPTConfig(vocab=opts["vocab"], seq_len=opts["seq_len"], d_model=opts["d_model"],
                         layers=opts["layers"], heads=opts["heads"])
     mesh = gpt.make_mesh(model=2)
@@ -222,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for name in sorted(os.listdir(base)):
             d = os.path.join(base, name)
-            if os.path.isdir(d) and name.startswith("node"):  # not jax-cache
+            if os.path.isdir(d):
                 proto.stop_agent(d, JOB, timeout_s=30)
                 try:
                     os.unlink(proto.default_log_path(d))

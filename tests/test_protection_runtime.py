@@ -2,7 +2,8 @@
 with 1 device each when PROTECTION_PROCS_PER_NODE=2).
 
 A job saves a tiny state (a replicated array, a data-parallel one and a fully sharded one) with protection, waits
-until every step is protected and exits; the agents keep the memory. A node is then lost (its agent SIGKILLed, its
+until every step is protected and exits; the agents keep the memory (one launch saves the jobs of every test,
+each job with its own Checkpointer, agents and memory). A node is then lost (its agent SIGKILLed, its
 shared memory removed) and a new job of the same size, with a fresh agent on the replacement node, restores the
 newest step bit for bit, rebuilding the lost node's chunks from parity (replicated arrays, REFT) or from copies
 on the next node (sharded arrays). 4 x 1 rather than 4 x 2: the machine has 2 cores.
@@ -86,6 +87,12 @@ def save_job(base: str, job: str, policy: str, steps: list, drop_protection: lis
         policies = ck.engine.protection._plans[next(iter(ck.engine.protection._plans))].policies()
     failed = {s: repr(e) for s, e in ck.engine.protection._failed.items()}
     return {"protected": protected, "policies": {k: list(v) for k, v in policies.items()}, "failed": failed}
+
+
+def save_jobs(base: str, specs: list) -> dict:
+    """``save_job`` for each spec ``[job, policy, steps, drop_protection]`` in turn, in the same processes (one
+    launch saves the jobs of every test below; each job has its own Checkpointer, agents and memory)."""
+    return {spec[0]: save_job(base, *spec) for spec in specs}
 
 
 def restore_job(base: str, job: str, policy: str, save_next: int = 0):
@@ -188,11 +195,24 @@ def rebuilt_bytes(results) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- tests
+# Every job the tests below restore, saved in one launch: job -> [policy, steps, drop_protection].
+SAVED = {"turn-parity": ["parity", [1, 2], None], "turn-replica": ["replica", [1, 2], None],
+         "two-bad-replica": ["replica", [1, 2], None], "older": ["parity", [1, 2], [2, 2]],
+         "corrupt": ["parity", [1, 2], None], "token": ["replica", [1], None]}
+
+
+@pytest.fixture(scope="module")
+def saved() -> dict:
+    """job -> every process's save_job result, for the jobs of SAVED."""
+    values = run(save_jobs, [[job, *spec] for job, spec in SAVED.items()])
+    return {job: [v[job] for v in values] for job in SAVED}
+
+
 @pytest.mark.parametrize("policy", ["parity", "replica"])
-def test_lose_two_nodes_in_turn(policy):
+def test_lose_two_nodes_in_turn(policy, saved):
     """Save protected; lose node 1, recover bit for bit and save a new protected step; lose node 3, recover."""
     job = f"turn-{policy}"
-    out = run(save_job, job, policy, [1, 2])
+    out = saved[job]
     assert all(r["protected"] == [1, 2] for r in out), out
     kinds = out[0]["policies"]
     if policy == "parity":
@@ -222,22 +242,22 @@ def _check_clear_error(out, policy: str, lost: tuple[int, int]) -> None:
         assert all(f"{k} [" in r["error"] for k in named), r["error"]
 
 
-def test_two_nodes_in_one_group_is_a_clear_error():
+def test_two_nodes_in_one_group_is_a_clear_error(saved):
     """Loss beyond the policy (replica: nodes 1 and 2, a copy and its original): every process gets
     DataLossError naming the step, the nodes and missing boxes. The parity case is below, on the job of the
     corrupt-chunk test."""
     job, lost = "two-bad-replica", (1, 2)
-    out = run(save_job, job, "replica", [1, 2])
+    out = saved[job]
     assert all(r["protected"] == [1, 2] for r in out), out
     for n in lost:
         lose_node(job, n)
     _check_clear_error(run(restore_job, job, "replica"), "replica", lost)
 
 
-def test_falls_back_to_older_protected_step():
+def test_falls_back_to_older_protected_step(saved):
     """Step 2's protection never completed on node 2: with node 1 lost, step 1 is restored instead."""
     job = "older"
-    out = run(save_job, job, "parity", [1, 2], [2, 2])
+    out = saved[job]
     assert all(r["protected"] == [1, 2] for r in out), out
     lose_node(job, 1)
     out = run(restore_job, job, "parity")
@@ -246,11 +266,11 @@ def test_falls_back_to_older_protected_step():
 
 
 @pytest.fixture(scope="module")
-def parity_job():
+def parity_job(saved):
     """Steps 1 and 2 saved with parity on 4 nodes, shared by the two tests below (in this order: the first
     flips bytes on node 2 and restores, the second loses nodes 0 and 2, that memory included)."""
     job = "corrupt"
-    out = run(save_job, job, "parity", [1, 2])
+    out = saved[job]
     assert all(r["protected"] == [1, 2] for r in out), out
     return job
 
@@ -282,11 +302,11 @@ def test_two_nodes_in_one_parity_group_is_a_clear_error(parity_job):
 
 
 @pytest.fixture(scope="module")
-def replica_job():
+def replica_job(saved):
     """Step 1 saved with replica on 4 nodes, shared by the two tests below (in this order: the first only reads
     it, the second loses nodes 0 and 2)."""
     job = "token"
-    out = run(save_job, job, "replica", [1])
+    out = saved[job]
     assert all(r["protected"] == [1] for r in out), out
     return job
 

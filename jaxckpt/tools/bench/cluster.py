@@ -295,7 +295,7 @@ def _lose_node(job: Any, spec: Mapping[str, Any], role: str, node: int, nodes: i
     """SIGKILL ``node`` (trainers and agent, its memory removed), then the rest of the job, as a restart would;
     with ``wipe_all`` every node's memory goes (the restart finds only the persistent tier)."""
     from jaxckpt.backends.agent import protocol as proto
-    from jaxckpt.tools.bench.restore import _drop_cache, _sync_tree
+    from jaxckpt.tools.bench.restore import drop_cache, sync_tree
     t_kill = time.time()
     job.kill_node(node)
     for n in [node] + ([m for m in range(nodes) if m != node] if wipe_all else []):
@@ -307,8 +307,8 @@ def _lose_node(job: Any, spec: Mapping[str, Any], role: str, node: int, nodes: i
     job.close()
     progress = report.read_json(os.path.join(spec["results"], f"progress-{role}"))
     if wipe_all:  # the next job reads the persistent tier from the disk, not from the page cache
-        _sync_tree(spec["persistent_dir"])
-        _drop_cache(spec["persistent_dir"])
+        sync_tree(spec["persistent_dir"])
+        drop_cache(spec["persistent_dir"])
     return {"t_kill": t_kill, "step": progress["step"], "newest_protected": progress["protected"],
             "newest_persisted": progress["persisted"]}
 

@@ -167,9 +167,9 @@ def view_seconds_per_shard(state: dict[str, Any], repeats: int = 3) -> float:
     """Seconds per zero-copy host view of one local device buffer (best of ``repeats`` passes over the state)."""
     import numpy as np
 
-    from jaxckpt.jax.snapshot import _fast_view
+    from jaxckpt.jax.snapshot import fast_view
 
-    views = _fast_view()
+    views = fast_view()
     arrays = [x._arrays for x in state.values()]
     n = sum(len(a) for a in arrays)
     best = float("inf")
