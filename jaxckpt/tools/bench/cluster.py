@@ -68,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help=f"{what} (default {FULL[key]}, --quick {QUICK[key]})")
     p.add_argument("--restore-collective", action="store_true",
                    help="restores form replicated arrays with the collective (Config.restore_collective)")
+    p.add_argument("--replicas", default=None, choices=("split", "whole"),
+                   help="Config.replicas of every job (default: Config's): split (1/R per replica) or whole (a "
+                        "whole copy of the replicated arrays on every node)")
     p.add_argument("--plain-dir", default=None,
                    help="the disk directory for Orbax and the persistent tier (default: the temp directory)")
     runner.output_arguments(p, "cluster", "a small state, one recovery cycle: about a minute, for CI", timeout=1800.0)
@@ -83,6 +86,8 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     out["size"] = parse_size(str(out["size"]))
     out["plain_dir"] = args.plain_dir or tempfile.gettempdir()
     out["restore_collective"] = bool(getattr(args, "restore_collective", False))
+    from jaxckpt.config import Config
+    out["replicas"] = getattr(args, "replicas", None) or Config().replicas
     if out["nodes"] < 2 or out["procs_per_node"] < 1:
         raise ValueError(f"bench cluster needs at least 2 nodes (got {out['nodes']}) and 1 process per node")
     for k in ("steps", "repeats", "recoveries", "persist_interval"):
@@ -97,6 +102,8 @@ def command(args: argparse.Namespace) -> str:
     """The command line that repeats this run."""
     line = runner.command_line("cluster", args, tuple((f"--{k.replace('_', '-')}", k) for k in (
         "size", "nodes", "procs_per_node", "steps", "repeats", "recoveries", "persist_interval", "plain_dir")))
+    if getattr(args, "replicas", None):
+        line += f" --replicas {args.replicas}"
     return line + " --restore-collective" if getattr(args, "restore_collective", False) else line
 
 
@@ -128,7 +135,8 @@ def measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float) -
         "persist_interval": opts["persist_interval"], "orbax_std": os.path.join(disk, "orbax-standard"),
         "orbax_em_persistent": os.path.join(disk, "orbax-emergency-persistent"), "max_train_steps": MAX_TRAIN_STEPS,
         "settle_steps": 2 * opts["persist_interval"],
-        "cycle": 0, "last": False, "restore_collective": opts["restore_collective"]}
+        "cycle": 0, "last": False, "restore_collective": opts["restore_collective"],
+        "replicas": opts.get("replicas", "split")}
     size = state_bytes(spec)
     # Measured peak about (procs + 12) x state: the replicated half on every process (and a restored copy), the
     # agents' slots and protection, Orbax's local checkpoints on RAM disk (whole state and half), persist copies.
@@ -202,6 +210,7 @@ def measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float) -
             "command": cmd, "loopback": loopback,
             "setup": {"nodes": opts["nodes"], "procs_per_node": opts["procs_per_node"], "devices_per_proc": devices,
                       "mesh": spec["mesh"], "reshard_mesh": spec["reshard_mesh"], "arrays": opts["arrays"],
+                      "replicas": spec["replicas"],
                       "state_bytes": size, "policies": policies, "keep_policy": KEEP_POLICY,
                       "warmup": opts["warmup"], "steps": opts["steps"], "repeats": opts["repeats"],
                       "recoveries": opts["recoveries"], "persist_interval": opts["persist_interval"],
