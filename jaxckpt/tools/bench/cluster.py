@@ -157,6 +157,9 @@ def measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float) -
     t_start = time.perf_counter()
     from jaxckpt.tools.bench.loopback import probe
     loopback = probe(256 << 20)  # the bandwidth the host transport could have on this machine
+    from jaxckpt.tools.bench.memcpy import memcpy_gbps
+    # one thread's memory copy (a median, as every bench reports it): the floor of a restore from local memory
+    memcpy = report.summarize(memcpy_gbps(256 << 20, 5))["median"]
     log.info("bench cluster: loopback raw TCP %.2f GB/s, peer transport %.2f GB/s", loopback["tcp"]["gbps"],
              loopback["transport"]["gbps"])
     try:
@@ -207,7 +210,7 @@ def measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float) -
         _cleanup(base, disk, policies, opts["nodes"])
     out = aggregate(results, recoveries, spec)
     return {"bench": "cluster", "mode": "quick" if quick else "full", "machine": machine, "date": report.now_utc(),
-            "command": cmd, "loopback": loopback,
+            "command": cmd, "loopback": loopback, "memcpy_gbps": memcpy,
             "setup": {"nodes": opts["nodes"], "procs_per_node": opts["procs_per_node"], "devices_per_proc": devices,
                       "mesh": spec["mesh"], "reshard_mesh": spec["reshard_mesh"], "arrays": opts["arrays"],
                       "replicas": spec["replicas"],
