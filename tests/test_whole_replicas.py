@@ -22,7 +22,6 @@ import sharded_state
 BASE = f"/dev/shm/jaxckpt-whole-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 ENV = {"JAXCKPT_LOG_LEVEL": "WARNING"}
 NODES = 4
-CHUNK = 256
 SPECS = {"rep": (), "dp": (None, "model"), "fsdp": (("data", "model"),)}
 
 
@@ -35,11 +34,9 @@ def base_dir():
 
 # ---------------------------------------------------------------------------- runs in the launched processes
 def _config(base: str, job: str, replicas: str):
-    import jaxckpt
+    from test_protection_runtime import _config as protected  # the same jobs, hybrid protection
 
-    return jaxckpt.Config(store="shm", job_id=job, shm_dir=f"{base}/{job}-node{node_info().node}", keep=2,
-                          chunk_bytes=CHUNK, agent_dirs=f"{base}/{job}-node*", commit_timeout_s=60.0,
-                          peer_timeout_s=20.0, protection="hybrid", replicas=replicas)
+    return protected(base, job, "hybrid").replace(replicas=replicas)
 
 
 def host_state(step: int) -> dict:
