@@ -2,9 +2,9 @@
 process (or a node agent) serves committed snapshots; others fetch manifests and ranges.
 
 It implements the interface of ``jaxckpt.core.transport`` (:class:`Transport` makes servers and clients; its
-names are also importable from here). A server serves a ``SnapshotSource``: one process's store
-(:class:`StoreSource`), or a node agent's memory holding the snapshots of every process of its node. Wire protocol, version 1 (msgpack maps,
-never pickle):
+names are also importable from here). A server serves a ``ServedHolder``: one process's store
+(:class:`StoreHolder`), or a node agent's memory holding the snapshots of every process of its node. Wire
+protocol, version 1 (msgpack maps, never pickle):
 
   request (one frame)  {"v": 1, "id": n, "token": bytes, "op": "steps"|"manifest"|"read"|"held", "step", "offset",
                         "nbytes", "process", "chunk"}
@@ -41,7 +41,7 @@ import zmq
 
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.core.store import SnapshotView, Store
-from jaxckpt.core.transport import (PeerClient, PeerServer, SnapshotSource, Span, Transport,  # noqa: F401 - kept names
+from jaxckpt.core.transport import (PeerClient, PeerServer, ServedHolder, Span, Transport,  # noqa: F401 - kept names
                                     get_transport)
 from jaxckpt.errors import PeerError
 
@@ -63,8 +63,8 @@ CONNECT_TIMEOUT_S = 2.0
 HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 500, 2000
 
 
-class StoreSource(SnapshotSource):
-    """One process's Store as a SnapshotSource (its own process only)."""
+class StoreHolder(ServedHolder):
+    """One process's Store as a ServedHolder (its own process only)."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -108,9 +108,9 @@ class ZmqTransport(Transport):
         self.frame_bytes = frame_bytes
         self.window = window
 
-    def serve(self, store: Store | SnapshotSource, *, token: bytes, host: str = "127.0.0.1",
+    def serve(self, store: Store | ServedHolder, *, token: bytes, host: str = "127.0.0.1",
               curve: bool = False) -> "ZmqServer":
-        source = store if isinstance(store, SnapshotSource) else StoreSource(store)
+        source = store if isinstance(store, ServedHolder) else StoreHolder(store)
         return ZmqServer(source, token=token, host=host, frame_bytes=self.frame_bytes, curve=curve)
 
     def connect(self, address: str, *, token: bytes, timeout_s: float, server_key: str = "") -> PeerClient:
@@ -131,7 +131,7 @@ class ZmqServer(PeerServer):
 
     POLL_MS = 100
 
-    def __init__(self, source: SnapshotSource, *, token: bytes, host: str, frame_bytes: int,
+    def __init__(self, source: ServedHolder, *, token: bytes, host: str, frame_bytes: int,
                  curve: bool = False) -> None:
         if not token:
             raise PeerError("a peer server needs a non-empty token")

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from jaxckpt.tools.bench import cluster, cluster_report, plots, report
+from jaxckpt.tools.bench import cluster, cluster_launchers, cluster_report, plots, report
 from test_bench_all import _check_numbers, _check_stats
 from conftest import bench_section
 
@@ -142,3 +142,16 @@ def test_options_are_checked():
     with pytest.raises(ValueError, match="--repeats must be at least 1"):
         cluster.options(ns)
     assert cli.main(["bench", "cluster", "--quick", "--nodes", "1"]) == 2
+
+
+def test_the_srun_section_is_rendered_from_its_recorded_run():
+    """BENCHMARKS.md's `bench cluster --launcher both` section is what its recorded JSON renders (no figure typed
+    by hand), and that JSON holds both launchers' whole runs, the srun one on the emulated SLURM cluster."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    doc = report.read_json(os.path.join(root, "docs", "bench", "cluster-launchers.json"))
+    assert set(doc["launchers"]) == {"own", "srun"} and doc["slurm"]["emulated"], doc.get("slurm")
+    assert doc["launchers"]["srun"]["setup"]["launcher"]["name"] == "srun"
+    with open(os.path.join(root, "BENCHMARKS.md")) as f:
+        md = f.read()
+    begin, end = report.markers("cluster-launchers")
+    assert md[md.index(begin) + len(begin):md.index(end)].strip() == cluster_launchers.render(doc).strip()

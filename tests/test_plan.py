@@ -8,7 +8,7 @@ from jaxckpt.core.box import Box, covers, disjoint
 from jaxckpt.errors import PlanError
 from jaxckpt.core.manifest import ArrayMeta, ChunkMeta
 from jaxckpt.core.plan import (ALIGN, HOST, ArrayLayout, Assembly, ChunkPlan, Placement, Read, SavePlan, layout_digest,
-                          plan_restore, plan_save, restore_bytes_by_process, validate_save_plan)
+                          plan_restore, plan_save, validate_save_plan)
 
 
 def layout(path, shape, placements, itemsize=4, dtype="float32"):
@@ -206,7 +206,6 @@ def test_restore_prefers_own_process_for_replicated_chunks():
     m = meta((4, 4), [(whole, 0), (whole, 1), (whole, 2)])
     (a,) = plan_restore(m, {whole: [0]}, step=1, prefer_process=2)
     assert [r.chunk.process for r in a.reads] == [2] and a.whole_chunk
-    assert restore_bytes_by_process([a], {"w": 4}) == {2: 64}
 
 
 def test_restore_plan_error_names_array_step_and_missing_box():

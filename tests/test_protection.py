@@ -1,4 +1,4 @@
-"""Protection planning and recovery, end to end in numpy: random layouts and node maps, real bytes in per-process
+"""Protection planning and rebuild, end to end in numpy: random layouts and node maps, real bytes in per-process
 snapshot buffers, parity computed the way each policy says (REFT parity from the holder's own full copy, xor groups
 and copies from other nodes' buffers), nodes lost, chunks rebuilt bit for bit or a DataLossError naming the boxes.
 """
@@ -71,7 +71,7 @@ class Job:
 
 
 class IO:
-    """RecoveryIO over a Job: lost nodes unreachable, corrupt bytes served as stored."""
+    """RebuildIO over a Job: lost nodes unreachable, corrupt bytes served as stored."""
 
     def __init__(self, job, lost, corrupt_chunks=(), corrupt_copies=()):
         self.job, self.lost = job, set(lost)
@@ -123,8 +123,8 @@ def lost_chunks(job, lost):
 
 
 def check_rebuild(job, lost, **kw):
-    """Plan the recovery of ``lost``, rebuild every lost chunk and compare with the saved bytes."""
-    plan = rc.plan_recovery(job.prot, lost, step=STEP)
+    """Plan the rebuild of ``lost``, rebuild every lost chunk and compare with the saved bytes."""
+    plan = rc.plan_rebuild(job.prot, lost, step=STEP)
     rb = rc.Rebuilder(plan, IO(job, lost, **kw), job.crcs)
     want = {c.key for c in lost_chunks(job, lost)}
     assert {job.prot.chunks[r.chunk].key for r in plan.rebuilds} == want
@@ -207,7 +207,7 @@ def test_whole_replica_lost_with_every_copy_is_named():
     assert {c.policy for c in j.prot.chunks} == {"whole"} and len(j.prot.chunks) == 2 and not j.prot.stripes
     check_rebuild(j, {0})
     with pytest.raises(DataLossError, match=r"step 42: .* node\(s\) 0, 1: .*rep \[0, 0\]..\[8, 4\]") as e:
-        rc.plan_recovery(j.prot, {0, 1}, step=STEP)
+        rc.plan_rebuild(j.prot, {0, 1}, step=STEP)
     assert e.value.missing == {"rep": (Box.full((8, 4)),)}
 
 
@@ -224,7 +224,7 @@ def test_two_node_losses_rebuild_or_name_exactly_what_is_missing(job, policy):
             err = e
         assert f"step {STEP}" in str(err) and err.step == STEP and err.lost_nodes == lost and err.missing
         # Every byte outside the named boxes is still rebuilt exactly; the named boxes are inside lost chunks.
-        plan = rc.plan_recovery(j.prot, lost, step=STEP, strict=False)
+        plan = rc.plan_rebuild(j.prot, lost, step=STEP, strict=False)
         assert plan.missing() == err.missing
         lost_boxes = {}
         for c in lost_chunks(j, lost):
@@ -238,7 +238,7 @@ def test_two_node_losses_rebuild_or_name_exactly_what_is_missing(job, policy):
             for part in r.parts:
                 if part.sources:
                     out = np.empty(c.nbytes, np.uint8)
-                    one = rc.RecoveryPlan(STEP, plan.lost_nodes, j.prot, (rc.ChunkRebuild(r.chunk, (part,)),))
+                    one = rc.RebuildPlan(STEP, plan.lost_nodes, j.prot, (rc.ChunkRebuild(r.chunk, (part,)),))
                     out[part.lo:part.hi] = rc.Rebuilder(one, IO(j, lost)).chunk(c.process, c.offset)[part.lo:part.hi]
                     np.testing.assert_array_equal(out[part.lo:part.hi], j.saved(c)[part.lo:part.hi])
         with pytest.raises(DataLossError):
@@ -313,7 +313,7 @@ def test_two_losses_in_different_groups_recover_in_the_same_group_fail(policy, l
     j = Job(layouts, nodes, policy, group_size=2, copies=1, chunk_bytes=4096, unit_bytes=2048)
     check_rebuild(j, lost_ok)
     with pytest.raises(DataLossError) as e:
-        rc.plan_recovery(j.prot, lost_bad, step=STEP)
+        rc.plan_rebuild(j.prot, lost_bad, step=STEP)
     msg = str(e.value)
     assert msg.startswith(f"step {STEP}: protection {policy!r} cannot rebuild what was lost with node(s) "
                           f"{', '.join(map(str, sorted(lost_bad)))}: ")
@@ -327,7 +327,7 @@ def test_replica_with_two_copies_survives_two_neighbours():
     j = Job(dp_layouts(nodes, rows=(), sharded=3), nodes, "replica", copies=2)
     check_rebuild(j, {0, 1})
     with pytest.raises(DataLossError, match=r"opt/m0 \[0, 0\]\.\.\[64, 64\]"):
-        rc.plan_recovery(j.prot, {0, 1, 2}, step=STEP)
+        rc.plan_rebuild(j.prot, {0, 1, 2}, step=STEP)
 
 
 def test_parity_algebra_r2_is_a_copy_and_r3_rotates():
@@ -417,12 +417,12 @@ def test_single_node_job_and_none_policy_lose_everything_with_a_clear_error(capl
     assert "the job has one node" in caplog.text
     assert {c.policy for c in j.prot.chunks} == {"none"}
     with pytest.raises(DataLossError, match=r"params/w0 \[0, 0\]\.\.\[64, 64\]"):
-        rc.plan_recovery(j.prot, {0}, step=STEP)
+        rc.plan_rebuild(j.prot, {0}, step=STEP)
     nodes = [0, 1]
     j = Job(dp_layouts(nodes, rows=(64,)), nodes, "none")
     with pytest.raises(DataLossError, match=f"step {STEP}: protection 'none'"):
-        rc.plan_recovery(j.prot, {1}, step=STEP)
-    assert rc.plan_recovery(j.prot, (), step=STEP).rebuilds == ()
+        rc.plan_rebuild(j.prot, {1}, step=STEP)
+    assert rc.plan_rebuild(j.prot, (), step=STEP).rebuilds == ()
 
 
 def test_corrupt_sources_are_routed_around_or_named():
@@ -435,30 +435,30 @@ def test_corrupt_sources_are_routed_around_or_named():
     # A corrupt surviving chunk is rebuilt from parity like a lost one (and is not used as a source).
     j = Job(layouts, nodes, "hybrid")
     bad = next(c for c in j.prot.chunks if c.policy == "parity" and c.node == 2)
-    plan = rc.plan_recovery(j.prot, (), step=STEP, bad_chunks=[bad.key])
+    plan = rc.plan_rebuild(j.prot, (), step=STEP, bad_chunks=[bad.key])
     got = rc.Rebuilder(plan, IO(j, (), corrupt_chunks=[bad.key]), j.crcs).chunk(*bad.key)
     np.testing.assert_array_equal(got, j.saved(bad))
     # A stripe whose other unit turns out corrupt at rebuild time cannot give the bytes: the error names them.
     lost = next(c for c in j.prot.chunks if c.policy == "parity" and c.node == 0)
-    plan = rc.plan_recovery(j.prot, {0}, step=STEP)
+    plan = rc.plan_rebuild(j.prot, {0}, step=STEP)
     others = {j.prot.chunks[g.chunk].key for s in j.prot.stripes for u in s.units if u.node == 1 for g in u.ranges}
     with pytest.raises(DataLossError, match=f"step {STEP}: .*params/w0.*sources failed: .*corrupt"):
         rc.Rebuilder(plan, IO(j, {0}, corrupt_chunks=others), j.crcs).chunk(*lost.key)
     # A known-bad parity block is planned around: with one lost node it leaves exactly its bytes missing.
     s = next(s for s in j.prot.stripes if s.kind == "parity" and s.node == 1)
     with pytest.raises(DataLossError) as e:
-        rc.plan_recovery(j.prot, {0}, step=STEP, bad_blocks=[("stripe", s.id)])
+        rc.plan_rebuild(j.prot, {0}, step=STEP, bad_blocks=[("stripe", s.id)])
     assert set(e.value.missing) == {"params/w0"}
 
 
 def test_rebuilt_chunks_feed_the_ordinary_chunk_reader():
     nodes = [0, 0, 1, 1, 2, 2]
     j = Job(dp_layouts(nodes, rows=(300,), sharded=1), nodes, "hybrid", chunk_bytes=8192, unit_bytes=4096)
-    plan = rc.plan_recovery(j.prot, {1}, step=STEP)
+    plan = rc.plan_rebuild(j.prot, {1}, step=STEP)
     assert plan.lost_processes == (2, 3) and plan.nbytes == sum(c.nbytes for c in lost_chunks(j, {1}))
     rb = rc.Rebuilder(plan, IO(j, {1}), j.crcs)
     sources = {p: (lambda off, n, p=p: memoryview(j.bufs[p])[off:off + n]) for p in range(6) if nodes[p] != 1}
-    sources.update({p: rb.source(p) for p in plan.lost_processes})
+    sources.update({p: rb.reader(p) for p in plan.lost_processes})
     reader = ChunkReader(sources, STEP)
     for c in j.prot.chunks:
         meta = ChunkMeta(c.box, c.offset, c.nbytes, j.crcs[c.key], c.process)
@@ -476,7 +476,7 @@ def test_a_rebuild_reads_only_the_byte_ranges_its_stripes_need():
     unit's whole chunk read again per lost chunk; the rebuilt bytes are checked by the chunk's crc32c."""
     nodes = [0, 0, 1, 1, 2, 2]
     j = Job(dp_layouts(nodes, rows=(300,), sharded=1), nodes, "hybrid", chunk_bytes=8192, unit_bytes=4096)
-    plan = rc.plan_recovery(j.prot, {1}, step=STEP)
+    plan = rc.plan_rebuild(j.prot, {1}, step=STEP)
     ranged, whole = IO(j, {1}), IO(j, {1})
     for io, crcs in ((ranged, j.crcs), (whole, {})):  # without a crc32c to check it by, whole verified chunks
         rb = rc.Rebuilder(plan, io, crcs)
@@ -498,7 +498,7 @@ def test_planner_errors():
     with pytest.raises(PlanError, match="group_size >= 2"):
         pr.plan_protection(layouts, plans, nodes, "xor-group", group_size=1)
     with pytest.raises(PlanError, match=r"lost node\(s\) \[7\]"):
-        rc.plan_recovery(pr.plan_protection(layouts, plans, nodes, "parity"), {7}, step=1)
+        rc.plan_rebuild(pr.plan_protection(layouts, plans, nodes, "parity"), {7}, step=1)
     other = dp_layouts([0], rows=(8,))  # process 1 saves a box the layout says only process 0 holds
     with pytest.raises(PlanError, match="params/w0: process 1 saves a chunk"):
         pr.plan_protection(other, plans, nodes, "parity")

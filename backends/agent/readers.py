@@ -25,7 +25,7 @@ from jaxckpt.backends.agent.protocol import AgentConnection, open_segment, popul
 from jaxckpt.backends.agent.serve import read_peer_info
 from jaxckpt.errors import AgentError, PeerError, StepNotFoundError, StoreUnavailableError
 from jaxckpt.core.capabilities import AgentInfo
-from jaxckpt.core.fetch import buffer_source
+from jaxckpt.core.fetch import buffer_reader
 from jaxckpt.core.sources import HeldEntry, Holder, Opened
 
 log = logging.getLogger("jaxckpt.backends.agent.readers")
@@ -131,7 +131,7 @@ class NodeAgentHolder(Holder):
         except BaseException:
             unpin()
             raise
-        return Opened(r["manifest"], buffer_source(buf.toreadonly()), unpin)
+        return Opened(r["manifest"], buffer_reader(buf.toreadonly()), unpin)
 
     def close(self) -> None:
         with self._lock:

@@ -29,7 +29,7 @@ import msgpack
 from jaxckpt.backends.agent.protocol import SEG_RE, open_segment, remove_file
 from jaxckpt.backends.agent.table import SlotTable
 from jaxckpt.core.checksum import crc32c
-from jaxckpt.core.transport import SnapshotSource
+from jaxckpt.core.transport import ServedHolder
 from jaxckpt.errors import AgentError, ManifestError
 from jaxckpt.core.sources import held_entry
 from jaxckpt.core.store import SnapshotView
@@ -138,7 +138,7 @@ class _View(SnapshotView):
             unpin()
 
 
-class AgentSnapshots(SnapshotSource):
+class AgentSnapshots(ServedHolder):
     """The committed slots of every process of the node, for the peer server: pinned in the slot table while a
     reply is in flight, their segments mapped read-only once and shared by all replies."""
 

@@ -1,8 +1,13 @@
-"""The framework-neutral checkpointer core both front ends drive: plan cache, snapshots, commit, retention.
+"""The framework-neutral checkpointer core every front end drives: plan cache, snapshots, commit, retention.
 
-A front end turns its state into :class:`ArrayRecord` (one per array leaf) plus plain values, calls
-:meth:`CheckpointEngine.save`, and on restore asks :meth:`CheckpointEngine.open` for the manifests and a
-:class:`~jaxckpt.core.fetch.ChunkReader` and rebuilds its own arrays from them.
+Save: the face every front end shares (``jaxckpt.frontend.checkpointer``) calls :meth:`CheckpointEngine.begin`
+(reserves the slot; a refusal leaves nothing behind), has its front end take what must be taken now, then calls
+:meth:`CheckpointEngine.start` with the shard reads (one :class:`ArrayRecord` per array leaf, plus plain values).
+:meth:`CheckpointEngine.save` does both for a caller whose records are ready (tests, engines without a face).
+Restore: the one restore driver (``jaxckpt.core.restore.restore_step``) and the persistent writer read a
+committed step through :meth:`CheckpointEngine.open`: its manifests and a
+:class:`~jaxckpt.core.fetch.ChunkReader` over its sources, pinned until the block ends; the front end makes its
+arrays from the host boxes the driver assembles.
 """
 from __future__ import annotations
 

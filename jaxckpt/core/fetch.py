@@ -23,11 +23,11 @@ from jaxckpt.errors import ChecksumError, DataLossError, PeerError, StepNotFound
 from jaxckpt.core.manifest import ChunkMeta
 from jaxckpt.core.copier import copy_and_checksum
 from jaxckpt.core.plan import Assembly
-from jaxckpt.core.sources import RANK, ByteSource, RestoreReport, Source, plan_fetch
+from jaxckpt.core.sources import RANK, ByteReader, RestoreReport, Source, plan_fetch
 
 log = logging.getLogger("jaxckpt.core.fetch")
 
-__all__ = ["ByteSource", "ChunkReader", "Source", "assemble", "buffer_source"]
+__all__ = ["ByteReader", "ChunkReader", "Source", "assemble", "buffer_reader"]
 
 # A chunk under this size read from this node's memory is read on the calling thread during a prefetch.
 INLINE_BYTES = 256 << 10
@@ -38,8 +38,8 @@ MAX_FETCH_THREADS = 32
 SOURCE_ERRORS = (ChecksumError, PeerError, StepNotFoundError, StoreUnavailableError, OSError)
 
 
-def buffer_source(buf: memoryview) -> ByteSource:
-    """A ByteSource over a local buffer: zero-copy slices, bounds-checked."""
+def buffer_reader(buf: memoryview) -> ByteReader:
+    """A ByteReader over a local buffer: zero-copy slices, bounds-checked."""
     def read(offset: int, nbytes: int) -> memoryview:
         if offset + nbytes > len(buf):
             raise ChecksumError(f"range {offset}+{nbytes} runs past the end of a {len(buf)}-byte snapshot")
@@ -50,11 +50,11 @@ def buffer_source(buf: memoryview) -> ByteSource:
 class ChunkReader:
     """Host views of saved chunks, fetched from the first healthy source of the process that saved them.
 
-    ``sources`` maps each saving process to its sources, cheapest first (a bare ByteSource is one source of
+    ``sources`` maps each saving process to its sources, cheapest first (a bare ByteReader is one source of
     kind ``"process"``). ``workers`` bounds the threads of :meth:`prefetch`.
     """
 
-    def __init__(self, sources: Mapping[int, ByteSource | Sequence[Source]], step: int, verify: bool = True, *,
+    def __init__(self, sources: Mapping[int, ByteReader | Sequence[Source]], step: int, verify: bool = True, *,
                  workers: int = 1, process: int = 0) -> None:
         self._sources: dict[int, list[Source]] = {
             p: list(s) if isinstance(s, (list, tuple)) else [Source("process", f"process {p}", "", s)]

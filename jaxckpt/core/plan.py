@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from jaxckpt.core.box import Box, covers, disjoint
 from jaxckpt.errors import PlanError
@@ -218,13 +218,4 @@ def plan_restore(meta: ArrayMeta, needed: Mapping[Box, Sequence[int]], *, step: 
         if not covers(box, got):
             raise PlanError(f"{meta.path}: step {step} has no saved bytes for box {box.start}..{box.stop}")
         out.append(Assembly(meta.path, box, tuple(devices), tuple(reads)))
-    return out
-
-
-def restore_bytes_by_process(assemblies: Iterable[Assembly], itemsize: Mapping[str, int]) -> dict[int, int]:
-    """Bytes each source process supplies to a restore: the plan summary that is logged and tested."""
-    out: dict[int, int] = {}
-    for a in assemblies:
-        for r in a.reads:
-            out[r.chunk.process] = out.get(r.chunk.process, 0) + r.part.size * itemsize[a.path]
     return out

@@ -1,7 +1,8 @@
 """Where a restore reads saved bytes from: holders of snapshots, their cost order, and the restore report.
 
-Pure planning (numpy only). A *holder* holds whole snapshot buffers, each one process's saved bytes of one step,
-and reads ranges of them; it lists what it holds as :class:`HeldEntry` records. Kinds, cheapest first:
+Numpy only: the holder interface, the source records and report, and the pure decisions over them (which
+version, which holders, cheapest first: the fetch plan); no I/O of its own. A *holder* holds whole snapshot
+buffers, each one process's saved bytes of one step, and reads ranges of them; it lists what it holds as :class:`HeldEntry` records. Kinds, cheapest first:
 
   ``local``       this process's own store (the same process index of the saving job): zero-copy
   ``node``        this node's agent, for the node's other processes: zero-copy from its shared memory
@@ -32,7 +33,7 @@ KINDS = ("local", "node", "remote", "peer", "rebuild", "persistent")
 RANK = {k: i for i, k in enumerate(KINDS)}
 
 # (offset, nbytes) -> the bytes of one process's snapshot buffer in that range
-ByteSource = Callable[[int, int], memoryview]
+ByteReader = Callable[[int, int], memoryview]
 
 
 class RestoreReads(Protocol):
@@ -130,7 +131,7 @@ class Opened:
     """One process's snapshot of one step, opened at a holder: its manifest and its bytes (until ``close``)."""
 
     manifest: bytes
-    read: ByteSource
+    read: ByteReader
     close: Callable[[], None] = lambda: None
     lend: Callable[[], bool] | None = None  # see Source.lend
     bind: Callable[[RestoreReads], None] | None = None  # see Source.bind
@@ -166,7 +167,7 @@ class Source:
     kind: str
     name: str
     node: str
-    read: ByteSource = field(compare=False, repr=False)
+    read: ByteReader = field(compare=False, repr=False)
     # Only a source whose memory is never rewritten while it is referenced has one (SnapshotView.lend): then the
     # restored arrays may use the bytes read from it as their own memory. True when it agreed.
     lend: Callable[[], bool] | None = field(default=None, compare=False, repr=False)

@@ -1,7 +1,7 @@
 """The peer transport's interface: what a process (or a node agent) serving committed snapshots and a reader of
 another's offer each other, so that a transport is a part chosen by name (``Config.transport``, the registry's
 group "transport"; ``jaxckpt.backends.transport.ZmqTransport`` is "zmq") and nothing above the backends imports
-one. A server serves a :class:`SnapshotSource` (one process's store, or a node agent's memory holding every
+one. A server serves a :class:`ServedHolder` (one process's store, or a node agent's memory holding every
 process of its node); a :class:`PeerClient` reads its steps, manifests and byte :class:`Span` s. Every failure is
 a ``jaxckpt.errors.PeerError`` (``PeerUnreachableError``, ``PeerHandshakeError``, ``StepNotFoundError``).
 """
@@ -14,10 +14,10 @@ from typing import Any, ClassVar, Iterator, Sequence
 from jaxckpt.core.store import SnapshotView, Store
 from jaxckpt.registry import get_part
 
-__all__ = ["PeerClient", "PeerServer", "SnapshotSource", "Span", "Transport", "get_transport"]
+__all__ = ["PeerClient", "PeerServer", "ServedHolder", "Span", "Transport", "get_transport"]
 
 
-class SnapshotSource(abc.ABC):
+class ServedHolder(abc.ABC):
     """What a peer server serves: committed snapshots of one or more processes, opened pinned."""
 
     label: str  # for log lines, e.g. "process 3" or "node agent at /dev/shm/..."
@@ -94,9 +94,9 @@ class Transport(abc.ABC):
     name: ClassVar[str] = ""
 
     @abc.abstractmethod
-    def serve(self, store: Store | SnapshotSource, *, token: bytes, host: str = "127.0.0.1",
+    def serve(self, store: Store | ServedHolder, *, token: bytes, host: str = "127.0.0.1",
               curve: bool = False) -> PeerServer:
-        """Start serving ``store`` (a Store or any SnapshotSource) on ``host`` (an ephemeral port); returns at once.
+        """Start serving ``store`` (a Store or any ServedHolder) on ``host`` (an ephemeral port); returns at once.
         ``curve``: speak CURVE only, with a key pair made here (its public half is ``server.public_key``)."""
 
     @abc.abstractmethod

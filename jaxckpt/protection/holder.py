@@ -2,8 +2,8 @@
 
 :class:`RebuildHolder` (last before persistent) reads the protection slots (``jaxckpt.protection.slot``) through
 the job's agent holders (``jaxckpt.core.catalog``): for each step with a protection plan it works out which saving
-processes no agent holds any more (their node is lost), plans the recovery
-(``jaxckpt.protection.rebuild.plan_recovery``) and, when every byte can be rebuilt, lists every process of the
+processes no agent holds any more (their node is lost), plans the rebuild
+(``jaxckpt.protection.rebuild.plan_rebuild``) and, when every byte can be rebuilt, lists every process of the
 step, so the catalog counts the step complete: a lost process's chunks come back rebuilt
 (``rebuild.Rebuilder``), and a surviving process's chunk is rebuilt too when its own copy fails its checksum (the
 chunk reader falls back to this holder). A step that cannot be rebuilt is not listed; its DataLossError (step,
@@ -23,7 +23,7 @@ from jaxckpt.protection import parity
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.errors import ChecksumError, DataLossError, ManifestError, PeerError, StepNotFoundError
 from jaxckpt.protection.plan import CopyBlock, ProtectionPlan, SavedChunk, Stripe, decode_plan
-from jaxckpt.protection.rebuild import Rebuilder, data_loss, plan_recovery
+from jaxckpt.protection.rebuild import Rebuilder, data_loss, plan_rebuild
 from jaxckpt.protection.slot import PROTECT_BASE, BlockRef, SlotHeader, decode_header, decode_meta
 from jaxckpt.core.manifest import ChunkMeta
 from jaxckpt.core.sources import HeldEntry, Holder, Opened, RestoreReads
@@ -45,7 +45,7 @@ class _StepInfo:
 
 
 class _IO:
-    """recovery.RecoveryIO over the agents: surviving chunks, parity and copies, opened lazily, closed together."""
+    """rebuild.RebuildIO over the agents: surviving chunks, parity and copies, opened lazily, closed together."""
 
     def __init__(self, info: _StepInfo) -> None:
         self.info, self._opened, self._lock = info, {}, threading.Lock()
@@ -234,7 +234,7 @@ class RebuildHolder(Holder):
             lost_nodes = tuple(sorted({plan.nodes[q] for q in lost_p}))
             bad = tuple([("stripe", s.id) for s in plan.stripes if ("stripe", s.id) not in blocks] +
                         [("copy", b.id) for b in plan.copy_blocks if ("copy", b.id) not in blocks])
-            rp = plan_recovery(plan, lost_nodes, step=step, bad_blocks=bad, strict=False)
+            rp = plan_rebuild(plan, lost_nodes, step=step, bad_blocks=bad, strict=False)
             missing = rp.missing()
             no_manifest = [q for q in range(n_proc) if q not in manifests]
             if missing:
@@ -295,15 +295,15 @@ class RebuildHolder(Holder):
         io = _IO(info)
         lost = process not in info.held
         if lost:
-            rb = Rebuilder(plan_recovery(info.plan, info.lost_nodes, step=step, bad_blocks=info.bad_blocks),
+            rb = Rebuilder(plan_rebuild(info.plan, info.lost_nodes, step=step, bad_blocks=info.bad_blocks),
                            io, info.crcs, workers=self._workers)
             log.warning("step %d: process %d was lost with node(s) %s; its chunks are rebuilt from protection "
                         "%r", step, process, list(info.lost_nodes), info.plan.policy)
-            return Opened(info.manifests[process], rb.source(process), io.close, bind=io.bind)
+            return Opened(info.manifests[process], rb.reader(process), io.close, bind=io.bind)
 
         def read(offset: int, nbytes: int) -> memoryview:
             # a surviving process's chunk failed at its holders: rebuild it as if it were lost
-            rp = plan_recovery(info.plan, info.lost_nodes, step=step, bad_chunks=[(process, offset)],
-                               bad_blocks=info.bad_blocks)
-            return Rebuilder(rp, io, info.crcs, workers=self._workers).source(process)(offset, nbytes)
+            rp = plan_rebuild(info.plan, info.lost_nodes, step=step, bad_chunks=[(process, offset)],
+                              bad_blocks=info.bad_blocks)
+            return Rebuilder(rp, io, info.crcs, workers=self._workers).reader(process)(offset, nbytes)
         return Opened(info.manifests[process], read, io.close, bind=io.bind)

@@ -48,7 +48,7 @@ partial round is cut into equal units at 64-byte boundaries (aligned uint64 XOR)
   (replica processes)  compute the ``parity`` stripes of :meth:`ProtectionPlan.parity_tasks` from device copies;
   (node agents)        send the units of :meth:`xor_sends` and the blocks of :meth:`copy_sends`; hold what
                        :meth:`held_by` lists; the step is protected when every holder has its blocks.
-Recovery from a set of lost nodes is planned by :mod:`jaxckpt.protection.rebuild`.
+The rebuild after a set of nodes is lost is planned by :mod:`jaxckpt.protection.rebuild`.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Recovery: after nodes are lost, which saved chunks can be rebuilt and from what; then the rebuild itself.
+"""The rebuild: after nodes are lost, which saved chunks can be rebuilt and from what; then the rebuild itself.
 
 Planning (pure, every process gets the same answer from the step's :class:`~jaxckpt.protection.plan.ProtectionPlan`):
   1) a chunk must be rebuilt when its process's node is lost or it is known corrupt (``bad_chunks``);
@@ -12,9 +12,9 @@ Planning (pure, every process gets the same answer from the step's :class:`~jaxc
      losses in one stripe lose only the range they overlap in, not the whole stripe;
   4) what is left is raised as DataLossError naming the step, the lost nodes and the exact missing boxes
      (the flat byte ranges of each chunk mapped back to boxes of the array).
-Execution: :class:`Rebuilder` reads surviving chunks, parity and copies through a :class:`RecoveryIO` the caller
+Execution: :class:`Rebuilder` reads surviving chunks, parity and copies through a :class:`RebuildIO` the caller
 provides (local snapshot buffers, peers), verifies the rebuilt chunk against its manifest crc32c, and serves
-rebuilt chunks as a :data:`~jaxckpt.core.fetch.ByteSource`, so the ordinary restore path reads a lost process's
+rebuilt chunks as a :data:`~jaxckpt.core.fetch.ByteReader`, so the ordinary restore path reads a lost process's
 chunks as if it were still there.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 from jaxckpt.protection import parity
 from jaxckpt.core.box import Box
 from jaxckpt.errors import ChecksumError, DataLossError, PeerError, PlanError, StepNotFoundError
-from jaxckpt.core.fetch import ByteSource
+from jaxckpt.core.fetch import ByteReader
 from jaxckpt.protection.plan import CopyBlock, ProtectionPlan, SavedChunk, Stripe, Unit
 
 log = logging.getLogger("jaxckpt.protection.rebuild")
@@ -86,7 +86,7 @@ class ChunkRebuild:
 
 
 @dataclass(frozen=True)
-class RecoveryPlan:
+class RebuildPlan:
     """The chunks of ``step`` lost with ``lost_nodes`` (or corrupt) and how each is rebuilt."""
 
     step: int
@@ -114,14 +114,14 @@ class RecoveryPlan:
         return {k: coalesce(v) for k, v in out.items()}
 
 
-def plan_recovery(protection: ProtectionPlan, lost_nodes: Iterable[int], *, step: int,
-                  bad_chunks: Iterable[tuple[int, int]] = (), bad_blocks: Iterable[tuple[str, int]] = (),
-                  strict: bool = True) -> RecoveryPlan:
+def plan_rebuild(protection: ProtectionPlan, lost_nodes: Iterable[int], *, step: int,
+                 bad_chunks: Iterable[tuple[int, int]] = (), bad_blocks: Iterable[tuple[str, int]] = (),
+                 strict: bool = True) -> RebuildPlan:
     """How to rebuild what ``lost_nodes`` took (and the ``bad_chunks`` (process, offset) known to be corrupt).
 
     ``bad_blocks`` are ("stripe", id) or ("copy", id) blocks known to be corrupt. With ``strict`` (default) bytes
     that cannot be rebuilt raise DataLossError naming ``step`` and the missing boxes; otherwise they are left
-    in the plan with no source (see :meth:`RecoveryPlan.missing`).
+    in the plan with no source (see :meth:`RebuildPlan.missing`).
     """
     lost = frozenset(int(n) for n in lost_nodes)
     unknown = sorted(lost - set(protection.node_ids))
@@ -169,7 +169,7 @@ def plan_recovery(protection: ProtectionPlan, lost_nodes: Iterable[int], *, step
         else:
             parts = [Part(0, c.nbytes, tuple(copies.get(i, ())))]
         rebuilds.append(ChunkRebuild(i, tuple(parts)))
-    plan = RecoveryPlan(int(step), tuple(sorted(lost)), protection, tuple(rebuilds))
+    plan = RebuildPlan(int(step), tuple(sorted(lost)), protection, tuple(rebuilds))
     missing = plan.missing()
     if missing and strict:
         raise data_loss(plan, missing)
@@ -238,7 +238,7 @@ def _join(a: Box, b: Box) -> Box | None:
     return None
 
 
-def data_loss(plan: RecoveryPlan, missing: Mapping[str, tuple[Box, ...]]) -> DataLossError:
+def data_loss(plan: RebuildPlan, missing: Mapping[str, tuple[Box, ...]]) -> DataLossError:
     """The error for bytes of ``plan.step`` that nothing can rebuild, naming the step, nodes, arrays and boxes."""
     paths = sorted(missing)
     listed = []
@@ -293,7 +293,7 @@ def _flat_boxes(start: tuple[int, ...], shape: tuple[int, ...], lo: int, hi: int
 
 
 # ------------------------------------------------------------------------------------------------------- rebuild
-class RecoveryIO(Protocol):
+class RebuildIO(Protocol):
     """Where a rebuild reads from; each method raises PeerError/StepNotFoundError when unreachable."""
 
     def chunk(self, chunk: SavedChunk) -> parity.Buffer:
@@ -320,9 +320,9 @@ def _readers() -> ThreadPoolExecutor:
 
 
 class Rebuilder:
-    """Rebuilds the chunks of a RecoveryPlan through ``io``; ``crcs`` maps (process, offset) to the manifest crc32c."""
+    """Rebuilds the chunks of a RebuildPlan through ``io``; ``crcs`` maps (process, offset) to the manifest crc32c."""
 
-    def __init__(self, plan: RecoveryPlan, io: RecoveryIO, crcs: Mapping[tuple[int, int], int] | None = None,
+    def __init__(self, plan: RebuildPlan, io: RebuildIO, crcs: Mapping[tuple[int, int], int] | None = None,
                  *, workers: int = 1) -> None:
         self.plan, self._io, self._crcs, self._workers = plan, io, dict(crcs or {}), workers
         self._by_key = {plan.protection.chunks[r.chunk].key: r for r in plan.rebuilds}
@@ -411,8 +411,8 @@ class Rebuilder:
             pos += g.nbytes
         return out
 
-    def source(self, process: int) -> ByteSource:
-        """A ByteSource for lost ``process``: reads of whole chunks come back rebuilt (for ChunkReader)."""
+    def reader(self, process: int) -> ByteReader:
+        """A ByteReader for lost ``process``: reads of whole chunks come back rebuilt (for ChunkReader)."""
         def read(offset: int, nbytes: int) -> memoryview:
             data = self.chunk(process, offset)
             if data.size != nbytes:

@@ -390,16 +390,18 @@ def _floor_lines(result: Mapping[str, Any], tcp_gbps: float) -> list[str]:
         if not floor:
             continue
         ms = lambda v: report.fmt_num(v * 1e3)  # noqa: E731
+        has = mem and "process_bytes" in rs[key]  # results of runs before the memory copy floor lack it
         rows.append([key, report.fmt_size(t.get("transport_bytes", 0)), ms(wire),
-                     report.fmt_size(rs[key].get("process_bytes", 0)), ms(copy) if mem else "–",
+                     report.fmt_size(rs[key]["process_bytes"]) if has else "–", ms(copy) if has else "–",
                      "transport" if wire >= copy else "memory copy", ms(r), f"{r / floor:.2f}x",
                      f"{orbax / floor:.2f}x" if orbax else "–", f"{orbax / r:.2f}x" if orbax else "–"])
     if not rows:
         return []
-    mem_line = f" and one thread's memcpy ({report.fmt_num(mem)} GB/s)" if mem else ""
+    mem_line = (f" and the time one thread's memcpy ({report.fmt_num(mem)} GB/s), both measured in the same "
+                f"run, takes for the most bytes one process restores (what one process's copy of its own state "
+                f"takes)" if mem else " (this run measured no memory copy: its floor is the transport's)")
     return ["", "The floor of each restore path on this machine: the larger of its host-transport bytes (all "
-                f"processes) at the raw TCP rate the probe above measured{mem_line}, both in the same run, for the "
-                "most bytes one process restores (what one process's copy of its own state takes); restore and "
+                f"processes) at the raw TCP rate the probe above measured{mem_line}; restore and "
                 "Orbax StandardRestore medians as multiples of it (its processes share the machine's cores: a "
                 "restore below 1x means the probe ran slower than the restore's own transfers):", "",
             report.table(["path", "host transport bytes", "transport floor ms", "bytes per process (most)",
@@ -415,7 +417,7 @@ def _issue_floors(result: Mapping[str, Any]) -> list[str]:
     mem = result.get("memcpy_gbps")
     out = ["", f"Floors (issue 26; `Config.replicas={result['setup'].get('replicas', 'split')!r}`):"]
     if local and orbax:
-        copy = rs["local"].get("process_bytes", 0) / (mem * 1e9) if mem else None
+        copy = rs["local"]["process_bytes"] / (mem * 1e9) if mem and "process_bytes" in rs["local"] else None
         ok = orbax / local >= 3 and (copy is None or local <= 1.3 * copy)
         out.append(f"- agents alive: restore {fn(local * 1e3)} ms, Orbax / this {fn(orbax / local)}x (floor >= 3x)" + (f", {fn(local / copy)}x one process's memory copy of the bytes it restores (floor "
                                 f"<= 1.3x)" if copy else "") + f": {'met' if ok else '**not met**'}.")
