@@ -194,13 +194,16 @@ def test_launch_refuses_what_a_fresh_process_cannot_find():
 
 SCRIPT = textwrap.dedent("""
     import os, sys, time
+    if "hang" in sys.argv:
+        # Written first, before JAX starts: the time-out may well fire while a loaded machine is still in
+        # jax.distributed's start-up, and those processes must be reaped too.
+        open(os.path.join(sys.argv[2], f"pid-{os.environ['JAXCKPT_PROCESS_ID']}"), "w").write(str(os.getpid()))
     import jaxckpt.testing as T
     info = T.init_from_env()
     import jax
     print("proc", jax.process_index(), "of", jax.process_count(), "devices", jax.device_count(),
           "node", info.node, "args", sys.argv[1:], flush=True)
     if "hang" in sys.argv:
-        open(os.path.join(sys.argv[2], f"pid-{info.process_id}"), "w").write(str(os.getpid()))
         time.sleep(600)
     sys.exit(7 if "fail" in sys.argv and info.process_id == 1 else 0)
 """)

@@ -73,9 +73,10 @@ class Job:
 class IO:
     """RebuildIO over a Job: lost nodes unreachable, corrupt bytes served as stored."""
 
-    def __init__(self, job, lost, corrupt_chunks=(), corrupt_copies=()):
+    def __init__(self, job, lost, corrupt_chunks=(), corrupt_copies=(), at_holder=False):
         self.job, self.lost = job, set(lost)
         self.corrupt, self.corrupt_copies = set(corrupt_chunks), set(corrupt_copies)
+        self.at_holder = at_holder  # the parity's holder XORs and sends the result (when its node survives)
         self.reads = []
         self.nbytes = 0  # bytes read, every kind
 
@@ -108,6 +109,28 @@ class IO:
         self.reads.append(("stripe", s.id))
         self.nbytes += hi - lo
         return self.job.parity[s.id][lo:hi]
+
+    def rebuilt(self, s, unit, lo, hi):
+        """What the parity's holder computes from what it reads of the other nodes (lost ones unreachable)."""
+        if not self.at_holder or s.node in self.lost:
+            return None
+        units = []
+        for k, u in enumerate(s.units):
+            if k == unit:
+                continue
+            pos, spans = 0, []
+            for g in u.ranges:
+                x, y = max(lo, pos), min(hi, pos + g.nbytes)
+                if y > x:
+                    c = self.job.prot.chunks[g.chunk]
+                    if c.node in self.lost:
+                        return None  # the holder cannot reach it either
+                    spans.append(self.job.saved(c)[g.lo + x - pos:g.lo + y - pos])
+                pos += g.nbytes
+            units.append(spans)
+        self.reads.append(("rebuilt", s.id))
+        self.nbytes += hi - lo
+        return pr.parity.encode([self.job.parity[s.id][lo:hi]] + units, length=hi - lo)
 
     def copy(self, b, lo, hi):
         self._node(b.node)
@@ -159,12 +182,14 @@ SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[Heal
 
 
 @SETTINGS
-@given(job=jobs(), policy=st.sampled_from(PROTECTING))
-def test_every_single_node_loss_is_rebuilt_bit_for_bit(job, policy):
+@given(job=jobs(), policy=st.sampled_from(PROTECTING), at_holder=st.booleans())
+def test_every_single_node_loss_is_rebuilt_bit_for_bit(job, policy, at_holder):
+    """Every single node loss rebuilds bit for bit, from parity and units read here or rebuilt where each
+    stripe's parity lives (``at_holder``)."""
     layouts, nodes, kw = job
     j = Job(layouts, nodes, policy, **kw)
     for node in sorted(set(nodes)):
-        check_rebuild(j, {node})
+        check_rebuild(j, {node}, at_holder=at_holder)
 
 
 @SETTINGS
@@ -485,6 +510,24 @@ def test_a_rebuild_reads_only_the_byte_ranges_its_stripes_need():
     assert not [r for r in ranged.reads if r[0] == "chunk"] and [r for r in whole.reads if r[0] == "chunk"]
     width = max(len(s.units) for s in j.prot.stripes)
     assert ranged.nbytes <= width * plan.nbytes < whole.nbytes, (ranged.nbytes, plan.nbytes, whole.nbytes)
+
+
+def test_a_lost_range_is_rebuilt_where_its_parity_lives_and_received_once():
+    """With the parity's holder rebuilding (RebuildIO.rebuilt), a lost node's chunks come back bit for bit and
+    the bytes received are exactly the bytes rebuilt from parity (plus the copies of copied chunks), where reading
+    the parity and every other unit costs more; a holder that cannot (None) leaves the rebuild to read them."""
+    nodes = [0, 0, 1, 1, 2, 2, 3, 3]
+    j = Job(dp_layouts(nodes, rows=(300,), sharded=1), nodes, "hybrid", chunk_bytes=8192, unit_bytes=4096)
+    plan = rc.plan_rebuild(j.prot, {1}, step=STEP)
+    held, here = IO(j, {1}, at_holder=True), IO(j, {1})
+    for io in (held, here):
+        rb = rc.Rebuilder(plan, io, j.crcs)
+        for c in lost_chunks(j, {1}):
+            np.testing.assert_array_equal(rb.chunk(c.process, c.offset), j.saved(c))
+    assert {r[0] for r in held.reads} <= {"rebuilt", "copy"} and any(r[0] == "rebuilt" for r in held.reads), \
+        held.reads  # no parity block nor other unit came here
+    copied = sum(c.nbytes for c in lost_chunks(j, {1}) if c.policy == "replica")
+    assert held.nbytes == plan.nbytes - copied < here.nbytes, (held.nbytes, plan.nbytes, here.nbytes)
 
 
 def test_planner_errors():

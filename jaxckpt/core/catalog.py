@@ -153,6 +153,12 @@ class _Guarded(Holder):
         o = self._call(self._h.open, process, step)
         return Opened(o.manifest, lambda offset, nbytes: self._call(o.read, offset, nbytes), o.close, o.lend, o.bind)
 
+    def peer(self) -> tuple[str, bytes, str] | None:
+        return self._h.peer()
+
+    def rebuild(self, *args) -> memoryview:
+        return self._call(self._h.rebuild, *args)
+
     def close(self) -> None:
         self._h.close()
 

@@ -160,6 +160,15 @@ class ChunkReader:
             with self._lock:
                 self.report.rebuild_reads[kind] = self.report.rebuild_reads.get(kind, 0) + nbytes
 
+    def rebuilt(self, step: int, where: str, nbytes: int, fallback: str = "") -> None:
+        """``nbytes`` of lost chunks were rebuilt from parity ``where``: counted in ``report.rebuilt_at``; a
+        ``fallback`` (why the parity's holder did not rebuild them) goes to ``report.fallbacks``."""
+        if step == self._step:
+            with self._lock:
+                self.report.rebuilt_at[where] = self.report.rebuilt_at.get(where, 0) + nbytes
+                if fallback:
+                    self.report.fallbacks.append(fallback)
+
     def _fetch(self, path: str, chunk: ChunkMeta, key: tuple, rebuilds: bool = True) -> memoryview:
         sources = self._sources.get(chunk.process)
         where = f"{path}: step {self._step} chunk {chunk.box.start}..{chunk.box.stop} of process {chunk.process}"

@@ -50,6 +50,7 @@ class _IO:
     def __init__(self, info: _StepInfo) -> None:
         self.info, self._opened, self._lock = info, {}, threading.Lock()
         self.reads: RestoreReads | None = None
+        self._peers: dict[int, tuple[str, bytes, str] | None] = {}  # saving process -> where its agent serves
 
     def bind(self, reads: RestoreReads) -> None:
         """Read surviving chunks through the restore that reads this rebuild (Source.bind): a chunk that restore
@@ -128,6 +129,45 @@ class _IO:
 
     def copy(self, block: CopyBlock, lo: int, hi: int) -> np.ndarray:
         return self._block("copy", block.id, lo, hi, f"copy block {block.id} on node {block.node}")
+
+    def rebuilt(self, stripe: Stripe, unit: int, lo: int, hi: int) -> np.ndarray | None:
+        """RebuildIO.rebuilt: asks the other nodes' agents holding the stripe's parity (a parity on this node is
+        read here at memory speed), naming where each process of the other units' bytes in [lo, hi) is served;
+        None, counted and reported, where none can."""
+        what = f"step {self.info.step}: bytes {lo}..{hi} of unit {unit} of parity stripe {stripe.id}"
+        holders = [(h, pp) for h, pp, _ in self.info.blocks.get(("stripe", stripe.id), ()) if h.kind == "remote"]
+        errors: list[str] = []
+        if holders:
+            sources, plan = {}, self.info.plan
+            for k, u in enumerate(stripe.units):
+                pos = 0
+                for g in u.ranges:
+                    q = plan.chunks[g.chunk].process
+                    if k != unit and pos < hi and pos + g.nbytes > lo and q not in sources:
+                        where = self._peers.get(q)
+                        if where is None:  # looked up once per restore (this node's agent: its peer files)
+                            where = self._peers[q] = next(
+                                (p for h in self.info.held.get(q, ()) if (p := h.peer()) is not None), None)
+                        if where is None:
+                            errors.append(f"no agent of process {q} serves peers")
+                            break
+                        sources[q] = where
+                    pos += g.nbytes
+            for h, pp in holders if not errors else ():
+                try:
+                    data = np.frombuffer(h.rebuild(pp, self.info.step, stripe.id, unit, lo, hi, sources), np.uint8)
+                    self._count(h, hi - lo)
+                    if self.reads is not None:
+                        self.reads.rebuilt(self.info.step, "holder", hi - lo)
+                    return data
+                except (ChecksumError, PeerError, StepNotFoundError, OSError) as e:
+                    errors.append(f"{h.name}: {e}")
+        line = f"{what}: rebuilt here from the parity and the other units ({'; '.join(errors)})" if errors else ""
+        if line:
+            log.warning("%s", line)
+        if self.reads is not None:
+            self.reads.rebuilt(self.info.step, "here", hi - lo, line)
+        return None
 
     def close(self) -> None:
         with self._lock:

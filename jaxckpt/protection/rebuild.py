@@ -12,8 +12,10 @@ Planning (pure, every process gets the same answer from the step's :class:`~jaxc
      losses in one stripe lose only the range they overlap in, not the whole stripe;
   4) what is left is raised as DataLossError naming the step, the lost nodes and the exact missing boxes
      (the flat byte ranges of each chunk mapped back to boxes of the array).
-Execution: :class:`Rebuilder` reads surviving chunks, parity and copies through a :class:`RebuildIO` the caller
-provides (local snapshot buffers, peers), verifies the rebuilt chunk against its manifest crc32c, and serves
+Execution: :class:`Rebuilder` asks the holder of each stripe's parity to rebuild the range there and send only the
+result (``RebuildIO.rebuilt``: the lost bytes cross the network once); where it cannot, it reads surviving chunks,
+parity and copies through the :class:`RebuildIO` the caller provides (local snapshot buffers, peers) and XORs
+them itself. It verifies the rebuilt chunk against its manifest crc32c, and serves
 rebuilt chunks as a :data:`~jaxckpt.core.fetch.ByteReader`, so the ordinary restore path reads a lost process's
 chunks as if it were still there.
 """
@@ -309,6 +311,11 @@ class RebuildIO(Protocol):
     def copy(self, block: CopyBlock, lo: int, hi: int) -> parity.Buffer:
         """Bytes [lo, hi) of copy ``block`` from ``block.node``."""
 
+    def rebuilt(self, stripe: Stripe, unit: int, lo: int, hi: int) -> parity.Buffer | None:
+        """Bytes [lo, hi) of unit ``unit`` of ``stripe`` rebuilt where the stripe's parity lives (its holder XORs
+        the parity with the other units and sends only the result), unverified like a range; None where the
+        holder cannot (the rebuild then reads the parity and the other units itself)."""
+
 
 _UNAVAILABLE = (ChecksumError, PeerError, StepNotFoundError)
 
@@ -386,6 +393,13 @@ class Rebuilder:
                      cache: dict[int, np.ndarray] | None) -> None:
         s = self.plan.protection.stripes[src.stripe]
         a, b = src.unit_lo, src.unit_lo + part.hi - part.lo
+        if cache is None:
+            # The lost bytes move once: rebuilt where the parity lives, only the result comes here. (Not when
+            # whole verified chunks are read: a rebuild from ranges, this one included, failed its crc32c.)
+            got = self._io.rebuilt(s, src.unit, a, b)
+            if got is not None:
+                out[part.lo:part.hi] = parity.as_bytes(got)
+                return
         # The parity block comes from one holder and the units from others (or from the restore's own fetches,
         # under way): the parity is read on a thread of its own while the units are gathered here.
         pending = _readers().submit(self._io.parity, s, a, b)
