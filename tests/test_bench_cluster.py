@@ -38,6 +38,8 @@ def test_schema_and_every_figure(run):
     assert res["command"].startswith("jaxckpt bench cluster --quick") and res["command"].endswith(
         " --restore-collective")  # the command repeats the run, collective included
     assert {"machine", "date", "command", "setup", "policies", "restore", "save", "recovery", "ratios"} <= set(res)
+    assert res["memcpy_gbps"] > 0 and res["setup"]["replicas"] == "split"  # the memory copy floor, same run
+    assert all(res["restore"][k]["process_bytes"] > 0 for k in ("local", "peers", "resharded", "persistent"))
     _check_stats(res, "cluster")
     _check_numbers(res, "cluster")
     assert not run["left"], f"left in /dev/shm: {run['left']}"
@@ -119,7 +121,9 @@ def test_markdown_and_plots(run, tmp_path):
     assert body in text and "\nold\n" not in text and "Quick run" in body
     assert "None" not in body and "nan" not in body
     for words in ("jaxckpt, via peers", "Orbax StandardRestore", "Orbax emergency", "Parity floor",
-                  "Restore timeline", "raw TCP", "between 8 processes", "The loopback floor",
+                  "Restore timeline", "raw TCP", "between 8 processes", "The floor of each restore path",
+                  "memory copy floor ms", "Floors (issue 26; `Config.replicas='split'`)", "- agents alive: restore ",
+                  "- after a node loss: `Checkpointer()` + restore", "- kill → first step: jaxckpt's own share",
                   "kill → first step", res["machine"]["loadavg_at_start"]):
         assert words in body, words
     if plots.available():

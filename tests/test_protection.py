@@ -27,11 +27,11 @@ class Job:
     """Arrays with random bytes, each process's snapshot buffer per the save plan, and every protection block
     computed by whom the plan says, from what that party really has."""
 
-    def __init__(self, layouts, nodes, policy, *, chunk_bytes=1 << 20, seed=0, **kw):
+    def __init__(self, layouts, nodes, policy, *, chunk_bytes=1 << 20, seed=0, whole=False, **kw):
         self.layouts, self.nodes = layouts, list(nodes)
         rng = np.random.default_rng(seed)
         self.data = {a.path: rng.integers(0, 256, (*a.shape, a.itemsize), dtype=np.uint8) for a in layouts}
-        self.plans = plan_save(layouts, len(nodes), chunk_bytes)
+        self.plans = plan_save(layouts, len(nodes), chunk_bytes, nodes=nodes if whole else None)
         self.prot = pr.plan_protection(layouts, self.plans, nodes, policy, **kw)
         self.bufs = [np.zeros(p.nbytes, np.uint8) for p in self.plans]
         for plan in self.plans:
@@ -190,6 +190,50 @@ def test_every_single_node_loss_is_rebuilt_bit_for_bit(job, policy, at_holder):
     j = Job(layouts, nodes, policy, **kw)
     for node in sorted(set(nodes)):
         check_rebuild(j, {node}, at_holder=at_holder)
+
+
+@SETTINGS
+@given(job=jobs(), policy=st.sampled_from(PROTECTING))
+def test_whole_replicas_need_no_parity_and_every_single_node_loss_is_rebuilt(job, policy):
+    """Config.replicas="whole": a box held on several nodes is saved whole on each and gets kind "whole" (no
+    stripe, no copy block reads it); a box on one node keeps the policy's protection; every single node loss
+    is rebuilt bit for bit, the whole chunks from another node's copy."""
+    layouts, nodes, kw = job
+    j = Job(layouts, nodes, policy, whole=True, **kw)
+    for a in layouts:
+        held = {}
+        for pl in a.placements:
+            held.setdefault(pl.box, set()).add(nodes[pl.process])
+        saved = {}  # (source box, chunk box) -> the nodes saving that chunk
+        for c in j.prot.chunks:
+            if c.path == a.path:
+                saved.setdefault((c.source, c.box), []).append(c.node)
+        assert {src for src, _ in saved} == set(held)
+        for (src, _), on in saved.items():  # once per node holding it, never twice on one
+            assert sorted(on) == sorted(held[src])
+        for c in j.prot.chunks:
+            if c.path == a.path and c.nbytes:
+                assert (c.policy == "whole") == (len(held[c.source]) >= 2), c
+    read = {g.chunk for s in j.prot.stripes for u in s.units for g in u.ranges} | \
+        {i for b in j.prot.copy_blocks for i in b.chunks}
+    assert not any(j.prot.chunks[i].policy == "whole" for i in read)
+    assert pr.decode_plan(pr.encode_plan(j.prot)) == j.prot
+    for node in sorted(set(nodes)):
+        plan = check_rebuild(j, {node})
+        for r in plan.rebuilds:
+            if j.prot.chunks[r.chunk].policy == "whole":
+                assert all(isinstance(src, rc.FromTwin) for p in r.parts for src in p.sources) and r.parts[0].sources
+
+
+def test_whole_replica_lost_with_every_copy_is_named():
+    """Both nodes holding a whole replica lost: DataLossError names the step and the box."""
+    rep = ArrayLayout("rep", (8, 4), "u4", 4, tuple(Placement(Box.full((8, 4)), p, 0) for p in (0, 1)))
+    j = Job([rep], [0, 1, 2], "hybrid", whole=True)
+    assert {c.policy for c in j.prot.chunks} == {"whole"} and len(j.prot.chunks) == 2 and not j.prot.stripes
+    check_rebuild(j, {0})
+    with pytest.raises(DataLossError, match=r"step 42: .* node\(s\) 0, 1: .*rep \[0, 0\]..\[8, 4\]") as e:
+        rc.plan_rebuild(j.prot, {0, 1}, step=STEP)
+    assert e.value.missing == {"rep": (Box.full((8, 4)),)}
 
 
 @SETTINGS

@@ -307,6 +307,19 @@ def test_rule_routes_each_array_and_says_why():
     assert routes.plan_route(meta, None, holders, process_count=2).kind == routes.FETCH
 
 
+def test_rule_with_whole_replicas_takes_each_box_once():
+    """Whole replicas: processes 0 and 1 (two nodes) each saved the whole array. Every process reads its own node's
+    copy: local; with node 1 lost, the collective carries one copy, process 0's, never both."""
+    shape = (10, 3)
+    meta = _meta("w", shape, [(0, 0, 5), (0, 5, 10), (1, 0, 5), (1, 5, 10)])
+    full = _layout(shape, [(0, 0, None), (1, 0, None), (2, 1, None), (3, 1, None)])
+    assert routes.plan_route(meta, full, {0: [0], 1: [1]}, process_count=2).reason.startswith("local")
+    r = routes.plan_route(meta, full, {0: [0]}, process_count=2)
+    assert r.kind == routes.COLLECTIVE and "host transport" not in r.reason
+    assert sorted((c.chunk.process, c.chunk.box.start[0]) for c in r.contributions) == [(0, 0), (0, 5)]
+    assert r.row_elements == 15 and routes.received_elements(r, full, 1) == 30
+
+
 def test_prefetch_reads_every_transport_source_at_once():
     """Chunks of two processes served over the transport: ``workers`` requests in flight per source, handed out
     in turn, so both sources are read at once (the first three reads meet at a barrier: with one pool of

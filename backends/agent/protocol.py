@@ -141,6 +141,22 @@ def open_segment(directory: str, name: str, size: int, *, writable: bool = True)
         os.close(fd)
 
 
+# Linux 5.14's madvise(MADV_POPULATE_READ), which Python's mmap module does not name: map every page of a range at
+# once. A restore reads the whole snapshot it opens; page by page, the first restore of a relaunched process took a
+# fault per 64 KiB of it (fault-around: 1.6k faults, 128 MiB), a later one in the same process none.
+MADV_POPULATE_READ = 22
+
+
+def populate(m: mmap.mmap, nbytes: int) -> None:
+    """Map the first ``nbytes`` of shared mapping ``m`` now, in one call (no-op where the kernel cannot)."""
+    n = min(round_to_pages(nbytes), len(m))
+    if n:
+        try:
+            m.madvise(MADV_POPULATE_READ, 0, n)
+        except (OSError, ValueError):  # before Linux 5.14, or not Linux: faulted in as read
+            pass
+
+
 # -------------------------------------------------------------------------------------------------- framing
 def send_msg(sock: socket.socket, msg: dict) -> None:
     """Send one framed msgpack map."""

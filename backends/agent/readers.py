@@ -21,7 +21,7 @@ import queue
 import threading
 from typing import Any, Mapping
 
-from jaxckpt.backends.agent.protocol import AgentConnection, open_segment
+from jaxckpt.backends.agent.protocol import AgentConnection, open_segment, populate
 from jaxckpt.backends.agent.serve import read_peer_info
 from jaxckpt.errors import AgentError, PeerError, StepNotFoundError, StoreUnavailableError
 from jaxckpt.core.capabilities import AgentInfo
@@ -125,7 +125,9 @@ class NodeAgentHolder(Holder):
         try:
             buf = memoryview(b"")
             if r["seg"]:
-                buf = memoryview(open_segment(self.directory, r["seg"], r["size"], writable=False))[:r["nbytes"]]
+                m = open_segment(self.directory, r["seg"], r["size"], writable=False)
+                populate(m, r["nbytes"])
+                buf = memoryview(m)[:r["nbytes"]]
         except BaseException:
             unpin()
             raise

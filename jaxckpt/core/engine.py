@@ -37,6 +37,7 @@ from jaxckpt.core.fetch import ChunkReader
 from jaxckpt.core.sources import Holder
 from jaxckpt.core.plan import ArrayLayout, SavePlan, plan_save
 from jaxckpt.core.protect import Protection, ProtectionFactory
+from jaxckpt.node_identity import node_identity
 from jaxckpt.registry import get_part, get_store_class
 from jaxckpt.core.copier import Copier, SnapshotResult
 from jaxckpt.core.hostbuf import host_bytes
@@ -233,6 +234,7 @@ class CheckpointEngine:
                                       on_commit=self._after_commit)
         self._prepared: dict[tuple, _Prepared] = {}
         self._last_prep: _Prepared | None = None
+        self._nodes: tuple[int, ...] | None = None  # node of each process (Config.replicas="whole")
         self._pending: deque[SaveHandle] = deque()
         self._committed: list[int] = []
         self._last_step: int | None = None
@@ -381,7 +383,7 @@ class CheckpointEngine:
             return prep
         records = make_records()
         layouts = [r.layout() for r in records]
-        plans = plan_save(layouts, self.process_count, self.config.chunk_bytes)
+        plans = plan_save(layouts, self.process_count, self.config.chunk_bytes, nodes=self._save_nodes())
         plan = plans[self.process_index]
         index = {r.path: i for i, r in enumerate(records)}
         src_box = {(lay.path, p.device): p.box for lay in layouts for p in lay.placements}
@@ -403,6 +405,19 @@ class CheckpointEngine:
         log.info("planned a new state layout: %d arrays, %d local chunks, %d bytes on process %d",
                  len(records), len(plan.chunks), plan.nbytes, self.process_index)
         return prep
+
+    def _save_nodes(self) -> tuple[int, ...] | None:
+        """With ``Config.replicas="whole"`` in a job of several processes, the node (failure domain) of every
+        process, agreed once in a round of the main channel (``jaxckpt.node_identity``; the first save of every
+        process plans, so all take part); None for split replicas, where the plan needs no nodes."""
+        if self.config.replicas != "whole" or self.process_count <= 1:
+            return None
+        if self._nodes is None:
+            got = self.collective.channel("main").all_gather("save nodes", node_identity(self.config).name)
+            names: dict[str, int] = {}
+            self._nodes = tuple(names.setdefault(str(n), len(names)) for n in got)
+            log.info("process %d: whole replicas over %d node(s) %s", self.process_index, len(names), list(names))
+        return self._nodes
 
     def _local_finished(self, fut, handle: SaveHandle, slot, prep: _Prepared, values, order) -> None:
         try:

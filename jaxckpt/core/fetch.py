@@ -23,7 +23,7 @@ from jaxckpt.errors import ChecksumError, DataLossError, PeerError, StepNotFound
 from jaxckpt.core.manifest import ChunkMeta
 from jaxckpt.core.copier import copy_and_checksum
 from jaxckpt.core.plan import Assembly
-from jaxckpt.core.sources import ByteReader, RestoreReport, Source, plan_fetch
+from jaxckpt.core.sources import RANK, ByteReader, RestoreReport, Source, plan_fetch
 
 log = logging.getLogger("jaxckpt.core.fetch")
 
@@ -324,6 +324,14 @@ class ChunkReader:
         """The saving processes whose bytes this reader reads first from this node's memory (source kinds
         ``local`` and ``node``): what this process can contribute to a collective restore without transport."""
         return sorted(q for q, s in self._sources.items() if s and s[0].kind in ("local", "node"))
+
+    def process_costs(self) -> dict[int, int]:
+        """Saving process -> how dear its bytes are to read first: 0 from this node's memory (kinds local and
+        node), then by the rank of its first source kind (another node, a rebuild, ...); a process with no
+        source at all ranks last. What the restore plan orders copies of one box by (whole replicas)."""
+        near = RANK["node"]
+        return {q: max(0, RANK.get(s[0].kind, len(RANK)) - near) if s else len(RANK)
+                for q, s in self._sources.items()}
 
     def _first(self, chunk: ChunkMeta) -> Source | None:
         sources = self._sources.get(chunk.process)

@@ -4,6 +4,8 @@ Planning (pure, every process gets the same answer from the step's :class:`~jaxc
   1) a chunk must be rebuilt when its process's node is lost or it is known corrupt (``bad_chunks``);
   2) ``replica``: from any surviving, not known-bad copy block, nearest in the ring first; each copy holds the
      whole chunk and is checked against the chunk's crc32c, so a corrupt copy is skipped for the next one;
+     ``whole``: from the same box saved whole on another surviving node (a chunk of the plan, not known bad),
+     checked the same way;
   3) ``parity`` / ``xor-group``: each range of the chunk lies at unit bytes [a, b) of one unit of one stripe and
      is rebuilt as ``parity[a:b] ^ (every other unit)[a:b]`` (shorter units read as zeros) when the stripe's
      holder survives. Where another unit's bytes in [a, b) are lost too, exactly those bytes are missing: two
@@ -58,7 +60,14 @@ class FromStripe:
     unit_lo: int
 
 
-Source = Union[FromCopy, FromStripe]
+@dataclass(frozen=True)
+class FromTwin:
+    """The chunk is saved whole, the same box, as chunk number ``chunk`` on another node (whole replicas)."""
+
+    chunk: int
+
+
+Source = Union[FromCopy, FromStripe, FromTwin]
 
 
 @dataclass(frozen=True)
@@ -144,11 +153,17 @@ def plan_rebuild(protection: ProtectionPlan, lost_nodes: Iterable[int], *, step:
         if b.node not in lost and ("copy", b.id) not in bad_b:
             for i, pos in zip(b.chunks, b.positions):
                 copies.setdefault(i, []).append(FromCopy(b.id, pos))
+    twins: dict[tuple[str, Box], list[int]] = {}
+    for i, c in enumerate(chunks):
+        if c.policy == "whole" and not gone[i]:
+            twins.setdefault((c.path, c.box), []).append(i)
     rebuilds = []
     for i, c in enumerate(chunks):
         if not gone[i] or c.nbytes == 0:
             continue
-        if c.policy in ("parity", "xor-group"):
+        if c.policy == "whole":
+            parts = [Part(0, c.nbytes, tuple(FromTwin(j) for j in twins.get((c.path, c.box), ())))]
+        elif c.policy in ("parity", "xor-group"):
             parts = []
             for s, k, pos, lo, hi in where.get(i, ()):
                 parts += _stripe_parts(s, k, pos, lo, hi, blocked[s.id][k], lost, bad_b)
@@ -348,7 +363,12 @@ class Rebuilder:
             errors = []
             for src in part.sources:
                 try:
-                    if isinstance(src, FromCopy):
+                    if isinstance(src, FromTwin):  # verified against its own crc32c, then against ours
+                        data = parity.as_bytes(self._io.chunk(prot.chunks[src.chunk]))
+                        if crc is not None:
+                            parity.check(data, crc, f"{what}, its copy on node {prot.chunks[src.chunk].node}")
+                        out[part.lo:part.hi] = data
+                    elif isinstance(src, FromCopy):
                         b = prot.copy_blocks[src.block]
                         data = parity.as_bytes(self._io.copy(b, src.position + part.lo, src.position + part.hi))
                         if crc is not None and (part.lo, part.hi) == (0, c.nbytes):

@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help=f"{what} (default {FULL[key]}, --quick {QUICK[key]})")
     p.add_argument("--restore-collective", action="store_true",
                    help="restores form replicated arrays with the collective (Config.restore_collective)")
+    p.add_argument("--replicas", default=None, choices=("split", "whole"),
+                   help="Config.replicas of every job (default: Config's): split (1/R per replica) or whole (a "
+                        "whole copy of the replicated arrays on every node)")
     p.add_argument("--launcher", default=None, choices=LAUNCHERS,
                    help="own: jaxckpt's launcher (default); srun: every process an srun step on a node of a SLURM "
                         "allocation (this one, else an emulated cluster: needs root and slurm-wlm); both: each in "
@@ -94,6 +97,8 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     out["size"] = parse_size(str(out["size"]))
     out["plain_dir"] = args.plain_dir or tempfile.gettempdir()
     out["restore_collective"] = bool(getattr(args, "restore_collective", False))
+    from jaxckpt.config import Config
+    out["replicas"] = getattr(args, "replicas", None) or Config().replicas
     out["launcher"] = getattr(args, "launcher", None) or "own"
     if out["nodes"] < 2 or out["procs_per_node"] < 1:
         raise ValueError(f"bench cluster needs at least 2 nodes (got {out['nodes']}) and 1 process per node")
@@ -110,6 +115,8 @@ def command(args: argparse.Namespace) -> str:
     line = runner.command_line("cluster", args, tuple((f"--{k.replace('_', '-')}", k) for k in (
         "size", "nodes", "procs_per_node", "steps", "repeats", "recoveries", "persist_interval", "launcher",
         "plain_dir")))
+    if getattr(args, "replicas", None):
+        line += f" --replicas {args.replicas}"
     return line + " --restore-collective" if getattr(args, "restore_collective", False) else line
 
 
@@ -167,7 +174,8 @@ def _measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float,
         "persist_interval": opts["persist_interval"], "orbax_std": os.path.join(disk, "orbax-standard"),
         "orbax_em_persistent": os.path.join(disk, "orbax-emergency-persistent"), "max_train_steps": MAX_TRAIN_STEPS,
         "settle_steps": 2 * opts["persist_interval"],
-        "cycle": 0, "last": False, "restore_collective": opts["restore_collective"]}
+        "cycle": 0, "last": False, "restore_collective": opts["restore_collective"],
+        "replicas": opts.get("replicas", "split")}
     size = state_bytes(spec)
     # Measured peak about (procs + 12) x state: the replicated half on every process (and a restored copy), the
     # agents' slots and protection, Orbax's local checkpoints on RAM disk (whole state and half), persist copies.
@@ -188,6 +196,9 @@ def _measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float,
     t_start = time.perf_counter()
     from jaxckpt.tools.bench.loopback import probe
     loopback = probe(256 << 20)  # the bandwidth the host transport could have on this machine
+    from jaxckpt.tools.bench.memcpy import memcpy_gbps
+    # one thread's memory copy (a median, as every bench reports it): the floor of a restore from local memory
+    memcpy = report.summarize(memcpy_gbps(256 << 20, 5))["median"]
     log.info("bench cluster: loopback raw TCP %.2f GB/s, peer transport %.2f GB/s", loopback["tcp"]["gbps"],
              loopback["transport"]["gbps"])
     try:
@@ -238,9 +249,10 @@ def _measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float,
         _cleanup(base, disk, policies, opts["nodes"])
     out = aggregate(results, recoveries, spec)
     return {"bench": "cluster", "mode": "quick" if quick else "full", "machine": machine, "date": report.now_utc(),
-            "command": cmd, "loopback": loopback,
+            "command": cmd, "loopback": loopback, "memcpy_gbps": memcpy,
             "setup": {"nodes": opts["nodes"], "procs_per_node": opts["procs_per_node"], "devices_per_proc": devices,
                       "mesh": spec["mesh"], "reshard_mesh": spec["reshard_mesh"], "arrays": opts["arrays"],
+                      "replicas": spec["replicas"],
                       "state_bytes": size, "policies": policies, "keep_policy": KEEP_POLICY,
                       "warmup": opts["warmup"], "steps": opts["steps"], "repeats": opts["repeats"],
                       "recoveries": opts["recoveries"], "persist_interval": opts["persist_interval"],

@@ -125,7 +125,7 @@ def config(spec: dict, job: str, node: int, protection: str, persistent: bool = 
                   commit_timeout_s=300.0, peer_timeout_s=120.0,
                   persistent_dir=spec["persistent_dir"] if persistent else "",
                   persistent_interval=spec["persist_interval"] if persistent else 0, persistent_keep=2,
-                  restore_collective=spec.get("restore_collective", False))
+                  restore_collective=spec.get("restore_collective", False), replicas=spec.get("replicas", "split"))
 
 
 def write_result(spec: dict, name: str, value: dict) -> None:
