@@ -20,7 +20,7 @@ from jaxckpt.config import Config, peer_uses_curve
 from jaxckpt.core.collective import Channel, Collective
 from jaxckpt.core.coordination import Coordinator
 from jaxckpt.errors import ConfigError, ManifestError, PeerError
-from jaxckpt.core.fetch import ByteSource
+from jaxckpt.core.fetch import ByteReader
 from jaxckpt.core.store import Store
 
 log = logging.getLogger("jaxckpt.backends.peers")
@@ -89,8 +89,8 @@ class Peers:
                                                                      server_key=self._keys[process])
             return c
 
-    def manifests(self, step: int, own: mf.Manifest, sources: dict[int, ByteSource]) -> list[mf.Manifest]:
-        """The other processes' manifests of ``step``; adds a ByteSource per process to ``sources``."""
+    def manifests(self, step: int, own: mf.Manifest, sources: dict[int, ByteReader]) -> list[mf.Manifest]:
+        """The other processes' manifests of ``step``; adds a ByteReader per process to ``sources``."""
         out = []
         for q in range(own.process_count):
             if q == own.process:

@@ -30,7 +30,7 @@ from jaxckpt.backends.agent.capacity import check_budget
 from jaxckpt.backends.agent.protocol import (AgentConnection, agent_dir, default_log_path, ensure_private_dir,
                                              open_segment, spawn_agent)
 from jaxckpt.node_identity import local_process_count, node_identity
-from jaxckpt.core.history import trim
+from jaxckpt.core.trim import trim
 from jaxckpt.config import Config
 from jaxckpt.errors import ClosedError, StepError, StepNotFoundError, StoreUnavailableError
 from jaxckpt.core.capabilities import AgentHolders, NodeAgent, ProtectionSlots

@@ -2,9 +2,9 @@
 process (or a node agent) serves committed snapshots; others fetch manifests and ranges.
 
 It implements the interface of ``jaxckpt.core.transport`` (:class:`Transport` makes servers and clients; its
-names are also importable from here). A server serves a ``SnapshotSource``: one process's store
-(:class:`StoreSource`), or a node agent's memory holding the snapshots of every process of its node. Wire protocol, version 1 (msgpack maps,
-never pickle):
+names are also importable from here). A server serves a ``ServedHolder``: one process's store
+(:class:`StoreHolder`), or a node agent's memory holding the snapshots of every process of its node. Wire
+protocol, version 1 (msgpack maps, never pickle):
 
   request (one frame)  {"v": 1, "id": n, "token": bytes, "op": "steps"|"manifest"|"read"|"held", "step", "offset",
                         "nbytes", "process", "chunk"}
@@ -14,6 +14,12 @@ A read may name the chunk that holds its range (``chunk``: [offset, nbytes]); it
 the crc32c of the chunk's bytes before and after the range, so that the client checks the bytes it got against
 the chunk's crc32c without reading the whole chunk (``jaxckpt.core.checksum.span_crc``).
 A manifest is paged: each reply carries at most one frame from ``offset`` and the manifest's total ``size``.
+``rebuild`` (a node agent holding a parity stripe, ``ServedHolder.rebuild``) asks for bytes [offset, offset +
+nbytes) of unit ``unit`` of ``stripe``, whose parity is in protection slot ``process``, rebuilt there: the request
+names where the other units' processes are (``agents``: [[address, token, CURVE key], ...]; ``sources``:
+[[process, index in agents], ...]) and the milliseconds each of those reads may take (``timeout_ms``); the reply's
+payload is the result alone. It runs on a worker thread of the server (it reads other servers, which may be
+rebuilding from this one), and its reply is sent by the server thread once done.
 ``process`` (optional) names the saving process whose snapshot is meant; without it, a store's server means its
 own process. ``held`` lists every (process, step) the source holds as ``jaxckpt.core.sources.HeldEntry`` wire lists.
 
@@ -32,8 +38,11 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import socket
 import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgpack
@@ -41,9 +50,9 @@ import zmq
 
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.core.store import SnapshotView, Store
-from jaxckpt.core.transport import (PeerClient, PeerServer, SnapshotSource, Span, Transport,  # noqa: F401 - kept names
+from jaxckpt.core.transport import (PeerClient, PeerServer, ServedHolder, Span, Transport,  # noqa: F401 - kept names
                                     get_transport)
-from jaxckpt.errors import PeerError
+from jaxckpt.errors import PeerError, StepNotFoundError
 
 log = logging.getLogger("jaxckpt.backends.transport")
 
@@ -51,7 +60,8 @@ VERSION = 1
 MAX_REQUEST_BYTES = 4096
 DEFAULT_FRAME_BYTES = 16 << 20
 HEADER_SLACK = 4096  # a reply header is far below this
-OPS = ("steps", "manifest", "read", "held")
+OPS = ("steps", "manifest", "read", "held", "rebuild")
+WORKERS = 4  # rebuilds a server runs at once (each waits mostly for other servers)
 # A request waits at most this long for a connection to exist: a restarted agent listens on a new port, and
 # ZeroMQ would otherwise queue requests for the dead one's address until the whole peer time-out ran out.
 CONNECT_TIMEOUT_S = 2.0
@@ -63,8 +73,8 @@ CONNECT_TIMEOUT_S = 2.0
 HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 500, 2000
 
 
-class StoreSource(SnapshotSource):
-    """One process's Store as a SnapshotSource (its own process only)."""
+class StoreHolder(ServedHolder):
+    """One process's Store as a ServedHolder (its own process only)."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -108,9 +118,9 @@ class ZmqTransport(Transport):
         self.frame_bytes = frame_bytes
         self.window = window
 
-    def serve(self, store: Store | SnapshotSource, *, token: bytes, host: str = "127.0.0.1",
+    def serve(self, store: Store | ServedHolder, *, token: bytes, host: str = "127.0.0.1",
               curve: bool = False) -> "ZmqServer":
-        source = store if isinstance(store, SnapshotSource) else StoreSource(store)
+        source = store if isinstance(store, ServedHolder) else StoreHolder(store)
         return ZmqServer(source, token=token, host=host, frame_bytes=self.frame_bytes, curve=curve)
 
     def connect(self, address: str, *, token: bytes, timeout_s: float, server_key: str = "") -> PeerClient:
@@ -131,7 +141,7 @@ class ZmqServer(PeerServer):
 
     POLL_MS = 100
 
-    def __init__(self, source: SnapshotSource, *, token: bytes, host: str, frame_bytes: int,
+    def __init__(self, source: ServedHolder, *, token: bytes, host: str, frame_bytes: int,
                  curve: bool = False) -> None:
         if not token:
             raise PeerError("a peer server needs a non-empty token")
@@ -159,6 +169,14 @@ class ZmqServer(PeerServer):
         self._stop = threading.Event()
         self._pinned: list[tuple[zmq.MessageTracker, SnapshotView]] = []
         self.served = 0
+        # Rebuilds run on workers; each hands its reply to the server thread (the socket's only user) through
+        # ``_done`` and wakes it through a pipe its poller watches.
+        self._work: ThreadPoolExecutor | None = None
+        self._done: deque = deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)  # a full pipe already wakes the server
+        self._wake_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="jaxckpt-peer-server", daemon=True)
         self._thread.start()
         log.info("serving snapshots of %s at %s%s", source.label, self.address,
@@ -190,11 +208,13 @@ class ZmqServer(PeerServer):
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 self._release_sent()
                 if not poller.poll(self.POLL_MS):
                     continue
+                self._send_done()
                 while True:
                     try:
                         frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -204,6 +224,8 @@ class ZmqServer(PeerServer):
         except Exception:  # noqa: BLE001 - a dead server thread must at least say why
             log.exception("peer server at %s stopped", self.address)
         finally:
+            if self._work is not None:
+                self._work.shutdown(wait=False, cancel_futures=True)
             self._sock.close(linger=0)
             for _, view in self._pinned:
                 view.close()
@@ -265,6 +287,9 @@ class ZmqServer(PeerServer):
             self._reply(ident, rid, ok=True, held=self._source.held())
             return
         step = _nonneg(req, "step")
+        if op == "rebuild":
+            self._rebuild(ident.bytes, rid, process, step, req)
+            return
         view = self._source.open(process, step)
         if view is None:
             whose = self._source.label if process is None else f"{self._source.label} for process {process}"
@@ -294,7 +319,61 @@ class ZmqServer(PeerServer):
         self.served += 1
         self._pinned.append((tracker, view))  # unpinned once ZeroMQ no longer needs the bytes
 
-    def _reply(self, ident: zmq.Frame, rid: int | None, *, ok: bool, code: str = "", error: str = "",
+    def _rebuild(self, ident: bytes, rid: int | None, process: int | None, step: int, req: dict) -> None:
+        """Start a rebuild (see the module docstring) on a worker; its reply is sent by :meth:`_send_done`."""
+        if process is None:
+            raise _Refused("bad-request", "a rebuild names the protection slot holding the parity (process)")
+        offset, nbytes = _nonneg(req, "offset"), _nonneg(req, "nbytes")
+        stripe, unit, timeout_ms = _nonneg(req, "stripe"), _nonneg(req, "unit"), _nonneg(req, "timeout_ms")
+        if nbytes > self._frame_bytes:
+            raise _Refused("too-large", f"rebuild of {nbytes} bytes exceeds the {self._frame_bytes}-byte frame")
+        agents, pairs = req.get("agents"), req.get("sources")
+        if not (isinstance(agents, list) and isinstance(pairs, list)
+                and all(isinstance(a, list) and len(a) == 3 and isinstance(a[0], str) and isinstance(a[1], bytes)
+                        and isinstance(a[2], str) for a in agents)
+                and all(isinstance(p, list) and len(p) == 2 and all(type(v) is int for v in p)
+                        and p[0] >= 0 and 0 <= p[1] < len(agents) for p in pairs)):
+            raise _Refused("bad-request", "rebuild sources must be [[process, agent]] over agents [[address, token, "
+                                          "CURVE key]]")
+        sources = {q: tuple(agents[i]) for q, i in pairs}
+
+        def work() -> None:
+            try:
+                out = self._source.rebuild(process, step, stripe, unit, offset, offset + nbytes, sources,
+                                           timeout_ms / 1000)
+                done = (ident, rid, True, "", "", out)
+            except NotImplementedError as e:
+                done = (ident, rid, False, "not-supported", str(e), b"")
+            except Exception as e:  # noqa: BLE001 - the requester falls back; it gets the reason
+                code = "not-found" if isinstance(e, StepNotFoundError) else "rebuild"
+                if code == "rebuild":
+                    log.warning("rebuild of step %d stripe %d unit %d bytes %d+%d failed: %s: %s", step, stripe,
+                                unit, offset, nbytes, type(e).__name__, e)
+                done = (ident, rid, False, code, f"{type(e).__name__}: {e}", b"")
+            self._done.append(done)
+            with self._wake_lock:  # never a write to a closed pipe's number, which another file may hold now
+                try:
+                    if self._wake_w >= 0:
+                        os.write(self._wake_w, b"\0")
+                except BlockingIOError:  # a full pipe: the server wakes anyway
+                    pass
+        if self._work is None:
+            self._work = ThreadPoolExecutor(WORKERS, thread_name_prefix="jaxckpt-peer-rebuild")
+        self._work.submit(work)
+
+    def _send_done(self) -> None:
+        """Send the replies of the rebuilds done since the last look (server thread)."""
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        while self._done:
+            ident, rid, ok, code, error, payload = self._done.popleft()
+            self._reply(ident, rid, ok=ok, code=code, error=error, payload=payload)
+            self.served += ok
+
+    def _reply(self, ident: zmq.Frame | bytes, rid: int | None, *, ok: bool, code: str = "", error: str = "",
                steps: list[int] | None = None, payload: Any = b"", size: int | None = None,
                held: list[list] | None = None, rest: list[int] | None = None) -> zmq.MessageTracker:
         fields = {"v": VERSION, "id": rid, "ok": ok, "code": code, "error": error, "steps": steps or [], "size": size}
@@ -304,7 +383,8 @@ class ZmqServer(PeerServer):
             fields["rest"] = rest
         header = msgpack.packb(fields, use_bin_type=True)
         try:
-            return self._sock.send_multipart([ident.bytes, header, payload], copy=False, track=True,
+            return self._sock.send_multipart([ident if isinstance(ident, bytes) else ident.bytes, header, payload],
+                                             copy=False, track=True,
                                              flags=zmq.NOBLOCK)
         except zmq.Again:
             # The peer's queue is full (it stopped reading): drop the reply, the peer times out.
@@ -316,6 +396,12 @@ class ZmqServer(PeerServer):
         self._stop.set()
         self._thread.join(timeout=5)
         self._forget_domain()
+        if not self._thread.is_alive():  # else the pipe stays open with the thread that polls it
+            with self._wake_lock:
+                if self._wake_w >= 0:  # closed once (close may be called again)
+                    os.close(self._wake_r)
+                    os.close(self._wake_w)
+                    self._wake_r = self._wake_w = -1
 
     def _forget_domain(self) -> None:
         if self._domain:
@@ -332,7 +418,7 @@ class _Done:
 _DONE: Any = _Done()
 
 
-def _peer_address(ident: zmq.Frame) -> str:
+def _peer_address(ident: zmq.Frame | bytes) -> str:
     try:
         return ident.get("Peer-Address")
     except Exception:  # noqa: BLE001 - only for log messages

@@ -16,7 +16,7 @@ import logging
 import struct
 import threading
 import time
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import msgpack
 import numpy as np
@@ -24,7 +24,7 @@ import zmq
 
 from jaxckpt.backends.transport import (CONNECT_TIMEOUT_S, HEADER_SLACK, HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS,
                                         VERSION)
-from jaxckpt.core.transport import PeerClient, Span
+from jaxckpt.core.transport import PeerAddress, PeerClient, Span
 from jaxckpt.core import hostbuf
 from jaxckpt.core.manifest import MAX_MANIFEST_BYTES
 from jaxckpt.errors import (PeerError, PeerHandshakeError, PeerTimeoutError, PeerUnreachableError,
@@ -124,7 +124,7 @@ class ZmqClient(PeerClient):
                                       f"sent to it")
         return None
 
-    def _send(self, op: str, what: str, **fields: int | None) -> int:
+    def _send(self, op: str, what: str, **fields: Any) -> int:
         rid = next(self._ids)
         fields = {k: v for k, v in fields.items() if v is not None}
         wait = min(self._timeout, CONNECT_TIMEOUT_S)
@@ -277,13 +277,28 @@ class ZmqClient(PeerClient):
         if paged:
             yield -1, memoryview(self.manifest(step, process)), None
 
+    def rebuild(self, step: int, process: int, stripe: int, unit: int, lo: int, hi: int,
+                sources: dict[int, PeerAddress]) -> memoryview:
+        what = f"a rebuild of step {step} stripe {stripe} unit {unit} bytes {lo}..{hi}"
+        agents: dict[PeerAddress, int] = {}
+        pairs = [[int(q), agents.setdefault(tuple(a), len(agents))] for q, a in sorted(sources.items())]
+        # the peer's own reads of the other units must end (and say why) before this request times out
+        extra = {"stripe": stripe, "unit": unit, "timeout_ms": int(self._timeout * 800),
+                 "agents": [list(a) for a in agents], "sources": pairs}
+        out = hostbuf.empty(hi - lo, np.uint8)
+        for _, (o, n, _), _, buf in self._pipeline(step, [(0, p) for p in self._parts(lo, hi - lo, None)], process,
+                                                   what, op="rebuild", extra=extra):
+            out[o - lo:o - lo + n] = np.frombuffer(buf, dtype=np.uint8)
+        return memoryview(out)
+
     def _parts(self, offset: int, nbytes: int, chunk) -> list[tuple[int, int, list | None]]:
         """The requests of one range: at most a frame each."""
         c = list(chunk) if chunk is not None else None
         return [(o, min(self._frame_bytes, offset + nbytes - o), c)
                 for o in range(offset, offset + nbytes, self._frame_bytes)] or [(offset, 0, c)]
 
-    def _pipeline(self, step: int, parts: list, process: int | None, what: str) -> Iterator[tuple]:
+    def _pipeline(self, step: int, parts: list, process: int | None, what: str, *, op: str = "read",
+                  extra: dict | None = None) -> Iterator[tuple]:
         """Send ``parts`` ([(key, (offset, nbytes, chunk))]), at most the window in flight, the next ones sent
         before a reply is handed on (the peer sends while the caller works); yields (key, part, header, payload
         buffer) as replies arrive. A lost connection sends what was in flight again on a fresh one."""
@@ -298,8 +313,8 @@ class ZmqClient(PeerClient):
                 if part is _MANIFEST:
                     pending[self._send("manifest", what, step=step, offset=0, process=process)] = (key, part)
                     return
-                pending[self._send("read", what, step=step, offset=o, nbytes=n, process=process,
-                                   chunk=chunk)] = (key, part)
+                pending[self._send(op, what, step=step, offset=o, nbytes=n, process=process, chunk=chunk,
+                                   **(extra or {}))] = (key, part)
             if self._drain():
                 resends = self._reopen(what, resends)
             while True:

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from jaxckpt.tools.bench import cluster, cluster_report, plots, report
+from jaxckpt.tools.bench import cluster, cluster_launchers, cluster_report, plots, report
 from test_bench_all import _check_numbers, _check_stats
 from conftest import bench_section
 
@@ -38,6 +38,8 @@ def test_schema_and_every_figure(run):
     assert res["command"].startswith("jaxckpt bench cluster --quick") and res["command"].endswith(
         " --restore-collective")  # the command repeats the run, collective included
     assert {"machine", "date", "command", "setup", "policies", "restore", "save", "recovery", "ratios"} <= set(res)
+    assert res["memcpy_gbps"] > 0 and res["setup"]["replicas"] == "split"  # the memory copy floor, same run
+    assert all(res["restore"][k]["process_bytes"] > 0 for k in ("local", "peers", "resharded", "persistent"))
     _check_stats(res, "cluster")
     _check_numbers(res, "cluster")
     assert not run["left"], f"left in /dev/shm: {run['left']}"
@@ -119,7 +121,9 @@ def test_markdown_and_plots(run, tmp_path):
     assert body in text and "\nold\n" not in text and "Quick run" in body
     assert "None" not in body and "nan" not in body
     for words in ("jaxckpt, via peers", "Orbax StandardRestore", "Orbax emergency", "Parity floor",
-                  "Restore timeline", "raw TCP", "between 8 processes", "The loopback floor",
+                  "Restore timeline", "raw TCP", "between 8 processes", "The floor of each restore path",
+                  "memory copy floor ms", "Floors (issue 26; `Config.replicas='split'`)", "- agents alive: restore ",
+                  "- after a node loss: `Checkpointer()` + restore", "- kill → first step: jaxckpt's own share",
                   "kill → first step", res["machine"]["loadavg_at_start"]):
         assert words in body, words
     if plots.available():
@@ -138,3 +142,16 @@ def test_options_are_checked():
     with pytest.raises(ValueError, match="--repeats must be at least 1"):
         cluster.options(ns)
     assert cli.main(["bench", "cluster", "--quick", "--nodes", "1"]) == 2
+
+
+def test_the_srun_section_is_rendered_from_its_recorded_run():
+    """BENCHMARKS.md's `bench cluster --launcher both` section is what its recorded JSON renders (no figure typed
+    by hand), and that JSON holds both launchers' whole runs, the srun one on the emulated SLURM cluster."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    doc = report.read_json(os.path.join(root, "docs", "bench", "cluster-launchers.json"))
+    assert set(doc["launchers"]) == {"own", "srun"} and doc["slurm"]["emulated"], doc.get("slurm")
+    assert doc["launchers"]["srun"]["setup"]["launcher"]["name"] == "srun"
+    with open(os.path.join(root, "BENCHMARKS.md")) as f:
+        md = f.read()
+    begin, end = report.markers("cluster-launchers")
+    assert md[md.index(begin) + len(begin):md.index(end)].strip() == cluster_launchers.render(doc).strip()

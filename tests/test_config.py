@@ -49,6 +49,7 @@ def test_frozen_and_replace():
     ({"commit_timeout_s": 0}, "commit_timeout_s"), ({"store": "s3"}, "store"), ({"store": 3}, "store"),
     ({"protection": "raid5"}, "protection"), ({"job_id": "a/b"}, "job_id"), ({"job_id": ""}, "job_id"),
     ({"persistent_interval": -1}, "persistent_interval"), ({"chunk_bytes": 0}, "chunk_bytes"),
+    ({"replicas": "all"}, "replicas"), ({"replicas": 2}, "replicas"),
 ])
 def test_bad_values_name_the_field(changes, key):
     with pytest.raises(ConfigError, match=f"Config.{key}="):
@@ -176,6 +177,7 @@ def test_env_ill_typed_value_names_the_variable(var, raw):
 
 @pytest.mark.parametrize("var, raw, field", [
     ("JAXCKPT_KEEP", "0", "keep"), ("JAXCKPT_STORE", "tape", "store"), ("JAXCKPT_JOB_ID", "a b", "job_id"),
+    ("JAXCKPT_REPLICAS", "both", "replicas"),
 ])
 def test_env_invalid_value_names_the_field(var, raw, field):
     with pytest.raises(ConfigError, match=f"environment: Config.{field}="):
@@ -185,3 +187,10 @@ def test_env_invalid_value_names_the_field(var, raw, field):
 def test_env_unknown_variable_is_an_error():
     with pytest.raises(ConfigError, match="JAXCKPT_KEPP: no Config field 'kepp'"):
         Config().with_env({"JAXCKPT_KEPP": "3"})
+
+
+def test_replicas_choice_and_its_message():
+    assert Config().replicas == "split" and Config().with_env({"JAXCKPT_REPLICAS": "whole"}).replicas == "whole"
+    with pytest.raises(ConfigError) as e:
+        Config(replicas="copies")
+    assert str(e.value).startswith("Config.replicas='copies': expected one of split, whole (split: each replica ")

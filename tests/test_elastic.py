@@ -55,11 +55,12 @@ def node_dir(job: str, node) -> str:
 
 
 # ---------------------------------------------------------------------------- runs in the launched processes
-def _config(base: str, job: str, node: int, agent_dirs: str = ""):
+def _config(base: str, job: str, node: int, agent_dirs: str = "", **changes):
     import jaxckpt
 
     return jaxckpt.Config(store="shm", job_id=job, shm_dir=f"{base}/{job}-node{node}", keep=2, chunk_bytes=CHUNK,
-                          agent_dirs=agent_dirs or f"{base}/{job}-node*", commit_timeout_s=60.0, peer_timeout_s=30.0)
+                          agent_dirs=agent_dirs or f"{base}/{job}-node*", commit_timeout_s=60.0, peer_timeout_s=30.0,
+                          **changes)
 
 
 def host_state(step: int) -> dict:
@@ -154,44 +155,54 @@ def save_job(base: str, job: str):
     return {"latest": latest, "held": held}
 
 
-def restore_job(base: str, job: str, mesh_shape: list, specs: str, agent_dirs: str = ""):
+def restore_job(base: str, job: str, mesh_shape: list, specs: str, modes: list):
+    """Restore the newest step once per mode ("fetch", "collective": ``Config.restore_collective``), each with a
+    Checkpointer of its own, in the same processes (one launch serves both paths); the report of each."""
     import jaxckpt
     from jax.experimental import multihost_utils
 
     info = node_info()
     mesh = _mesh(tuple(mesh_shape))
-    with jaxckpt.Checkpointer(_config(base, job, info.node, agent_dirs)) as ck:
-        latest = ck.latest_step()
-        target = target_of(mesh, SPECS[specs])
-        got = ck.restore(target)
-        check_bitwise(got, target, latest)
-        report = ck.last_restore_report.to_dict()
-        multihost_utils.sync_global_devices("restored")
-    return {"latest": latest, "report": report, "node": info.node}
+    out = {"node": info.node}
+    for mode in modes:
+        with jaxckpt.Checkpointer(_config(base, job, info.node, restore_collective=mode == "collective")) as ck:
+            latest = ck.latest_step()
+            target = target_of(mesh, SPECS[specs])
+            got = ck.restore(target)
+            check_bitwise(got, target, latest)
+            out[mode] = {"latest": latest, "report": ck.last_restore_report.to_dict()}
+            multihost_utils.sync_global_devices(f"restored {mode}")
+    return out
 
 
-def corrupt_job(base: str, job: str, mirror: str):
-    """Restore with the corrupt node only (ChecksumError), then with a mirror of that node also served."""
+def corrupt_job(base: str, job: str, mirror: str, modes: list):
+    """Per mode (as in restore_job): restore with the corrupt node only (ChecksumError), then with a mirror of
+    that node also served."""
     import jaxckpt
     from jax.experimental import multihost_utils
 
     info = node_info()
     mesh = _mesh((1, 2))
     target = target_of(mesh, TP_SPECS)
-    with jaxckpt.Checkpointer(_config(base, job, info.node)) as ck:
-        try:
-            ck.restore(target)
-            error = None
-        except ChecksumError as e:
-            error = str(e)
-        multihost_utils.sync_global_devices("failed")
-    with jaxckpt.Checkpointer(_config(base, job, info.node, f"{base}/{job}-node*,{mirror}")) as ck:
-        latest = ck.latest_step()
-        got = ck.restore(target)
-        check_bitwise(got, target, latest)
-        report = ck.last_restore_report.to_dict()
-        multihost_utils.sync_global_devices("restored")
-    return {"error": error, "latest": latest, "report": report}
+    out = {}
+    for mode in modes:
+        collective = mode == "collective"
+        with jaxckpt.Checkpointer(_config(base, job, info.node, restore_collective=collective)) as ck:
+            try:
+                ck.restore(target)
+                error = None
+            except ChecksumError as e:
+                error = str(e)
+            multihost_utils.sync_global_devices(f"failed {mode}")
+        with jaxckpt.Checkpointer(_config(base, job, info.node, f"{base}/{job}-node*,{mirror}",
+                                          restore_collective=collective)) as ck:
+            latest = ck.latest_step()
+            got = ck.restore(target)
+            check_bitwise(got, target, latest)
+            report = ck.last_restore_report.to_dict()
+            multihost_utils.sync_global_devices(f"restored {mode}")
+        out[mode] = {"error": error, "latest": latest, "report": report}
+    return out
 
 
 def _train_step():
@@ -363,15 +374,21 @@ def test_agents_serve_their_node_with_a_private_token(saved):
             conn.close()
 
 
-# The fetch path (every process reads what it needs from whichever agent holds it); the collective path of the
-# same restores is tested below and in tests/test_restore_collective.py.
-FETCH_ENV = {**ENV, "JAXCKPT_RESTORE_COLLECTIVE": "0"}
-COLLECTIVE_ENV = {**ENV, "JAXCKPT_RESTORE_COLLECTIVE": "1"}  # off by default (slower on CPU): these test it
+# The fetch path (every process reads what it needs from whichever agent holds it) and the collective path
+# (Config.restore_collective, off by default: slower on CPU) of the same restores; also in
+# tests/test_restore_collective.py.
+COLLECTIVE_ENV = {**ENV, "JAXCKPT_RESTORE_COLLECTIVE": "1"}
 
 
-def test_restore_4_to_2_processes_tensor_parallel(saved):
-    values = expect_ok(launch(restore_job, nodes=2, procs_per_node=1, devices_per_proc=2,
-                              args=(BASE, JOB, [1, 4], "tp"), env=FETCH_ENV, timeout=180))
+@pytest.fixture(scope="module")
+def restored_4_to_2(saved):
+    """One launch of 2 processes (2 nodes x 1), tensor-parallel: the fetch restore, then the collective one."""
+    return expect_ok(launch(restore_job, nodes=2, procs_per_node=1, devices_per_proc=2,
+                            args=(BASE, JOB, [1, 4], "tp", ["fetch", "collective"]), env=ENV, timeout=180))
+
+
+def test_restore_4_to_2_processes_tensor_parallel(restored_4_to_2):
+    values = [{**v["fetch"], "node": v["node"]} for v in restored_4_to_2]
     assert [v["latest"] for v in values] == [3, 3]  # step 4 lacks process 3: the newest step held for all is 3
     for v in values:
         r = v["report"]
@@ -382,11 +399,10 @@ def test_restore_4_to_2_processes_tensor_parallel(saved):
         assert set(r["bytes_by_process"]) == {"0", "1", "2", "3"}
 
 
-def test_restore_4_to_2_processes_through_the_collective(saved):
+def test_restore_4_to_2_processes_through_the_collective(restored_4_to_2):
     """The same restore with the collective: each new process reads only its node's agent (the old processes of
     its node); what it lacks the collective brings, so nothing crosses the host transport."""
-    values = expect_ok(launch(restore_job, nodes=2, procs_per_node=1, devices_per_proc=2,
-                              args=(BASE, JOB, [1, 4], "tp"), env=COLLECTIVE_ENV, timeout=180))
+    values = [v["collective"] for v in restored_4_to_2]
     assert [v["latest"] for v in values] == [3, 3]
     for v in values:
         r = v["report"]
@@ -397,8 +413,9 @@ def test_restore_4_to_2_processes_through_the_collective(saved):
 
 
 def test_restore_4_to_8_processes_on_4_nodes_other_mesh(saved):
-    values = expect_ok(launch(restore_job, nodes=4, procs_per_node=2, devices_per_proc=1,
-                              args=(BASE, JOB, [2, 4], "mixed"), env=FETCH_ENV, timeout=240))
+    values = [{**v["fetch"], "node": v["node"]} for v in
+              expect_ok(launch(restore_job, nodes=4, procs_per_node=2, devices_per_proc=1,
+                               args=(BASE, JOB, [2, 4], "mixed", ["fetch"]), env=ENV, timeout=240))]
     assert [v["latest"] for v in values] == [3] * 8
     for i, v in enumerate(values):
         kinds = set(v["report"]["bytes_by_kind"])
@@ -433,12 +450,11 @@ def test_corrupt_agent_memory_is_routed_around_or_named(saved):
             byte = f.read(1)[0]
             f.seek(chunk.offset + 5)
             f.write(bytes([byte ^ 0x40]))
-        values = expect_ok(launch(corrupt_job, nodes=1, procs_per_node=2, devices_per_proc=1,
-                                  args=(BASE, JOB, mirror), env=FETCH_ENV, timeout=180))
-        # through the collective: node 1's chunks are read by one process each, so one process meets the corrupt
-        # chunk; every process still raises its ChecksumError (the others naming that process)
-        collective = expect_ok(launch(corrupt_job, nodes=1, procs_per_node=2, devices_per_proc=1,
-                                      args=(BASE, JOB, mirror), env=COLLECTIVE_ENV, timeout=180))
+        # fetch, then through the collective: node 1's chunks are read by one process each, so one process meets
+        # the corrupt chunk; every process still raises its ChecksumError (the others naming that process)
+        both = expect_ok(launch(corrupt_job, nodes=1, procs_per_node=2, devices_per_proc=1,
+                                args=(BASE, JOB, mirror, ["fetch", "collective"]), env=ENV, timeout=180))
+        values, collective = [v["fetch"] for v in both], [v["collective"] for v in both]
     finally:
         proto.stop_agent(mirror, JOB, timeout_s=30)
         agent.wait(timeout=30)

@@ -1,6 +1,7 @@
 """examples/train_flax_nodes.py end to end: 2 simulated nodes x 2 processes train the GPT, node 1 is lost with
 its agent and shared memory, and the relaunched job restores from node 0's memory (rebuilding node 1's chunks
-from protection) and continues bit for bit. About 45 s on 2 cores: three real 4-process JAX jobs."""
+from protection) and continues bit for bit. Two real 4-process JAX jobs
+(the second also trains the uninterrupted reference)."""
 import os
 import re
 import subprocess

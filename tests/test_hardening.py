@@ -35,7 +35,7 @@ from jaxckpt.core.checksum import crc32c
 from jaxckpt.core.dtypes import dtype_from_name, dtype_name
 from jaxckpt.core.engine import MAX_STEP
 from jaxckpt.errors import ChecksumError, ManifestError, StepError, UnsupportedLeafError
-from jaxckpt.core.fetch import ChunkReader, buffer_source
+from jaxckpt.core.fetch import ChunkReader, buffer_reader
 from jaxckpt.core.manifest import ChunkMeta
 
 BASE = f"/dev/shm/jaxckpt-hard-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -158,8 +158,8 @@ def _chunk(data: bytes, offset: int, process: int = 0) -> ChunkMeta:
 
 def test_chunk_readers_of_two_steps_interleaved_get_each_steps_bytes():
     one, two = bytes(range(64)), bytes(range(64, 128))  # same layout: every chunk at the same (process, offset)
-    readers = {1: ChunkReader({0: buffer_source(memoryview(one))}, 1),
-               2: ChunkReader({0: buffer_source(memoryview(two))}, 2)}
+    readers = {1: ChunkReader({0: buffer_reader(memoryview(one))}, 1),
+               2: ChunkReader({0: buffer_reader(memoryview(two))}, 2)}
     want = {1: one, 2: two}
     for off in (0, 16, 32, 48, 0, 16):
         for step in (2, 1):
@@ -173,7 +173,7 @@ def test_a_chunk_at_a_cached_place_is_never_served_from_the_cache():
     """Two chunks at the same (process, offset) but of other bytes (another step's manifest, another layout):
     the second is read and verified on its own, never handed the first one's bytes."""
     held = bytes(range(32))
-    r = ChunkReader({0: buffer_source(memoryview(held))}, 5)
+    r = ChunkReader({0: buffer_reader(memoryview(held))}, 5)
     assert bytes(r.raw("a", _chunk(held[:16], 0))) == held[:16]
     other = _chunk(bytes(16), 0)  # what another snapshot holds there
     with pytest.raises(ChecksumError, match=r"b: step 5 chunk \(0,\)\.\.\(16,\) of process 0 failed its crc32c"):

@@ -90,6 +90,19 @@ def kill_other_node():
     return {"killed": 0}
 
 
+def report_prefix(folder):
+    info = node_info()
+    open(os.path.join(folder, f"ready-{info.process_id}"), "w").close()
+    if info.node == 1:
+        time.sleep(600)
+    return {"prefix_node": os.environ["PREFIX_NODE"]}
+
+
+def through_setsid(node):
+    """A prefix like srun's: per node, and the worker is no child of the launcher's (its own session)."""
+    return ["env", f"PREFIX_NODE={node}", "setsid", "--wait"]
+
+
 # ----------------------------------------------------------------------------------------------- tests
 def test_results_by_process_and_node():
     results = launch(where_am_i, nodes=2, procs_per_node=2, devices_per_proc=2, args=("t",), timeout=120)
@@ -153,6 +166,23 @@ def test_kill_node_from_outside_and_inside(tmp_path):
     assert all(r.killed and r.returncode == -9 and "killed by kill_node" in r.error for r in results[2:])
 
 
+def test_a_prefix_runs_each_node_and_kills_reach_the_worker_behind_it(tmp_path):
+    """Processes started through a prefix (as srun starts them on a node of an allocation): each node's own words,
+    and kill_node reaches the worker itself, which the prefix's process group does not hold."""
+    with start(report_prefix, nodes=2, procs_per_node=1, args=(str(tmp_path),), distributed=False,
+               prefix=through_setsid) as job:
+        _wait_files([tmp_path / f"ready-{i}" for i in range(2)])
+        with open(os.path.join(job.launch_dir, "worker-1.pid")) as f:
+            worker = int(f.read())
+        assert worker not in job.pids() and os.getsid(worker) != os.getsid(job.pids(1)[0])
+        assert job.kill_node(1) == [1]
+        assert _wait_gone([worker]) == []
+        assert job.wait(60)
+    results = job.results()
+    assert results[0].value == {"prefix_node": "0"}
+    assert results[1].killed and "node 1 killed by kill_node" in results[1].error
+
+
 def test_launch_refuses_what_a_fresh_process_cannot_find():
     with pytest.raises(TypeError, match="module-level function"):
         launch(lambda: 1, nodes=1, procs_per_node=1)
@@ -164,13 +194,16 @@ def test_launch_refuses_what_a_fresh_process_cannot_find():
 
 SCRIPT = textwrap.dedent("""
     import os, sys, time
+    if "hang" in sys.argv:
+        # Written first, before JAX starts: the time-out may well fire while a loaded machine is still in
+        # jax.distributed's start-up, and those processes must be reaped too.
+        open(os.path.join(sys.argv[2], f"pid-{os.environ['JAXCKPT_PROCESS_ID']}"), "w").write(str(os.getpid()))
     import jaxckpt.testing as T
     info = T.init_from_env()
     import jax
     print("proc", jax.process_index(), "of", jax.process_count(), "devices", jax.device_count(),
           "node", info.node, "args", sys.argv[1:], flush=True)
     if "hang" in sys.argv:
-        open(os.path.join(sys.argv[2], f"pid-{info.process_id}"), "w").write(str(os.getpid()))
         time.sleep(600)
     sys.exit(7 if "fail" in sys.argv and info.process_id == 1 else 0)
 """)

@@ -8,7 +8,7 @@ from jaxckpt.core.box import Box, covers, disjoint
 from jaxckpt.errors import PlanError
 from jaxckpt.core.manifest import ArrayMeta, ChunkMeta
 from jaxckpt.core.plan import (ALIGN, HOST, ArrayLayout, Assembly, ChunkPlan, Placement, Read, SavePlan, layout_digest,
-                          plan_restore, plan_save, restore_bytes_by_process, validate_save_plan)
+                          plan_restore, plan_save, validate_save_plan)
 
 
 def layout(path, shape, placements, itemsize=4, dtype="float32"):
@@ -206,7 +206,6 @@ def test_restore_prefers_own_process_for_replicated_chunks():
     m = meta((4, 4), [(whole, 0), (whole, 1), (whole, 2)])
     (a,) = plan_restore(m, {whole: [0]}, step=1, prefer_process=2)
     assert [r.chunk.process for r in a.reads] == [2] and a.whole_chunk
-    assert restore_bytes_by_process([a], {"w": 4}) == {2: 64}
 
 
 def test_restore_plan_error_names_array_step_and_missing_box():
@@ -232,3 +231,49 @@ def test_plans_are_frozen():
     plan = plan_save([replicated("b", (4,), 1)], 1)[0]
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.nbytes = 0
+
+
+# ------------------------------------------------------------------------------------------- whole replicas
+def test_whole_replicas_one_whole_copy_per_node_by_its_least_loaded_process():
+    """Config.replicas="whole": 4 processes on 2 nodes; a replicated box is saved whole once per node (not per
+    process), by the least loaded process of the node; a sharded box once; copies of a box are cut alike."""
+    nodes = [0, 0, 1, 1]
+    rep = replicated("rep", (64, 8), procs=4)
+    w = sharded("w", (16, 4), procs=4)
+    plans = plan_save([w, rep], 4, chunk_bytes=1 << 10, nodes=nodes)
+    by_node = {}
+    for proc, c in saved_by(plans, "rep"):
+        by_node.setdefault(nodes[proc], []).append((proc, c.box))
+    assert sorted(by_node) == [0, 1]
+    for n, got in by_node.items():
+        assert covers(Box.full((64, 8)), [b for _, b in got]) and disjoint([b for _, b in got])
+        assert len({p for p, _ in got}) == 1  # one process of the node saves it
+    assert [b for _, b in by_node[0]] == [b for _, b in by_node[1]]
+    assert_exactly_once([w], plans)
+    # both processes of a node carry the same load (one shard of w) when rep is planned: the lower id saves it
+    assert {p for p, _ in by_node[0]} == {0} and {p for p, _ in by_node[1]} == {2}
+
+
+def test_whole_replica_validation_and_node_count():
+    rep = replicated("rep", (8, 4), procs=2)
+    plans = plan_save([rep], 2, nodes=[0, 0])  # one node: one copy
+    assert sum(len(p.chunks) for p in plans) == 1
+    one = tuple(c for p in plans for c in p.chunks)
+    twice = [dataclasses.replace(p, chunks=one) for p in plans]  # both processes of node 0 save it
+    with pytest.raises(PlanError, match=r"rep: chunk .* is saved twice on node 0"):
+        validate_save_plan([rep], twice, [0, 0])
+    with pytest.raises(PlanError, match="needs the node of each of the 2 processes"):
+        plan_save([rep], 2, nodes=[0])
+
+
+def test_restore_prefers_the_cheapest_copy_of_a_box():
+    """Copies of one box on processes 0 (another node), 1 (this one's own, lost: dearest) and 2 (this node)."""
+    box = Box.full((4, 4))
+    meta = ArrayMeta("rep", (), (4, 4), "float32", "jax",
+                     chunks=tuple(ChunkMeta(box, 0, 64, 0, p) for p in (0, 1, 2)))
+    (a,) = plan_restore(meta, {box: [0]}, step=3, prefer_process=1, cost={0: 1, 1: 3, 2: 0})
+    assert [r.chunk.process for r in a.reads] == [2]
+    (a,) = plan_restore(meta, {Box((0, 0), (2, 4)): [0]}, step=3, prefer_process=1, cost={0: 1, 1: 3, 2: 0})
+    assert [r.chunk.process for r in a.reads] == [2]
+    (a,) = plan_restore(meta, {box: [0]}, step=3, prefer_process=1)  # no costs: its own first, as before
+    assert [r.chunk.process for r in a.reads] == [1]

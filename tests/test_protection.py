@@ -1,4 +1,4 @@
-"""Protection planning and recovery, end to end in numpy: random layouts and node maps, real bytes in per-process
+"""Protection planning and rebuild, end to end in numpy: random layouts and node maps, real bytes in per-process
 snapshot buffers, parity computed the way each policy says (REFT parity from the holder's own full copy, xor groups
 and copies from other nodes' buffers), nodes lost, chunks rebuilt bit for bit or a DataLossError naming the boxes.
 """
@@ -27,11 +27,11 @@ class Job:
     """Arrays with random bytes, each process's snapshot buffer per the save plan, and every protection block
     computed by whom the plan says, from what that party really has."""
 
-    def __init__(self, layouts, nodes, policy, *, chunk_bytes=1 << 20, seed=0, **kw):
+    def __init__(self, layouts, nodes, policy, *, chunk_bytes=1 << 20, seed=0, whole=False, **kw):
         self.layouts, self.nodes = layouts, list(nodes)
         rng = np.random.default_rng(seed)
         self.data = {a.path: rng.integers(0, 256, (*a.shape, a.itemsize), dtype=np.uint8) for a in layouts}
-        self.plans = plan_save(layouts, len(nodes), chunk_bytes)
+        self.plans = plan_save(layouts, len(nodes), chunk_bytes, nodes=nodes if whole else None)
         self.prot = pr.plan_protection(layouts, self.plans, nodes, policy, **kw)
         self.bufs = [np.zeros(p.nbytes, np.uint8) for p in self.plans]
         for plan in self.plans:
@@ -71,11 +71,12 @@ class Job:
 
 
 class IO:
-    """RecoveryIO over a Job: lost nodes unreachable, corrupt bytes served as stored."""
+    """RebuildIO over a Job: lost nodes unreachable, corrupt bytes served as stored."""
 
-    def __init__(self, job, lost, corrupt_chunks=(), corrupt_copies=()):
+    def __init__(self, job, lost, corrupt_chunks=(), corrupt_copies=(), at_holder=False):
         self.job, self.lost = job, set(lost)
         self.corrupt, self.corrupt_copies = set(corrupt_chunks), set(corrupt_copies)
+        self.at_holder = at_holder  # the parity's holder XORs and sends the result (when its node survives)
         self.reads = []
         self.nbytes = 0  # bytes read, every kind
 
@@ -109,6 +110,28 @@ class IO:
         self.nbytes += hi - lo
         return self.job.parity[s.id][lo:hi]
 
+    def rebuilt(self, s, unit, lo, hi):
+        """What the parity's holder computes from what it reads of the other nodes (lost ones unreachable)."""
+        if not self.at_holder or s.node in self.lost:
+            return None
+        units = []
+        for k, u in enumerate(s.units):
+            if k == unit:
+                continue
+            pos, spans = 0, []
+            for g in u.ranges:
+                x, y = max(lo, pos), min(hi, pos + g.nbytes)
+                if y > x:
+                    c = self.job.prot.chunks[g.chunk]
+                    if c.node in self.lost:
+                        return None  # the holder cannot reach it either
+                    spans.append(self.job.saved(c)[g.lo + x - pos:g.lo + y - pos])
+                pos += g.nbytes
+            units.append(spans)
+        self.reads.append(("rebuilt", s.id))
+        self.nbytes += hi - lo
+        return pr.parity.encode([self.job.parity[s.id][lo:hi]] + units, length=hi - lo)
+
     def copy(self, b, lo, hi):
         self._node(b.node)
         self.reads.append(("copy", b.id))
@@ -123,8 +146,8 @@ def lost_chunks(job, lost):
 
 
 def check_rebuild(job, lost, **kw):
-    """Plan the recovery of ``lost``, rebuild every lost chunk and compare with the saved bytes."""
-    plan = rc.plan_recovery(job.prot, lost, step=STEP)
+    """Plan the rebuild of ``lost``, rebuild every lost chunk and compare with the saved bytes."""
+    plan = rc.plan_rebuild(job.prot, lost, step=STEP)
     rb = rc.Rebuilder(plan, IO(job, lost, **kw), job.crcs)
     want = {c.key for c in lost_chunks(job, lost)}
     assert {job.prot.chunks[r.chunk].key for r in plan.rebuilds} == want
@@ -159,12 +182,58 @@ SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[Heal
 
 
 @SETTINGS
-@given(job=jobs(), policy=st.sampled_from(PROTECTING))
-def test_every_single_node_loss_is_rebuilt_bit_for_bit(job, policy):
+@given(job=jobs(), policy=st.sampled_from(PROTECTING), at_holder=st.booleans())
+def test_every_single_node_loss_is_rebuilt_bit_for_bit(job, policy, at_holder):
+    """Every single node loss rebuilds bit for bit, from parity and units read here or rebuilt where each
+    stripe's parity lives (``at_holder``)."""
     layouts, nodes, kw = job
     j = Job(layouts, nodes, policy, **kw)
     for node in sorted(set(nodes)):
-        check_rebuild(j, {node})
+        check_rebuild(j, {node}, at_holder=at_holder)
+
+
+@SETTINGS
+@given(job=jobs(), policy=st.sampled_from(PROTECTING))
+def test_whole_replicas_need_no_parity_and_every_single_node_loss_is_rebuilt(job, policy):
+    """Config.replicas="whole": a box held on several nodes is saved whole on each and gets kind "whole" (no
+    stripe, no copy block reads it); a box on one node keeps the policy's protection; every single node loss
+    is rebuilt bit for bit, the whole chunks from another node's copy."""
+    layouts, nodes, kw = job
+    j = Job(layouts, nodes, policy, whole=True, **kw)
+    for a in layouts:
+        held = {}
+        for pl in a.placements:
+            held.setdefault(pl.box, set()).add(nodes[pl.process])
+        saved = {}  # (source box, chunk box) -> the nodes saving that chunk
+        for c in j.prot.chunks:
+            if c.path == a.path:
+                saved.setdefault((c.source, c.box), []).append(c.node)
+        assert {src for src, _ in saved} == set(held)
+        for (src, _), on in saved.items():  # once per node holding it, never twice on one
+            assert sorted(on) == sorted(held[src])
+        for c in j.prot.chunks:
+            if c.path == a.path and c.nbytes:
+                assert (c.policy == "whole") == (len(held[c.source]) >= 2), c
+    read = {g.chunk for s in j.prot.stripes for u in s.units for g in u.ranges} | \
+        {i for b in j.prot.copy_blocks for i in b.chunks}
+    assert not any(j.prot.chunks[i].policy == "whole" for i in read)
+    assert pr.decode_plan(pr.encode_plan(j.prot)) == j.prot
+    for node in sorted(set(nodes)):
+        plan = check_rebuild(j, {node})
+        for r in plan.rebuilds:
+            if j.prot.chunks[r.chunk].policy == "whole":
+                assert all(isinstance(src, rc.FromTwin) for p in r.parts for src in p.sources) and r.parts[0].sources
+
+
+def test_whole_replica_lost_with_every_copy_is_named():
+    """Both nodes holding a whole replica lost: DataLossError names the step and the box."""
+    rep = ArrayLayout("rep", (8, 4), "u4", 4, tuple(Placement(Box.full((8, 4)), p, 0) for p in (0, 1)))
+    j = Job([rep], [0, 1, 2], "hybrid", whole=True)
+    assert {c.policy for c in j.prot.chunks} == {"whole"} and len(j.prot.chunks) == 2 and not j.prot.stripes
+    check_rebuild(j, {0})
+    with pytest.raises(DataLossError, match=r"step 42: .* node\(s\) 0, 1: .*rep \[0, 0\]..\[8, 4\]") as e:
+        rc.plan_rebuild(j.prot, {0, 1}, step=STEP)
+    assert e.value.missing == {"rep": (Box.full((8, 4)),)}
 
 
 @SETTINGS
@@ -180,7 +249,7 @@ def test_two_node_losses_rebuild_or_name_exactly_what_is_missing(job, policy):
             err = e
         assert f"step {STEP}" in str(err) and err.step == STEP and err.lost_nodes == lost and err.missing
         # Every byte outside the named boxes is still rebuilt exactly; the named boxes are inside lost chunks.
-        plan = rc.plan_recovery(j.prot, lost, step=STEP, strict=False)
+        plan = rc.plan_rebuild(j.prot, lost, step=STEP, strict=False)
         assert plan.missing() == err.missing
         lost_boxes = {}
         for c in lost_chunks(j, lost):
@@ -194,7 +263,7 @@ def test_two_node_losses_rebuild_or_name_exactly_what_is_missing(job, policy):
             for part in r.parts:
                 if part.sources:
                     out = np.empty(c.nbytes, np.uint8)
-                    one = rc.RecoveryPlan(STEP, plan.lost_nodes, j.prot, (rc.ChunkRebuild(r.chunk, (part,)),))
+                    one = rc.RebuildPlan(STEP, plan.lost_nodes, j.prot, (rc.ChunkRebuild(r.chunk, (part,)),))
                     out[part.lo:part.hi] = rc.Rebuilder(one, IO(j, lost)).chunk(c.process, c.offset)[part.lo:part.hi]
                     np.testing.assert_array_equal(out[part.lo:part.hi], j.saved(c)[part.lo:part.hi])
         with pytest.raises(DataLossError):
@@ -269,7 +338,7 @@ def test_two_losses_in_different_groups_recover_in_the_same_group_fail(policy, l
     j = Job(layouts, nodes, policy, group_size=2, copies=1, chunk_bytes=4096, unit_bytes=2048)
     check_rebuild(j, lost_ok)
     with pytest.raises(DataLossError) as e:
-        rc.plan_recovery(j.prot, lost_bad, step=STEP)
+        rc.plan_rebuild(j.prot, lost_bad, step=STEP)
     msg = str(e.value)
     assert msg.startswith(f"step {STEP}: protection {policy!r} cannot rebuild what was lost with node(s) "
                           f"{', '.join(map(str, sorted(lost_bad)))}: ")
@@ -283,7 +352,7 @@ def test_replica_with_two_copies_survives_two_neighbours():
     j = Job(dp_layouts(nodes, rows=(), sharded=3), nodes, "replica", copies=2)
     check_rebuild(j, {0, 1})
     with pytest.raises(DataLossError, match=r"opt/m0 \[0, 0\]\.\.\[64, 64\]"):
-        rc.plan_recovery(j.prot, {0, 1, 2}, step=STEP)
+        rc.plan_rebuild(j.prot, {0, 1, 2}, step=STEP)
 
 
 def test_parity_algebra_r2_is_a_copy_and_r3_rotates():
@@ -373,12 +442,12 @@ def test_single_node_job_and_none_policy_lose_everything_with_a_clear_error(capl
     assert "the job has one node" in caplog.text
     assert {c.policy for c in j.prot.chunks} == {"none"}
     with pytest.raises(DataLossError, match=r"params/w0 \[0, 0\]\.\.\[64, 64\]"):
-        rc.plan_recovery(j.prot, {0}, step=STEP)
+        rc.plan_rebuild(j.prot, {0}, step=STEP)
     nodes = [0, 1]
     j = Job(dp_layouts(nodes, rows=(64,)), nodes, "none")
     with pytest.raises(DataLossError, match=f"step {STEP}: protection 'none'"):
-        rc.plan_recovery(j.prot, {1}, step=STEP)
-    assert rc.plan_recovery(j.prot, (), step=STEP).rebuilds == ()
+        rc.plan_rebuild(j.prot, {1}, step=STEP)
+    assert rc.plan_rebuild(j.prot, (), step=STEP).rebuilds == ()
 
 
 def test_corrupt_sources_are_routed_around_or_named():
@@ -391,30 +460,30 @@ def test_corrupt_sources_are_routed_around_or_named():
     # A corrupt surviving chunk is rebuilt from parity like a lost one (and is not used as a source).
     j = Job(layouts, nodes, "hybrid")
     bad = next(c for c in j.prot.chunks if c.policy == "parity" and c.node == 2)
-    plan = rc.plan_recovery(j.prot, (), step=STEP, bad_chunks=[bad.key])
+    plan = rc.plan_rebuild(j.prot, (), step=STEP, bad_chunks=[bad.key])
     got = rc.Rebuilder(plan, IO(j, (), corrupt_chunks=[bad.key]), j.crcs).chunk(*bad.key)
     np.testing.assert_array_equal(got, j.saved(bad))
     # A stripe whose other unit turns out corrupt at rebuild time cannot give the bytes: the error names them.
     lost = next(c for c in j.prot.chunks if c.policy == "parity" and c.node == 0)
-    plan = rc.plan_recovery(j.prot, {0}, step=STEP)
+    plan = rc.plan_rebuild(j.prot, {0}, step=STEP)
     others = {j.prot.chunks[g.chunk].key for s in j.prot.stripes for u in s.units if u.node == 1 for g in u.ranges}
     with pytest.raises(DataLossError, match=f"step {STEP}: .*params/w0.*sources failed: .*corrupt"):
         rc.Rebuilder(plan, IO(j, {0}, corrupt_chunks=others), j.crcs).chunk(*lost.key)
     # A known-bad parity block is planned around: with one lost node it leaves exactly its bytes missing.
     s = next(s for s in j.prot.stripes if s.kind == "parity" and s.node == 1)
     with pytest.raises(DataLossError) as e:
-        rc.plan_recovery(j.prot, {0}, step=STEP, bad_blocks=[("stripe", s.id)])
+        rc.plan_rebuild(j.prot, {0}, step=STEP, bad_blocks=[("stripe", s.id)])
     assert set(e.value.missing) == {"params/w0"}
 
 
 def test_rebuilt_chunks_feed_the_ordinary_chunk_reader():
     nodes = [0, 0, 1, 1, 2, 2]
     j = Job(dp_layouts(nodes, rows=(300,), sharded=1), nodes, "hybrid", chunk_bytes=8192, unit_bytes=4096)
-    plan = rc.plan_recovery(j.prot, {1}, step=STEP)
+    plan = rc.plan_rebuild(j.prot, {1}, step=STEP)
     assert plan.lost_processes == (2, 3) and plan.nbytes == sum(c.nbytes for c in lost_chunks(j, {1}))
     rb = rc.Rebuilder(plan, IO(j, {1}), j.crcs)
     sources = {p: (lambda off, n, p=p: memoryview(j.bufs[p])[off:off + n]) for p in range(6) if nodes[p] != 1}
-    sources.update({p: rb.source(p) for p in plan.lost_processes})
+    sources.update({p: rb.reader(p) for p in plan.lost_processes})
     reader = ChunkReader(sources, STEP)
     for c in j.prot.chunks:
         meta = ChunkMeta(c.box, c.offset, c.nbytes, j.crcs[c.key], c.process)
@@ -432,7 +501,7 @@ def test_a_rebuild_reads_only_the_byte_ranges_its_stripes_need():
     unit's whole chunk read again per lost chunk; the rebuilt bytes are checked by the chunk's crc32c."""
     nodes = [0, 0, 1, 1, 2, 2]
     j = Job(dp_layouts(nodes, rows=(300,), sharded=1), nodes, "hybrid", chunk_bytes=8192, unit_bytes=4096)
-    plan = rc.plan_recovery(j.prot, {1}, step=STEP)
+    plan = rc.plan_rebuild(j.prot, {1}, step=STEP)
     ranged, whole = IO(j, {1}), IO(j, {1})
     for io, crcs in ((ranged, j.crcs), (whole, {})):  # without a crc32c to check it by, whole verified chunks
         rb = rc.Rebuilder(plan, io, crcs)
@@ -441,6 +510,24 @@ def test_a_rebuild_reads_only_the_byte_ranges_its_stripes_need():
     assert not [r for r in ranged.reads if r[0] == "chunk"] and [r for r in whole.reads if r[0] == "chunk"]
     width = max(len(s.units) for s in j.prot.stripes)
     assert ranged.nbytes <= width * plan.nbytes < whole.nbytes, (ranged.nbytes, plan.nbytes, whole.nbytes)
+
+
+def test_a_lost_range_is_rebuilt_where_its_parity_lives_and_received_once():
+    """With the parity's holder rebuilding (RebuildIO.rebuilt), a lost node's chunks come back bit for bit and
+    the bytes received are exactly the bytes rebuilt from parity (plus the copies of copied chunks), where reading
+    the parity and every other unit costs more; a holder that cannot (None) leaves the rebuild to read them."""
+    nodes = [0, 0, 1, 1, 2, 2, 3, 3]
+    j = Job(dp_layouts(nodes, rows=(300,), sharded=1), nodes, "hybrid", chunk_bytes=8192, unit_bytes=4096)
+    plan = rc.plan_rebuild(j.prot, {1}, step=STEP)
+    held, here = IO(j, {1}, at_holder=True), IO(j, {1})
+    for io in (held, here):
+        rb = rc.Rebuilder(plan, io, j.crcs)
+        for c in lost_chunks(j, {1}):
+            np.testing.assert_array_equal(rb.chunk(c.process, c.offset), j.saved(c))
+    assert {r[0] for r in held.reads} <= {"rebuilt", "copy"} and any(r[0] == "rebuilt" for r in held.reads), \
+        held.reads  # no parity block nor other unit came here
+    copied = sum(c.nbytes for c in lost_chunks(j, {1}) if c.policy == "replica")
+    assert held.nbytes == plan.nbytes - copied < here.nbytes, (held.nbytes, plan.nbytes, here.nbytes)
 
 
 def test_planner_errors():
@@ -454,7 +541,7 @@ def test_planner_errors():
     with pytest.raises(PlanError, match="group_size >= 2"):
         pr.plan_protection(layouts, plans, nodes, "xor-group", group_size=1)
     with pytest.raises(PlanError, match=r"lost node\(s\) \[7\]"):
-        rc.plan_recovery(pr.plan_protection(layouts, plans, nodes, "parity"), {7}, step=1)
+        rc.plan_rebuild(pr.plan_protection(layouts, plans, nodes, "parity"), {7}, step=1)
     other = dp_layouts([0], rows=(8,))  # process 1 saves a box the layout says only process 0 holds
     with pytest.raises(PlanError, match="params/w0: process 1 saves a chunk"):
         pr.plan_protection(other, plans, nodes, "parity")

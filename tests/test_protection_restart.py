@@ -176,6 +176,11 @@ def race_job(base: str, job: str):
                 "skipped": sorted(prot._skipped), "go2": None if go is None else ("1" if go else "0")}
 
 
+def first_jobs(base: str, rate: int) -> dict:
+    """What the tests below launch first, in one launch (a Checkpointer, agents and memory per job)."""
+    return {"rst": save_refused_job(base, "rst"), "bw": bandwidth_job(base, "bw", rate), "race": race_job(base, "race")}
+
+
 # ------------------------------------------------------------------------------------------------- the tests
 def _lose_node(job: str, node: int) -> None:
     lost = f"{BASE}/{job}-node{node}"
@@ -189,9 +194,16 @@ def _launch(fn, *args):
                             timeout=180))
 
 
-def test_a_plain_restart_keeps_the_protected_step_for_a_later_node_loss():
+@pytest.fixture(scope="module")
+def first() -> dict:
+    """first_jobs' results: job -> every process's."""
+    values = _launch(first_jobs, RATE)
+    return {job: [v[job] for v in values] for job in ("rst", "bw", "race")}
+
+
+def test_a_plain_restart_keeps_the_protected_step_for_a_later_node_loss(first):
     job = "rst"
-    for r in _launch(save_refused_job, job):
+    for r in first[job]:
         assert r["latest"] == 2 and r["protected"] == [1] and r["failed"] == [2], r
     for r in _launch(plain_restart_job, job):
         # step 2 restored; step 1 (the newest protected) kept and known as protected
@@ -202,9 +214,9 @@ def test_a_plain_restart_keeps_the_protected_step_for_a_later_node_loss():
     assert out[1]["report"]["bytes_by_kind"].get("rebuild", 0) > 0, out[1]["report"]
 
 
-def test_protection_pulls_keep_to_the_bandwidth_bound_and_still_rebuild():
+def test_protection_pulls_keep_to_the_bandwidth_bound_and_still_rebuild(first):
     job = "bw"
-    out = _launch(bandwidth_job, job, RATE)
+    out = first[job]
     for r in out:
         assert r["protected"] == [1] and r["rate"] == RATE, r
         # the other node's half of "fsdp" (held once: copied here) passed through the bucket
@@ -217,8 +229,8 @@ def test_protection_pulls_keep_to_the_bandwidth_bound_and_still_rebuild():
     assert out[1]["report"]["bytes_by_kind"].get("rebuild", 0) > 0, out[1]["report"]
 
 
-def test_a_step_stale_on_a_non_leader_but_protected_by_process_0_is_protected():
-    out = _launch(race_job, "race")
+def test_a_step_stale_on_a_non_leader_but_protected_by_process_0_is_protected(first):
+    out = first["race"]
     for r in out:
         assert r["go2"] == "1", r  # process 0 decided to protect step 2 ...
         assert r["protected"] == [1, 2, 3] and r["failed"] == {} and r["skipped"] == [], r  # ... and it is

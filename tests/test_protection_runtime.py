@@ -2,7 +2,8 @@
 with 1 device each when PROTECTION_PROCS_PER_NODE=2).
 
 A job saves a tiny state (a replicated array, a data-parallel one and a fully sharded one) with protection, waits
-until every step is protected and exits; the agents keep the memory. A node is then lost (its agent SIGKILLed, its
+until every step is protected and exits; the agents keep the memory (one launch saves the jobs of every test,
+each job with its own Checkpointer, agents and memory). A node is then lost (its agent SIGKILLed, its
 shared memory removed) and a new job of the same size, with a fresh agent on the replacement node, restores the
 newest step bit for bit, rebuilding the lost node's chunks from parity (replicated arrays, REFT) or from copies
 on the next node (sharded arrays). 4 x 1 rather than 4 x 2: the machine has 2 cores.
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from jaxckpt.backends.agent import protocol as proto
+from jaxckpt.errors import StoreUnavailableError
 from jaxckpt.testing import expect_ok, launch, node_info, remove_agents
 import sharded_state
 
@@ -85,6 +87,12 @@ def save_job(base: str, job: str, policy: str, steps: list, drop_protection: lis
         policies = ck.engine.protection._plans[next(iter(ck.engine.protection._plans))].policies()
     failed = {s: repr(e) for s, e in ck.engine.protection._failed.items()}
     return {"protected": protected, "policies": {k: list(v) for k, v in policies.items()}, "failed": failed}
+
+
+def save_jobs(base: str, specs: list) -> dict:
+    """``save_job`` for each spec ``[job, policy, steps, drop_protection]`` in turn, in the same processes (one
+    launch saves the jobs of every test below; each job has its own Checkpointer, agents and memory)."""
+    return {spec[0]: save_job(base, *spec) for spec in specs}
 
 
 def restore_job(base: str, job: str, policy: str, save_next: int = 0):
@@ -161,6 +169,22 @@ def lose_node(job: str, node: int) -> None:
     shutil.rmtree(d, ignore_errors=True)
 
 
+def lose_node_under_running_job(job: str, lost: int, ready: str) -> None:
+    """Steps 1 and 2 saved protected ("hybrid") by a job that trains on; node ``lost`` is lost under it (its
+    trainers and agent SIGKILLed, its memory removed), then the rest of the job is killed as a scheduler would."""
+    from jaxckpt.testing import start
+
+    with start(save_and_train_on, nodes=NODES, procs_per_node=PROCS, devices_per_proc=2 // PROCS,
+               args=(BASE, job, "hybrid", [1, 2], str(ready)), env=ENV) as running:
+        deadline = time.monotonic() + 240
+        while len([n for n in os.listdir(ready) if n.startswith("ready-")]) < NODES * PROCS:
+            assert all(c is None for c in running.poll()), running.results()
+            assert time.monotonic() < deadline, "the job did not protect its steps within 240 s"
+            time.sleep(0.1)
+        assert running.kill_node(lost) == list(range(lost * PROCS, (lost + 1) * PROCS))
+        lose_node(job, lost)  # its agent SIGKILLed, then its memory goes
+
+
 def run(fn, *args):
     return expect_ok(launch(fn, nodes=NODES, procs_per_node=PROCS, devices_per_proc=2 // PROCS, args=(BASE, *args),
                             env=ENV, timeout=240))
@@ -171,11 +195,24 @@ def rebuilt_bytes(results) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- tests
+# Every job the tests below restore, saved in one launch: job -> [policy, steps, drop_protection].
+SAVED = {"turn-parity": ["parity", [1, 2], None], "turn-replica": ["replica", [1, 2], None],
+         "two-bad-replica": ["replica", [1, 2], None], "older": ["parity", [1, 2], [2, 2]],
+         "corrupt": ["parity", [1, 2], None], "token": ["replica", [1], None]}
+
+
+@pytest.fixture(scope="module")
+def saved() -> dict:
+    """job -> every process's save_job result, for the jobs of SAVED."""
+    values = run(save_jobs, [[job, *spec] for job, spec in SAVED.items()])
+    return {job: [v[job] for v in values] for job in SAVED}
+
+
 @pytest.mark.parametrize("policy", ["parity", "replica"])
-def test_lose_two_nodes_in_turn(policy):
+def test_lose_two_nodes_in_turn(policy, saved):
     """Save protected; lose node 1, recover bit for bit and save a new protected step; lose node 3, recover."""
     job = f"turn-{policy}"
-    out = run(save_job, job, policy, [1, 2])
+    out = saved[job]
     assert all(r["protected"] == [1, 2] for r in out), out
     kinds = out[0]["policies"]
     if policy == "parity":
@@ -205,22 +242,22 @@ def _check_clear_error(out, policy: str, lost: tuple[int, int]) -> None:
         assert all(f"{k} [" in r["error"] for k in named), r["error"]
 
 
-def test_two_nodes_in_one_group_is_a_clear_error():
+def test_two_nodes_in_one_group_is_a_clear_error(saved):
     """Loss beyond the policy (replica: nodes 1 and 2, a copy and its original): every process gets
     DataLossError naming the step, the nodes and missing boxes. The parity case is below, on the job of the
     corrupt-chunk test."""
     job, lost = "two-bad-replica", (1, 2)
-    out = run(save_job, job, "replica", [1, 2])
+    out = saved[job]
     assert all(r["protected"] == [1, 2] for r in out), out
     for n in lost:
         lose_node(job, n)
     _check_clear_error(run(restore_job, job, "replica"), "replica", lost)
 
 
-def test_falls_back_to_older_protected_step():
+def test_falls_back_to_older_protected_step(saved):
     """Step 2's protection never completed on node 2: with node 1 lost, step 1 is restored instead."""
     job = "older"
-    out = run(save_job, job, "parity", [1, 2], [2, 2])
+    out = saved[job]
     assert all(r["protected"] == [1, 2] for r in out), out
     lose_node(job, 1)
     out = run(restore_job, job, "parity")
@@ -229,11 +266,11 @@ def test_falls_back_to_older_protected_step():
 
 
 @pytest.fixture(scope="module")
-def parity_job():
+def parity_job(saved):
     """Steps 1 and 2 saved with parity on 4 nodes, shared by the two tests below (in this order: the first
     flips bytes on node 2 and restores, the second loses nodes 0 and 2, that memory included)."""
     job = "corrupt"
-    out = run(save_job, job, "parity", [1, 2])
+    out = saved[job]
     assert all(r["protected"] == [1, 2] for r in out), out
     return job
 
@@ -265,11 +302,11 @@ def test_two_nodes_in_one_parity_group_is_a_clear_error(parity_job):
 
 
 @pytest.fixture(scope="module")
-def replica_job():
+def replica_job(saved):
     """Step 1 saved with replica on 4 nodes, shared by the two tests below (in this order: the first only reads
     it, the second loses nodes 0 and 2)."""
     job = "token"
-    out = run(save_job, job, "replica", [1])
+    out = saved[job]
     assert all(r["protected"] == [1] for r in out), out
     return job
 
@@ -327,18 +364,8 @@ def test_replacement_node_restores_bitwise_while_its_agent_starts(tmp_path):
     the job killed as a scheduler would. The relaunched job's first ``Checkpointer()`` on the replacement spawns
     a fresh agent (importing no framework: jax, ml_dtypes, torch, not even numpy before it serves), and its
     restore of the newest protected step, rebuilt from the other nodes, is bit for bit."""
-    from jaxckpt.testing import start
-
     job, lost = "relaunch", 1
-    with start(save_and_train_on, nodes=NODES, procs_per_node=PROCS, devices_per_proc=2 // PROCS,
-               args=(BASE, job, "hybrid", [1, 2], str(tmp_path)), env=ENV) as running:
-        deadline = time.monotonic() + 240
-        while len([n for n in os.listdir(tmp_path) if n.startswith("ready-")]) < NODES * PROCS:
-            assert all(c is None for c in running.poll()), running.results()
-            assert time.monotonic() < deadline, "the job did not protect its steps within 240 s"
-            time.sleep(0.1)
-        assert running.kill_node(lost) == list(range(lost * PROCS, (lost + 1) * PROCS))
-        lose_node(job, lost)  # its agent SIGKILLed, then its memory goes
+    lose_node_under_running_job(job, lost, tmp_path)
     out = run(restore_on_replacement, job, "hybrid")
     assert [r["latest"] for r in out] == [2] * NODES * PROCS, out  # every array was checked bit for bit
     assert rebuilt_bytes(out) > 0
@@ -348,6 +375,61 @@ def test_replacement_node_restores_bitwise_while_its_agent_starts(tmp_path):
     for r in on_lost:
         # no framework; numpy only if the agent served a peer or a pull by the time it was asked
         assert set(r["agent_frameworks"]) <= {"numpy"} and r["startup"]["serving_s"] > 0, r
+    # The lost bytes moved once: every range rebuilt from parity was XORed where its parity lives, and what each
+    # process received to rebuild (those results, copies of copied chunks) is at most 1.1x what it rebuilt; the
+    # replacement rebuilt all of its own node's share.
+    for r in out:
+        rep = r["report"]
+        assert rep["rebuild_received"] <= 1.1 * rep["rebuilt_bytes"], rep
+        assert not [fb for fb in rep["fallbacks"] if "rebuilt here" in fb], rep  # no holder failed to
+    for r in on_lost:  # its node held no parity: every range was rebuilt at a holder
+        rep = r["report"]
+        assert set(rep["rebuilt_at"]) == {"holder"} and rep["rebuilt_bytes"] > 0, rep
+        print(f"replacement process: received {rep['rebuild_received']} bytes to rebuild {rep['rebuilt_bytes']} "
+              f"(transport {rep['transport_bytes']}, rebuilt at {rep['rebuilt_at']})")
+
+
+def test_a_replacement_agent_recovers_its_node_share_and_the_restore_reads_it_locally(tmp_path):
+    """A node is lost under a running job (trainer and agent SIGKILLed, memory removed). The replacement node's
+    agent is started first, as a launcher starts it, knowing the job's other agents (``--agent-dirs``): as soon as
+    it serves it rebuilds the lost node's share of the newest step into its own memory, receiving at most 1.1x
+    the bytes it rebuilt. The relaunched trainer there finds that agent (it spawns none), and its restore reads
+    its own process's bytes from its node's memory, rebuilding nothing; every array bit for bit."""
+    import subprocess
+    import sys
+
+    job, lost = "recover", 1
+    lose_node_under_running_job(job, lost, tmp_path)
+    d = f"{BASE}/{job}-node{lost}"
+    agent = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d, "--node",
+                              f"node{lost}", "--agent-dirs", f"{BASE}/{job}-node*",
+                              "--log", str(tmp_path / "agent.log")], stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # serving: the trainers then find it (the recovery may still run: their hellos wait for it)
+            assert agent.poll() is None, f"the replacement agent exited ({agent.returncode})"
+            assert time.monotonic() < deadline, "the replacement agent did not serve within 60 s"
+            try:
+                proto.agent_status(d, job)
+                break
+            except StoreUnavailableError:  # not listening yet
+                time.sleep(0.05)
+        out = run(restore_on_replacement, job, "hybrid")
+        recovery = proto.agent_status(d, job)["recovery"]
+        mine = list(range(lost * PROCS, (lost + 1) * PROCS))
+        assert recovery["state"] == "done" and recovery["step"] == 2 and recovery["processes"] == mine, recovery
+        assert 0 < recovery["received"] <= 1.1 * recovery["bytes"], recovery
+        assert [r["latest"] for r in out] == [2] * NODES * PROCS, out  # every array was checked bit for bit
+        for q in mine:
+            r = out[q]
+            rep = r["report"]
+            assert r["spawns"] == 0, r  # the running agent served it
+            assert rep["bytes_by_kind"].get("rebuild", 0) == 0, rep
+            own = rep["bytes_by_process"].get(str(q), 0)
+            assert own > 0 and rep["bytes_by_kind"].get("local", 0) + rep["bytes_by_kind"].get("node", 0) >= own, rep
+    finally:
+        proto.stop_agent(d, job)
+        agent.wait(timeout=30)
 
 
 @pytest.mark.skipif(os.environ.get("RUN_SLOW_TESTS") != "1", reason="slow: set RUN_SLOW_TESTS=1")

@@ -99,10 +99,24 @@ def restore_job(base: str, job: str):
     return {"latest": latest, "restored": restored, "report": report}
 
 
-def test_a_node_lost_while_the_newest_step_is_unprotected_restores_the_protected_one():
+def save_jobs(base: str, jobs: list) -> dict:
+    """``save_job`` for each job in turn, in the same processes (a Checkpointer, agents and memory per job)."""
+    return {job: save_job(base, job) for job in jobs}
+
+
+JOBS = ["win", "fallback", "corrupt-after-loss"]  # saved by one launch for the tests below, one job each
+
+
+@pytest.fixture(scope="module")
+def saved() -> dict:
+    """job -> every process's save_job result, for each of JOBS."""
+    values = _run(save_jobs, JOBS)
+    return {job: [v[job] for v in values] for job in JOBS}
+
+
+def test_a_node_lost_while_the_newest_step_is_unprotected_restores_the_protected_one(saved):
     job = "win"
-    out = expect_ok(launch(save_job, nodes=NODES, procs_per_node=1, devices_per_proc=2, args=(BASE, job),
-                           env=ENV, timeout=180))
+    out = saved[job]
     for r in out:
         assert r["latest"] == 2 and r["protected"] == [1] and r["failed"] == [2], r
     lost = f"{BASE}/{job}-node1"
@@ -137,21 +151,39 @@ def _wipe(node_dir: str) -> None:
     shutil.rmtree(node_dir, ignore_errors=True)
 
 
+def save_more_jobs(base: str, jobs: list, step: int) -> dict:
+    """``save_more_job`` for each job in turn, in the same processes."""
+    return {job: save_more_job(base, job, step) for job in jobs}
+
+
+AFTER_LOSS = ["fallback", "corrupt-after-loss"]
+
+
+@pytest.fixture(scope="module")
+def resaved(saved) -> dict:
+    """The jobs of AFTER_LOSS: step 1 protected and step 2 not, then node 1 lost (wiped), then one launch
+    restores each (node 1's part rebuilt) and commits step 3, whose protection fails. job -> every process's
+    save_more_job result."""
+    for job in AFTER_LOSS:
+        assert all(r["protected"] == [1] for r in saved[job]), "step 1 protected, step 2 not"
+        _wipe(f"{BASE}/{job}-node1")
+    values = _run(save_more_jobs, AFTER_LOSS, 3)
+    return {job: [v[job] for v in values] for job in AFTER_LOSS}
+
+
 def _run(fn, *args):
     return expect_ok(launch(fn, nodes=NODES, procs_per_node=1, devices_per_proc=2, args=(BASE, *args), env=ENV,
                             timeout=180))
 
 
-def test_a_step_restored_by_rebuilding_stays_the_fallback_until_a_newer_step_is_protected():
+def test_a_step_restored_by_rebuilding_stays_the_fallback_until_a_newer_step_is_protected(resaved):
     """Node 1 is lost after step 1 (protected); the job restores step 1 by rebuilding node 1's part and commits
     step 3, whose protection fails; a plain restart restores step 3; then node 1 is lost again. Step 1 (which no
     node holds whole, so it is not "protected") must still be there to rebuild: the restart may not drop it,
     since nothing newer is protected."""
     job = "fallback"
-    assert all(r["protected"] == [1] for r in _run(save_job, job)), "step 1 protected, step 2 not"
     lost = f"{BASE}/{job}-node1"
-    _wipe(lost)
-    out = _run(save_more_job, job, 3)
+    out = resaved[job]
     assert [(r["restored"], r["latest"]) for r in out] == [(1, 3), (1, 3)], out
     assert [r["latest"] for r in _run(restore_job, job)] == [3, 3]  # a plain restart
     _wipe(lost)
@@ -172,16 +204,14 @@ def _flip_chunk(node_dir: str, process: int, step: int, path: str) -> None:
         f.write(bytes([byte ^ 0x10]))
 
 
-def test_a_corrupt_newest_step_after_a_node_loss_falls_back_to_the_rebuildable_step_in_the_same_restore():
+def test_a_corrupt_newest_step_after_a_node_loss_falls_back_to_the_rebuildable_step_in_the_same_restore(resaved):
     """Node 1 is lost after step 1 (protected); the job restores step 1 by rebuilding node 1's part and commits
     step 3, whose protection fails, so node 1 holds step 3 only. A bit of step 3 then flips in node 1's memory.
     The restart's restore must fall back to step 1 (rebuilt again) inside the same call, on both processes, bit
     for bit, and say so; before, node 1 held no older committed step and the job had to relaunch."""
     job = "corrupt-after-loss"
-    assert all(r["protected"] == [1] for r in _run(save_job, job))
     lost = f"{BASE}/{job}-node1"
-    _wipe(lost)
-    out = _run(save_more_job, job, 3)
+    out = resaved[job]
     assert [(r["restored"], r["latest"]) for r in out] == [(1, 3), (1, 3)], out
     _flip_chunk(lost, 1, 3, "fsdp")
     out = _run(restore_job, job)

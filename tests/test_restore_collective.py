@@ -175,6 +175,13 @@ def save_job(base: str, job: str):
         return ck.latest_step()
 
 
+def first_jobs(base: str) -> dict:
+    """What the tests below run first, in one launch: ``meshes_job`` with each store, then the save of the
+    node-loss job (a Checkpointer per job)."""
+    return {**{store: meshes_job(base, f"meshes-{store}", store) for store in ("memory", "shm")},
+            "loss": save_job(base, "loss")}
+
+
 def node_loss_restore_job(base: str, job: str):
     import jaxckpt
     from jax.experimental import multihost_utils
@@ -194,9 +201,16 @@ def _launch(fn, *args):
                             timeout=240))
 
 
+@pytest.fixture(scope="module")
+def first() -> dict:
+    """first_jobs' results: name -> every process's."""
+    values = _launch(first_jobs)
+    return {name: [v[name] for v in values] for name in ("memory", "shm", "loss")}
+
+
 @pytest.mark.parametrize("store", ["memory", "shm"])
-def test_restore_through_collective_onto_same_and_changed_mesh(store):
-    out = _launch(meshes_job, f"meshes-{store}", store)
+def test_restore_through_collective_onto_same_and_changed_mesh(store, first):
+    out = first[store]
     for p, r in enumerate(out):
         for name in ("same", "changed"):
             rep = r[name]
@@ -225,9 +239,9 @@ def test_restore_through_collective_onto_same_and_changed_mesh(store):
         assert r["off"]["routes"] == {} and r["off"]["transport"] > 0
 
 
-def test_node_loss_restore_uses_collective_and_host_transport():
+def test_node_loss_restore_uses_collective_and_host_transport(first):
     job = "loss"
-    assert _launch(save_job, job) == [2, 2]
+    assert first[job] == [2, 2]
     lost = f"{BASE}/{job}-node1"
     from jaxckpt.backends.agent import protocol as proto
     proto.stop_agent(lost, timeout_s=20)
@@ -291,6 +305,19 @@ def test_rule_routes_each_array_and_says_why():
     assert routes.plan_route(meta, full, {0: [0, 1], 1: [0, 1]}, process_count=2).reason.startswith("local")
     # a host target
     assert routes.plan_route(meta, None, holders, process_count=2).kind == routes.FETCH
+
+
+def test_rule_with_whole_replicas_takes_each_box_once():
+    """Whole replicas: processes 0 and 1 (two nodes) each saved the whole array. Every process reads its own node's
+    copy: local; with node 1 lost, the collective carries one copy, process 0's, never both."""
+    shape = (10, 3)
+    meta = _meta("w", shape, [(0, 0, 5), (0, 5, 10), (1, 0, 5), (1, 5, 10)])
+    full = _layout(shape, [(0, 0, None), (1, 0, None), (2, 1, None), (3, 1, None)])
+    assert routes.plan_route(meta, full, {0: [0], 1: [1]}, process_count=2).reason.startswith("local")
+    r = routes.plan_route(meta, full, {0: [0]}, process_count=2)
+    assert r.kind == routes.COLLECTIVE and "host transport" not in r.reason
+    assert sorted((c.chunk.process, c.chunk.box.start[0]) for c in r.contributions) == [(0, 0), (0, 5)]
+    assert r.row_elements == 15 and routes.received_elements(r, full, 1) == 30
 
 
 def test_prefetch_reads_every_transport_source_at_once():

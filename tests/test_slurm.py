@@ -4,7 +4,8 @@ arguments (tests/scheduler_trainer.py), the node being SLURM's (SLURMD_NODENAME)
 default one, per job, allocation and node.
 
 - a step that fails in a running allocation is relaunched and restores from memory, bit for bit (agents spawned by
-  the trainers: they die with the step, the memory stays; what an ended allocation left is swept later);
+  the trainers as steps of their own: they outlive the failed step); the allocation's end frees every node's
+  memory (the agents hear of it); what a SIGKILLed agent left is swept by the next agent, or by the epilog;
 - agents run as their own step (``srun --overlap ... jaxckpt agent --wait``): a node is lost with its memory and
   the job is relaunched on a fresh node of the allocation: rebuilt from protection, bit for bit; then scancel
   frees every node's memory and stops every agent;
@@ -25,6 +26,7 @@ import uuid
 
 import pytest
 
+from jaxckpt.backends.agent.protocol import kill_agent, read_pid_file
 from jaxckpt.testing import slurm
 from requires import available
 from scheduler_trainer import live_pids, results
@@ -110,18 +112,20 @@ def assert_freed(name: str, job: str) -> float:
 
 
 # ------------------------------------------------------------------------------------------------- tests
-def test_failed_step_relaunched_restores_from_memory(cluster, job_name, tmp_path):
-    """2 nodes, agents spawned by the trainers inside their step. In step 0 rank 1 dies once step 3 is committed
-    (SIGKILL; --kill-on-bad-exit ends the step, its agents with it); step 1 adopts the nodes' memory, restores
-    step 3 and trains to 5 bit for bit. The allocation then ends while step 1 runs: agents inside a step get only
-    SIGKILL (slurmstepd signals the tasks alone), so the memory stays, and the next agent of the user on the node,
-    in a later allocation, sweeps it. About 40 s."""
+def test_failed_step_relaunched_restores_from_memory_and_allocation_end_frees_it(cluster, job_name, tmp_path):
+    """2 nodes, agents spawned by the trainers (the default), each through ``srun --overlap`` as a step of its own.
+    In step 0 rank 1 dies once step 3 is committed (SIGKILL; --kill-on-bad-exit ends the step); step 1 restores
+    step 3 from the nodes' memory (served by the agents' steps, which usually outlive step 0, or adopted by new
+    ones where SLURM cancelled them with it: backends/agent/lifetime.py) and trains to 5 bit for bit. The
+    allocation then ends while step 1 runs: the agents get SIGTERM, see the job COMPLETING and free every node's
+    memory, with no epilog and no later agent. About 40 s."""
     out = str(tmp_path)
     job = cluster.salloc(2, job_name)
     args = ["--out", out, "--job", job_name, "--steps", "5", "--fail-rank", "1", "--fail-at", "3"]
     finish(srun(cluster, job, nodes(cluster, 0, 1), args))
     assert os.path.exists(os.path.join(out, "failed-1"))
-    assert len(job_dirs(job_name, job)) == 2 and not agent_pids(job_name, job)  # died with the step; memory kept
+    dirs = job_dirs(job_name, job)
+    assert len(dirs) == 2, dirs
     p = srun(cluster, job, nodes(cluster, 0, 1), args + ["--linger"])
     wait_for(lambda: all(os.path.exists(os.path.join(out, f"result-{r}-relaunch.json")) for r in (0, 1))
              or p.poll() is not None, STEP_TIMEOUT_S, "the relaunched step's results")
@@ -131,12 +135,30 @@ def test_failed_step_relaunched_restores_from_memory(cluster, job_name, tmp_path
         assert set(r["kinds"]) <= {"local", "node", "remote"} and r["kinds"], r  # from memory, no other tier
         assert r["scheduler"] == "slurm" and r["source"] == "SLURMD_NODENAME (SLURM)", r
     assert [r["node"] for r in got] == cluster.nodes[:2]
-    assert [os.path.basename(r["agent_dir"]) for r in got] == job_dirs(job_name, job)
+    assert [os.path.basename(r["agent_dir"]) for r in got] == dirs
+    steps = cluster.run(["squeue", "-h", "-s", "-j", job, "-o", "%j"]).stdout.split()
+    assert steps.count("jaxckpt-agent") == 2, steps  # the serving agents are steps of their own
     cluster.run(["scancel", job])
     finish(p)
+    took = assert_freed(job_name, job)
+    print(f"the allocation's end freed the memory in {took:.1f}s (agents spawned by the trainers)")
+
+
+def test_next_agent_sweeps_what_a_killed_agent_left(cluster, job_name):
+    """An agent SIGKILLed (a crash: nothing of jaxckpt's left to hear of the allocation's end) leaves its node's
+    memory when the allocation ends; the next agent of the user on the node, in a later allocation, removes it.
+    About 10 s."""
+    job = cluster.salloc(1, job_name)
+    first = subprocess.Popen(["srun", f"--jobid={job}", "--overlap", sys.executable, "-m", "jaxckpt.cli", "agent",
+                              "--job", job_name], env=cluster.env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    wait_for(lambda: any(os.path.exists(f"/dev/shm/{d}/agent.sock") for d in job_dirs(job_name, job)), 60,
+             "the first agent serving")
+    os.kill(read_pid_file(f"/dev/shm/{job_dirs(job_name, job)[0]}")[0], signal.SIGKILL)
+    first.wait(60)
+    cluster.run(["scancel", job])
     cluster.wait_gone(job)
-    wait_for(lambda: not agent_pids(job_name, job), FREED_WITHIN_S, "the agents killed with the step")
-    assert len(job_dirs(job_name, job)) == 2
+    assert len(job_dirs(job_name, job)) == 1  # nobody freed it
     later, name = cluster.salloc(1, f"{job_name}-later"), f"{job_name}-later"
     agent = subprocess.Popen(["srun", f"--jobid={later}", "--overlap", sys.executable, "-m", "jaxckpt.cli", "agent",
                               "--job", name], env=cluster.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -211,9 +233,9 @@ def test_batch_script_end_frees_the_memory(cluster, job_name, tmp_path):
 
 
 def test_shipped_epilog_frees_an_ended_allocations_memory(job_name, tmp_path):
-    """A cluster of its own whose slurm.conf names examples/slurm/epilog.sh as Epilog. Agents spawned by the
-    trainers inside their step (nothing of jaxckpt's hears of the allocation's end); scancel while the step runs:
-    the epilog removes each node's memory, with no later agent to sweep it. About 25 s."""
+    """A cluster of its own whose slurm.conf names examples/slurm/epilog.sh as Epilog. The agents are SIGKILLed
+    (nothing of jaxckpt's is left to hear of the allocation's end); scancel while the step runs: the epilog
+    removes each node's memory, with no later agent to sweep it. About 25 s."""
     epilog = os.path.join(os.path.dirname(HERE), "examples", "slurm", "epilog.sh")
     root = tempfile.mkdtemp(prefix="jaxckpt-slurm-epilog-")
     c = slurm.SlurmCluster(root, nodes=2, epilog=epilog)
@@ -226,6 +248,8 @@ def test_shipped_epilog_frees_an_ended_allocations_memory(job_name, tmp_path):
                  or p.poll() is not None, STEP_TIMEOUT_S, "the step's results")
         assert all(r["bitwise"] for r in results(out, "first", 2))
         assert len(job_dirs(job_name, job)) == 2
+        for d in job_dirs(job_name, job):
+            assert kill_agent(f"/dev/shm/{d}") is not None
         c.run(["scancel", job])
         finish(p)
         took = assert_freed(job_name, job)

@@ -196,6 +196,31 @@ class TestZmqTransport(TransportTests):
         np.testing.assert_array_equal(np.frombuffer(c.read(3, 5, 100), dtype=np.uint8), data[5:105])
         assert server.refused == 1
 
+    def test_a_rebuild_asked_of_a_server_holding_no_parity_is_refused_clearly(self, served):
+        """A rebuild runs on the server's workers; a source holding no parity (a process's store) says so, a
+        malformed request is refused naming the field, and the server serves on."""
+        store, server, data, connect = served
+        c = connect()
+        src = {1: ("tcp://127.0.0.1:1", b"token", "")}
+        with pytest.raises(PeerError, match=r"rebuilds nothing \(not-supported\)"):
+            c.rebuild(3, 5, 0, 1, 0, 100, src)
+        s = self._raw(server)
+        try:
+            good = {"v": VERSION, "id": 9, "token": TOKEN, "op": "rebuild", "step": 3, "offset": 0, "nbytes": 8,
+                    "stripe": 0, "unit": 0, "timeout_ms": 1000, "agents": [["tcp://127.0.0.1:1", b"t", ""]],
+                    "sources": [[1, 0]], "process": 5}
+            for fields, msg in [({"process": None}, "names the protection slot"),
+                                ({"sources": [[1, 3]]}, "rebuild sources must be"),
+                                ({"agents": [["a", "not bytes", ""]]}, "rebuild sources must be"),
+                                ({"nbytes": FRAME + 1}, "exceeds the 4096-byte frame"),
+                                ({"stripe": -1}, "'stripe' must be a non-negative")]:
+                s.send(msgpack.packb({**good, **fields}))
+                header, _ = self._reply(s)
+                assert header["ok"] is False and header["id"] == 9 and msg in header["error"], header
+        finally:
+            s.close()
+        np.testing.assert_array_equal(np.frombuffer(c.read(3, 5, 100), dtype=np.uint8), data[5:105])
+
     def test_late_replies_to_timed_out_requests_are_dropped(self, served):
         store, server, data, connect = served
         c = connect()

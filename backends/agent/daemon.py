@@ -80,7 +80,7 @@ class Agent:
 
     def __init__(self, job: str, directory: str, *, node: str = "", node_budget: int = 0,
                  peer_bind: str | None = "127.0.0.1", message_timeout_s: float = MESSAGE_TIMEOUT_S,
-                 peer_security: str = "auto", transport: str = "zmq") -> None:
+                 peer_security: str = "auto", transport: str = "zmq", agent_dirs: str = "") -> None:
         # validates the job id (it names files), and refuses a bind off loopback that could not be protected
         Config(job_id=job, peer_bind=peer_bind or "127.0.0.1", peer_security=peer_security, transport=transport)
         self.job, self.dir = job, os.path.abspath(directory)
@@ -103,6 +103,10 @@ class Agent:
         self.snapshots = None  # agent_serve.AgentSnapshots once serving
         self.pulled_bytes = 0  # protection blocks' bytes this agent pulled from other nodes (protect_pull.py)
         self._pull_buckets = None  # protection_pull.Buckets, made at the first pull: each process's bandwidth cap
+        # Config.agent_dirs: the job's other agents, from which a fresh node's agent recovers its node's share
+        # as soon as it serves (agent/recovery.py); its trainers' hellos wait for that
+        self.agent_dirs = agent_dirs
+        self.recovery = None
         self.startup: dict[str, float] = {}  # startup_cost() once serving
         self.modules_at_serving: list[str] = []  # _packages() once serving
 
@@ -155,6 +159,11 @@ class Agent:
             self.startup = startup_cost()
             self.modules_at_serving = _packages()
             threading.Thread(target=_import_late, name="agent-import-late", daemon=True).start()
+            if self.agent_dirs and not self.table.committed():
+                from jaxckpt.backends.agent.recovery import Recovery
+
+                self.recovery = Recovery(self, self.agent_dirs)
+                self.recovery.start()
             log.info("agent %s (pid %d) of job %s on node %s serving %s, %.0f ms after exec (%.0f ms CPU)",
                      self.generation, os.getpid(), self.job, self.node, self.dir, 1e3 * self.startup["serving_s"],
                      1e3 * self.startup["cpu_s"])
@@ -181,7 +190,7 @@ class Agent:
         """Serve the node's committed snapshots to peers and publish the address (agent_serve.py)."""
         from jaxckpt.backends.agent import serve as agent_serve
 
-        self.snapshots = agent_serve.AgentSnapshots(self.table, self.dir)
+        self.snapshots = agent_serve.AgentSnapshots(self.table, self.dir, self.transport)
         if self.peer_bind is None:
             return
         try:
@@ -349,6 +358,8 @@ class Agent:
             conn.client, conn.reader = True, reader
         else:
             process = _int(msg, "process", MAX_PROCESS)
+            if self.recovery is not None:  # join the recovery of the node's share rather than fetch it again
+                self.recovery.wait()
             limits = Limits(budget=_int(msg, "budget"), keep=max(1, _int(msg, "keep")),
                             pending=max(1, _int(msg, "pending")))
             self._claim(conn, process)
@@ -451,6 +462,7 @@ class Agent:
                     "peer_key": self.peer_server.public_key if self.peer_server else "",
                     "peer_refused": self.peer_server.refused if self.peer_server else 0,
                     "pulled_bytes": self.pulled_bytes, "startup": self.startup,
+                    "recovery": self.recovery.report if self.recovery is not None else {},
                     # what this process imported, when it began to serve and now: a replacement node's agent
                     # must not pay for frameworks it never uses (jax, ml_dtypes, torch); tests read it here
                     "modules_at_serving": self.modules_at_serving, "modules": _packages(),
@@ -524,6 +536,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Config.peer_security of the peer server (default auto: CURVE off loopback)")
     p.add_argument("--transport", default="zmq",
                    help="Config.transport: the peer transport's registry name or module:Class (default zmq)")
+    p.add_argument("--agent-dirs", default="",
+                   help="Config.agent_dirs: where the job's other agents publish their peer files; an agent starting "
+                        "on a node that holds nothing of the job recovers its node's share from them at once")
     p.add_argument("--message-timeout-s", type=float, default=MESSAGE_TIMEOUT_S,
                    help="a request must arrive whole within this long of its first byte, else the connection is "
                         f"dropped (default {MESSAGE_TIMEOUT_S:g})")
@@ -558,7 +573,7 @@ def run_cli(args: argparse.Namespace) -> int:
         return Agent(args.job, directory, node=node_identity(config).name, node_budget=args.budget_bytes,
                      peer_bind=None if args.peer_bind == "none" else args.peer_bind,
                      message_timeout_s=args.message_timeout_s, peer_security=args.peer_security,
-                     transport=args.transport).run(wait=args.wait)
+                     transport=args.transport, agent_dirs=args.agent_dirs).run(wait=args.wait)
     except Exception:
         log.exception("agent of job %s in %s failed", args.job, directory)
         raise

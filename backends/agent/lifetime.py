@@ -6,20 +6,28 @@ Under SLURM with ProctrackType=proctrack/cgroup (measured on the emulated cluste
 * signals other than SIGKILL reach a step's *tasks* only (the processes srun started, children of slurmstepd):
   at the allocation's end (``scancel JOB``, the batch script's end, the time limit) each task gets SIGTERM, the
   job is COMPLETING meanwhile, and the whole step gets SIGKILL ``KillWait`` seconds later;
-* a step whose srun dies is cancelled (SIGKILL).
+* a step started from inside another step (``srun --overlap`` run by a task) usually outlives that step: its
+  ``srun`` dies with the step it was started from, and the new step runs on (5 of 6 runs of an srun killed
+  with a failed step's cgroup), still getting the allocation's end as above; but not always: an ``srun``
+  SIGKILLed on its own, or one that gets the failed step's SIGTERM first, cancels its step (4 of 4 runs), which
+  SIGKILLs its task.
 
-So an agent a trainer spawns lives and dies with the trainer's step: a failed step's memory stays and the next
-step's agent adopts it (a relaunched step restores from memory), but the agent never hears of the allocation's
-end. An agent run as its own step (``srun --overlap --ntasks-per-node=1 jaxckpt agent --job J --wait &`` in the
-batch script) is a task: it lives until the allocation ends, whatever the trainers' steps do, gets the SIGTERM
-then, sees the job COMPLETING and frees its memory (:func:`keep_on_term`) within ``KillWait``, with no
-administrator's epilog. A SIGTERM while the allocation runs (``scancel --signal=TERM``, srun forwarding a
-Ctrl-C) leaves the memory for the next agent instead.
+So the agent runs as a step of its own: a trainer that spawns it under SLURM starts it through
+``srun --overlap -N1 -n1 --nodelist=<this node>`` (:func:`step_launch`, used by ``protocol.spawn_agent``), and a
+batch script may start it itself (``srun --overlap --ntasks-per-node=1 jaxckpt agent --job J --wait &``: that
+srun lives outside every step, so the agent's step lives until the allocation ends, whatever the trainers' steps
+do). Either way the agent is a task: it gets the SIGTERM at the allocation's end, sees the job COMPLETING and
+frees its memory (:func:`keep_on_term`) within ``KillWait``, with no administrator's epilog. A step's failure
+usually leaves a spawned agent serving; when it takes it along (the srun race above), the agent's files stay and
+the relaunched step's agent adopts them: a relaunch restores from memory either way. A SIGTERM while the
+allocation runs (``scancel --signal=TERM``, srun forwarding a Ctrl-C) leaves the memory for the next agent.
 
-Memory no agent was left to free (agents spawned by the trainers, whose last step ended before the allocation)
-is swept by the next agent of the same user on that node (:func:`sweep_ended`), by ``jaxckpt doctor --sweep``, or
-by an administrator's epilog that removes ``/dev/shm/jaxckpt-*@slurm$SLURM_JOB_ID@*``: the default directory
-names its allocation (``jaxckpt.node_identity.agent_dir_name``).
+Where ``srun`` is not at hand the trainer spawns the agent inside its own step: it dies with that step (its
+files stay and the next step's agent adopts them) and never hears of the allocation's end. Memory no agent was
+left to free (that case, or an agent SIGKILLed) is swept by the next agent of the same user on that node
+(:func:`sweep_ended`), by ``jaxckpt doctor --sweep``, or by an administrator's epilog that removes
+``/dev/shm/jaxckpt-*@slurm$SLURM_JOB_ID@*``: the default directory names its allocation
+(``jaxckpt.node_identity.agent_dir_name``).
 
 Outside SLURM nothing changes: SIGTERM frees the memory, as ``jaxckpt agent --stop`` and ``stop_agent`` do.
 """
@@ -34,7 +42,7 @@ import subprocess
 from typing import Mapping
 
 from jaxckpt.backends.agent.protocol import LOCK_NAME
-from jaxckpt.node_identity import ENV_SLURM_JOB, allocation, parse_agent_dir_name
+from jaxckpt.node_identity import ENV_SLURM_JOB, ENV_SLURM_NODE, allocation, parse_agent_dir_name
 
 log = logging.getLogger("jaxckpt.backends.agent.lifetime")
 
@@ -45,6 +53,10 @@ RUNNING = frozenset({"RUNNING", "SUSPENDED", "STOPPED", "CONFIGURING", "RESIZING
 ENDED = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                    "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED", "PENDING", "REQUEUED", "REQUEUE_HOLD",
                    "REQUEUE_FED", "GONE"})
+# srun's input variables by which a step inherits its parent step's request (prefixes).
+STEP_REQUEST_VARS = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_CPUS_PER_", "SLURM_GPUS", "SLURM_TRES_PER_",
+                     "SLURM_MEM_PER_", "SLURM_GRES", "SLURM_CPU_BIND", "SLURM_DISTRIBUTION", "SLURM_EXACT",
+                     "SLURM_EXCLUSIVE", "SLURM_NNODES", "SLURM_STEP_")
 
 
 def slurm_job_state(job: str, timeout_s: float = QUERY_TIMEOUT_S) -> str | None:
@@ -63,6 +75,23 @@ def slurm_job_state(job: str, timeout_s: float = QUERY_TIMEOUT_S) -> str | None:
         return "GONE"
     log.warning("cannot ask SLURM for the state of job %s: %s", job, r.stderr.strip()[-300:])
     return None
+
+
+def step_launch(environ: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str]] | None:
+    """The ``srun`` words, and their environment, that start a command as a step of its own in this SLURM
+    allocation, on this node (one task, sharing the allocation's resources), or None outside an allocation or
+    without ``srun``. The environment drops what the calling step asked for (its task count, CPUs, GPUs, memory,
+    binding: srun would read them as this step's request); output goes to /dev/null on the node, so no stream
+    ties the new step to the spawning process, whose step may die first."""
+    env = dict(os.environ if environ is None else environ)
+    node = env.get(ENV_SLURM_NODE, "").strip()
+    srun = shutil.which("srun", path=env.get("PATH"))
+    if not allocation(env) or not node or srun is None:
+        return None
+    env = {k: v for k, v in env.items() if not k.startswith(STEP_REQUEST_VARS)}
+    return [srun, "--overlap", f"--jobid={env[ENV_SLURM_JOB].strip()}", "-N1", "-n1", "--ntasks-per-node=1",
+            f"--nodelist={node}", "--kill-on-bad-exit=0", "--input=none", "--output=/dev/null",
+            "--error=/dev/null", "--job-name=jaxckpt-agent", "--quiet"], env
 
 
 def keep_on_term(environ: Mapping[str, str] | None = None) -> tuple[bool, str]:

@@ -71,27 +71,30 @@ def _forget(address: str, token: bytes, client) -> None:
     client.close()
 
 
-class _Sources:
+class ChunkSpans:
     """Verified bytes of the chunks of one step a pull needs, from this node's memory or from the agents of other
     nodes: of each chunk the span its blocks use (a unit of an ``xor-group`` stripe may cover part of a chunk),
     checked against the chunk's crc32c; each source's spans fetched by one thread with several requests in
     flight, the sources in parallel."""
 
     def __init__(self, local, sources: dict[int, Any], step: int, timeout_s: float,
-                 bucket: "TokenBucket | None", transport: str = "zmq") -> None:
+                 bucket: "TokenBucket | None", transport: str = "zmq", *,
+                 crcs: dict[tuple[int, int], int] | None = None, known: set[int] | None = None) -> None:
         self.local, self.sources, self.step, self.timeout = local, sources, step, timeout_s
         self.transport = transport  # Config.transport of the agent (the one its peers serve with)
         self.bucket = bucket
         self.pulled = 0
         self.slept = 0.0  # this pull's share of the bucket's sleep
         self._views: dict[int, Any] = {}
-        self._crcs: dict[tuple[int, int], int] = {}
+        # the crc32c of every chunk of the manifests decoded, and whose: given, they are kept across several
+        # fetches of one step (the agent's rebuilds, protection_rebuild.py), each manifest asked for once
+        self._crcs: dict[tuple[int, int], int] = {} if crcs is None else crcs
         self._chunks: dict[tuple[int, int], tuple[int, np.ndarray]] = {}  # key -> (lo, bytes lo..hi of the chunk)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._pool: ThreadPoolExecutor | None = None
         self._running: dict[int, Future] = {}  # source process -> its fetch running behind the build
-        self._known: set[int] = set()  # source processes whose manifest's crc32c are in
+        self._known: set[int] = set() if known is None else known  # source processes whose crc32c are in
 
     def _remote(self, q: int):
         where = self.sources[q]
@@ -253,7 +256,7 @@ def pull_into(buffer: memoryview, msg: dict, step: int, local, *, buckets: "Buck
     stripes = {s.id: s for s in plan.stripes}
     blocks = {b.id: b for b in plan.copy_blocks}
     out = np.frombuffer(buffer, np.uint8)
-    src = _Sources(local, sources, step, timeout, buckets.get(owner, rate), transport)
+    src = ChunkSpans(local, sources, step, timeout, buckets.get(owner, rate), transport)
     crcs = []
     times = {"start": time.monotonic()}
     try:

@@ -19,13 +19,13 @@ import logging
 import os
 import queue
 import threading
-from typing import Any
+from typing import Any, Mapping
 
-from jaxckpt.backends.agent.protocol import AgentConnection, open_segment
+from jaxckpt.backends.agent.protocol import AgentConnection, open_segment, populate
 from jaxckpt.backends.agent.serve import read_peer_info
 from jaxckpt.errors import AgentError, PeerError, StepNotFoundError, StoreUnavailableError
 from jaxckpt.core.capabilities import AgentInfo
-from jaxckpt.core.fetch import buffer_source
+from jaxckpt.core.fetch import buffer_reader
 from jaxckpt.core.sources import HeldEntry, Holder, Opened
 
 log = logging.getLogger("jaxckpt.backends.agent.readers")
@@ -125,11 +125,18 @@ class NodeAgentHolder(Holder):
         try:
             buf = memoryview(b"")
             if r["seg"]:
-                buf = memoryview(open_segment(self.directory, r["seg"], r["size"], writable=False))[:r["nbytes"]]
+                m = open_segment(self.directory, r["seg"], r["size"], writable=False)
+                populate(m, r["nbytes"])
+                buf = memoryview(m)[:r["nbytes"]]
         except BaseException:
             unpin()
             raise
-        return Opened(r["manifest"], buffer_source(buf.toreadonly()), unpin)
+        return Opened(r["manifest"], buffer_reader(buf.toreadonly()), unpin)
+
+    def peer(self) -> tuple[str, bytes, str] | None:
+        """Where other nodes read this agent (the peer files it published), None if it serves no peers."""
+        info = read_peer_info(self.directory)
+        return None if info is None else (info["address"], info["token"], info.get("server_key", ""))
 
     def close(self) -> None:
         with self._lock:
@@ -192,6 +199,13 @@ class RemoteAgentHolder(Holder):
         return Opened(manifest, lambda offset, nbytes: self._with_client(lambda c: c.read(step, offset, nbytes,
                                                                                            process)),
                       lend=lambda: True)
+
+    def peer(self) -> tuple[str, bytes, str]:
+        return self.info.address, self.info.token, self.info.server_key
+
+    def rebuild(self, process: int, step: int, stripe: int, unit: int, lo: int, hi: int,
+                sources: Mapping[int, tuple[str, bytes, str]]) -> memoryview:
+        return self._with_client(lambda c: c.rebuild(step, process, stripe, unit, lo, hi, dict(sources)))
 
     def close(self) -> None:
         with self._lock:

@@ -29,7 +29,7 @@ import msgpack
 from jaxckpt.backends.agent.protocol import SEG_RE, open_segment, remove_file
 from jaxckpt.backends.agent.table import SlotTable
 from jaxckpt.core.checksum import crc32c
-from jaxckpt.core.transport import SnapshotSource
+from jaxckpt.core.transport import PeerAddress, ServedHolder
 from jaxckpt.errors import AgentError, ManifestError
 from jaxckpt.core.sources import held_entry
 from jaxckpt.core.store import SnapshotView
@@ -138,12 +138,13 @@ class _View(SnapshotView):
             unpin()
 
 
-class AgentSnapshots(SnapshotSource):
+class AgentSnapshots(ServedHolder):
     """The committed slots of every process of the node, for the peer server: pinned in the slot table while a
     reply is in flight, their segments mapped read-only once and shared by all replies."""
 
-    def __init__(self, table: SlotTable, directory: str) -> None:
+    def __init__(self, table: SlotTable, directory: str, transport: str = "zmq") -> None:
         self.table, self.dir = table, directory
+        self.transport = transport  # Config.transport: what a rebuild here reads other nodes' agents through
         self.label = f"node agent at {directory}"
         self._maps: dict[str, mmap.mmap] = {}
         self._entries: dict[tuple[int, int, int], list] = {}
@@ -182,6 +183,13 @@ class AgentSnapshots(SnapshotSource):
         live = {n for p in procs for n in self.table.segments(p)}
         for n in [n for n in self._maps if n not in live]:
             del self._maps[n]
+
+    def rebuild(self, process: int, step: int, stripe: int, unit: int, lo: int, hi: int,
+                sources: dict[int, PeerAddress], timeout_s: float) -> Any:
+        """ServedHolder.rebuild: a lost range rebuilt here, where its parity is (protection_rebuild.py)."""
+        from jaxckpt.backends.agent.protection_rebuild import rebuild_range
+
+        return rebuild_range(self, process, step, stripe, unit, lo, hi, sources, timeout_s, self.transport)
 
     def held(self) -> list[list]:
         out, keys = [], set()

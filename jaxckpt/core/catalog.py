@@ -57,7 +57,7 @@ from jaxckpt.core.collective import Channel, Collective
 from jaxckpt.core.coordination import Coordinator
 from jaxckpt.errors import (AgentError, ManifestError, PeerError, PeerTimeoutError, StepNotFoundError,
                             StoreUnavailableError)
-from jaxckpt.core.fetch import buffer_source
+from jaxckpt.core.fetch import buffer_reader
 from jaxckpt.core.sources import (HeldEntry, Holder, Opened, RestoreReads, Source, Version, check_manifest,
                                   choose_version, complete_steps, missing_processes, newest_common, order_sources)
 from jaxckpt.core.store import Store
@@ -152,6 +152,12 @@ class _Guarded(Holder):
     def open(self, process: int, step: int) -> Opened:
         o = self._call(self._h.open, process, step)
         return Opened(o.manifest, lambda offset, nbytes: self._call(o.read, offset, nbytes), o.close, o.lend, o.bind)
+
+    def peer(self) -> tuple[str, bytes, str] | None:
+        return self._h.peer()
+
+    def rebuild(self, *args) -> memoryview:
+        return self._call(self._h.rebuild, *args)
 
     def close(self) -> None:
         self._h.close()
@@ -430,7 +436,7 @@ class Catalog:
         own: tuple[mf.Manifest, HeldEntry] | None = None
         own_bad: ManifestError | None = None
         if view is not None:
-            opened.append(Opened(view.manifest, buffer_source(view.buffer), view.close, view.lend))
+            opened.append(Opened(view.manifest, buffer_reader(view.buffer), view.close, view.lend))
             try:
                 m = mf.decode(view.manifest, source=f"step {step} manifest of process {me}")
             except ManifestError as e:  # routed around like a corrupt chunk: another holder's copy, if any
@@ -462,16 +468,16 @@ class Catalog:
             if version is None:
                 raise self._missing(step, entries, own_bad or own_error)
         local = own if own is not None and prefer == version else None
-        manifests, sources = self._gather(step, version, index, local, opened)
+        manifests, sources = self._open_sources(step, version, index, local, opened)
         if own_bad is not None and self.config.verify_on_restore and me in sources:
             # the bytes in our own memory are still read first: each chunk is checked against the good manifest
             sources[me].insert(0, Source("local", f"own memory of process {me}", self._local_node(),
                                          opened[0].read))
         return manifests, sources
 
-    def _gather(self, step: int, version: Version, index: list[tuple[Holder, HeldEntry]],
-                local: tuple[mf.Manifest, HeldEntry] | None, opened: list[Opened]
-                ) -> tuple[list[mf.Manifest], dict[int, list[Source]]]:
+    def _open_sources(self, step: int, version: Version, index: list[tuple[Holder, HeldEntry]],
+                      local: tuple[mf.Manifest, HeldEntry] | None, opened: list[Opened]
+                      ) -> tuple[list[mf.Manifest], dict[int, list[Source]]]:
         by_q: dict[int, list[tuple[Holder, HeldEntry]]] = {}
         for h, e in index:
             if (e.process_count, e.layout) == (version.process_count, version.layout) or h.kind == "peer":

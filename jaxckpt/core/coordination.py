@@ -24,7 +24,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, Protocol
 
-from jaxckpt.core.history import trim
+from jaxckpt.core.trim import trim
 from jaxckpt.errors import CommitError
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ class CommitTracker:
         self._latest: int | None = None
         self._outcome: dict[int, bool] = {}
         self._settled: set[int] = set()  # decided steps whose on_commit hook (retention) has run
-        # Bounded (jaxckpt.core.history): steps up to _floor were decided and trimmed; of those, the ones that
+        # Bounded (jaxckpt.core.trim): steps up to _floor were decided and trimmed; of those, the ones that
         # did not commit stay known in _old_failed (itself bounded: a failure that old is no one's concern).
         self._floor = -1
         self._old_failed: set[int] = set()

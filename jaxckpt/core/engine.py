@@ -1,8 +1,13 @@
-"""The framework-neutral checkpointer core both front ends drive: plan cache, snapshots, commit, retention.
+"""The framework-neutral checkpointer core every front end drives: plan cache, snapshots, commit, retention.
 
-A front end turns its state into :class:`ArrayRecord` (one per array leaf) plus plain values, calls
-:meth:`CheckpointEngine.save`, and on restore asks :meth:`CheckpointEngine.open` for the manifests and a
-:class:`~jaxckpt.core.fetch.ChunkReader` and rebuilds its own arrays from them.
+Save: the face every front end shares (``jaxckpt.frontend.checkpointer``) calls :meth:`CheckpointEngine.begin`
+(reserves the slot; a refusal leaves nothing behind), has its front end take what must be taken now, then calls
+:meth:`CheckpointEngine.start` with the shard reads (one :class:`ArrayRecord` per array leaf, plus plain values).
+:meth:`CheckpointEngine.save` does both for a caller whose records are ready (tests, engines without a face).
+Restore: the one restore driver (``jaxckpt.core.restore.restore_step``) and the persistent writer read a
+committed step through :meth:`CheckpointEngine.open`: its manifests and a
+:class:`~jaxckpt.core.fetch.ChunkReader` over its sources, pinned until the block ends; the front end makes its
+arrays from the host boxes the driver assembles.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from jaxckpt.core.catalog import Catalog
 from jaxckpt.core.fetch import ChunkReader
 from jaxckpt.core.sources import Holder
 from jaxckpt.core.protect import Protection, ProtectionFactory
+from jaxckpt.node_identity import node_identity
 from jaxckpt.registry import get_part, get_store_class
 from jaxckpt.core.copier import Copier, SnapshotResult
 # ArrayRecord and ShardReads: the front ends' names for what they hand a save (defined with the chunk table)
@@ -130,6 +136,7 @@ class CheckpointEngine:
                                       on_commit=self._after_commit)
         self._prepared: dict[tuple, Prepared] = {}
         self._last_prep: Prepared | None = None
+        self._nodes: tuple[int, ...] | None = None  # node of each process (Config.replicas="whole")
         self._pending: deque[SaveHandle] = deque()
         self._committed: list[int] = []
         self._last_step: int | None = None
@@ -277,11 +284,24 @@ class CheckpointEngine:
         if prep is not None:
             return prep
         prep = prepare(key, make_records(), self.process_index, self.process_count, self.config.chunk_bytes,
-                       self.protection)
+                       self.protection, nodes=self._save_nodes())
         if len(self._prepared) >= PLAN_CACHE:  # a job that keeps changing its layout: forget the oldest
             self._prepared.pop(next(iter(self._prepared)))
         self._prepared[key] = prep
         return prep
+
+    def _save_nodes(self) -> tuple[int, ...] | None:
+        """With ``Config.replicas="whole"`` in a job of several processes, the node (failure domain) of every
+        process, agreed once in a round of the main channel (``jaxckpt.node_identity``; the first save of every
+        process plans, so all take part); None for split replicas, where the plan needs no nodes."""
+        if self.config.replicas != "whole" or self.process_count <= 1:
+            return None
+        if self._nodes is None:
+            got = self.collective.channel("main").all_gather("save nodes", node_identity(self.config).name)
+            names: dict[str, int] = {}
+            self._nodes = tuple(names.setdefault(str(n), len(names)) for n in got)
+            log.info("process %d: whole replicas over %d node(s) %s", self.process_index, len(names), list(names))
+        return self._nodes
 
     def _local_finished(self, fut, handle: SaveHandle, slot, prep: Prepared, values, order) -> None:
         try:

@@ -23,11 +23,11 @@ from jaxckpt.errors import ChecksumError, DataLossError, PeerError, StepNotFound
 from jaxckpt.core.manifest import ChunkMeta
 from jaxckpt.core.copier import copy_and_checksum
 from jaxckpt.core.plan import Assembly
-from jaxckpt.core.sources import ByteSource, RestoreReport, Source, plan_fetch
+from jaxckpt.core.sources import RANK, ByteReader, RestoreReport, Source, plan_fetch
 
 log = logging.getLogger("jaxckpt.core.fetch")
 
-__all__ = ["ByteSource", "ChunkReader", "Source", "assemble", "buffer_source"]
+__all__ = ["ByteReader", "ChunkReader", "Source", "assemble", "buffer_reader"]
 
 # A chunk under this size read from this node's memory is read on the calling thread during a prefetch.
 INLINE_BYTES = 256 << 10
@@ -38,8 +38,8 @@ MAX_FETCH_THREADS = 32
 SOURCE_ERRORS = (ChecksumError, PeerError, StepNotFoundError, StoreUnavailableError, OSError)
 
 
-def buffer_source(buf: memoryview) -> ByteSource:
-    """A ByteSource over a local buffer: zero-copy slices, bounds-checked."""
+def buffer_reader(buf: memoryview) -> ByteReader:
+    """A ByteReader over a local buffer: zero-copy slices, bounds-checked."""
     def read(offset: int, nbytes: int) -> memoryview:
         if offset + nbytes > len(buf):
             raise ChecksumError(f"range {offset}+{nbytes} runs past the end of a {len(buf)}-byte snapshot")
@@ -50,11 +50,11 @@ def buffer_source(buf: memoryview) -> ByteSource:
 class ChunkReader:
     """Host views of saved chunks, fetched from the first healthy source of the process that saved them.
 
-    ``sources`` maps each saving process to its sources, cheapest first (a bare ByteSource is one source of
+    ``sources`` maps each saving process to its sources, cheapest first (a bare ByteReader is one source of
     kind ``"process"``). ``workers`` bounds the threads of :meth:`prefetch`.
     """
 
-    def __init__(self, sources: Mapping[int, ByteSource | Sequence[Source]], step: int, verify: bool = True, *,
+    def __init__(self, sources: Mapping[int, ByteReader | Sequence[Source]], step: int, verify: bool = True, *,
                  workers: int = 1, process: int = 0) -> None:
         self._sources: dict[int, list[Source]] = {
             p: list(s) if isinstance(s, (list, tuple)) else [Source("process", f"process {p}", "", s)]
@@ -159,6 +159,15 @@ class ChunkReader:
         if step == self._step:
             with self._lock:
                 self.report.rebuild_reads[kind] = self.report.rebuild_reads.get(kind, 0) + nbytes
+
+    def rebuilt(self, step: int, where: str, nbytes: int, fallback: str = "") -> None:
+        """``nbytes`` of lost chunks were rebuilt from parity ``where``: counted in ``report.rebuilt_at``; a
+        ``fallback`` (why the parity's holder did not rebuild them) goes to ``report.fallbacks``."""
+        if step == self._step:
+            with self._lock:
+                self.report.rebuilt_at[where] = self.report.rebuilt_at.get(where, 0) + nbytes
+                if fallback:
+                    self.report.fallbacks.append(fallback)
 
     def _fetch(self, path: str, chunk: ChunkMeta, key: tuple, rebuilds: bool = True) -> memoryview:
         sources = self._sources.get(chunk.process)
@@ -315,6 +324,14 @@ class ChunkReader:
         """The saving processes whose bytes this reader reads first from this node's memory (source kinds
         ``local`` and ``node``): what this process can contribute to a collective restore without transport."""
         return sorted(q for q, s in self._sources.items() if s and s[0].kind in ("local", "node"))
+
+    def process_costs(self) -> dict[int, int]:
+        """Saving process -> how dear its bytes are to read first: 0 from this node's memory (kinds local and
+        node), then by the rank of its first source kind (another node, a rebuild, ...); a process with no
+        source at all ranks last. What the restore plan orders copies of one box by (whole replicas)."""
+        near = RANK["node"]
+        return {q: max(0, RANK.get(s[0].kind, len(RANK)) - near) if s else len(RANK)
+                for q, s in self._sources.items()}
 
     def _first(self, chunk: ChunkMeta) -> Source | None:
         sources = self._sources.get(chunk.process)

@@ -4,7 +4,11 @@ Save (every process computes the same global plan from the arrays' shardings, so
   1) group each array's device placements by box; the processes holding a box are its replicas;
   2) a box held by one process is saved by it; a box replicated over R processes is cut into R pieces along
      its longest axis and each replica saves one piece, the least loaded replica taking the largest piece, so
-     every replica saves about 1/R of every replicated array and the total is balanced across arrays;
+     every replica saves about 1/R of every replicated array and the total is balanced across arrays
+     (``Config.replicas="split"``, REFT). Given the node of every process (``Config.replicas="whole"``), a box
+     is instead saved whole once per node that holds it, by that node's least loaded replica: every node then
+     keeps a full copy of what it holds, so a restore reads its own node's memory, and the copies on the
+     other nodes are its redundancy;
   3) pieces larger than ``chunk_bytes`` are cut further so that worker threads share big arrays;
   4) each process lays its chunks out back to back (64-byte aligned) in one buffer.
 Restore: for the boxes a process's new shardings need, pick the saved chunks that cover them.
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from jaxckpt.core.box import Box, covers, disjoint
 from jaxckpt.errors import PlanError
@@ -75,8 +79,13 @@ def layout_digest(layouts: Sequence[ArrayLayout]) -> str:
     return h.hexdigest()
 
 
-def plan_save(layouts: Sequence[ArrayLayout], process_count: int, chunk_bytes: int = 64 << 20) -> list[SavePlan]:
-    """The global save plan: one SavePlan per process, every unique box saved exactly once."""
+def plan_save(layouts: Sequence[ArrayLayout], process_count: int, chunk_bytes: int = 64 << 20, *,
+              nodes: Sequence[int] | None = None) -> list[SavePlan]:
+    """The global save plan: one SavePlan per process, every unique box saved exactly once; with ``nodes`` (the
+    node of each process: ``Config.replicas="whole"``) every unique box saved whole once on each node holding it."""
+    if nodes is not None and len(nodes) != process_count:
+        raise PlanError(f"a whole-replica plan needs the node of each of the {process_count} processes "
+                        f"(got {len(nodes)})")
     load = [0] * process_count
     per_proc: list[list[tuple[str, Box, Box, int, int]]] = [[] for _ in range(process_count)]
     for a in layouts:
@@ -87,6 +96,16 @@ def plan_save(layouts: Sequence[ArrayLayout], process_count: int, chunk_bytes: i
             holders.setdefault(p.box, {}).setdefault(p.process, p.device)  # first device of each process
         for box, procs in holders.items():
             replicas = sorted(procs, key=lambda q: (load[q], q))
+            if nodes is not None:  # the least loaded replica of each node saves the whole box
+                first: dict[int, int] = {}
+                for q in replicas:
+                    first.setdefault(nodes[q], q)
+                for owner in first.values():
+                    for chunk in _cut(box, a.itemsize, chunk_bytes):
+                        nbytes = chunk.size * a.itemsize
+                        per_proc[owner].append((a.path, chunk, box, procs[owner], nbytes))
+                        load[owner] += nbytes
+                continue
             # Pieces differ by up to a row and split() puts the small ones first: the biggest goes to the least
             # loaded replica, or the same replica would take the small piece of every array.
             pieces = sorted(box.split(len(replicas)), key=lambda b: -b.size)
@@ -103,7 +122,7 @@ def plan_save(layouts: Sequence[ArrayLayout], process_count: int, chunk_bytes: i
             chunks.append(ChunkPlan(path, box, source, device, off, nbytes))
             off += -(-nbytes // ALIGN) * ALIGN
         plans.append(SavePlan(proc, tuple(chunks), off, digest))
-    validate_save_plan(layouts, plans)
+    validate_save_plan(layouts, plans, nodes)
     return plans
 
 
@@ -114,16 +133,26 @@ def _cut(box: Box, itemsize: int, chunk_bytes: int) -> list[Box]:
     return box.split(-(-nbytes // chunk_bytes))
 
 
-def validate_save_plan(layouts: Sequence[ArrayLayout], plans: Sequence[SavePlan]) -> None:
-    """Raise PlanError unless every array is covered exactly once by in-bounds chunks."""
+def validate_save_plan(layouts: Sequence[ArrayLayout], plans: Sequence[SavePlan],
+                       nodes: Sequence[int] | None = None) -> None:
+    """Raise PlanError unless every array is covered exactly once by in-bounds chunks; with ``nodes`` (whole
+    replicas) a chunk may be saved again, the same box, on another node, never twice on one node."""
     by_path: dict[str, list[Box]] = {a.path: [] for a in layouts}
+    on_node: set[tuple[str, Box, int]] = set()
     for plan in plans:
         for c in plan.chunks:
             if c.path not in by_path:
                 raise PlanError(f"{c.path}: process {plan.process} plans a chunk of an array the layout does not have")
+            if nodes is not None:
+                key = (c.path, c.box, nodes[plan.process])
+                if key in on_node:
+                    raise PlanError(f"{c.path}: chunk {c.box} is saved twice on node {nodes[plan.process]}")
+                on_node.add(key)
             by_path[c.path].append(c.box)
     for a in layouts:
         boxes, whole = by_path[a.path], Box.full(a.shape)
+        if nodes is not None:
+            boxes = list(dict.fromkeys(boxes))  # each node's copy is the same boxes: the distinct ones cover it
         for b in boxes:
             if not whole.contains(b):
                 raise PlanError(f"{a.path}: chunk {b} out of bounds of shape {a.shape}")
@@ -155,16 +184,24 @@ class Assembly:
 
 
 def plan_restore(meta: ArrayMeta, needed: Mapping[Box, Sequence[int]], *, step: int,
-                 prefer_process: int = 0) -> list[Assembly]:
+                 prefer_process: int = 0, cost: Mapping[int, int] | None = None) -> list[Assembly]:
     """For each needed box (with the local devices that need it), the saved chunks that cover it.
 
-    Chunks held by ``prefer_process`` are taken first; chunks from other processes fill what is left. A box
-    that the saved chunks cannot cover raises PlanError naming the array, step and the uncovered box.
+    Chunks of the processes of lowest ``cost`` (saving process -> how dear its bytes are to read, default 0:
+    whole replicas saved the same box on several nodes, and this node's copy is the one to read) are taken
+    first, of those ``prefer_process``'s first; chunks from other processes fill what is left. A box that the
+    saved chunks cannot cover raises PlanError naming the array, step and the uncovered box.
     """
-    order = sorted(meta.chunks, key=lambda c: (c.process != prefer_process, c.process, c.box))
+    cost = cost or {}
+    order = sorted(meta.chunks, key=lambda c: (cost.get(c.process, 0), c.process != prefer_process, c.process,
+                                               c.box))
     # The usual restore asks for the boxes it saved: a preferred chunk that is exactly the box is the plan, with
     # no intersecting of every chunk with every box (per array, thousands of arrays: the restore's plan cost).
-    exact = {c.box: c for c in reversed(order) if c.process == prefer_process and c.box.size}
+    # A copy of the box no dearer than this process's own counts as preferred too (whole replicas: this node's
+    # copy; a lost process's box from another node's copy rather than rebuilt).
+    mine = cost.get(prefer_process, 0)
+    exact = {c.box: c for c in reversed(order)
+             if (c.process == prefer_process or (cost and cost.get(c.process, 0) <= mine)) and c.box.size}
     out = []
     for box, devices in needed.items():
         c = exact.get(box)
@@ -181,13 +218,4 @@ def plan_restore(meta: ArrayMeta, needed: Mapping[Box, Sequence[int]], *, step: 
         if not covers(box, got):
             raise PlanError(f"{meta.path}: step {step} has no saved bytes for box {box.start}..{box.stop}")
         out.append(Assembly(meta.path, box, tuple(devices), tuple(reads)))
-    return out
-
-
-def restore_bytes_by_process(assemblies: Iterable[Assembly], itemsize: Mapping[str, int]) -> dict[int, int]:
-    """Bytes each source process supplies to a restore: the plan summary that is logged and tested."""
-    out: dict[int, int] = {}
-    for a in assemblies:
-        for r in a.reads:
-            out[r.chunk.process] = out.get(r.chunk.process, 0) + r.part.size * itemsize[a.path]
     return out

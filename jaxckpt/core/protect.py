@@ -2,9 +2,10 @@
 imports the other's module and the direction core <- protection holds.
 
 The engine takes a :data:`ProtectionFactory` (the front end's face passes ``jaxckpt.protection.runtime.Protector``
-when ``Config.protection`` asks for it and the store has node agents), calls it with itself as the
-:class:`ProtectionHost`, and then drives the :class:`Protection` it gets back: ``prepare`` for a new layout,
-``on_save`` in ``save()``, ``adopt`` at start-up, ``wait`` and ``close``.
+when ``Config.protection`` asks for it); when the store has node agents (``ProtectionSlots``) it calls it with
+itself as the :class:`ProtectionHost` (with another store it warns and keeps snapshots unprotected), and then
+drives the :class:`Protection` it gets back: ``prepare`` for a new layout, ``on_save`` when a save starts
+(``CheckpointEngine.start``), ``adopt`` at start-up, ``wait`` and ``close``.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from jaxckpt.core.sources import Holder
 from jaxckpt.core.store import Store
 from jaxckpt.errors import DataLossError
 
-__all__ = ["AgentCatalog", "Protection", "ProtectionFactory", "ProtectionHost", "RebuildSource"]
+__all__ = ["AgentCatalog", "Protection", "ProtectionFactory", "ProtectionHost", "RebuildSteps"]
 
 
 class AgentCatalog(Protocol):
@@ -67,7 +68,7 @@ class ProtectionHost(Protocol):
         """Newest steps' (local done, decided) times (``time.monotonic()``)."""
 
 
-class RebuildSource(Protocol):
+class RebuildSteps(Protocol):
     """Protection's restore holder as the engine and adoption read it (``jaxckpt.protection.holder``)."""
 
     losses: dict[int, DataLossError]  # steps a node loss made unrestorable, with why
@@ -82,7 +83,7 @@ class RebuildSource(Protocol):
 class Protection(Protocol):
     """What the engine drives of ``Config.protection`` (``jaxckpt.protection.runtime.Protector``)."""
 
-    holder: RebuildSource
+    holder: RebuildSteps
 
     def prepare(self, key: Hashable, layouts: Sequence[ArrayLayout], plans: Sequence[SavePlan]
                 ) -> dict[str, frozenset[int]]:

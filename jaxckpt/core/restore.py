@@ -210,13 +210,14 @@ def restore_leaves(items: Iterable[ArrayRequest | Any], reader: ChunkReader, *, 
     pending: list[int] = []  # jobs that may go by the collective, routed once every process has planned
     planning = Tally("plan")
     error: Exception | None = None
+    costs = reader.process_costs()  # copies of one box (whole replicas): this node's first
     try:
         for item in items:
             if not isinstance(item, ArrayRequest):
                 jobs.append(item)
                 continue
             t0 = time.perf_counter()
-            plans = _plan.plan_restore(item.meta, item.needed, step=step, prefer_process=process)
+            plans = _plan.plan_restore(item.meta, item.needed, step=step, prefer_process=process, cost=costs)
             job = _job(item, plans)
             if gather is not None and item.layout is not None:
                 pending.append(len(jobs))

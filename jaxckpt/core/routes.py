@@ -30,6 +30,7 @@ in elements), the rows padded to the longest.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, MutableMapping, Sequence
 
@@ -84,13 +85,26 @@ class Route:
 
 
 def _covered(box: Box, chunks: Sequence[ChunkMeta]) -> bool:
-    """Whether the (disjoint) saved chunks cover ``box``."""
+    """Whether the saved chunks (disjoint but for copies of a box) cover ``box``."""
     got = 0
-    for c in chunks:
-        part = c.box.intersect(box)
+    for b in dict.fromkeys(c.box for c in chunks):  # copies of one box (whole replicas) count once
+        part = b.intersect(box)
         if part is not None:
             got += part.size
     return got >= box.size
+
+
+def _one_copy(meta: ArrayMeta, holders: Mapping[int, Sequence[int]]) -> ArrayMeta:
+    """``meta`` with one saved chunk per box: whole replicas saved a box on several nodes, and the collective
+    needs it once (the copy most processes read from their node's memory, then the lowest process)."""
+    best: dict = {}
+    for c in meta.chunks:
+        b = best.get(c.box)
+        if b is None or (len(holders.get(c.process, ())), -c.process) > (len(holders.get(b.process, ())), -b.process):
+            best[c.box] = c
+    if len(best) == len(meta.chunks):
+        return meta
+    return dataclasses.replace(meta, chunks=tuple(best.values()))
 
 
 def plan_route(meta: ArrayMeta, target: TargetLayout | None, holders: Mapping[int, Sequence[int]], *,
@@ -102,6 +116,8 @@ def plan_route(meta: ArrayMeta, target: TargetLayout | None, holders: Mapping[in
     order, so contributions are balanced over the processes; every process must pass the same sequence.
     """
     load = {} if load is None else load
+    every = meta.chunks  # all copies: a process reads locally whichever its node holds
+    meta = _one_copy(meta, holders)
     if process_count <= 1:
         return Route(meta.path, FETCH, "single process")
     if target is None:
@@ -119,7 +135,7 @@ def plan_route(meta: ArrayMeta, target: TargetLayout | None, holders: Mapping[in
                          f"{', '.join(map(str, h))})" for q, h in sorted(outside.items()))
         return Route(meta.path, FETCH, f"saved pieces outside the target's mesh (processes "
                                        f"{', '.join(map(str, sorted(mesh)))}): {said}")
-    if all(_covered(box, [c for c in meta.chunks if p in holders.get(c.process, ())])
+    if all(_covered(box, [c for c in every if p in holders.get(c.process, ())])
            for p in mesh for box in target.boxes_of(p)):
         return Route(meta.path, FETCH, "local: every process of the target reads what it needs from its node")
     if len(mesh) <= 1:

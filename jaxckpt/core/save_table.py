@@ -119,11 +119,11 @@ class SaveChunks:
 
 
 def prepare(key: Hashable, records: list[ArrayRecord], process_index: int, process_count: int, chunk_bytes: int,
-            protection: Protection | None) -> Prepared:
+            protection: Protection | None, nodes: tuple[int, ...] | None = None) -> Prepared:
     """The save plan of a new layout (``records``) on process ``process_index``, with the devices protection
-    reads its parity from."""
+    reads its parity from; ``nodes``: each process's node, for whole replicas (``plan_save``)."""
     layouts = [r.layout() for r in records]
-    plans = plan_save(layouts, process_count, chunk_bytes)
+    plans = plan_save(layouts, process_count, chunk_bytes, nodes=nodes)
     plan = plans[process_index]
     index = {r.path: i for i, r in enumerate(records)}
     src_box = {(lay.path, p.device): p.box for lay in layouts for p in lay.placements}

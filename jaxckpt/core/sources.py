@@ -1,7 +1,8 @@
 """Where a restore reads saved bytes from: holders of snapshots, their cost order, and the restore report.
 
-Pure planning (numpy only). A *holder* holds whole snapshot buffers, each one process's saved bytes of one step,
-and reads ranges of them; it lists what it holds as :class:`HeldEntry` records. Kinds, cheapest first:
+Numpy only: the holder interface, the source records and report, and the pure decisions over them (which
+version, which holders, cheapest first: the fetch plan); no I/O of its own. A *holder* holds whole snapshot
+buffers, each one process's saved bytes of one step, and reads ranges of them; it lists what it holds as :class:`HeldEntry` records. Kinds, cheapest first:
 
   ``local``       this process's own store (the same process index of the saving job): zero-copy
   ``node``        this node's agent, for the node's other processes: zero-copy from its shared memory
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Protocol, Sequence
 
 from jaxckpt.core.checksum import crc32c
-from jaxckpt.errors import ManifestError
+from jaxckpt.errors import ManifestError, PeerError
 from jaxckpt.core.manifest import ChunkMeta, Manifest, decode
 from jaxckpt.core.timeline import RestoreTimeline
 
@@ -32,7 +33,7 @@ KINDS = ("local", "node", "remote", "peer", "rebuild", "persistent")
 RANK = {k: i for i, k in enumerate(KINDS)}
 
 # (offset, nbytes) -> the bytes of one process's snapshot buffer in that range
-ByteSource = Callable[[int, int], memoryview]
+ByteReader = Callable[[int, int], memoryview]
 
 
 class RestoreReads(Protocol):
@@ -45,6 +46,11 @@ class RestoreReads(Protocol):
 
     def account(self, step: int, kind: str, nbytes: int) -> None:
         """Count ``nbytes`` the caller read on its own from a holder of ``kind`` (e.g. a parity block)."""
+
+    def rebuilt(self, step: int, where: str, nbytes: int, fallback: str = "") -> None:
+        """Count ``nbytes`` of lost chunks rebuilt from parity ``where`` the XOR ran: "holder" (the parity's
+        holder XORed and sent only the result) or "here" (the parity and the other units were read here);
+        ``fallback``: why the holder did not, when it was asked."""
 
 
 @dataclass(frozen=True, order=True)
@@ -130,7 +136,7 @@ class Opened:
     """One process's snapshot of one step, opened at a holder: its manifest and its bytes (until ``close``)."""
 
     manifest: bytes
-    read: ByteSource
+    read: ByteReader
     close: Callable[[], None] = lambda: None
     lend: Callable[[], bool] | None = None  # see Source.lend
     bind: Callable[[RestoreReads], None] | None = None  # see Source.bind
@@ -155,6 +161,19 @@ class Holder(abc.ABC):
     def open(self, process: int, step: int) -> Opened:
         """Open process ``process``'s snapshot of ``step``: its manifest and a byte source, pinned until closed."""
 
+    def peer(self) -> tuple[str, bytes, str] | None:
+        """(address, token, CURVE key) where other nodes read this holder's memory over the peer transport; None
+        where they cannot (the default)."""
+        return None
+
+    def rebuild(self, process: int, step: int, stripe: int, unit: int, lo: int, hi: int,
+                sources: Mapping[int, tuple[str, bytes, str]]) -> memoryview:
+        """Bytes [lo, hi) of unit ``unit`` of parity stripe ``stripe``, rebuilt by this holder, which holds the
+        stripe's parity in protection slot ``process`` of ``step``, from the other units read at ``sources``
+        (saving process -> :meth:`peer` of its holder): only the result crosses to the caller. PeerError or
+        StepNotFoundError where it cannot; the default holder cannot."""
+        raise PeerError(f"{self.name} does not rebuild bytes where it holds them")
+
     def close(self) -> None:
         """Drop connections; the default holds none."""
 
@@ -166,7 +185,7 @@ class Source:
     kind: str
     name: str
     node: str
-    read: ByteSource = field(compare=False, repr=False)
+    read: ByteReader = field(compare=False, repr=False)
     # Only a source whose memory is never rewritten while it is referenced has one (SnapshotView.lend): then the
     # restored arrays may use the bytes read from it as their own memory. True when it agreed.
     lend: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
@@ -213,6 +232,9 @@ class RestoreReport:
     # Bytes rebuilds read on their own (parity and copy blocks, chunks this restore does not otherwise read), by
     # the kind of holder they came from; the chunks they share with this restore are counted above, once.
     rebuild_reads: dict[str, int] = field(default_factory=dict)
+    # Bytes of lost chunks rebuilt from parity, by where the XOR ran: "holder" (where the parity lives: only the
+    # result was received) or "here" (the parity and the other units were read here: the fallback).
+    rebuilt_at: dict[str, int] = field(default_factory=dict)
     # Newer steps a restore of the newest one passed over (jaxckpt.core.fallback): one line each, saying why.
     skipped: list[str] = field(default_factory=list)
     # Bytes and seconds per phase (discover, plan, reads by source kind, rebuild, device put, ...).
@@ -228,6 +250,17 @@ class RestoreReport:
         and what rebuilds read on their own."""
         return sum(d.get(k, 0) for d in (self.bytes_by_kind, self.rebuild_reads) for k in ("remote", "peer"))
 
+    @property
+    def rebuild_received(self) -> int:
+        """Bytes this process received over the host transport to rebuild lost chunks (rebuilt ranges from the
+        parity's holders; parity, copies and chunks it read on its own), against :attr:`rebuilt_bytes`."""
+        return sum(self.rebuild_reads.get(k, 0) for k in ("remote", "peer"))
+
+    @property
+    def rebuilt_bytes(self) -> int:
+        """Bytes of lost chunks this restore got rebuilt (from parity or copies)."""
+        return self.bytes_by_kind.get("rebuild", 0)
+
     def summary(self) -> str:
         """One line for the log."""
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.bytes_by_kind.items(), key=lambda kv: RANK.get(kv[0], 99)))
@@ -235,6 +268,8 @@ class RestoreReport:
         fb = f"; {len(self.fallbacks)} fallback(s): {self.fallbacks[0]}" if self.fallbacks else ""
         if self.rebuild_reads:
             fb += "; rebuilds read " + ", ".join(f"{k} {v}" for k, v in sorted(self.rebuild_reads.items()))
+        if self.rebuilt_at:
+            fb += "; rebuilt from parity " + ", ".join(f"at {k} {v}" for k, v in sorted(self.rebuilt_at.items()))
         if self.skipped:
             fb += f"; passed over {len(self.skipped)} newer step(s): {'; '.join(self.skipped)}"
         if self.routes:
@@ -254,7 +289,8 @@ class RestoreReport:
                 "bytes_by_process": {str(k): v for k, v in self.bytes_by_process.items()},
                 "fallbacks": list(self.fallbacks), "seconds": self.seconds, "timeline": self.timeline.to_dict(),
                 "routes": dict(self.routes), "collective_bytes": self.collective_bytes, "skipped": list(self.skipped),
-                "rebuild_reads": dict(self.rebuild_reads),
+                "rebuild_reads": dict(self.rebuild_reads), "rebuilt_at": dict(self.rebuilt_at),
+                "rebuild_received": self.rebuild_received, "rebuilt_bytes": self.rebuilt_bytes,
                 "transport_bytes": self.transport_bytes}
 
 

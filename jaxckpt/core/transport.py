@@ -1,9 +1,10 @@
 """The peer transport's interface: what a process (or a node agent) serving committed snapshots and a reader of
 another's offer each other, so that a transport is a part chosen by name (``Config.transport``, the registry's
 group "transport"; ``jaxckpt.backends.transport.ZmqTransport`` is "zmq") and nothing above the backends imports
-one. A server serves a :class:`SnapshotSource` (one process's store, or a node agent's memory holding every
-process of its node); a :class:`PeerClient` reads its steps, manifests and byte :class:`Span` s. Every failure is
-a ``jaxckpt.errors.PeerError`` (``PeerUnreachableError``, ``PeerHandshakeError``, ``StepNotFoundError``).
+one. A server serves a :class:`ServedHolder` (one process's store, or a node agent's memory holding every
+process of its node); a :class:`PeerClient` reads its steps, manifests and byte :class:`Span` s, and asks a node
+agent holding a parity stripe to rebuild a lost range there and send only the result (``rebuild``). Every
+failure is a ``jaxckpt.errors.PeerError`` (``PeerUnreachableError``, ``PeerHandshakeError``, ``StepNotFoundError``).
 """
 from __future__ import annotations
 
@@ -12,12 +13,17 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator, Sequence
 
 from jaxckpt.core.store import SnapshotView, Store
+from jaxckpt.errors import PeerError
 from jaxckpt.registry import get_part
 
-__all__ = ["PeerClient", "PeerServer", "SnapshotSource", "Span", "Transport", "get_transport"]
+__all__ = ["PeerAddress", "PeerClient", "PeerServer", "ServedHolder", "Span", "Transport", "get_transport"]
 
 
-class SnapshotSource(abc.ABC):
+# (address, token, CURVE public key or "") of a peer server: where a reader reaches a node's memory.
+PeerAddress = tuple[str, bytes, str]
+
+
+class ServedHolder(abc.ABC):
     """What a peer server serves: committed snapshots of one or more processes, opened pinned."""
 
     label: str  # for log lines, e.g. "process 3" or "node agent at /dev/shm/..."
@@ -33,6 +39,14 @@ class SnapshotSource(abc.ABC):
     @abc.abstractmethod
     def held(self) -> list[list]:
         """Every snapshot held, as HeldEntry wire lists."""
+
+    def rebuild(self, process: int, step: int, stripe: int, unit: int, lo: int, hi: int,
+                sources: dict[int, PeerAddress], timeout_s: float) -> Any:
+        """Bytes [lo, hi) of unit ``unit`` of parity stripe ``stripe``, rebuilt here, where that stripe's parity
+        is held (in protection slot ``process`` of ``step``): the parity XOR the stripe's other units, read from
+        ``sources`` (saving process -> where its memory is served), each within ``timeout_s``. A buffer of
+        ``hi - lo`` bytes. A source that holds no parity rebuilds nothing (NotImplementedError)."""
+        raise NotImplementedError(f"{self.label} rebuilds nothing")
 
 
 @dataclass(frozen=True)
@@ -84,6 +98,13 @@ class PeerClient(abc.ABC):
     def held(self) -> list[list]:
         """Every snapshot the peer holds, as HeldEntry wire lists."""
 
+    def rebuild(self, step: int, process: int, stripe: int, unit: int, lo: int, hi: int,
+                sources: dict[int, PeerAddress]) -> memoryview:
+        """Ask the peer to rebuild bytes [lo, hi) of unit ``unit`` of parity stripe ``stripe`` where it holds
+        that stripe's parity (:meth:`ServedHolder.rebuild`) and send only the result; PeerError when it
+        cannot (a transport without the request says so here)."""
+        raise PeerError(f"peer {self.address}: this transport cannot ask a peer to rebuild bytes")
+
     @abc.abstractmethod
     def close(self) -> None: ...
 
@@ -94,9 +115,9 @@ class Transport(abc.ABC):
     name: ClassVar[str] = ""
 
     @abc.abstractmethod
-    def serve(self, store: Store | SnapshotSource, *, token: bytes, host: str = "127.0.0.1",
+    def serve(self, store: Store | ServedHolder, *, token: bytes, host: str = "127.0.0.1",
               curve: bool = False) -> PeerServer:
-        """Start serving ``store`` (a Store or any SnapshotSource) on ``host`` (an ephemeral port); returns at once.
+        """Start serving ``store`` (a Store or any ServedHolder) on ``host`` (an ephemeral port); returns at once.
         ``curve``: speak CURVE only, with a key pair made here (its public half is ``server.public_key``)."""
 
     @abc.abstractmethod

@@ -18,7 +18,7 @@ from jaxckpt.core.fetch import ChunkReader
 from jaxckpt.core.restore import Gather
 from jaxckpt.jax.gather import gather_for
 from jaxckpt.jax.restore import restore_tree
-from jaxckpt.jax.snapshot import Saver, TreePlan
+from jaxckpt.jax.snapshot import Saver, TreeLayout
 
 __all__ = ["JaxFrontend"]
 
@@ -31,7 +31,7 @@ class JaxFrontend:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.saver = Saver()  # layout plans: what save() computes once per tree structure and shardings
+        self.saver = Saver()  # layouts: what save() computes once per tree structure and shardings
 
     def coordinator(self) -> Coordinator:
         if jax.process_count() > 1:
@@ -39,11 +39,11 @@ class JaxFrontend:
             return JaxCoordinator()
         return LocalCoordinator()
 
-    def layout(self, state: Any) -> tuple[TreePlan, list[Any]]:
+    def layout(self, state: Any) -> tuple[TreeLayout, list[Any]]:
         leaves, treedef = jax.tree_util.tree_flatten(state)
-        return self.saver.plan(leaves, treedef, tree=state), leaves
+        return self.saver.layout(leaves, treedef, tree=state), leaves
 
-    def take(self, layout: TreePlan, devices: list[frozenset[int]], leaves: list[Any], owned: bool
+    def take(self, layout: TreeLayout, devices: list[frozenset[int]], leaves: list[Any], owned: bool
              ) -> Callable[[], list[ShardReads]]:
         return self.saver.pins(layout, devices, leaves, owned)
 
@@ -54,5 +54,5 @@ class JaxFrontend:
     def gather(self, engine: CheckpointEngine, target: Any, config: Config) -> Gather | None:
         return gather_for(engine, target, config)
 
-    def persist_note(self, layout: TreePlan, leaves: list[Any]) -> tuple[Any, list[Any]]:
+    def persist_note(self, layout: TreeLayout, leaves: list[Any]) -> tuple[Any, list[Any]]:
         return layout.treedef, layout.leaf_list(leaves)

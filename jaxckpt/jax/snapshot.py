@@ -1,7 +1,7 @@
 """The JAX front end's save path on the calling thread: a plan per state layout, and the pins a save takes now.
 
 What ``save()`` can compute once per layout (the tree structure with, per leaf, its type, shape, dtype and
-sharding) is a :class:`TreePlan`, cached: leaf paths and kinds, the engine's save plan (cached by the same
+sharding) is a :class:`TreeLayout`, cached: leaf paths and kinds, the engine's save plan (cached by the same
 key), and which local buffers each array's chunks are read from. A save with a known layout then does, on the
 calling thread: one flatten, one key (a few attribute reads per leaf), and what must happen before the call
 returns for the snapshot to equal the state at the call:
@@ -43,7 +43,7 @@ from jaxckpt.jax.tree import Leaf, classify, paths
 
 log = logging.getLogger("jaxckpt.jax.snapshot")
 
-MAX_PLANS = 64  # layouts remembered; a job whose layout keeps changing re-plans (and logs it)
+MAX_LAYOUTS = 64  # layouts remembered; a job whose layout keeps changing re-plans (and logs it)
 
 
 def _array_type() -> type:
@@ -117,7 +117,7 @@ def _record(leaf: Leaf) -> ArrayRecord:
 
 
 @dataclass
-class TreePlan:
+class TreeLayout:
     """One state layout: leaves by kind and path, and (once the engine planned it) where each array is read."""
 
     key: LayoutKey
@@ -153,34 +153,35 @@ class Saver:
     """Turns flattened JAX states into engine saves; holds the layout plans of one Checkpointer."""
 
     def __init__(self) -> None:
-        self._plans: dict[tuple, TreePlan] = {}
-        self._views = _fast_view()
+        self._layouts: dict[tuple, TreeLayout] = {}
+        self._views = fast_view()
 
-    def plan(self, leaves: list[Any], treedef: Any, key: LayoutKey | None = None, tree: Any = None) -> TreePlan:
+    def layout(self, leaves: list[Any], treedef: Any, key: LayoutKey | None = None, tree: Any = None) -> TreeLayout:
         """The plan of a flattened state (``tree`` is needed only for a layout not seen before). Raises
         UnsupportedLeafError naming the path of a leaf it cannot hold."""
         key = layout_key(leaves, treedef) if key is None else key
-        got = self._plans.get(key)
+        got = self._layouts.get(key)
         if got is not None:
             return got
         if tree is None:
             tree = jax.tree_util.tree_unflatten(treedef, leaves)
         named = paths(tree, treedef)
         classified = tuple(Leaf(p, kp, None, classify(v, p)) for (p, kp), v in zip(named, leaves))
-        got = TreePlan(key, treedef, classified,
+        got = TreeLayout(key, treedef, classified,
                        tuple(v.sharding if lf.kind == "jax" else None for lf, v in zip(classified, leaves)),
                        tuple(i for i, lf in enumerate(classified) if lf.kind != "value"),
                        tuple(i for i, lf in enumerate(classified) if lf.kind == "value"),
                        frozenset(i for i, lf in enumerate(classified) if lf.kind in ("jax", "prng_key")),
                        tuple(lf.path for lf in classified))
-        if len(self._plans) >= MAX_PLANS:
-            self._plans.pop(next(iter(self._plans)))
-        self._plans[key] = got
+        if len(self._layouts) >= MAX_LAYOUTS:
+            self._layouts.pop(next(iter(self._layouts)))
+        self._layouts[key] = got
         return got
 
-    def _reads(self, plan: TreePlan, devices: list[frozenset[int]]) -> tuple[tuple, tuple[int, ...]]:
+    def _reads(self, plan: TreeLayout, devices: list[frozenset[int]]) -> tuple[tuple, tuple[int, ...]]:
         """Per array record: ("view", leaf, positions in ``_arrays``, device ids, all positions? or "one": the
-        fully replicated array's one buffer read) for a CPU jax array, ("copy", leaf) for numpy, ("same", leaf) for a numpy scalar, ("sources", leaf, devs) otherwise,
+        fully replicated array's one buffer read) for a CPU jax array, ("copy", leaf) for numpy, ("same", leaf)
+        for a numpy scalar, ("sources", leaf, devs) otherwise,
         or ("none",) when this process reads nothing of it; and the records an owned state still takes at once
         (numpy leaves are the caller's memory even there)."""
         out = []
@@ -204,7 +205,7 @@ class Saver:
                 out.append(("sources", i, devs))
         return tuple(out), tuple(j for j, r in enumerate(out) if r[0] in ("copy", "same"))
 
-    def pins(self, plan: TreePlan, devices: list[frozenset[int]], leaves: list[Any], owned: bool
+    def pins(self, plan: TreeLayout, devices: list[frozenset[int]], leaves: list[Any], owned: bool
              ) -> Callable[[], list[ShardReads]]:
         """Take now what must be taken before ``save()`` returns; return the function (run on the dispatcher
         thread) that makes the engine's sources from it. ``owned``: the jax leaves are jaxckpt's own copies
@@ -231,7 +232,7 @@ class Saver:
         return lambda: _sources(reads, taken, None, plan, views)
 
 
-def _pin(reads: tuple, taken: list[Any], leaves: list[Any], plan: TreePlan,
+def _pin(reads: tuple, taken: list[Any], leaves: list[Any], plan: TreeLayout,
          views: Callable[[list[Any]], list[np.ndarray]]) -> None:
     """Take the views (and copies) of ``reads`` into ``taken``."""
     for j, r in enumerate(reads):
@@ -253,7 +254,7 @@ def _take(r: tuple, leaves: list[Any]) -> np.ndarray:
     return _copy_numpy(leaves[r[1]]) if r[0] == "copy" else np.asarray(leaves[r[1]])
 
 
-def _sources(reads: tuple, taken: list[Any], owned: list[Any] | None, plan: TreePlan,
+def _sources(reads: tuple, taken: list[Any], owned: list[Any] | None, plan: TreeLayout,
              views: Callable[[list[Any]], list[np.ndarray]]) -> list[ShardReads]:
     """The engine's sources, on the dispatcher thread; ``owned``: the fused path's copies, read from here."""
     out: list[ShardReads] = []
@@ -289,7 +290,7 @@ def _copy_numpy(x: np.ndarray) -> np.ndarray:
     return hostbuf.copy(arr) if arr.dtype.isnative else native_order(arr)
 
 
-def _fast_view() -> Callable[[list[Any]], list[np.ndarray]]:
+def fast_view() -> Callable[[list[Any]], list[np.ndarray]]:
     """``views(arrays)``: ``np.asarray`` of each single-device CPU array. Where jaxlib has the direct call (it
     returns (array, copied)), that, skipping the Python of ``__array__`` (a third of the per-shard cost here);
     its tuple is dropped at once, so it never reaches the collector (kept, 1,272 per save set off a collection

@@ -2,8 +2,8 @@
 
 :class:`RebuildHolder` (last before persistent) reads the protection slots (``jaxckpt.protection.slot``) through
 the job's agent holders (``jaxckpt.core.catalog``): for each step with a protection plan it works out which saving
-processes no agent holds any more (their node is lost), plans the recovery
-(``jaxckpt.protection.rebuild.plan_recovery``) and, when every byte can be rebuilt, lists every process of the
+processes no agent holds any more (their node is lost), plans the rebuild
+(``jaxckpt.protection.rebuild.plan_rebuild``) and, when every byte can be rebuilt, lists every process of the
 step, so the catalog counts the step complete: a lost process's chunks come back rebuilt
 (``rebuild.Rebuilder``), and a surviving process's chunk is rebuilt too when its own copy fails its checksum (the
 chunk reader falls back to this holder). A step that cannot be rebuilt is not listed; its DataLossError (step,
@@ -23,7 +23,7 @@ from jaxckpt.protection import parity
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.errors import ChecksumError, DataLossError, ManifestError, PeerError, StepNotFoundError
 from jaxckpt.protection.plan import CopyBlock, ProtectionPlan, SavedChunk, Stripe, decode_plan
-from jaxckpt.protection.rebuild import Rebuilder, data_loss, plan_recovery
+from jaxckpt.protection.rebuild import Rebuilder, data_loss, plan_rebuild
 from jaxckpt.protection.slot import PROTECT_BASE, BlockRef, SlotHeader, decode_header, decode_meta
 from jaxckpt.core.manifest import ChunkMeta
 from jaxckpt.core.sources import HeldEntry, Holder, Opened, RestoreReads
@@ -45,11 +45,12 @@ class _StepInfo:
 
 
 class _IO:
-    """recovery.RecoveryIO over the agents: surviving chunks, parity and copies, opened lazily, closed together."""
+    """rebuild.RebuildIO over the agents: surviving chunks, parity and copies, opened lazily, closed together."""
 
     def __init__(self, info: _StepInfo) -> None:
         self.info, self._opened, self._lock = info, {}, threading.Lock()
         self.reads: RestoreReads | None = None
+        self._peers: dict[int, tuple[str, bytes, str] | None] = {}  # saving process -> where its agent serves
 
     def bind(self, reads: RestoreReads) -> None:
         """Read surviving chunks through the restore that reads this rebuild (Source.bind): a chunk that restore
@@ -128,6 +129,45 @@ class _IO:
 
     def copy(self, block: CopyBlock, lo: int, hi: int) -> np.ndarray:
         return self._block("copy", block.id, lo, hi, f"copy block {block.id} on node {block.node}")
+
+    def rebuilt(self, stripe: Stripe, unit: int, lo: int, hi: int) -> np.ndarray | None:
+        """RebuildIO.rebuilt: asks the other nodes' agents holding the stripe's parity (a parity on this node is
+        read here at memory speed), naming where each process of the other units' bytes in [lo, hi) is served;
+        None, counted and reported, where none can."""
+        what = f"step {self.info.step}: bytes {lo}..{hi} of unit {unit} of parity stripe {stripe.id}"
+        holders = [(h, pp) for h, pp, _ in self.info.blocks.get(("stripe", stripe.id), ()) if h.kind == "remote"]
+        errors: list[str] = []
+        if holders:
+            sources, plan = {}, self.info.plan
+            for k, u in enumerate(stripe.units):
+                pos = 0
+                for g in u.ranges:
+                    q = plan.chunks[g.chunk].process
+                    if k != unit and pos < hi and pos + g.nbytes > lo and q not in sources:
+                        where = self._peers.get(q)
+                        if where is None:  # looked up once per restore (this node's agent: its peer files)
+                            where = self._peers[q] = next(
+                                (p for h in self.info.held.get(q, ()) if (p := h.peer()) is not None), None)
+                        if where is None:
+                            errors.append(f"no agent of process {q} serves peers")
+                            break
+                        sources[q] = where
+                    pos += g.nbytes
+            for h, pp in holders if not errors else ():
+                try:
+                    data = np.frombuffer(h.rebuild(pp, self.info.step, stripe.id, unit, lo, hi, sources), np.uint8)
+                    self._count(h, hi - lo)
+                    if self.reads is not None:
+                        self.reads.rebuilt(self.info.step, "holder", hi - lo)
+                    return data
+                except (ChecksumError, PeerError, StepNotFoundError, OSError) as e:
+                    errors.append(f"{h.name}: {e}")
+        line = f"{what}: rebuilt here from the parity and the other units ({'; '.join(errors)})" if errors else ""
+        if line:
+            log.warning("%s", line)
+        if self.reads is not None:
+            self.reads.rebuilt(self.info.step, "here", hi - lo, line)
+        return None
 
     def close(self) -> None:
         with self._lock:
@@ -234,7 +274,7 @@ class RebuildHolder(Holder):
             lost_nodes = tuple(sorted({plan.nodes[q] for q in lost_p}))
             bad = tuple([("stripe", s.id) for s in plan.stripes if ("stripe", s.id) not in blocks] +
                         [("copy", b.id) for b in plan.copy_blocks if ("copy", b.id) not in blocks])
-            rp = plan_recovery(plan, lost_nodes, step=step, bad_blocks=bad, strict=False)
+            rp = plan_rebuild(plan, lost_nodes, step=step, bad_blocks=bad, strict=False)
             missing = rp.missing()
             no_manifest = [q for q in range(n_proc) if q not in manifests]
             if missing:
@@ -295,15 +335,15 @@ class RebuildHolder(Holder):
         io = _IO(info)
         lost = process not in info.held
         if lost:
-            rb = Rebuilder(plan_recovery(info.plan, info.lost_nodes, step=step, bad_blocks=info.bad_blocks),
+            rb = Rebuilder(plan_rebuild(info.plan, info.lost_nodes, step=step, bad_blocks=info.bad_blocks),
                            io, info.crcs, workers=self._workers)
             log.warning("step %d: process %d was lost with node(s) %s; its chunks are rebuilt from protection "
                         "%r", step, process, list(info.lost_nodes), info.plan.policy)
-            return Opened(info.manifests[process], rb.source(process), io.close, bind=io.bind)
+            return Opened(info.manifests[process], rb.reader(process), io.close, bind=io.bind)
 
         def read(offset: int, nbytes: int) -> memoryview:
             # a surviving process's chunk failed at its holders: rebuild it as if it were lost
-            rp = plan_recovery(info.plan, info.lost_nodes, step=step, bad_chunks=[(process, offset)],
-                               bad_blocks=info.bad_blocks)
-            return Rebuilder(rp, io, info.crcs, workers=self._workers).source(process)(offset, nbytes)
+            rp = plan_rebuild(info.plan, info.lost_nodes, step=step, bad_chunks=[(process, offset)],
+                              bad_blocks=info.bad_blocks)
+            return Rebuilder(rp, io, info.crcs, workers=self._workers).reader(process)(offset, nbytes)
         return Opened(info.manifests[process], read, io.close, bind=io.bind)

@@ -36,6 +36,10 @@ Policies (``Config.protection``), decided per saved chunk (all chunks of one rep
 * ``hybrid``: the cheapest choice that survives one node loss, per box: ``parity`` when its copies span >= 2
   nodes (no network at save time); else ``xor-group`` when its node's group has >= 3 nodes (extra 1/(G-1) <= 1/2);
   else ``replica`` (one copy costs what a group of 2 would).
+* ``whole`` (whatever the policy): a chunk whose box is also saved whole on another node
+  (``Config.replicas="whole"``, :func:`jaxckpt.core.plan.plan_save`) gets no redundancy of its own: the copies
+  on the other nodes are it. A lost one is read back from a surviving copy (``jaxckpt.protection.rebuild``),
+  checked against its crc32c. A box saved on one node only still gets the policy's choice.
 * ``none``; and any policy on a single-node job, where nothing survives the node (logged).
 
 Streams are cut into rounds of at most ``unit_bytes`` per unit so that no parity block is unbounded; a last
@@ -44,7 +48,7 @@ partial round is cut into equal units at 64-byte boundaries (aligned uint64 XOR)
   (replica processes)  compute the ``parity`` stripes of :meth:`ProtectionPlan.parity_tasks` from device copies;
   (node agents)        send the units of :meth:`xor_sends` and the blocks of :meth:`copy_sends`; hold what
                        :meth:`held_by` lists; the step is protected when every holder has its blocks.
-Recovery from a set of lost nodes is planned by :mod:`jaxckpt.protection.rebuild`.
+The rebuild after a set of nodes is lost is planned by :mod:`jaxckpt.protection.rebuild`.
 """
 from __future__ import annotations
 
@@ -69,7 +73,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("jaxckpt.protection.plan")
 
 POLICIES = ("none", "replica", "parity", "xor-group", "hybrid")
-KINDS = ("none", "replica", "parity", "xor-group")  # what a chunk ends up with
+KINDS = ("none", "replica", "parity", "xor-group", "whole")  # what a chunk ends up with
 ALIGN = 64
 
 
@@ -262,6 +266,10 @@ def plan_protection(layouts: Sequence[ArrayLayout], plans: Sequence[SavePlan], n
             held.setdefault((a.path, pl.box), set()).add(pl.process)
     replicas = {k: tuple(sorted(v)) for k, v in held.items()}  # one shared tuple per box
     spread = {k: len({nodes[p] for p in v}) for k, v in replicas.items()}  # nodes holding a copy
+    saved_on: dict[tuple[str, Box], set[int]] = {}  # nodes saving each chunk's box (whole replicas: several)
+    for plan in plans:
+        for c in plan.chunks:
+            saved_on.setdefault((c.path, c.box), set()).add(nodes[plan.process])
     if policy != "none" and len(node_ids) < 2:
         log.warning("protection %r: the job has one node, so nothing survives its loss; snapshots are unprotected",
                     policy)
@@ -272,6 +280,8 @@ def plan_protection(layouts: Sequence[ArrayLayout], plans: Sequence[SavePlan], n
             if reps is None or plan.process not in reps:
                 raise PlanError(f"{c.path}: process {plan.process} saves a chunk of box {c.source} it does not hold")
             kind = _choose(policy, len(node_ids), spread[(c.path, c.source)], len(group_of[nodes[plan.process]]))
+            if kind != "none" and len(saved_on[(c.path, c.box)]) >= 2:
+                kind = "whole"  # the other nodes' whole copies protect it
             chunks.append(SavedChunk(plan.process, nodes[plan.process], c.offset, c.nbytes, c.path, c.box, c.source,
                                      reps, kind if c.nbytes else "none"))
     fallback = sum(c.nbytes for c in chunks if c.policy == "replica") if policy == "parity" else 0
@@ -422,6 +432,13 @@ def validate_protection(plan: ProtectionPlan) -> None:
         if s.kind == "parity" and any(s.process not in plan.chunks[g.chunk].replicas
                                       for u in s.units for g in u.ranges):
             raise PlanError(f"stripe {s.id}: process {s.process} does not hold every box it must compute parity of")
+    twins: dict[tuple[str, Box], set[int]] = {}
+    for c in plan.chunks:
+        twins.setdefault((c.path, c.box), set()).add(c.node)
+    for c in plan.chunks:
+        if c.policy == "whole" and len(twins[(c.path, c.box)]) < 2:
+            raise PlanError(f"{c.path}: chunk {c.box} of process {c.process} counts on a whole copy on another "
+                            f"node, and no other node saves it")
     copied: dict[int, int] = {}
     for b in plan.copy_blocks:
         for i in b.chunks:

@@ -1,18 +1,22 @@
-"""Recovery: after nodes are lost, which saved chunks can be rebuilt and from what; then the rebuild itself.
+"""The rebuild: after nodes are lost, which saved chunks can be rebuilt and from what; then the rebuild itself.
 
 Planning (pure, every process gets the same answer from the step's :class:`~jaxckpt.protection.plan.ProtectionPlan`):
   1) a chunk must be rebuilt when its process's node is lost or it is known corrupt (``bad_chunks``);
   2) ``replica``: from any surviving, not known-bad copy block, nearest in the ring first; each copy holds the
      whole chunk and is checked against the chunk's crc32c, so a corrupt copy is skipped for the next one;
+     ``whole``: from the same box saved whole on another surviving node (a chunk of the plan, not known bad),
+     checked the same way;
   3) ``parity`` / ``xor-group``: each range of the chunk lies at unit bytes [a, b) of one unit of one stripe and
      is rebuilt as ``parity[a:b] ^ (every other unit)[a:b]`` (shorter units read as zeros) when the stripe's
      holder survives. Where another unit's bytes in [a, b) are lost too, exactly those bytes are missing: two
      losses in one stripe lose only the range they overlap in, not the whole stripe;
   4) what is left is raised as DataLossError naming the step, the lost nodes and the exact missing boxes
      (the flat byte ranges of each chunk mapped back to boxes of the array).
-Execution: :class:`Rebuilder` reads surviving chunks, parity and copies through a :class:`RecoveryIO` the caller
-provides (local snapshot buffers, peers), verifies the rebuilt chunk against its manifest crc32c, and serves
-rebuilt chunks as a :data:`~jaxckpt.core.fetch.ByteSource`, so the ordinary restore path reads a lost process's
+Execution: :class:`Rebuilder` asks the holder of each stripe's parity to rebuild the range there and send only the
+result (``RebuildIO.rebuilt``: the lost bytes cross the network once); where it cannot, it reads surviving chunks,
+parity and copies through the :class:`RebuildIO` the caller provides (local snapshot buffers, peers) and XORs
+them itself. It verifies the rebuilt chunk against its manifest crc32c, and serves
+rebuilt chunks as a :data:`~jaxckpt.core.fetch.ByteReader`, so the ordinary restore path reads a lost process's
 chunks as if it were still there.
 """
 from __future__ import annotations
@@ -29,7 +33,7 @@ import numpy as np
 from jaxckpt.protection import parity
 from jaxckpt.core.box import Box
 from jaxckpt.errors import ChecksumError, DataLossError, PeerError, PlanError, StepNotFoundError
-from jaxckpt.core.fetch import ByteSource
+from jaxckpt.core.fetch import ByteReader
 from jaxckpt.protection.plan import CopyBlock, ProtectionPlan, SavedChunk, Stripe, Unit
 
 log = logging.getLogger("jaxckpt.protection.rebuild")
@@ -56,7 +60,14 @@ class FromStripe:
     unit_lo: int
 
 
-Source = Union[FromCopy, FromStripe]
+@dataclass(frozen=True)
+class FromTwin:
+    """The chunk is saved whole, the same box, as chunk number ``chunk`` on another node (whole replicas)."""
+
+    chunk: int
+
+
+Source = Union[FromCopy, FromStripe, FromTwin]
 
 
 @dataclass(frozen=True)
@@ -77,7 +88,7 @@ class ChunkRebuild:
 
 
 @dataclass(frozen=True)
-class RecoveryPlan:
+class RebuildPlan:
     """The chunks of ``step`` lost with ``lost_nodes`` (or corrupt) and how each is rebuilt."""
 
     step: int
@@ -105,14 +116,14 @@ class RecoveryPlan:
         return {k: coalesce(v) for k, v in out.items()}
 
 
-def plan_recovery(protection: ProtectionPlan, lost_nodes: Iterable[int], *, step: int,
-                  bad_chunks: Iterable[tuple[int, int]] = (), bad_blocks: Iterable[tuple[str, int]] = (),
-                  strict: bool = True) -> RecoveryPlan:
+def plan_rebuild(protection: ProtectionPlan, lost_nodes: Iterable[int], *, step: int,
+                 bad_chunks: Iterable[tuple[int, int]] = (), bad_blocks: Iterable[tuple[str, int]] = (),
+                 strict: bool = True) -> RebuildPlan:
     """How to rebuild what ``lost_nodes`` took (and the ``bad_chunks`` (process, offset) known to be corrupt).
 
     ``bad_blocks`` are ("stripe", id) or ("copy", id) blocks known to be corrupt. With ``strict`` (default) bytes
     that cannot be rebuilt raise DataLossError naming ``step`` and the missing boxes; otherwise they are left
-    in the plan with no source (see :meth:`RecoveryPlan.missing`).
+    in the plan with no source (see :meth:`RebuildPlan.missing`).
     """
     lost = frozenset(int(n) for n in lost_nodes)
     unknown = sorted(lost - set(protection.node_ids))
@@ -142,11 +153,17 @@ def plan_recovery(protection: ProtectionPlan, lost_nodes: Iterable[int], *, step
         if b.node not in lost and ("copy", b.id) not in bad_b:
             for i, pos in zip(b.chunks, b.positions):
                 copies.setdefault(i, []).append(FromCopy(b.id, pos))
+    twins: dict[tuple[str, Box], list[int]] = {}
+    for i, c in enumerate(chunks):
+        if c.policy == "whole" and not gone[i]:
+            twins.setdefault((c.path, c.box), []).append(i)
     rebuilds = []
     for i, c in enumerate(chunks):
         if not gone[i] or c.nbytes == 0:
             continue
-        if c.policy in ("parity", "xor-group"):
+        if c.policy == "whole":
+            parts = [Part(0, c.nbytes, tuple(FromTwin(j) for j in twins.get((c.path, c.box), ())))]
+        elif c.policy in ("parity", "xor-group"):
             parts = []
             for s, k, pos, lo, hi in where.get(i, ()):
                 parts += _stripe_parts(s, k, pos, lo, hi, blocked[s.id][k], lost, bad_b)
@@ -154,7 +171,7 @@ def plan_recovery(protection: ProtectionPlan, lost_nodes: Iterable[int], *, step
         else:
             parts = [Part(0, c.nbytes, tuple(copies.get(i, ())))]
         rebuilds.append(ChunkRebuild(i, tuple(parts)))
-    plan = RecoveryPlan(int(step), tuple(sorted(lost)), protection, tuple(rebuilds))
+    plan = RebuildPlan(int(step), tuple(sorted(lost)), protection, tuple(rebuilds))
     missing = plan.missing()
     if missing and strict:
         raise data_loss(plan, missing)
@@ -223,7 +240,7 @@ def _join(a: Box, b: Box) -> Box | None:
     return None
 
 
-def data_loss(plan: RecoveryPlan, missing: Mapping[str, tuple[Box, ...]]) -> DataLossError:
+def data_loss(plan: RebuildPlan, missing: Mapping[str, tuple[Box, ...]]) -> DataLossError:
     """The error for bytes of ``plan.step`` that nothing can rebuild, naming the step, nodes, arrays and boxes."""
     paths = sorted(missing)
     listed = []
@@ -278,7 +295,7 @@ def _flat_boxes(start: tuple[int, ...], shape: tuple[int, ...], lo: int, hi: int
 
 
 # ------------------------------------------------------------------------------------------------------- rebuild
-class RecoveryIO(Protocol):
+class RebuildIO(Protocol):
     """Where a rebuild reads from; each method raises PeerError/StepNotFoundError when unreachable."""
 
     def chunk(self, chunk: SavedChunk) -> parity.Buffer:
@@ -294,6 +311,11 @@ class RecoveryIO(Protocol):
     def copy(self, block: CopyBlock, lo: int, hi: int) -> parity.Buffer:
         """Bytes [lo, hi) of copy ``block`` from ``block.node``."""
 
+    def rebuilt(self, stripe: Stripe, unit: int, lo: int, hi: int) -> parity.Buffer | None:
+        """Bytes [lo, hi) of unit ``unit`` of ``stripe`` rebuilt where the stripe's parity lives (its holder XORs
+        the parity with the other units and sends only the result), unverified like a range; None where the
+        holder cannot (the rebuild then reads the parity and the other units itself)."""
+
 
 _UNAVAILABLE = (ChecksumError, PeerError, StepNotFoundError)
 
@@ -305,9 +327,9 @@ def _readers() -> ThreadPoolExecutor:
 
 
 class Rebuilder:
-    """Rebuilds the chunks of a RecoveryPlan through ``io``; ``crcs`` maps (process, offset) to the manifest crc32c."""
+    """Rebuilds the chunks of a RebuildPlan through ``io``; ``crcs`` maps (process, offset) to the manifest crc32c."""
 
-    def __init__(self, plan: RecoveryPlan, io: RecoveryIO, crcs: Mapping[tuple[int, int], int] | None = None,
+    def __init__(self, plan: RebuildPlan, io: RebuildIO, crcs: Mapping[tuple[int, int], int] | None = None,
                  *, workers: int = 1) -> None:
         self.plan, self._io, self._crcs, self._workers = plan, io, dict(crcs or {}), workers
         self._by_key = {plan.protection.chunks[r.chunk].key: r for r in plan.rebuilds}
@@ -341,7 +363,12 @@ class Rebuilder:
             errors = []
             for src in part.sources:
                 try:
-                    if isinstance(src, FromCopy):
+                    if isinstance(src, FromTwin):  # verified against its own crc32c, then against ours
+                        data = parity.as_bytes(self._io.chunk(prot.chunks[src.chunk]))
+                        if crc is not None:
+                            parity.check(data, crc, f"{what}, its copy on node {prot.chunks[src.chunk].node}")
+                        out[part.lo:part.hi] = data
+                    elif isinstance(src, FromCopy):
                         b = prot.copy_blocks[src.block]
                         data = parity.as_bytes(self._io.copy(b, src.position + part.lo, src.position + part.hi))
                         if crc is not None and (part.lo, part.hi) == (0, c.nbytes):
@@ -366,6 +393,13 @@ class Rebuilder:
                      cache: dict[int, np.ndarray] | None) -> None:
         s = self.plan.protection.stripes[src.stripe]
         a, b = src.unit_lo, src.unit_lo + part.hi - part.lo
+        if cache is None:
+            # The lost bytes move once: rebuilt where the parity lives, only the result comes here. (Not when
+            # whole verified chunks are read: a rebuild from ranges, this one included, failed its crc32c.)
+            got = self._io.rebuilt(s, src.unit, a, b)
+            if got is not None:
+                out[part.lo:part.hi] = parity.as_bytes(got)
+                return
         # The parity block comes from one holder and the units from others (or from the restore's own fetches,
         # under way): the parity is read on a thread of its own while the units are gathered here.
         pending = _readers().submit(self._io.parity, s, a, b)
@@ -391,8 +425,8 @@ class Rebuilder:
             pos += g.nbytes
         return out
 
-    def source(self, process: int) -> ByteSource:
-        """A ByteSource for lost ``process``: reads of whole chunks come back rebuilt (for ChunkReader)."""
+    def reader(self, process: int) -> ByteReader:
+        """A ByteReader for lost ``process``: reads of whole chunks come back rebuilt (for ChunkReader)."""
         def read(offset: int, nbytes: int) -> memoryview:
             data = self.chunk(process, offset)
             if data.size != nbytes:

@@ -1,8 +1,8 @@
 """Config.protection at run time, trainer side: build each committed step's redundancy in the background.
 
 The engine (a :class:`~jaxckpt.core.protect.ProtectionHost`: all this runtime asks of it) calls
-:meth:`Protector.prepare` for a new layout, :meth:`on_save` in ``save()``, and the commit hook when the step is
-decided; per step:
+:meth:`Protector.prepare` for a new layout, :meth:`on_save` when a save starts (``CheckpointEngine.start``), and
+the commit hook when the step is decided; per step:
   0) ``prepare`` (once per layout; the first time, collectively) agrees on the node of every process (an
      ``all_gather`` round ``protection nodes`` of the engine's ``main`` channel, ``jaxckpt.core.collective``,
      of each process's node name (``jaxckpt.node_identity``: the failure domain, by which redundancy is placed,
@@ -50,7 +50,7 @@ import numpy as np
 from jaxckpt.protection import parity
 from jaxckpt.core.capabilities import NodeAgent, ProtectionSlots
 from jaxckpt.core.checksum import crc32c
-from jaxckpt.core.history import trim
+from jaxckpt.core.trim import trim
 from jaxckpt.core.hostbuf import host_bytes
 from jaxckpt.errors import AgentError, CommitError, PeerError
 from jaxckpt.node_identity import node_identity

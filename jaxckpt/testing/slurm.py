@@ -425,6 +425,53 @@ class SlurmCluster:
         self.stop()
 
 
+class Allocation:
+    """``nodes`` nodes of a SLURM allocation to run a job's processes on through ``srun``, one step per process
+    (:meth:`prefix`, for ``jaxckpt.tools.launcher.start(prefix=...)``): the allocation this process runs in
+    (``SLURM_JOB_ID``), else one of an emulated cluster started here under ``root`` (needs root) and stopped by
+    :meth:`close`. The processes join a JAX coordinator on loopback, so the nodes must be this machine (an
+    emulated cluster, or an allocation whose nodes resolve to loopback): anything else is a LaunchError."""
+
+    def __init__(self, nodes: int, root: str) -> None:
+        self.cluster: SlurmCluster | None = None
+        job = os.environ.get("SLURM_JOB_ID", "").strip()
+        if job:
+            self.conf, self.job = os.environ.get("SLURM_CONF", ""), job
+            r = subprocess.run(["scontrol", "show", "hostnames", os.environ.get("SLURM_JOB_NODELIST", "")],
+                               capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+            self.nodes = r.stdout.split()
+            if len(self.nodes) < nodes:
+                raise LaunchError(f"SLURM job {job} has {len(self.nodes)} nodes ({r.stderr.strip() or 'scontrol'}), "
+                                  f"{nodes} needed")
+            far = [n for n in self.nodes[:nodes] if not socket.gethostbyname(n).startswith("127.")]
+            if far:
+                raise LaunchError(f"SLURM job {job}: nodes {', '.join(far)} are not this machine; the processes "
+                                  f"join a coordinator on loopback (run it on an emulated cluster)")
+        else:
+            self.cluster = SlurmCluster(root, nodes=nodes).start()
+            self.conf = self.cluster.conf
+            try:
+                self.job = self.cluster.salloc(nodes, f"jaxckpt-{os.getpid()}")
+            except BaseException:
+                self.close()
+                raise
+            self.nodes = list(self.cluster.nodes)
+        self.nodes = self.nodes[:nodes]
+
+    def prefix(self, node: int) -> list[str]:
+        """The words that run a command as a step of one task on the allocation's ``node``-th node. Steps
+        overlap (a node's processes and agents share its CPUs, as the own launcher's do)."""
+        conf = [f"SLURM_CONF={self.conf}"] if self.conf else []
+        return ["env", *conf, "srun", f"--jobid={self.job}", "--overlap", "-N1", "-n1", "--ntasks-per-node=1",
+                f"--nodelist={self.nodes[node]}", "--kill-on-bad-exit=1", "--input=none", "--quiet"]
+
+    def close(self) -> None:
+        """Stop the emulated cluster this started (its allocation with it); an existing allocation is left."""
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
+
+
 def _reap(state_path: str) -> int:
     """The reaper: wait until the process that started the cluster closes our stdin or dies, then clean up what
     its stop() did not (nothing, when stop() ran: it removes the state file first)."""

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from jaxckpt.errors import LaunchError
-from jaxckpt.tools.node import PIDS_FILE, launch_env
+from jaxckpt.tools.node import PIDS_FILE, WORKER_PID_FILE, launch_env
 
 log = logging.getLogger("jaxckpt.testing")
 
@@ -79,13 +79,32 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
+def _signal_worker(launch_dir: str, process_id: int, sig: int) -> None:
+    """``sig`` to the worker of ``process_id`` itself, found by the pid it wrote (a worker that a prefix such as
+    srun started is no child of ours: signalling srun would not reach it), and to its process group."""
+    try:
+        with open(os.path.join(launch_dir, WORKER_PID_FILE.format(process_id))) as f:
+            pid = int(f.read())
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"jaxckpt.tools.worker" not in f.read():
+                return  # it exited and the pid is another process's now
+    except (OSError, ValueError):
+        return
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 class Job:
     """Processes started by the launcher; ``close()`` (or leaving ``with``) kills and reaps every one of them."""
 
     def __init__(self, commands: Sequence[Sequence[str]], envs: Sequence[dict[str, str]], *, procs_per_node: int,
                  launch_dir: str, owns_dir: bool, forward_output: bool = False,
-                 fail_fast_grace: float | None = 5.0) -> None:
+                 fail_fast_grace: float | None = 5.0, wrapped: bool = False) -> None:
         self.launch_dir = launch_dir
+        self.wrapped = wrapped  # commands run the worker through a prefix (srun): signals go to the worker too
         self.procs_per_node = procs_per_node
         self.fail_fast_grace = fail_fast_grace
         self._owns_dir = owns_dir
@@ -156,7 +175,7 @@ class Job:
         """Send ``sig`` to one process and everything it started (its process group)."""
         p = self._procs[process_id]
         self._reason.setdefault(process_id, reason)
-        _signal_group(p.pid, sig)
+        self._signal(process_id, sig)
 
     def kill_node(self, node: int, sig: int = signal.SIGKILL) -> list[int]:
         """SIGKILL (or ``sig``) every process of simulated ``node`` at once; returns their process ids."""
@@ -167,8 +186,13 @@ class Job:
         for i in ids:
             self._reason.setdefault(i, f"node {node} killed by kill_node")
         for i in ids:
-            _signal_group(self._procs[i].pid, sig)
+            self._signal(i, sig)
         return ids
+
+    def _signal(self, i: int, sig: int) -> None:
+        if self.wrapped:
+            _signal_worker(self.launch_dir, i, sig)
+        _signal_group(self._procs[i].pid, sig)
 
     def _note_marked_kills(self) -> None:
         # kill_node() inside a worker leaves a marker per pid so its intended deaths are not failures.
@@ -221,14 +245,14 @@ class Job:
             running = [i for i, c in enumerate(self.poll()) if c is None]
             for i in running:
                 self._reason.setdefault(i, "killed when the launcher closed")
-                _signal_group(self._procs[i].pid, signal.SIGTERM)
+                self._signal(i, signal.SIGTERM)
             deadline = time.monotonic() + grace
             for i in running:
                 self._reaped[i].wait(max(0.0, deadline - time.monotonic()))
         finally:
             # Always SIGKILL every group, even of leaders that exited: children they left behind die too.
-            for p in self._procs:
-                _signal_group(p.pid, signal.SIGKILL)
+            for i in range(len(self._procs)):
+                self._signal(i, signal.SIGKILL)
             for i, done in enumerate(self._reaped):
                 if not done.wait(REAP_TIMEOUT_S):
                     log.error("process %d (pid %d) not reaped %gs after SIGKILL", i, self._procs[i].pid,
@@ -335,12 +359,15 @@ def _envs(n_nodes: int, procs_per_node: int, devices_per_proc: int, launch_dir: 
 
 def start(fn: Callable, *, nodes: int, procs_per_node: int, devices_per_proc: int = 2, args: Sequence[Any] = (),
           env: dict[str, str] | None = None, distributed: bool = True, fail_fast_grace: float | None = 5.0,
-          launch_dir: str | None = None) -> Job:
+          launch_dir: str | None = None, prefix: Callable[[int], Sequence[str]] | None = None) -> Job:
     """Start ``fn(*args)`` in ``nodes * procs_per_node`` processes and return the running Job at once.
 
     ``fn`` must be a module-level function, ``args`` and its return value JSON-serialisable. With
     ``distributed=False`` the workers skip JAX set-up (plain processes with the same node layout). Workers
     die with the thread that started them (Linux parent-death signal), so start jobs from a long-lived thread.
+    ``prefix(node)``: words that start each process of ``node`` through another launcher (``srun`` placing it on
+    a node of an allocation, :mod:`jaxckpt.tools.bench.srun`); the worker is then that launcher's child, not
+    ours, and the Job's signals reach it through the pid it writes.
     """
     target = _target(fn)
     try:
@@ -350,14 +377,16 @@ def start(fn: Callable, *, nodes: int, procs_per_node: int, devices_per_proc: in
     owns = launch_dir is None
     launch_dir = launch_dir or tempfile.mkdtemp(prefix="jaxckpt-launch-")
     try:
-        spec = {"target": target, "args": args_json, "distributed": distributed, "parent_pid": os.getpid()}
+        spec = {"target": target, "args": args_json, "distributed": distributed,
+                "parent_pid": None if prefix else os.getpid()}
         spec_path = os.path.join(launch_dir, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         envs = _envs(nodes, procs_per_node, devices_per_proc, launch_dir, env, target["root"])
         cmd = [sys.executable, "-m", "jaxckpt.tools.worker", spec_path]
-        return Job([cmd] * len(envs), envs, procs_per_node=procs_per_node, launch_dir=launch_dir, owns_dir=owns,
-                   fail_fast_grace=fail_fast_grace)
+        cmds = [[*(prefix(i // procs_per_node) if prefix else ()), *cmd] for i in range(len(envs))]
+        return Job(cmds, envs, procs_per_node=procs_per_node, launch_dir=launch_dir, owns_dir=owns,
+                   fail_fast_grace=fail_fast_grace, wrapped=prefix is not None)
     except BaseException:
         if owns:
             shutil.rmtree(launch_dir, ignore_errors=True)
@@ -366,7 +395,8 @@ def start(fn: Callable, *, nodes: int, procs_per_node: int, devices_per_proc: in
 
 def launch(fn: Callable, *, nodes: int, procs_per_node: int, devices_per_proc: int = 2, args: Sequence[Any] = (),
            timeout: float = 120.0, env: dict[str, str] | None = None, distributed: bool = True,
-           fail_fast_grace: float | None = 5.0) -> list[ProcResult]:
+           fail_fast_grace: float | None = 5.0, prefix: Callable[[int], Sequence[str]] | None = None
+           ) -> list[ProcResult]:
     """Run ``fn(*args)`` in ``nodes * procs_per_node`` JAX processes; each process's ProcResult, by process id.
 
     Each process has ``devices_per_proc`` CPU devices and sees its place through ``jaxckpt.testing.node_info()``.
@@ -374,7 +404,7 @@ def launch(fn: Callable, *, nodes: int, procs_per_node: int, devices_per_proc: i
     for a failure inside ``fn``: look at ``ProcResult.error`` (or use :func:`expect_ok`).
     """
     with start(fn, nodes=nodes, procs_per_node=procs_per_node, devices_per_proc=devices_per_proc, args=args,
-               env=env, distributed=distributed, fail_fast_grace=fail_fast_grace) as job:
+               env=env, distributed=distributed, fail_fast_grace=fail_fast_grace, prefix=prefix) as job:
         if not job.wait(timeout):
             job.time_out(timeout)
             job.wait(10)

@@ -23,6 +23,7 @@ log = logging.getLogger("jaxckpt.testing")
 ENV_NODE_NAME = "JAXCKPT_NODE_NAME"  # Config.node_name
 
 PIDS_FILE = "pids.json"  # process id -> [pid, node], written by the launcher into the launch dir
+WORKER_PID_FILE = "worker-{}.pid"  # a worker's own pid, by process id (it may be another launcher's child)
 
 
 @dataclass(frozen=True)

@@ -20,14 +20,15 @@ from typing import Any, Callable
 log = logging.getLogger("jaxckpt.tools.worker")
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    # A launcher killed with SIGKILL cannot reap us; the kernel then does (Linux only).
+def _die_with_parent(parent_pid: int | None) -> None:
+    # A launcher killed with SIGKILL cannot reap us; the kernel then does (Linux only). Started through another
+    # launcher (srun), the parent is that launcher's (slurmstepd), not the one that wrote the spec.
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             pass
-    if os.getppid() != parent_pid:
+    if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(3)  # the launcher died before we got here
 
 
@@ -58,9 +59,10 @@ def main(argv: list[str]) -> int:
     _die_with_parent(spec["parent_pid"])
     logging.basicConfig(level=os.environ.get("JAXCKPT_LOG_LEVEL", "WARNING").upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from jaxckpt.tools.node import init_from_env, node_info
+    from jaxckpt.tools.node import WORKER_PID_FILE, init_from_env, node_info
 
     info = node_info()
+    _write(os.path.join(info.launch_dir, WORKER_PID_FILE.format(info.process_id)), str(os.getpid()))
     result = os.path.join(info.launch_dir, f"result-{info.process_id}.json")
     try:
         if spec["distributed"]:

@@ -415,7 +415,7 @@ class JaxckptReader(StorageReader):
         chunks = ChunkSet(self.store, index, self._group, self.rank, self.world,
                           self._rounds() if self._group is not None else None)
         try:
-            got = chunks.gather(plan)
+            got = chunks.read(plan)
             for req in plan.items:
                 self._deliver(req, got[req.storage_index], planner, index.step)
         finally:

@@ -2,7 +2,7 @@
 
 Own slot: zero-copy views. Another rank of the group: sent by that rank in two ``all_to_all`` rounds. A rank the
 group no longer has: its slot at this node's agent (``store="shm"``). Every rank of the group runs
-:meth:`ChunkSet.gather` at the same point; a failure on any rank (a missing slot, a bad checksum) is agreed on
+:meth:`ChunkSet.read` at the same point; a failure on any rank (a missing slot, a bad checksum) is agreed on
 before the bytes move (``jaxckpt.core.collective.agree``, a round of the reader's channel), so it is raised on
 every rank and nobody waits for a rank that gave up.
 """
@@ -19,7 +19,7 @@ from jaxckpt.torch import dcp_exchange as xc
 from jaxckpt.torch.dcp_metadata import Locator, StorageIndex, unpack_slot_manifest
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.core.collective import Channel, agree
-from jaxckpt.core.fetch import buffer_source
+from jaxckpt.core.fetch import buffer_reader
 from jaxckpt.core.store import Store
 from jaxckpt.errors import ChecksumError, ManifestError, StepError, StepNotFoundError
 
@@ -38,7 +38,7 @@ class ChunkSet:
         self.verify = store.config.verify_on_restore
         self._closers: list[Callable[[], None]] = []
 
-    def gather(self, plan: LoadPlan) -> dict[MetadataIndex, memoryview]:
+    def read(self, plan: LoadPlan) -> dict[MetadataIndex, memoryview]:
         """Every chunk ``plan`` reads, by storage index, checksummed where it was read."""
         idx, me, world, group = self.index, self.rank, self.world, self.group
         error: BaseException | None = None
@@ -102,7 +102,7 @@ class ChunkSet:
                                         f"{self.store.name} store (job {self.store.config.job_id!r}; it holds steps "
                                         f"{self.store.steps() or 'none'})")
             self._closers.append(view.close)
-            manifest, read = view.manifest, buffer_source(view.buffer)
+            manifest, read = view.manifest, buffer_reader(view.buffer)
         else:
             manifest, read = self._open_at_agent(owner, step)
         body = unpack_slot_manifest(manifest, f"step {step} of rank {owner}")

@@ -25,6 +25,12 @@ process and replicated over the nodes; half fully sharded over every device) is 
 
 Every restore is checked bit for bit once. The driver never imports jax; every process is reaped and every agent
 stopped (its memory freed) at the end, whatever happens.
+
+``--launcher srun`` starts every process through ``srun`` instead, as a step on a node of a SLURM allocation (the
+one it runs in, else an emulated cluster it starts: :class:`jaxckpt.testing.slurm.Allocation`); the agents are
+then the trainers' own steps (``backends/agent/lifetime.py``) and a lost node's processes die by SLURM's step
+kill. ``--launcher both`` runs the whole benchmark with each launcher in turn and reports their restore and
+recovery figures side by side (:mod:`jaxckpt.tools.bench.cluster_launchers`, section ``cluster-launchers``).
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from jaxckpt.tools.bench import report, runner
 from jaxckpt.tools.bench.cluster_report import aggregate, render
@@ -53,6 +59,7 @@ RESHARD_PROCS = 2
 MAX_TRAIN_STEPS = 10_000
 MEMORY_MARGIN = 2 << 30
 FLOORS = {"parity_extra_tolerance": 0.10}  # issue 5: parity within 10% of 1/(R-1) extra
+LAUNCHERS = ("own", "srun", "both")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,6 +75,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help=f"{what} (default {FULL[key]}, --quick {QUICK[key]})")
     p.add_argument("--restore-collective", action="store_true",
                    help="restores form replicated arrays with the collective (Config.restore_collective)")
+    p.add_argument("--replicas", default=None, choices=("split", "whole"),
+                   help="Config.replicas of every job (default: Config's): split (1/R per replica) or whole (a "
+                        "whole copy of the replicated arrays on every node)")
+    p.add_argument("--launcher", default=None, choices=LAUNCHERS,
+                   help="own: jaxckpt's launcher (default); srun: every process an srun step on a node of a SLURM "
+                        "allocation (this one, else an emulated cluster: needs root and slurm-wlm); both: each in "
+                        "turn, side by side")
     p.add_argument("--plain-dir", default=None,
                    help="the disk directory for Orbax and the persistent tier (default: the temp directory)")
     runner.output_arguments(p, "cluster", "a small state, one recovery cycle: about a minute, for CI", timeout=1800.0)
@@ -83,6 +97,9 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     out["size"] = parse_size(str(out["size"]))
     out["plain_dir"] = args.plain_dir or tempfile.gettempdir()
     out["restore_collective"] = bool(getattr(args, "restore_collective", False))
+    from jaxckpt.config import Config
+    out["replicas"] = getattr(args, "replicas", None) or Config().replicas
+    out["launcher"] = getattr(args, "launcher", None) or "own"
     if out["nodes"] < 2 or out["procs_per_node"] < 1:
         raise ValueError(f"bench cluster needs at least 2 nodes (got {out['nodes']}) and 1 process per node")
     for k in ("steps", "repeats", "recoveries", "persist_interval"):
@@ -96,19 +113,48 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
 def command(args: argparse.Namespace) -> str:
     """The command line that repeats this run."""
     line = runner.command_line("cluster", args, tuple((f"--{k.replace('_', '-')}", k) for k in (
-        "size", "nodes", "procs_per_node", "steps", "repeats", "recoveries", "persist_interval", "plain_dir")))
+        "size", "nodes", "procs_per_node", "steps", "repeats", "recoveries", "persist_interval", "launcher",
+        "plain_dir")))
+    if getattr(args, "replicas", None):
+        line += f" --replicas {args.replicas}"
     return line + " --restore-collective" if getattr(args, "restore_collective", False) else line
 
 
 def run(args: argparse.Namespace) -> int:
     """``jaxckpt bench cluster``: measure (or render ``--from-json``), write JSON, print and update the section."""
+    from jaxckpt.tools.bench import cluster_launchers
+    if (getattr(args, "launcher", None) or "own") == "both":
+        return runner.run(args, "cluster-launchers", options,
+                          lambda a, o: cluster_launchers.measure(o, command(a), quick=a.quick, timeout=a.timeout,
+                                                                 measure_one=measure),
+                          cluster_launchers.render)
     return runner.run(args, "cluster", options,
                       lambda a, o: measure(o, command(a), quick=a.quick, timeout=a.timeout), render)
 
 
 # ------------------------------------------------------------------------------------------------- the driver
 def measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float) -> dict[str, Any]:
-    """All phases in order (module docstring); returns the result document."""
+    """All phases in order (module docstring), with the launcher ``opts["launcher"]`` (own or srun)."""
+    if opts["launcher"] == "own":
+        return _measure(opts, cmd, quick=quick, timeout=timeout, prefix=None)
+    from jaxckpt.testing.slurm import Allocation
+    root = tempfile.mkdtemp(prefix="jaxckpt-bench-slurm-")
+    try:
+        alloc = Allocation(max(opts["nodes"], RESHARD_PROCS), root)
+        try:
+            log.info("bench cluster: through srun, SLURM job %s on nodes %s", alloc.job, ",".join(alloc.nodes))
+            out = _measure(opts, cmd, quick=quick, timeout=timeout, prefix=alloc.prefix)
+            out["setup"]["launcher"] = {"name": "srun", "slurm_job": alloc.job, "slurm_nodes": alloc.nodes,
+                                        "emulated": alloc.cluster is not None}
+            return out
+        finally:
+            alloc.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float,
+             prefix: Callable[[int], list[str]] | None) -> dict[str, Any]:
     from jaxckpt.tools.bench.cluster_phases import state_bytes
     from jaxckpt.testing import expect_ok, launch
 
@@ -128,7 +174,8 @@ def measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float) -
         "persist_interval": opts["persist_interval"], "orbax_std": os.path.join(disk, "orbax-standard"),
         "orbax_em_persistent": os.path.join(disk, "orbax-emergency-persistent"), "max_train_steps": MAX_TRAIN_STEPS,
         "settle_steps": 2 * opts["persist_interval"],
-        "cycle": 0, "last": False, "restore_collective": opts["restore_collective"]}
+        "cycle": 0, "last": False, "restore_collective": opts["restore_collective"],
+        "replicas": opts.get("replicas", "split")}
     size = state_bytes(spec)
     # Measured peak about (procs + 12) x state: the replicated half on every process (and a restored copy), the
     # agents' slots and protection, Orbax's local checkpoints on RAM disk (whole state and half), persist copies.
@@ -149,21 +196,24 @@ def measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float) -
     t_start = time.perf_counter()
     from jaxckpt.tools.bench.loopback import probe
     loopback = probe(256 << 20)  # the bandwidth the host transport could have on this machine
+    from jaxckpt.tools.bench.memcpy import memcpy_gbps
+    # one thread's memory copy (a median, as every bench reports it): the floor of a restore from local memory
+    memcpy = report.summarize(memcpy_gbps(256 << 20, 5))["median"]
     log.info("bench cluster: loopback raw TCP %.2f GB/s, peer transport %.2f GB/s", loopback["tcp"]["gbps"],
              loopback["transport"]["gbps"])
     try:
         log.info("bench cluster: %s state on %d nodes x %d processes: saves, policies %s", report.fmt_size(size),
                  opts["nodes"], opts["procs_per_node"], ", ".join(policies))
-        expect_ok(launch(_phases().save_phase, **layout, args=(spec,), env=env, timeout=timeout))
+        expect_ok(launch(_phases().save_phase, **layout, args=(spec,), env=env, timeout=timeout, prefix=prefix))
         saved = _read(spec, "save", procs)
         spec["orbax_std_step"] = saved[0]["orbax"]["standard"]["step"]
         spec["orbax_em_step"] = saved[0]["orbax"]["emergency"].get("step", 0)
         spec["orbax_em_dp_step"] = saved[0]["orbax"]["emergency_dp"].get("step", 0)
         log.info("bench cluster: resharded restore on %d processes", RESHARD_PROCS)
         expect_ok(launch(_phases().reshard_phase, nodes=RESHARD_PROCS, procs_per_node=1, devices_per_proc=devices,
-                         args=(spec,), env=env, timeout=timeout))
+                         args=(spec,), env=env, timeout=timeout, prefix=prefix))
         log.info("bench cluster: local restore, then training until a node is lost")
-        job = _start(_phases().local_phase, layout, spec, env)
+        job = _start(_phases().local_phase, layout, spec, env, prefix)
         role = "local"
         for cycle in range(opts["recoveries"]):
             for kind in ("peers", "persistent"):
@@ -174,7 +224,7 @@ def measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float) -
                 spec.update(cycle=cycle, last=cycle == opts["recoveries"] - 1 and kind == "persistent")
                 log.info("bench cluster: node %d lost at step %d; relaunch, restore from %s", lost, event["step"], kind)
                 phase = _phases().peer_phase if kind == "peers" else _phases().persist_phase
-                job = _start(phase, layout, spec, env)
+                job = _start(phase, layout, spec, env, prefix)
                 recoveries.append({"kind": kind, "cycle": cycle, "lost_node": lost, **event})
                 role = f"{kind}{cycle}"
         job.wait(timeout)
@@ -199,9 +249,10 @@ def measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float) -
         _cleanup(base, disk, policies, opts["nodes"])
     out = aggregate(results, recoveries, spec)
     return {"bench": "cluster", "mode": "quick" if quick else "full", "machine": machine, "date": report.now_utc(),
-            "command": cmd, "loopback": loopback,
+            "command": cmd, "loopback": loopback, "memcpy_gbps": memcpy,
             "setup": {"nodes": opts["nodes"], "procs_per_node": opts["procs_per_node"], "devices_per_proc": devices,
                       "mesh": spec["mesh"], "reshard_mesh": spec["reshard_mesh"], "arrays": opts["arrays"],
+                      "replicas": spec["replicas"],
                       "state_bytes": size, "policies": policies, "keep_policy": KEEP_POLICY,
                       "warmup": opts["warmup"], "steps": opts["steps"], "repeats": opts["repeats"],
                       "recoveries": opts["recoveries"], "persist_interval": opts["persist_interval"],
@@ -215,9 +266,10 @@ def _phases() -> Any:
     return cluster_phases
 
 
-def _start(fn: Any, layout: Mapping[str, int], spec: Mapping[str, Any], env: dict[str, str]) -> Any:
+def _start(fn: Any, layout: Mapping[str, int], spec: Mapping[str, Any], env: dict[str, str],
+           prefix: Callable[[int], list[str]] | None) -> Any:
     from jaxckpt.testing import start
-    return start(fn, **layout, args=(dict(spec),), env=env, fail_fast_grace=5.0)
+    return start(fn, **layout, args=(dict(spec),), env=env, fail_fast_grace=5.0, prefix=prefix)
 
 
 def _read(spec: Mapping[str, Any], phase: str, procs: int, missing_ok: bool = False) -> list[dict[str, Any]]:
@@ -255,7 +307,7 @@ def _lose_node(job: Any, spec: Mapping[str, Any], role: str, node: int, nodes: i
     """SIGKILL ``node`` (trainers and agent, its memory removed), then the rest of the job, as a restart would;
     with ``wipe_all`` every node's memory goes (the restart finds only the persistent tier)."""
     from jaxckpt.backends.agent import protocol as proto
-    from jaxckpt.tools.bench.restore import _drop_cache, _sync_tree
+    from jaxckpt.tools.bench.restore import drop_cache, sync_tree
     t_kill = time.time()
     job.kill_node(node)
     for n in [node] + ([m for m in range(nodes) if m != node] if wipe_all else []):
@@ -267,8 +319,8 @@ def _lose_node(job: Any, spec: Mapping[str, Any], role: str, node: int, nodes: i
     job.close()
     progress = report.read_json(os.path.join(spec["results"], f"progress-{role}"))
     if wipe_all:  # the next job reads the persistent tier from the disk, not from the page cache
-        _sync_tree(spec["persistent_dir"])
-        _drop_cache(spec["persistent_dir"])
+        sync_tree(spec["persistent_dir"])
+        drop_cache(spec["persistent_dir"])
     return {"t_kill": t_kill, "step": progress["step"], "newest_protected": progress["protected"],
             "newest_persisted": progress["persisted"]}
 

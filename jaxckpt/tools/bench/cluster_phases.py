@@ -125,7 +125,7 @@ def config(spec: dict, job: str, node: int, protection: str, persistent: bool = 
                   commit_timeout_s=300.0, peer_timeout_s=120.0,
                   persistent_dir=spec["persistent_dir"] if persistent else "",
                   persistent_interval=spec["persist_interval"] if persistent else 0, persistent_keep=2,
-                  restore_collective=spec.get("restore_collective", False))
+                  restore_collective=spec.get("restore_collective", False), replicas=spec.get("replicas", "split"))
 
 
 def write_result(spec: dict, name: str, value: dict) -> None:
@@ -332,9 +332,9 @@ def _timeline(ck: Any) -> dict[str, Any]:
             "peer_span": rep.timeline["peer_fetches"].span}  # every process's on one host's monotonic clock
 
 
-def _drop_cache(root: str) -> None:
-    from jaxckpt.tools.bench.restore import _drop_cache as drop, _sync_tree
-    _sync_tree(root)
+def drop_cache(root: str) -> None:
+    from jaxckpt.tools.bench.restore import drop_cache as drop, sync_tree
+    sync_tree(root)
     drop(root)
 
 
@@ -375,7 +375,7 @@ def local_phase(spec: dict) -> dict:
     std = ocp.Checkpointer(ocp.StandardCheckpointHandler())
     std_times, got = [], None
     for _ in range(spec["repeats"]):
-        _drop_cache(spec["orbax_std"])
+        drop_cache(spec["orbax_std"])
         got = None
         t0 = time.perf_counter()
         got = jax.block_until_ready(std.restore(std_path, args=ocp.args.StandardRestore(tgt)))
@@ -437,7 +437,7 @@ def _recovered(spec: dict, role: str, persistent: bool) -> tuple[Any, Any, Any, 
     st = jax.block_until_ready(train_step()(got))
     t_step = time.time()
     check(st, spec, step + 1, f"{role} restore (checked after one step: x + 1 is exact)")
-    before = (lambda: _drop_cache(spec["persistent_dir"])) if persistent else None
+    before = (lambda: drop_cache(spec["persistent_dir"])) if persistent else None
     later, got = _timed_restores(ck, tgt, spec["repeats"] - 1, step, before)
     del got
     stamps = {"entry": t_entry, "created": t_created, "opened": t_open, "restored": t_restored,

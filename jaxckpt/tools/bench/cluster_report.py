@@ -64,6 +64,12 @@ def _sum_timelines(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _process_bytes(rows: Sequence[Mapping[str, Any]]) -> int:
+    """The most bytes one process restored (read from every source, the collective's included): what its
+    memory copy floor is of."""
+    return max((sum(int(v) for v in r.get("sources", {}).values()) for r in rows), default=0)
+
+
 def _first_error(rows: Sequence[Mapping[str, Any]]) -> str | None:
     """The earliest error of a failed collective operation: the cause (the others fail because of it)."""
     errs = sorted((r.get("t", 0.0), r["error"]) for r in rows if "error" in r)
@@ -147,13 +153,14 @@ def aggregate(results: Mapping[str, Any], recoveries: Sequence[Mapping[str, Any]
     restore: dict[str, Any] = {}
     for name, rows in (("local", results["local"]), ("resharded", results["reshard"])):
         restore[name] = {"restore_s": s(_slowest([r["restore_s"] for r in rows])), "step": rows[0]["step"],
-                         "sources": _sum_sources(rows), "processes": len(rows), "timeline": _sum_timelines(rows)}
+                         "sources": _sum_sources(rows), "processes": len(rows), "timeline": _sum_timelines(rows),
+                         "process_bytes": _process_bytes(rows)}
     for kind in ("peers", "persistent"):
         jobs = [v for k, v in results["recovered"].items() if k.startswith(kind)]
         restore[kind] = {"restore_s": s([t for rows in jobs for t in _slowest([r["restore_s"] for r in rows])]),
                          "first_s": s([max(r["restore_s"][0] for r in rows) for rows in jobs]),
                          "step": jobs[0][0]["step"], "sources": _sum_sources(jobs[0]), "processes": len(jobs[0]),
-                         "timeline": _sum_timelines(jobs[0])}
+                         "timeline": _sum_timelines(jobs[0]), "process_bytes": _process_bytes(jobs[0])}
     restore["orbax_standard"] = {"restore_s": s(_slowest([r["orbax_standard_restore_s"] for r in results["local"]])),
                                  "step": spec["orbax_std_step"], "processes": len(results["local"])}
     for key, rows, step in (("orbax_emergency", results["emergency"], spec["orbax_em_step"]),
@@ -337,6 +344,7 @@ def _timeline_section(result: Mapping[str, Any]) -> list[str]:
                     "Transport GB/s in restore: the host-transport bytes of all processes over the union of their "
                     "fetch spans."]
         out += _floor_lines(result, lb["tcp"]["gbps"])
+        out += _issue_floors(result)
         out += _protection_floor_lines(result, lb["tcp"]["gbps"])
     return out
 
@@ -365,28 +373,76 @@ def _protection_floor_lines(result: Mapping[str, Any], tcp_gbps: float) -> list[
 
 
 def _floor_lines(result: Mapping[str, Any], tcp_gbps: float) -> list[str]:
-    """Per restore path, the time its host-transport bytes alone take at this run's raw loopback TCP rate: a
-    floor no host transport can beat on this machine, beside the restore and Orbax's restore."""
+    """Per restore path, its floor on this machine: the larger of the time its host-transport bytes alone take at
+    this run's raw loopback TCP rate and the time one process's memory copy (measured in the same run) takes for
+    the most bytes one process restores; beside the restore and Orbax's restore."""
     rs = result["restore"]
     orbax = (rs.get("orbax_standard", {}).get("restore_s") or {}).get("median")
+    mem = result.get("memcpy_gbps")
     rows = []
     for key, _label in PATHS:
         t, r = rs.get(key, {}).get("timeline"), (rs.get(key, {}).get("restore_s") or {}).get("median")
-        if not t or not r or not t.get("transport_bytes"):
+        if not t or not r:
             continue
-        floor = t["transport_bytes"] / (tcp_gbps * 1e9)
+        wire = t.get("transport_bytes", 0) / (tcp_gbps * 1e9)
+        copy = rs[key].get("process_bytes", 0) / (mem * 1e9) if mem else 0.0
+        floor = max(wire, copy)
+        if not floor:
+            continue
         ms = lambda v: report.fmt_num(v * 1e3)  # noqa: E731
-        rows.append([key, report.fmt_size(t["transport_bytes"]), ms(floor), ms(r),
-                     f"{r / floor:.2f}x", f"{orbax / floor:.2f}x" if orbax else "–",
-                     f"{orbax / r:.2f}x" if orbax else "–"])
+        has = mem and "process_bytes" in rs[key]  # results of runs before the memory copy floor lack it
+        rows.append([key, report.fmt_size(t.get("transport_bytes", 0)), ms(wire),
+                     report.fmt_size(rs[key]["process_bytes"]) if has else "–", ms(copy) if has else "–",
+                     "transport" if wire >= copy else "memory copy", ms(r), f"{r / floor:.2f}x",
+                     f"{orbax / floor:.2f}x" if orbax else "–", f"{orbax / r:.2f}x" if orbax else "–"])
     if not rows:
         return []
-    return ["", "The loopback floor: a path's host-transport bytes (all processes) at the raw TCP rate the probe "
-                "above measured, what moving them alone takes on this machine (its processes share its cores; a "
-                "restore below 1x means the probe ran slower than the restore's own transfers); restore and "
-                "Orbax StandardRestore medians as multiples of it:", "",
-            report.table(["path", "host transport bytes", "floor ms", "restore ms", "restore / floor",
+    mem_line = (f" and the time one thread's memcpy ({report.fmt_num(mem)} GB/s), both measured in the same "
+                f"run, takes for the most bytes one process restores (what one process's copy of its own state "
+                f"takes)" if mem else " (this run measured no memory copy: its floor is the transport's)")
+    return ["", "The floor of each restore path on this machine: the larger of its host-transport bytes (all "
+                f"processes) at the raw TCP rate the probe above measured{mem_line}; restore and "
+                "Orbax StandardRestore medians as multiples of it (its processes share the machine's cores: a "
+                "restore below 1x means the probe ran slower than the restore's own transfers):", "",
+            report.table(["path", "host transport bytes", "transport floor ms", "bytes per process (most)",
+                          "memory copy floor ms", "floor", "restore ms", "restore / floor",
                           "Orbax StandardRestore / floor", "Orbax / restore"], rows)]
+
+
+def _issue_floors(result: Mapping[str, Any]) -> list[str]:
+    """Issue 26's floors, each with its figures from this run and whether it is met."""
+    rs, rec, fn = result["restore"], result["recovery"], report.fmt_num
+    med = lambda d: (d or {}).get("median")  # noqa: E731
+    local, orbax = med(rs["local"].get("restore_s")), med(rs["orbax_standard"].get("restore_s"))
+    mem = result.get("memcpy_gbps")
+    out = ["", f"Floors (issue 26; `Config.replicas={result['setup'].get('replicas', 'split')!r}`):"]
+    if local and orbax:
+        copy = rs["local"]["process_bytes"] / (mem * 1e9) if mem and "process_bytes" in rs["local"] else None
+        ok = orbax / local >= 3 and (copy is None or local <= 1.3 * copy)
+        out.append(f"- agents alive: restore {fn(local * 1e3)} ms, Orbax / this {fn(orbax / local)}x (floor >= 3x)" + (f", {fn(local / copy)}x one process's memory copy of the bytes it restores (floor "
+                                f"<= 1.3x)" if copy else "") + f": {'met' if ok else '**not met**'}.")
+    peers = rec.get("peers", {})
+    create, restore = med(peers.get("create_s")), med(peers.get("restore_s"))
+    if local and orbax and create is not None and restore is not None:
+        after = create + restore
+        ok = after <= 1.3 * local and orbax / after >= 1.5
+        out.append(f"- after a node loss: `Checkpointer()` + restore on the slowest process {fn(after * 1e3)} ms "
+                   f"({fn(create * 1e3)} + {fn(restore * 1e3)}) = {fn(after / local)}x the agents-alive restore "
+                   f"(floor <= 1.3x), Orbax / this {fn(orbax / after)}x (floor >= 1.5x): "
+                   f"{'met' if ok else '**not met**'}.")
+    per = rec.get("persistent", {})
+    keys = ("create_s", "latest_s", "restore_s")
+    if all(med(peers.get(k)) is not None and med(per.get(k)) is not None for k in keys + ("first_step_s",)):
+        extra = max(0.0, med(peers["first_step_s"]) - med(per["first_step_s"]))
+        own = sum(med(peers[k]) for k in keys) + extra
+        theirs = sum(med(per[k]) for k in keys) + max(0.0, med(per["first_step_s"]) - med(peers["first_step_s"]))
+        fixed = med(peers.get("relaunch_s"))
+        out.append(f"- kill → first step: jaxckpt's own share (Checkpointer(), latest_step(), restore, the first "
+                   f"step's extra over the other path's) {fn(own * 1e3)} ms against the persistent restart's "
+                   f"{fn(theirs * 1e3)} ms = {fn(own / theirs if theirs else float('inf'))}x (floor <= 0.5x): "
+                   f"{'met' if theirs and own <= 0.5 * theirs else '**not met**'}; beside the fixed cost neither "
+                   f"path controls, relaunch and JAX start {fn(fixed * 1e3) if fixed is not None else '–'} ms.")
+    return out
 
 
 def _one_line(text: str, limit: int = 300) -> str:

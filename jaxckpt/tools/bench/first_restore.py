@@ -1,6 +1,6 @@
 """Where a relaunched job's first restore spends what later ones do not (issue 26, item 4): a measurement script.
 
-    python -m jaxckpt.tools.bench.first_restore [RELAUNCHES] [MIB]
+    python -m jaxckpt.tools.bench.first_restore [RELAUNCHES] [MIB] [REPLICAS]
 
 A job of 2 simulated nodes x 1 JAX process (2 CPU devices each, mesh 2x2 'data' x 'model') saves a state of MIB
 MiB (8 float32 arrays, half replicated over 'data', half split over both axes) to its node agents and exits;
@@ -8,6 +8,8 @@ then RELAUNCHES times a fresh job (agents alive) makes a Checkpointer and restor
 a second Checkpointer in the same processes and restores twice more. Each process reports, per restore: wall
 time, CPU time (the process's user + system), minor page faults (getrusage), and the restore report's phases.
 Printed: the medians over processes and relaunches per restore index. Every restore is checked bit for bit.
+REPLICAS is ``Config.replicas`` (default split; whole: each node keeps the replicated half whole, so a restore
+with the agents alive fetches nothing from the other node).
 """
 import os
 import resource
@@ -22,7 +24,7 @@ from jaxckpt.testing import expect_ok, launch, node_info, remove_agents
 COLS = 1024
 
 
-def _setup(base: str, mib: int):
+def _setup(base: str, mib: int, replicas: str = "split"):
     import jax
     import jaxckpt
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -32,7 +34,7 @@ def _setup(base: str, mib: int):
     rows = mib * (1 << 20) // (8 * COLS * 4) // 8 * 8
     specs = {f"a{i}": (P("data", "model") if i % 2 else P(None, "model")) for i in range(8)}
     cfg = jaxckpt.Config(store="shm", job_id="first", shm_dir=f"{base}/node{node_info().node}",
-                         agent_dirs=f"{base}/node*", peer_timeout_s=30.0)
+                         agent_dirs=f"{base}/node*", peer_timeout_s=30.0, replicas=replicas)
     return jax, jaxckpt, mesh, rows, specs, cfg, NamedSharding
 
 
@@ -40,8 +42,8 @@ def _value(i: int, rows: int) -> np.ndarray:
     return np.arange(rows * COLS, dtype=np.float32).reshape(rows, COLS) + np.float32(i)
 
 
-def save(base: str, mib: int) -> int:
-    jax, jaxckpt, mesh, rows, specs, cfg, ns = _setup(base, mib)
+def save(base: str, mib: int, replicas: str = "split") -> int:
+    jax, jaxckpt, mesh, rows, specs, cfg, ns = _setup(base, mib, replicas)
     state = {k: jax.make_array_from_callback((rows, COLS), ns(mesh, s), lambda idx, i=i: _value(i, rows)[idx])
              for i, (k, s) in enumerate(specs.items())}
     with jaxckpt.Checkpointer(cfg) as ck:
@@ -50,8 +52,8 @@ def save(base: str, mib: int) -> int:
     return 1
 
 
-def restore(base: str, mib: int) -> list:
-    jax, jaxckpt, mesh, rows, specs, cfg, ns = _setup(base, mib)
+def restore(base: str, mib: int, replicas: str = "split") -> list:
+    jax, jaxckpt, mesh, rows, specs, cfg, ns = _setup(base, mib, replicas)
     from jax.experimental import multihost_utils
 
     target = {k: jax.ShapeDtypeStruct((rows, COLS), np.float32, sharding=ns(mesh, s)) for k, s in specs.items()}
@@ -77,20 +79,22 @@ def restore(base: str, mib: int) -> list:
 def main() -> None:
     relaunches = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     mib = int(sys.argv[2]) if len(sys.argv) > 2 else 128
+    replicas = sys.argv[3] if len(sys.argv) > 3 else "split"
     base = f"/dev/shm/jaxckpt-first-restore-{os.getpid()}"
     os.makedirs(base, exist_ok=True)
     env = {"JAXCKPT_LOG_LEVEL": "WARNING"}
     try:
-        expect_ok(launch(save, nodes=2, procs_per_node=1, devices_per_proc=2, args=(base, mib), env=env, timeout=300))
+        expect_ok(launch(save, nodes=2, procs_per_node=1, devices_per_proc=2, args=(base, mib, replicas), env=env, timeout=300))
         rows: dict[tuple, list] = {}
         for _ in range(relaunches):
-            for r in expect_ok(launch(restore, nodes=2, procs_per_node=1, devices_per_proc=2, args=(base, mib),
+            for r in expect_ok(launch(restore, nodes=2, procs_per_node=1, devices_per_proc=2, args=(base, mib, replicas),
                                       env=env, timeout=300)):
                 for x in r:
                     rows.setdefault((x["checkpointer"], x["restore"]), []).append(x)
     finally:
         remove_agents(base)
-    print(f"{mib} MiB, 2 nodes x 1 process, {relaunches} relaunches; medians over processes and relaunches")
+    print(f"{mib} MiB, 2 nodes x 1 process, replicas {replicas}, {relaunches} relaunches; medians over processes "
+          f"and relaunches")
     for (ckp, k), xs in rows.items():
         med = {f: statistics.median(x[f] for x in xs) for f in ("wall_s", "cpu_s", "faults")}
         busy = {p: statistics.median(x["phases"].get(p, 0.0) for x in xs) for p in xs[0]["phases"]}

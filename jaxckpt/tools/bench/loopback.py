@@ -146,7 +146,7 @@ def tcp_gbps_processes(nbytes: int = 256 << 20, streams: int = 4, piece: int = 4
 
 def _snapshot_source(buf: memoryview) -> Any:
     """One immutable snapshot held in memory (process 0, step 1), as the peer server serves a store's."""
-    from jaxckpt.core.transport import SnapshotSource
+    from jaxckpt.core.transport import ServedHolder
     from jaxckpt.core.store import SnapshotView
 
     class View(SnapshotView):
@@ -156,7 +156,7 @@ def _snapshot_source(buf: memoryview) -> Any:
         def close(self) -> None:
             pass
 
-    class Source(SnapshotSource):
+    class Served(ServedHolder):
         label = "loopback probe"
 
         def steps(self, process: int | None) -> list[int]:
@@ -167,7 +167,7 @@ def _snapshot_source(buf: memoryview) -> Any:
 
         def held(self) -> list[list]:
             return []
-    return Source()
+    return Served()
 
 
 def transport_gbps(nbytes: int = 256 << 20, streams: int = 4, chunk_bytes: int = 16 << 20) -> dict[str, Any]:

@@ -34,6 +34,7 @@ QUICK = {"sizes": "4M", "saves": 3}
 NODES, PROCS_PER_NODE = 4, 2
 N_ARRAYS, COLS, ITEMSIZE = 8, 1024, 4
 POLICIES = ("none", "replica", "parity", "xor-group", "hybrid")
+REPLICAS = ("split", "whole")  # Config.replicas
 LAYOUTS = {"data-parallel": "each array split over a node's 2 processes (tensor-parallel) and replicated over the "
                             "4 nodes (data-parallel): R = 4",
            "fully-sharded": "each array split over all 8 processes (FSDP / ZeRO-3): no replicas"}
@@ -104,8 +105,9 @@ def measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float) -
             except FileNotFoundError:
                 pass
         gc.collect()
-    protection = [protection_row(size, layout, policy) for size in opts["sizes"] for layout in LAYOUTS
-                  for policy in POLICIES]
+    protection = [protection_row(size, layout, policy, replicas) for size in opts["sizes"] for layout in LAYOUTS
+                  for replicas in REPLICAS for policy in POLICIES
+                  if replicas == "split" or layout == "data-parallel"]  # whole changes nothing without replicas
     return {"bench": "memory", "mode": "quick" if quick else "full", "machine": machine, "date": report.now_utc(),
             "command": cmd,
             "setup": {"devices": 8, "mesh": "2x4", "arrays": N_ARRAYS, "keep": 1, "saves": opts["saves"],
@@ -178,20 +180,21 @@ def layouts(size: int, kind: str) -> tuple[list, list[int]]:
     return out, nodes
 
 
-def protection_row(size: int, kind: str, policy: str) -> dict[str, Any]:
-    """Per-node snapshot, protection and sent bytes of one snapshot under ``policy`` (Config defaults otherwise)."""
+def protection_row(size: int, kind: str, policy: str, replicas: str = "split") -> dict[str, Any]:
+    """Per-node snapshot, protection and sent bytes of one snapshot under ``policy`` and ``replicas`` (Config
+    defaults otherwise)."""
     from jaxckpt.config import Config
     from jaxckpt.core.plan import plan_save
     from jaxckpt.protection.plan import plan_for_config
 
     arrays, nodes = layouts(size, kind)
-    cfg = Config(protection=policy)
-    plans = plan_save(arrays, len(nodes), cfg.chunk_bytes)
+    cfg = Config(protection=policy, replicas=replicas)
+    plans = plan_save(arrays, len(nodes), cfg.chunk_bytes, nodes=nodes if replicas == "whole" else None)
     prot = plan_for_config(arrays, plans, nodes, cfg)
     data, extra, sent = prot.data_bytes(), prot.extra_bytes(), prot.sent_bytes()
     state = sum(a.nbytes for a in arrays)
     worst = max(data, key=lambda n: data[n] + extra[n])
-    return {"size_bytes": state, "layout": kind, "policy": policy,
+    return {"size_bytes": state, "layout": kind, "policy": policy, "replicas": replicas,
             "chosen": sorted({c.policy for c in prot.chunks}),
             "data_bytes_per_node": data[worst], "extra_bytes_per_node": extra[worst],
             "sent_bytes_per_node": max(sent.values()),
@@ -229,16 +232,18 @@ def render(result: Mapping[str, Any]) -> str:
                   f"the most. Layouts: " + "; ".join(f"{k}: {v}" for k, v in st["layouts"].items()) + ".", ""]
     rows = []
     for r in result["protection"]:
-        rows.append([fs(r["size_bytes"]), r["layout"], r["policy"], ", ".join(r["chosen"]),
+        rows.append([fs(r["size_bytes"]), r["layout"], r.get("replicas", "split"), r["policy"], ", ".join(r["chosen"]),
                      fs(r["data_bytes_per_node"]), fs(r["extra_bytes_per_node"]),
                      f"{fn(r['extra_over_data'] * 100)}%" if r["extra_over_data"] else "0%",
                      fs(r["data_bytes_per_node"] + r["extra_bytes_per_node"]),
                      fs(r["sent_bytes_per_node"])])
-    parts.append(report.table(["state", "layout", "policy", "chosen per chunk", "snapshot per node",
+    parts.append(report.table(["state", "layout", "replicas", "policy", "chosen per chunk", "snapshot per node",
                                "protection per node", "extra", "total per node", "sent per node per snapshot"],
                               rows))
     parts += ["", "REFT parity over R node replicas costs 1/(R-1) extra (33% for R = 4) and sends nothing; an xor "
-                  "group of G nodes costs 1/(G-1) and sends the data once; a replica costs 100% per copy."]
+                  "group of G nodes costs 1/(G-1) and sends the data once; a replica costs 100% per copy. Whole "
+                  "replicas (`Config.replicas=\"whole\"`) keep a full copy of each replicated array on every node "
+                  "holding it (R/1 of split's 1/R share: R = 4 here) and need no protection of their own."]
     return "\n".join(parts)
 
 

@@ -25,7 +25,7 @@ def available() -> bool:
     return True
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -61,7 +61,7 @@ def _finish(fig: Any, ax: Any, path: Path, title: str, subtitle: str) -> Path:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
+    pyplot().close(fig)
     log.info("wrote %s", path)
     return path
 
@@ -77,7 +77,7 @@ def save_call_vs_size(results: Results, out: Path) -> Path | None:
     save, scaling = results.get("save"), results.get("scaling")
     if not save and not (scaling and scaling["by_size"]):
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     sizes: list[float] = []
     if save:
@@ -107,7 +107,7 @@ def snapshot_throughput(results: Results, out: Path) -> Path | None:
     src = scaling if scaling and scaling["by_size"] else save
     if not src:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     sizes: list[float] = []
     for res, fmt in ((scaling, "o-"), (save, "s--")):
@@ -133,7 +133,7 @@ def restore_time(results: Results, out: Path) -> Path | None:
     res = results.get("restore")
     if not res or not res["results"]:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     rows = res["results"]
     series = (("memory (same process)", lambda r: r["memory"]["restore_s"]),
               ("shm, fresh process (first)", lambda r: r["restore"]["shm"]["restore_first_s"]),
@@ -160,7 +160,7 @@ def scaling_procs(results: Results, out: Path) -> Path | None:
     sc = results.get("scaling")
     if not sc or not sc["by_procs"]:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     rows = sc["by_procs"]
     x = [r["procs"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -191,7 +191,7 @@ def cluster_restore(results: Results, out: Path) -> Path | None:
     short = {"local": "local", "peers": "peers\n(node lost)", "resharded": "resharded\n(other mesh)",
              "persistent": "persistent\ntier", "orbax_standard": "Orbax Standard\n(disk, cold)",
              "orbax_emergency": "Orbax\nemergency", "orbax_emergency_dp": "Orbax emergency\n(dp half only)"}
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.4))
     keys, labelled = list(short), set()
     for i, key in enumerate(keys):
@@ -217,7 +217,7 @@ def cluster_recovery(results: Results, out: Path) -> Path | None:
     res = results.get("cluster")
     if not res:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     rec = res["recovery"]
     kinds = [("peers", "jaxckpt:\nrestore from peers"), ("persistent", "restart from the\npersistent tier")]
     stages = [("relaunch_s", "relaunch (start, JAX init)"), ("create_s", "Checkpointer()"),

@@ -231,7 +231,7 @@ def save_phase(spec: dict) -> dict:
         with ocp.StandardCheckpointer() as ckptr:
             ckptr.save(os.path.join(where, "ckpt"), state)
             ckptr.wait_until_finished()
-    _sync_tree(spec["plain"])
+    sync_tree(spec["plain"])
     return {"size_bytes": nbytes, "memory": memory, "shm": shm}
 
 
@@ -254,7 +254,7 @@ def restore_phase(spec: dict) -> dict:
         for r in range(spec["repeats"]):
             for src in SOURCES:
                 if src == "orbax_plain":
-                    _drop_cache(spec["plain"])
+                    drop_cache(spec["plain"])
                 t0 = time.perf_counter()
                 if src == "shm":
                     out = jax.block_until_ready(ck.restore(target))
@@ -280,7 +280,7 @@ def _files(root: str) -> list[str]:
     return [os.path.join(d, f) for d, _, names in os.walk(root) for f in names]
 
 
-def _sync_tree(root: str) -> None:
+def sync_tree(root: str) -> None:
     for path in _files(root):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -289,7 +289,7 @@ def _sync_tree(root: str) -> None:
             os.close(fd)
 
 
-def _drop_cache(root: str) -> None:
+def drop_cache(root: str) -> None:
     """Evict ``root``'s (synced, clean) file pages from the page cache, so the next read comes from the disk."""
     for path in _files(root):
         fd = os.open(path, os.O_RDONLY)

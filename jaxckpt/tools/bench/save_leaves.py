@@ -58,13 +58,13 @@ def bench_fresh(state: dict[str, Any], repeats: int, warmup: int) -> dict[str, A
     import jax
     import jax.numpy as jnp
 
-    from jaxckpt.jax.snapshot import _fast_view
+    from jaxckpt.jax.snapshot import fast_view
 
     step = jax.jit(lambda s: jax.tree.map(lambda x: x * 0.5 + 1.0, s), donate_argnums=0)
     state = jax.tree.map(jnp.copy, state)
     call, state, devices = _save_calls(state, repeats, warmup, step)
     saved = 0
-    views = _fast_view()
+    views = fast_view()
     expose, view = [], []
     for _ in range(3):
         state = jax.block_until_ready(step(state))
@@ -225,9 +225,9 @@ def view_seconds_per_shard(state: dict[str, Any], repeats: int = 3) -> float:
     """Seconds per zero-copy host view of one local device buffer (best of ``repeats`` passes over the state)."""
     import numpy as np
 
-    from jaxckpt.jax.snapshot import _fast_view
+    from jaxckpt.jax.snapshot import fast_view
 
-    views = _fast_view()
+    views = fast_view()
     arrays = [x._arrays for x in state.values()]
     n = sum(len(a) for a in arrays)
     best = float("inf")

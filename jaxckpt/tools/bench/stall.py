@@ -9,6 +9,9 @@ a fresh state with the same compiled step:
 - ``jaxckpt-fused``: ``ckpt.wrap_step``: the step program itself copies its incoming state to pinned host;
 - ``jaxckpt-shm``, ``jaxckpt-fused-shm``: the same two with ``store="shm"`` (the slots are the node agent's
   shared memory, issue 4);
+- ``jaxckpt-whole`` (with ``--replicas split,whole``): ``jaxckpt`` with ``Config.replicas="whole"``, each
+  process named a node of its own (``Config.node_name``), so every process saves a whole copy of the
+  replicated arrays it holds: the save cost of whole replicas on one process per node;
 - ``orbax``:         ``ocp.AsyncCheckpointer(StandardCheckpointHandler)`` saving every step to tmpfs.
 
 and then the idle snapshot throughput (save + wait with no training), compared with the machine's memcpy
@@ -31,7 +34,8 @@ from jaxckpt.tools.bench.report import machine_facts, now_utc, summarize
 
 log = logging.getLogger("jaxckpt.tools.bench")
 
-MODES = ("none", "jaxckpt", "jaxckpt-fused", "jaxckpt-shm", "jaxckpt-fused-shm", "orbax")
+MODES = ("none", "jaxckpt", "jaxckpt-fused", "jaxckpt-shm", "jaxckpt-fused-shm", "jaxckpt-whole", "orbax")
+OPTIONAL = {"jaxckpt-whole": "whole"}  # modes run only when --replicas names them
 # Presets: (d_model, layers). State bytes ~ 12 bytes/param (param + 2 AdamW moments, float32). "0.2G-deep" has
 # the bytes of "0.2G" in 4x the layers: 879 leaves instead of 231 (the leaf count of an LLM-like state, issue 13).
 SIZES = {"tiny": (64, 2), "0.2G": (512, 6), "0.2G-deep": (256, 24), "1G": (1024, 7)}
@@ -77,7 +81,19 @@ def run_process(spec: dict) -> dict:
         ck = tmp = ckptr = fused = None
         if mode.startswith("jaxckpt"):
             shm = {"store": "shm", "shm_dir": agent_dir(spec, mode)} if mode.endswith("-shm") else {}
-            ck = jaxckpt.Checkpointer(jaxckpt.Config(job_id=job_id(spec, mode), keep=1, **shm))
+            whole = {"replicas": "whole"} if mode == "jaxckpt-whole" else {}
+            # The launcher names the node through JAXCKPT_NODE_NAME, which a Checkpointer's Config.with_env()
+            # applies over any node_name given: each process its own node goes through the same variable.
+            node = os.environ.get("JAXCKPT_NODE_NAME")
+            if whole:
+                os.environ["JAXCKPT_NODE_NAME"] = f"stall-node{proc}"
+            try:
+                ck = jaxckpt.Checkpointer(jaxckpt.Config(job_id=job_id(spec, mode), keep=1, **shm, **whole))
+            finally:
+                if whole and node is None:
+                    os.environ.pop("JAXCKPT_NODE_NAME", None)
+                elif whole:
+                    os.environ["JAXCKPT_NODE_NAME"] = node
             if mode.startswith("jaxckpt-fused"):
                 fused = ck.wrap_step(step_fn)
         elif mode == "orbax":
@@ -205,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     try:
         procs_list(args.procs)
+        modes(args)
         unknown = [z for z in args.sizes.split(",") if z not in SIZES]
         if unknown:
             raise ValueError(f"--sizes: unknown preset(s) {unknown}; the presets are {sorted(SIZES)}")
@@ -229,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     for size, procs in [(size, n) for size in sizes for n in procs_list(args.procs)]:
         tmp = tempfile.mkdtemp(prefix="jaxckpt-stall-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         spec = {"size": size, "gpt": gpt_config(size, args.seq_len), "batch": args.batch, "steps": steps,
-                "warmup": warmup, "modes": list(MODES), "orbax_dir": tmp, "idle_repeats": 2 if args.quick else 5}
+                "warmup": warmup, "modes": modes(args), "orbax_dir": tmp, "idle_repeats": 2 if args.quick else 5}
         try:
             log.info("bench stall: size %s on %d processes", size, procs)
             per_proc = expect_ok(launch(run_process, nodes=1, procs_per_node=procs,
@@ -248,6 +265,15 @@ def run(args: argparse.Namespace) -> int:
         log.info("size %s, %d processes: %s", row["size"], row["procs"],
                  {k: round(v, 4) for k, v in row["summary"].items() if v is not None})
     return 0
+
+
+def modes(args: argparse.Namespace) -> list[str]:
+    """The modes of this run: every mode but the optional ones ``--replicas`` does not ask for."""
+    asked = {r.strip() for r in str(getattr(args, "replicas", "split")).split(",") if r.strip()}
+    bad = asked - {"split", "whole"}
+    if bad:
+        raise ValueError(f"--replicas {args.replicas!r}: expected split, whole or split,whole")
+    return [m for m in MODES if m not in OPTIONAL or OPTIONAL[m] in asked]
 
 
 def procs_list(value: str | int) -> list[int]:
@@ -277,6 +303,8 @@ def command(args: argparse.Namespace) -> str:
     else:
         words += ["--sizes", args.sizes, "--steps", str(args.steps), "--warmup", str(args.warmup)]
     words += ["--procs", ",".join(map(str, procs_list(args.procs)))]
+    if getattr(args, "replicas", "split") != "split":
+        words += ["--replicas", args.replicas]
     for flag, value in (("--json", args.json), ("--update-md", args.update_md)):
         if value:
             words += [flag, value]
@@ -358,6 +386,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--procs", default="2", help="JAX processes (8 CPU devices split between them); several, "
                                                  "comma-separated (e.g. 1,2), run each size on each count")
+    p.add_argument("--replicas", default="split", help="Config.replicas of the jaxckpt modes: split (default), or "
+                                                       "split,whole to add mode jaxckpt-whole (each process its "
+                                                       "own node, saving whole copies of the replicated arrays)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--timeout", type=float, default=3600.0)

@@ -109,7 +109,7 @@ class SoakPlan:
 # The chaos Profile of the job (trials are set from the plan) and the plan of the soak.
 PROFILES: dict[str, tuple[chaos.Profile, SoakPlan]] = {
     "soak": (chaos.Profile(trials=0, jax_trials=0, nodes=3, procs_per_node=1, interval=1, protection="hybrid"),
-             # The warm-up covers the bounded per-step records filling to their bound (jaxckpt.core.history:
+             # The warm-up covers the bounded per-step records filling to their bound (jaxckpt.core.trim:
              # 2 * STEPS_KEPT entries, then trimmed) and the dict tables that hold them: the 2026-12-01 soak with
              # a 1,000-step warm-up saw each trainer's RSS ramp 0.8 MiB to a plateau near step 3,000 of its
              # segment (tracemalloc: the Python heap bounded, a sawtooth between 1,024 and 2,048 records). A

@@ -124,7 +124,7 @@ def plot(rep: Mapping[str, Any], out: str | Path) -> Path | None:
 
     if not plots.available():
         return None
-    plt = plots._pyplot()
+    plt = plots.pyplot()
     fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharex=True)
     procs = sorted({s["proc"] for s in rep["series"]})
     colours = {name: plt.cm.tab10(i % 10) for i, name in enumerate(procs)}

@@ -1,9 +1,9 @@
-"""Per-step records stay bounded over a long job (jaxckpt.core.history), and what they answer stays right."""
+"""Per-step records stay bounded over a long job (jaxckpt.core.trim), and what they answer stays right."""
 from __future__ import annotations
 
 from jaxckpt.core.collective import Collective
 from jaxckpt.core.coordination import CommitTracker, LocalCoordinator
-from jaxckpt.core.history import STEPS_KEPT, trim
+from jaxckpt.core.trim import STEPS_KEPT, trim
 
 
 def test_trim_keeps_the_newest_steps_once_twice_as_many_are_held():
