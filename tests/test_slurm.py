@@ -17,6 +17,7 @@ absent), except under CI=true, where that is an error (tests/requires.py). Each 
 on 2 cores.
 """
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -105,6 +106,16 @@ def agent_pids(name: str, job: str) -> list[int]:
     return live_pids("agent", "--job", name)
 
 
+def agent_step(job: str, directory: str) -> str:
+    """The SLURM step id the agent serving ``directory`` runs in, from its freezer cgroup (proctrack/cgroup)."""
+    info = read_pid_file(directory)
+    assert info is not None, f"no agent serves {directory}"
+    with open(f"/proc/{info[0]}/cgroup") as f:
+        m = re.search(rf"job_{job}/step_(\w+)", f.read())
+    assert m, f"agent {info[0]} of {directory} runs in no step of job {job}"
+    return m.group(1)
+
+
 def assert_freed(name: str, job: str) -> float:
     """Every node's memory of the allocation and every agent of it gone, within FREED_WITHIN_S; the seconds."""
     return wait_for(lambda: not job_dirs(name, job) and not agent_pids(name, job), FREED_WITHIN_S,
@@ -136,8 +147,13 @@ def test_failed_step_relaunched_restores_from_memory_and_allocation_end_frees_it
         assert r["scheduler"] == "slurm" and r["source"] == "SLURMD_NODENAME (SLURM)", r
     assert [r["node"] for r in got] == cluster.nodes[:2]
     assert [os.path.basename(r["agent_dir"]) for r in got] == dirs
-    steps = cluster.run(["squeue", "-h", "-s", "-j", job, "-o", "%j"]).stdout.split()
-    assert steps.count("jaxckpt-agent") == 2, steps  # the serving agents are steps of their own
+    # The serving agents are steps of their own. Counted by the agents that serve, not by the steps listed: an agent
+    # step SLURM cancelled with step 0 may still be listed while it ends, beside the one that adopted its memory.
+    names = dict(line.split(None, 1) for line in
+                 cluster.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j"]).stdout.splitlines() if line.strip())
+    serving = [agent_step(job, os.path.join("/dev/shm", d)) for d in dirs]
+    assert len(set(serving)) == 2 and all(names.get(f"{job}.{s}") == "jaxckpt-agent" for s in serving), \
+        (serving, names)
     cluster.run(["scancel", job])
     finish(p)
     took = assert_freed(job_name, job)
