@@ -51,7 +51,9 @@ def test_every_fault_kind_is_recovered_from_with_no_wrong_restore_and_no_hang():
     # every kind was exercised, once
     assert {k: v["trials"] for k, v in rep["faults"].items()} == \
         {**{k: 1 for k in AVAILABLE}, **{f"{k} (jax)": 1 for k in chaos.JAX_KINDS}}, table
-    assert rep["saves_not_resumed"] == 0, table  # saving came back after every agent and budget fault
+    # saving came back after every agent and budget fault (the trials where it did not, with their trainers' ends)
+    assert rep["saves_not_resumed"] == 0, [(r["kind"], r["mode"], r["detail"]) for r in rep["results"]
+                                           if r["saves_resumed"] is False]
     assert rep["unavailable"] == {}  # peer-delay and peer-drop run through jaxckpt/tools/chaos/proxy.py
     # every peer connection spoke CURVE: every agent the driver started published a key
     assert rep["profile"]["peer_security"] == "curve", table

@@ -122,6 +122,8 @@ def respawn_and_resume(run: "ChaosRun", inc: "Incarnation", res: "TrialResult", 
                                  run.profile.timeout_s) and not inc.exited()
     if not res.saves_resumed and not inc.exited():
         res.hang = True
+    elif not res.saves_resumed:
+        res.detail += f" (saving did not resume: {inc.exit_report()})"
 
 
 def wait_protected(run: "ChaosRun", inc: "Incarnation") -> None:
@@ -205,6 +207,8 @@ def _fill_budget(run: "ChaosRun", inc: "Incarnation", res: "TrialResult") -> Non
     mark = inc.last("trained")
     res.saves_resumed = inc.wait(lambda: inc.last("committed") > mark + run.profile.interval or inc.exited(),
                                  run.profile.timeout_s) and not inc.exited()
+    if not res.saves_resumed and inc.exited():
+        res.detail += f" (saving did not resume: {inc.exit_report()})"
 
 
 # ------------------------------------------------------------------------------------------ peer messages

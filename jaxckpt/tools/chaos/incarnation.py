@@ -46,6 +46,7 @@ class Incarnation:
 
     def __init__(self, tmp: str, epoch: int, specs: list[dict]) -> None:
         self.events: list[dict] = []
+        self._logs: list[str] = []
         self._cv = threading.Condition()
         self.procs: list[subprocess.Popen] = []
         self._threads: list[threading.Thread] = []
@@ -54,7 +55,8 @@ class Incarnation:
             path = os.path.join(tmp, f"spec-{epoch}-{spec['process']}.json")
             with open(path, "w") as f:
                 json.dump(spec, f)
-            with open(os.path.join(tmp, f"trainer-{spec['process']}.log"), "ab") as err:
+            self._logs.append(os.path.join(tmp, f"trainer-{spec['process']}.log"))
+            with open(self._logs[-1], "ab") as err:
                 p = subprocess.Popen(deathsig.command([sys.executable, "-m", "jaxckpt.tools.chaos.trainer", path]),
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
                                      start_new_session=True, env=env)
@@ -96,6 +98,21 @@ class Incarnation:
 
     def exited(self) -> bool:
         return any(p.poll() is not None for p in self.procs)
+
+    def exit_report(self, lines: int = 4) -> str:
+        """Which trainers have ended, their exit codes and the last lines of their logs: why a trial's job ended
+        while the driver still waited on it."""
+        out = []
+        for i, p in enumerate(self.procs):
+            if p.poll() is None:
+                continue
+            try:
+                with open(self._logs[i], "rb") as f:
+                    tail = f.read()[-4096:].decode(errors="replace").strip().splitlines()[-lines:]
+            except OSError:
+                tail = []
+            out.append(f"trainer {i} exited with {p.returncode}" + (": " + " | ".join(tail) if tail else ""))
+        return "; ".join(out)
 
     def stop(self) -> None:
         for p in self.procs:
