@@ -121,6 +121,31 @@ def restore_job(base: str, job: str, policy: str, save_next: int = 0):
     return {"latest": latest, "report": report, "protected": protected}
 
 
+def restore_alone(base: str, job: str):
+    """A job of one process on node 0 (its 2 devices) restores the 4-node job's newest step bit for bit; with it,
+    the restore report and the warnings the rebuild logged."""
+    import logging
+
+    import jax
+    import jaxckpt
+
+    got_logged: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            got_logged.append(record.getMessage())
+    logger = logging.getLogger("jaxckpt.protection.holder")
+    logger.addHandler(Keep(logging.WARNING))
+    mesh = sharded_state.node_mesh(1)
+    target = {k: jax.ShapeDtypeStruct(h.shape, h.dtype, sharding=_sharding(mesh, k))
+              for k, h in host_state(0).items()} | {"step": 0}
+    with jaxckpt.Checkpointer(_config(base, job, "hybrid")) as ck:
+        latest = ck.latest_step()
+        check_bitwise(ck.restore(target), latest)
+        report = ck.last_restore_report.to_dict()
+    return {"latest": latest, "report": report, "logged": got_logged}
+
+
 def save_and_train_on(base: str, job: str, policy: str, steps: list, ready: str):
     """Save ``steps`` protected, say so (a file per process in ``ready``), then train on until killed."""
     import time
@@ -198,7 +223,8 @@ def rebuilt_bytes(results) -> int:
 # Every job the tests below restore, saved in one launch: job -> [policy, steps, drop_protection].
 SAVED = {"turn-parity": ["parity", [1, 2], None], "turn-replica": ["replica", [1, 2], None],
          "two-bad-replica": ["replica", [1, 2], None], "older": ["parity", [1, 2], [2, 2]],
-         "corrupt": ["parity", [1, 2], None], "token": ["replica", [1], None]}
+         "corrupt": ["parity", [1, 2], None], "token": ["replica", [1], None],
+         "holder-fallback": ["hybrid", [1, 2], None]}
 
 
 @pytest.fixture(scope="module")
@@ -430,6 +456,59 @@ def test_a_replacement_agent_recovers_its_node_share_and_the_restore_reads_it_lo
     finally:
         proto.stop_agent(d, job)
         agent.wait(timeout=30)
+
+
+def test_a_rebuild_its_parity_holder_cannot_make_is_made_by_the_restore(saved, tmp_path):
+    """Node 1 is lost, and node 0's agent is restarted (SIGKILLed, its memory kept) serving no peers: node 0's
+    units of the parity stripes are then reachable only from node 0 itself. A job of one process on node 0
+    restores the step: the other nodes' agents holding the stripes' parity cannot read node 0's units, so each
+    such range is rebuilt by the restoring process itself (parity and units read here), bit for bit, logged,
+    and said so in its report: ``fallbacks`` (why), ``rebuilt_at["here"]`` (the bytes XORed here) and
+    ``rebuild_reads`` / ``rebuild_received`` (what it read, and received over the transport, to do so)."""
+    import subprocess
+    import sys
+
+    from jaxckpt.backends.agent import serve as agent_serve
+
+    job = "holder-fallback"
+    assert all(r["protected"] == [1, 2] for r in saved[job]), saved[job]
+    lose_node(job, 1)
+    d = f"{BASE}/{job}-node0"
+    proto.kill_agent(d)  # its memory stays for the next agent of the directory
+    os.unlink(os.path.join(d, agent_serve.PEER_NAME))  # the killed agent's address: nobody serves it now
+    agent = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d, "--node",
+                              "node0", "--peer-bind", "none", "--log", str(tmp_path / "agent.log")],
+                             stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert agent.poll() is None, f"node 0's agent exited ({agent.returncode})"
+            assert time.monotonic() < deadline, "node 0's agent did not serve within 60 s"
+            try:
+                proto.agent_status(d, job)
+                break
+            except StoreUnavailableError:
+                time.sleep(0.05)
+        (r,) = expect_ok(launch(restore_alone, nodes=1, procs_per_node=1, devices_per_proc=2, args=(BASE, job),
+                                env=ENV, timeout=240))
+    finally:
+        proto.stop_agent(d, job)
+        agent.wait(timeout=30)
+    rep = r["report"]
+    assert r["latest"] == 2, r  # every array checked bit for bit in the process
+    here = [fb for fb in rep["fallbacks"] if "rebuilt here from the parity and the other units" in fb]
+    assert here and all("no agent of process 0 serves peers" in fb for fb in here), rep["fallbacks"]
+    assert [m for m in r["logged"] if "rebuilt here" in m] == here, r["logged"]
+    assert rep["rebuilt_bytes"] > 0, rep
+    # Every range was XORed here (each stripe has a unit on node 0), from the parity's bytes of that range alone:
+    # the other units are chunks this restore reads anyway (the whole state, one process), received once.
+    assert rep["rebuilt_at"] == {"here": rep["rebuilt_bytes"]}, rep
+    assert sum(rep["rebuild_reads"].values()) == rep["rebuilt_bytes"], rep
+    assert 0 < rep["rebuild_received"] <= rep["rebuilt_bytes"], rep  # the parity held on nodes 2 and 3
+    assert rep["transport_bytes"] == rep["bytes_by_kind"]["remote"] + rep["rebuild_received"], rep
+    print(f"fallback restore: rebuilt {rep['rebuilt_bytes']} bytes ({rep['rebuilt_at']} by where the XOR ran), "
+          f"read {rep['rebuild_reads']} to rebuild them, transport {rep['transport_bytes']}, "
+          f"fallbacks {len(here)}")
 
 
 @pytest.mark.skipif(os.environ.get("RUN_SLOW_TESTS") != "1", reason="slow: set RUN_SLOW_TESTS=1")
