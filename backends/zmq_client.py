@@ -332,17 +332,20 @@ class ZmqClient(PeerClient):
         extra = {"stripe": stripe, "unit": unit, "timeout_ms": int(self._timeout * 800),
                  "agents": [list(a) for a in agents], "sources": pairs}
         out = memoryview(hostbuf.empty(hi - lo, np.uint8))
-        for _ in self._pipeline(step, [(0, p) for p in self._parts(lo, hi - lo, None)], process, what, op="rebuild",
-                                extra=extra, into=lambda _, part: out[part[0] - lo:part[0] - lo + part[1]]):
+        # A rebuild's parts stay whole frames: each part is a rebuild at the holder, which reads and checks every
+        # other unit's span of it; smaller parts would repeat that work
+        parts = [(0, p) for p in self._parts(lo, hi - lo, None, self._frame_bytes)]
+        for _ in self._pipeline(step, parts, process, what, op="rebuild", extra=extra,
+                                into=lambda _, part: out[part[0] - lo:part[0] - lo + part[1]]):
             pass
         return out
 
-    def _parts(self, offset: int, nbytes: int, chunk) -> list[tuple[int, int, list | None]]:
-        """The requests of one range: at most ``_read_bytes`` each. Of a range checked against its chunk, only the
+    def _parts(self, offset: int, nbytes: int, chunk, size: int = 0) -> list[tuple[int, int, list | None]]:
+        """The requests of one range: at most ``size`` (default ``_read_bytes``) each. Of a range checked against its chunk, only the
         first part asks for the crc32c of the chunk's bytes before the range and only the last for those after
         it (each names as its chunk the chunk's part up to, or from, its own bytes): every part naming the whole
         chunk would make the server checksum nearly the whole chunk once per part."""
-        end, step = offset + nbytes, self._read_bytes
+        end, step = offset + nbytes, size or self._read_bytes
         if chunk is None or nbytes <= step:
             c = list(chunk) if chunk is not None else None
             return [(o, min(step, end - o), c) for o in range(offset, end, step)] or [(offset, 0, c)]
