@@ -8,6 +8,10 @@ that stopped passing bytes). The client then closes that socket and sends the re
 fresh one, at most ``MAX_RESENDS`` times per call and always within the call's time-out. A fresh socket, not
 the old one: the old socket's queue may still belong to the dying connection, which drops what it holds.
 Every request is a read, so sending it twice is harmless.
+
+A read's payload is received into the reader's own memory (``recv_into``), asked for ``READ_BYTES`` at a time: an
+aligned buffer per range (huge pages advised from 2 MiB, ``jaxckpt.core.hostbuf``), which a restore keeps as the
+array's memory. libzmq's own copy of each frame is then freed at once and its memory reused by the next frame.
 """
 from __future__ import annotations
 
