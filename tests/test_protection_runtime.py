@@ -210,6 +210,25 @@ def lose_node_under_running_job(job: str, lost: int, ready: str) -> None:
         lose_node(job, lost)  # its agent SIGKILLed, then its memory goes
 
 
+def start_agent(job: str, node: int, log: str, *args: str):
+    """Start the agent of ``node`` (``jaxckpt agent ... args``) as a launcher would; returns it once it serves."""
+    import subprocess
+    import sys
+
+    d = f"{BASE}/{job}-node{node}"
+    agent = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d, "--node",
+                              f"node{node}", "--log", log, *args], stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:  # serving: trainers then find it
+        assert agent.poll() is None, f"the agent of node {node} exited ({agent.returncode})"
+        assert time.monotonic() < deadline, f"the agent of node {node} did not serve within 60 s"
+        try:
+            proto.agent_status(d, job)
+            return agent
+        except StoreUnavailableError:  # not listening yet
+            time.sleep(0.05)
+
+
 def run(fn, *args):
     return expect_ok(launch(fn, nodes=NODES, procs_per_node=PROCS, devices_per_proc=2 // PROCS, args=(BASE, *args),
                             env=ENV, timeout=240))
@@ -421,25 +440,12 @@ def test_a_replacement_agent_recovers_its_node_share_and_the_restore_reads_it_lo
     it serves it rebuilds the lost node's share of the newest step into its own memory, receiving at most 1.1x
     the bytes it rebuilt. The relaunched trainer there finds that agent (it spawns none), and its restore reads
     its own process's bytes from its node's memory, rebuilding nothing; every array bit for bit."""
-    import subprocess
-    import sys
-
     job, lost = "recover", 1
     lose_node_under_running_job(job, lost, tmp_path)
     d = f"{BASE}/{job}-node{lost}"
-    agent = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d, "--node",
-                              f"node{lost}", "--agent-dirs", f"{BASE}/{job}-node*",
-                              "--log", str(tmp_path / "agent.log")], stdin=subprocess.DEVNULL)
+    # serving once started (the recovery may still run: the trainers' hellos wait for it)
+    agent = start_agent(job, lost, str(tmp_path / "agent.log"), "--agent-dirs", f"{BASE}/{job}-node*")
     try:
-        deadline = time.monotonic() + 60
-        while True:  # serving: the trainers then find it (the recovery may still run: their hellos wait for it)
-            assert agent.poll() is None, f"the replacement agent exited ({agent.returncode})"
-            assert time.monotonic() < deadline, "the replacement agent did not serve within 60 s"
-            try:
-                proto.agent_status(d, job)
-                break
-            except StoreUnavailableError:  # not listening yet
-                time.sleep(0.05)
         out = run(restore_on_replacement, job, "hybrid")
         recovery = proto.agent_status(d, job)["recovery"]
         mine = list(range(lost * PROCS, (lost + 1) * PROCS))
@@ -465,9 +471,6 @@ def test_a_rebuild_its_parity_holder_cannot_make_is_made_by_the_restore(saved, t
     such range is rebuilt by the restoring process itself (parity and units read here), bit for bit, logged,
     and said so in its report: ``fallbacks`` (why), ``rebuilt_at["here"]`` (the bytes XORed here) and
     ``rebuild_reads`` / ``rebuild_received`` (what it read, and received over the transport, to do so)."""
-    import subprocess
-    import sys
-
     from jaxckpt.backends.agent import serve as agent_serve
 
     job = "holder-fallback"
@@ -476,19 +479,8 @@ def test_a_rebuild_its_parity_holder_cannot_make_is_made_by_the_restore(saved, t
     d = f"{BASE}/{job}-node0"
     proto.kill_agent(d)  # its memory stays for the next agent of the directory
     os.unlink(os.path.join(d, agent_serve.PEER_NAME))  # the killed agent's address: nobody serves it now
-    agent = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d, "--node",
-                              "node0", "--peer-bind", "none", "--log", str(tmp_path / "agent.log")],
-                             stdin=subprocess.DEVNULL)
+    agent = start_agent(job, 0, str(tmp_path / "agent.log"), "--peer-bind", "none")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert agent.poll() is None, f"node 0's agent exited ({agent.returncode})"
-            assert time.monotonic() < deadline, "node 0's agent did not serve within 60 s"
-            try:
-                proto.agent_status(d, job)
-                break
-            except StoreUnavailableError:
-                time.sleep(0.05)
         (r,) = expect_ok(launch(restore_alone, nodes=1, procs_per_node=1, devices_per_proc=2, args=(BASE, job),
                                 env=ENV, timeout=240))
     finally:
