@@ -36,6 +36,7 @@ from jaxckpt.errors import ConfigError
 log = logging.getLogger("jaxckpt.backends.curve")
 
 _DERIVE = b"jaxckpt peer client key v1\0"
+_DERIVE_SERVER = b"jaxckpt agent rendezvous server key v1\0"
 
 
 def require_curve(what: str) -> None:
@@ -53,6 +54,17 @@ def client_keys(token: bytes) -> tuple[bytes, bytes]:
     if not token:
         raise ValueError("a CURVE client key needs a non-empty token")
     secret = z85.encode(hashlib.sha256(_DERIVE + bytes(token)).digest())
+    return zmq.curve_public(secret), secret
+
+
+def rendezvous_keys(token: bytes) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 CURVE key pair the job's node agents serve with when they are reached by address alone
+    (``Config.agent_peers``: a replacement node's agent knows its peers' host and port, and the job's token, but
+    no key they published). Derived from the token like :func:`client_keys`, under another label: whoever holds
+    the token can prove the server, whoever lacks it can neither serve as one nor connect."""
+    if not token:
+        raise ValueError("a CURVE server key needs a non-empty token")
+    secret = z85.encode(hashlib.sha256(_DERIVE_SERVER + bytes(token)).digest())
     return zmq.curve_public(secret), secret
 
 

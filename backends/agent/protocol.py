@@ -285,6 +285,10 @@ def spawn_agent(config: Config, directory: str, *, log_path: str | None = None) 
     cmd = [sys.executable, "-m", "jaxckpt.cli", "agent", "--job", config.job_id, "--dir", directory,
            "--node", node_identity(config).name, "--log", log_path or default_log_path(directory),
            "--peer-bind", config.peer_bind, "--peer-security", config.peer_security, "--transport", config.transport]
+    if config.agent_peers:
+        cmd += ["--peers", config.agent_peers]
+    if config.agent_port:
+        cmd += ["--peer-port", str(config.agent_port)]
     step = step_launch()
     prefix, env = step if step is not None else ([], None)
     # Without srun under SLURM it stays in the spawning task's process group: where the step is a process group
