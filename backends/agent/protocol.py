@@ -271,6 +271,17 @@ class AgentConnection:
             pass
 
 
+def start_agent(config: Config, directory: str) -> subprocess.Popen:
+    """Make the agent directory (private), hand it the job's peer token (``Config.peer_token``: the agent serves
+    peers with it) and :func:`spawn_agent`: what a trainer does when no agent serves its node."""
+    ensure_private_dir(directory, create=True)
+    if config.peer_token:
+        from jaxckpt.backends.agent.serve import read_token, write_token
+        if read_token(directory) is None:
+            write_token(directory, config.peer_token.encode())
+    return spawn_agent(config, directory)
+
+
 def spawn_agent(config: Config, directory: str, *, log_path: str | None = None) -> subprocess.Popen:
     """Start ``jaxckpt agent`` for ``config``'s job on ``directory``, detached (own session, no tty, no pipes).
 
