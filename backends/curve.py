@@ -9,7 +9,9 @@ Used when ``Config.peer_security`` asks for it (``jaxckpt.config.peer_uses_curve
   collective (``jaxckpt.backends.peers``), an agent's ``peer.addr`` file (``jaxckpt.backends.agent.serve``),
   and from there the catalog's exchange of agent infos and the protection pulls' sources. A client sets that
   key as ``CURVE_SERVERKEY``: a server at the address that does not hold the matching secret key cannot
-  complete the handshake, so nothing is sent to it and nothing it says is read;
+  complete the handshake, so nothing is sent to it and nothing it says is read. Node agents reached by address
+  alone (``Config.agent_peers``: a replacement node's agent has no published key to read) serve instead with the
+  pair derived from the job's token (:func:`rendezvous_keys`): a server is then proven to hold the token;
 * a *client* proves that it belongs to the job with the job's client key pair, derived from the job's peer
   token (:func:`client_keys`): whoever holds the token (the processes of the job, through the coordination
   service; the node agents, through their 0600 ``peer.token`` file) holds the key, so membership is what it

@@ -128,6 +128,11 @@ class ZmqTransport(Transport):
         return ZmqServer(source, token=token, host=host, frame_bytes=self.frame_bytes, curve=curve, port=port,
                          token_key=token_key)
 
+    def rendezvous_key(self, token: bytes) -> str:
+        from jaxckpt.backends import curve
+
+        return curve.rendezvous_keys(token)[0].decode()
+
     def connect(self, address: str, *, token: bytes, timeout_s: float, server_key: str = "") -> PeerClient:
         from jaxckpt.backends.zmq_client import ZmqClient  # it imports this module's protocol constants
 

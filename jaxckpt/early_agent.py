@@ -36,7 +36,7 @@ def start_agent(config: Config | None = None) -> bool:
         return False  # one serves (a launcher's, or one that outlived the last run)
     except StoreUnavailableError:
         pass
-    proc = protocol.start_agent(config, directory)
+    proc = protocol.start_agent(config, directory, recover=True)
     # Reap it should it exit while this process lives (a lost lock race, a shutdown): no zombie.
     threading.Thread(target=proc.wait, name="jaxckpt-agent-reaper", daemon=True).start()
     log.info("started the node agent of job %s in %s (pid %d) before the trainer's imports", config.job_id,

@@ -10,7 +10,7 @@ addresses (a Kubernetes headless service) stands for all of them.
 The agent asks each address what serves there (the peer transport's ``about``: node, job, generation, directory)
 with the job's shared token (``Config.peer_token``, ``JAXCKPT_PEER_TOKEN``: the same on every node, so a token
 made at random by one agent cannot serve) and, where the job speaks CURVE, the server key every agent of the job
-derives from that token (``jaxckpt.backends.curve.rendezvous_keys``): no key has to be published first, and
+derives from that token (the transport's ``rendezvous_key``): no key has to be published first, and
 whoever lacks the token can neither answer nor ask. Addresses that do not answer within the time-out (the lost
 node, a spare without an agent) are skipped, in parallel; its own address answers with its own generation and is
 skipped too.
@@ -50,12 +50,8 @@ def discover(job: str, spec: str, port: int, *, token: bytes, curve: bool, gener
     """The job's other agents answering at ``spec``'s addresses (see the module docstring)."""
     from jaxckpt.core.transport import get_transport
 
-    key = ""
-    if curve:
-        from jaxckpt.backends.curve import rendezvous_keys
-
-        key = rendezvous_keys(token)[0].decode()
     t = get_transport(transport)
+    key = t.rendezvous_key(token) if curve else ""
 
     def ask(address: str) -> AgentInfo | None:
         client = t.connect(address, token=token, timeout_s=timeout_s, server_key=key)

@@ -129,6 +129,11 @@ class Transport(abc.ABC):
         at once. ``curve``: speak CURVE only, with a key pair made here (its public half is ``server.public_key``),
         or with ``token_key`` the one derived from ``token`` (``jaxckpt.backends.curve.rendezvous_keys``)."""
 
+    def rendezvous_key(self, token: bytes) -> str:
+        """The CURVE public key of a server made with ``serve(token_key=True)`` and ``token``: what a client that
+        knows only the address checks the server against."""
+        raise PeerError(f"the {self.name or type(self).__name__} transport has no key derived from the token")
+
     @abc.abstractmethod
     def connect(self, address: str, *, token: bytes, timeout_s: float, server_key: str = "") -> PeerClient:
         """A client of the server at ``address`` (connects lazily; the first request may time out).
