@@ -466,7 +466,8 @@ def test_a_replacement_agent_recovers_its_node_share_and_the_restore_reads_it_lo
 
 def test_a_rendezvous_needs_the_jobs_shared_token(tmp_path):
     """An agent told its peers by address but holding no shared token (one made at random would match no other
-    node's) refuses to start, saying what it needs; a malformed peer list is a ConfigError naming the entry."""
+    node's) refuses to start, saying what it needs, and ``jaxckpt doctor`` reports it; a malformed peer list is a
+    ConfigError naming the entry."""
     import subprocess
     import sys
 
@@ -478,6 +479,14 @@ def test_a_rendezvous_needs_the_jobs_shared_token(tmp_path):
                         str(tmp_path / "a.log")], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "needs the job's shared peer token" in r.stderr and "JAXCKPT_PEER_TOKEN" in r.stderr, \
         r.stderr
+    # `jaxckpt doctor` says so before a job runs, and shows the rendezvous
+    r = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "doctor", "--job", "rdv-token"],
+                       env={**env, "JAXCKPT_STORE": "shm", "JAXCKPT_SHM_DIR": str(tmp_path / "d"),
+                            "JAXCKPT_AGENT_PEERS": "127.0.0.11,127.0.0.12", "JAXCKPT_AGENT_PORT": "29555"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "PROBLEM        Config.agent_peers is set but no shared peer token" in r.stdout, \
+        r.stdout + r.stderr
+    assert "port 29555 (node agent)" in r.stdout and "rendezvous     127.0.0.11,127.0.0.12" in r.stdout, r.stdout
     with pytest.raises(jaxckpt.errors.ConfigError, match="entry 'node3:x'"):
         jaxckpt.Config(agent_peers="node1,node3:x", agent_port=29555)
     with pytest.raises(jaxckpt.errors.ConfigError, match="no port given and Config.agent_port is 0"):
