@@ -154,7 +154,7 @@ def test_corrupted_chunk_raises_checksum_error():
             dcp.save(state, storage_writer=w, checkpoint_id=5)
             md = JaxckptReader(store=w.store, checkpoint_id=5).read_metadata()
             loc = md.storage_data.locators[MetadataIndex("b", [0])]
-            w.store._entries[5].buf[loc.offset + 3] ^= 0x40  # one bit of b's chunk in the store's memory
+            w.store.slot_bytes(5)[loc.offset + 3] ^= 0x40  # one bit of b's chunk in the store's memory
             target = {"a": torch.zeros(16), "b": torch.zeros(8, dtype=torch.int64)}
             if verify:
                 with pytest.raises(CheckpointException) as e:
@@ -406,7 +406,7 @@ def dcp_two_rank_worker(job_id: str) -> dict:
 
         # One flipped bit in rank 0's slot: rank 1 needs that chunk for Replicate, so both ranks raise.
         if rank == 0:
-            writer.store._entries[1].buf[0] ^= 0x01
+            writer.store.slot_bytes(1)[0] ^= 0x01
         dist.barrier()
         m4, o4 = _model(mesh, replicate, seed=5)
         _train_step(m4, 6)
