@@ -245,12 +245,12 @@ def test_torch_front_end_saves_and_restores_bit_for_bit_without_jax():
 def test_ml_dtypes_stand_ins_have_the_widths_of_the_real_types():
     """Without ml_dtypes its types travel as same-width unsigned integers; the widths must be the real ones."""
     ml = pytest.importorskip("ml_dtypes")
-    from jaxckpt.core.dtypes import _ML_WIDTHS
+    from jaxckpt.core.dtypes import ML_WIDTHS
 
-    real = {n: np.dtype(getattr(ml, n)).itemsize for n in _ML_WIDTHS if hasattr(ml, n)}
-    assert real and real == {n: _ML_WIDTHS[n] for n in real}
-    from jaxckpt.torch.dtypes import _NAMES  # every ml_dtypes name torch uses has a stand-in
-    assert {n for n in _NAMES.values() if not hasattr(np, n)} <= set(_ML_WIDTHS)
+    real = {n: np.dtype(getattr(ml, n)).itemsize for n in ML_WIDTHS if hasattr(ml, n)}
+    assert real and real == {n: ML_WIDTHS[n] for n in real}
+    from jaxckpt.torch.dtypes import DTYPE_NAMES  # every ml_dtypes name torch uses has a stand-in
+    assert {n for n in DTYPE_NAMES.values() if not hasattr(np, n)} <= set(ML_WIDTHS)
 
 
 # --------------------------------------------------------------------------------------- from the source
