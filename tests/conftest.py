@@ -16,7 +16,17 @@ jax.config.update("jax_num_cpu_devices", 8)
 BENCH_PROSE = "# Benchmarks\n\nprose before\n\n<!-- bench:save:begin -->\nold\n<!-- bench:save:end -->\n\nprose after\n"
 
 
-BENCH_TIMEOUT_S = 900  # the quick run of every benchmark: ~2 minutes quiet, 7 beside four other test suites
+BENCH_TIMEOUT_S = 900  # the quick run of every benchmark: ~1.5 minutes quiet, 5 beside four other test suites
+# The suite's run: every benchmark's --quick preset (the CLI run BENCHMARKS.md records stays as it is), two of them
+# smaller still, each at the smallest size that still shows what tests/test_bench*.py assert of it.
+# stall: the baseline, jaxckpt's save() and Orbax (the overhead and the Orbax ratio the tests check); the fused
+# and shm modes measure wrap_step and store="shm", which tests/test_fused.py and the shm tests check, and add
+# a compile each.
+# cluster: still 4 nodes (parity at 1/(R-1) with R = 4, xor-group), every policy, every restore path and both
+# node losses (from peers, from the persistent tier), on 8 MiB instead of 32 with one repeat and one timed step
+# per loop, and 32 MiB loopback and memory copy probes instead of 256.
+BENCH_SUITE_ARGS = {"stall": "--modes none,jaxckpt,orbax",
+                    "cluster": "--size 8M --repeats 1 --steps 1 --probe-size 32M --restore-collective"}
 
 
 def pytest_collection_modifyitems(items):
@@ -35,7 +45,8 @@ def _bench_dirs() -> set[str]:
 def bench_quick(tmp_path_factory):
     """``jaxckpt bench all --quick --update-md``, run once in a real subprocess for every test of a benchmark's
     quick run (tests/test_bench*.py): each benchmark measured as its own ``jaxckpt bench NAME --quick --json``
-    process, the cluster one with ``--restore-collective`` and a plain directory of its own."""
+    process, with the options of ``BENCH_SUITE_ARGS`` after its preset (the cluster one with a plain directory of
+    its own)."""
     from jaxckpt.tools.bench import all as bench_all
 
     d = tmp_path_factory.mktemp("bench-all")
@@ -44,12 +55,15 @@ def bench_quick(tmp_path_factory):
     plain = d / "plain"
     plain.mkdir()
     before = _bench_dirs()
+    more = {**BENCH_SUITE_ARGS, "cluster": f"{BENCH_SUITE_ARGS['cluster']} --plain-dir {plain}"}
     proc = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "bench", "all", "--quick", "--out", str(d / "out"),
-                           "--update-md", str(md), "--bench-args", f"cluster=--restore-collective --plain-dir {plain}"],
+                           "--update-md", str(md), *[w for name, opts in more.items()
+                                                     for w in ("--bench-args", f"{name}={opts}")]],
                           capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return {"dir": d, "out": d / "out", "md": md, "plain": plain, "stdout": proc.stdout, "stderr": proc.stderr,
-            "results": bench_all.load_results(d / "out", list(bench_all.BENCHES)), "shm_left": _bench_dirs() - before}
+            "results": bench_all.load_results(d / "out", list(bench_all.BENCHES)), "shm_left": _bench_dirs() - before,
+            "forwarded": more}
 
 
 def bench_section(name: str, result_json, md) -> str:

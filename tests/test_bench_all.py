@@ -86,10 +86,14 @@ def test_every_benchmark_ran_and_wrote_its_json(suite):
     for r in summary["runs"]:
         assert r["command"].startswith(f"jaxckpt bench {r['name']} --quick --json ")
         assert (suite["out"] / f"{r['name']}.log").exists()
-    # --bench-args reached the cluster benchmark alone, after its preset
-    forwarded = f"--restore-collective --plain-dir {suite['plain']}"
-    assert [r["name"] for r in summary["runs"] if r["command"].endswith(forwarded)] == ["cluster"]
-    assert summary["command"].endswith(f"--bench-args 'cluster={forwarded}'")
+    # each --bench-args reached its benchmark alone, after its preset
+    forwarded = suite["forwarded"]
+    assert sorted(forwarded) == ["cluster", "stall"] and forwarded["cluster"].endswith(f"--plain-dir {suite['plain']}")
+    for r in summary["runs"]:
+        assert [n for n, opts in forwarded.items() if r["command"].endswith(f"--json {suite['out'] / r['name']}.json "
+                                                                            f"{opts}")] == \
+            ([r["name"]] if r["name"] in forwarded else []), r["command"]
+    assert summary["command"].endswith(" ".join(f"--bench-args '{n}={opts}'" for n, opts in forwarded.items()))
     _check_numbers(summary, "all")
     assert not suite["shm_left"], "benchmark directories left in /dev/shm"
 
@@ -144,7 +148,9 @@ def test_new_benchmarks_cover_what_the_issues_ask(suite):
     if "stall" in r:  # skipped where flax/optax are missing
         st = r["stall"]
         assert st["procs"] == [2] and [x["procs"] for x in st["results"]] == [2]
+        assert st["command"].startswith("jaxckpt bench stall --quick --procs 2 --modes none,jaxckpt,orbax --json")
         for x in st["results"]:
+            assert all(list(p["modes"]) == ["none", "jaxckpt", "orbax"] for p in x["processes"]), x["processes"]
             leaves = {p["leaves"] for p in x["processes"]}
             assert len(leaves) == 1 and x["leaves"] in leaves and x["leaves"] > 8, x["leaves"]
             s_ = x["summary"]
@@ -172,6 +178,17 @@ def test_stall_options_are_checked_before_anything_runs(capsys):
         ns = cli.build_parser().parse_args(["bench", "stall", *argv])
         assert stall.run(ns) == 2, argv
     assert stall.gpt_config("0.2G-deep", 64)["layers"] == 4 * stall.gpt_config("0.2G", 64)["layers"]
+    parse = cli.build_parser().parse_args
+    assert stall.modes(parse(["bench", "stall"])) == [m for m in stall.MODES if m != "jaxckpt-whole"]
+    assert stall.modes(parse(["bench", "stall", "--modes", "orbax, none,jaxckpt-fused"])) == \
+        ["none", "jaxckpt-fused", "orbax"]  # in the benchmark's order
+    assert stall.modes(parse(["bench", "stall", "--replicas", "split,whole", "--modes", "none,jaxckpt-whole"])) == \
+        ["none", "jaxckpt-whole"]
+    for bad, match in (("jaxckpt,orbax", "that includes none"), ("none,nope", "subset of none, jaxckpt,"),
+                       ("none,jaxckpt-whole", "jaxckpt-whole needs --replicas split,whole")):
+        with pytest.raises(ValueError, match=match):
+            stall.modes(parse(["bench", "stall", "--modes", bad]))
+        assert stall.run(parse(["bench", "stall", "--modes", bad])) == 2, bad
 
 
 def test_markdown_sections_from_json(suite):

@@ -39,6 +39,10 @@ def test_schema_and_every_figure(run):
         " --restore-collective")  # the command repeats the run, collective included
     assert {"machine", "date", "command", "setup", "policies", "restore", "save", "recovery", "ratios"} <= set(res)
     assert res["memcpy_gbps"] > 0 and res["setup"]["replicas"] == "split"  # the memory copy floor, same run
+    # the suite's sizes (tests/conftest.py) reached the run, and its command repeats them
+    assert (res["setup"]["state_bytes"], res["setup"]["repeats"], res["setup"]["steps"]) == (8 << 20, 1, 1)
+    assert res["setup"]["probe_bytes"] == 32 << 20 and res["loopback"]["tcp_threads"]["bytes"] >= 32 << 20
+    assert " --size 8M --steps 1 --repeats 1 " in res["command"] and " --probe-size 32M " in res["command"]
     assert all(res["restore"][k]["process_bytes"] > 0 for k in ("local", "peers", "resharded", "persistent"))
     _check_stats(res, "cluster")
     _check_numbers(res, "cluster")
@@ -144,6 +148,10 @@ def test_options_are_checked():
         cluster.options(ns)
     ns = cli.build_parser().parse_args(["bench", "cluster", "--repeats", "0"])
     with pytest.raises(ValueError, match="--repeats must be at least 1"):
+        cluster.options(ns)
+    assert cluster.options(cli.build_parser().parse_args(["bench", "cluster", "--quick"]))["probe_size"] == 256 << 20
+    ns = cli.build_parser().parse_args(["bench", "cluster", "--probe-size", "lots"])
+    with pytest.raises(ValueError, match="bad size 'lots'"):
         cluster.options(ns)
     assert cli.main(["bench", "cluster", "--quick", "--nodes", "1"]) == 2
 

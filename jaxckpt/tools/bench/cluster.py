@@ -51,9 +51,9 @@ from jaxckpt.tools.bench.save import parse_size
 log = logging.getLogger("jaxckpt.tools.bench")
 
 FULL = {"size": "512M", "nodes": 4, "procs_per_node": 1, "devices_per_proc": 2, "arrays": 8, "warmup": 2,
-        "steps": 8, "repeats": 3, "recoveries": 2, "persist_interval": 4}
+        "steps": 8, "repeats": 3, "recoveries": 2, "persist_interval": 4, "probe_size": "256M"}
 QUICK = {"size": "32M", "nodes": 4, "procs_per_node": 1, "devices_per_proc": 2, "arrays": 8, "warmup": 1,
-         "steps": 3, "repeats": 2, "recoveries": 1, "persist_interval": 2}
+         "steps": 3, "repeats": 2, "recoveries": 1, "persist_interval": 2, "probe_size": "256M"}
 KEEP_POLICY = "hybrid"  # the policy whose agents the restore and recovery phases use
 RESHARD_PROCS = 2
 MAX_TRAIN_STEPS = 10_000
@@ -70,8 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                             ("--steps", "steps", "timed steps with and without saves, per policy"),
                             ("--repeats", "repeats", "repeats of every save, protection and restore figure"),
                             ("--recoveries", "recoveries", "node-loss cycles (each: from peers, then persistent)"),
-                            ("--persist-interval", "persist_interval", "steps between persists while training")):
-        p.add_argument(flag, default=None, type=str if key == "size" else int,
+                            ("--persist-interval", "persist_interval", "steps between persists while training"),
+                            ("--probe-size", "probe_size", "bytes of the loopback TCP and memory copy probes, "
+                                                           "K/M/G binary")):
+        p.add_argument(flag, default=None, type=str if key.endswith("size") else int,
                        help=f"{what} (default {FULL[key]}, --quick {QUICK[key]})")
     p.add_argument("--late-agent", action="store_true",
                    help="relaunched trainers leave the node agent to their Checkpointer() (as before "
@@ -94,10 +96,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def options(args: argparse.Namespace) -> dict[str, Any]:
     """Effective settings: explicit flags over the --quick or full defaults; ValueError for impossible ones."""
     out = dict(QUICK if args.quick else FULL)
-    for k in ("size", "nodes", "procs_per_node", "steps", "repeats", "recoveries", "persist_interval"):
+    for k in ("size", "nodes", "procs_per_node", "steps", "repeats", "recoveries", "persist_interval", "probe_size"):
         if getattr(args, k, None) is not None:
             out[k] = getattr(args, k)
     out["size"] = parse_size(str(out["size"]))
+    out["probe_size"] = parse_size(str(out["probe_size"]))
     out["plain_dir"] = args.plain_dir or tempfile.gettempdir()
     out["restore_collective"] = bool(getattr(args, "restore_collective", False))
     out["late_agent"] = bool(getattr(args, "late_agent", False))
@@ -117,8 +120,8 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
 def command(args: argparse.Namespace) -> str:
     """The command line that repeats this run."""
     line = runner.command_line("cluster", args, tuple((f"--{k.replace('_', '-')}", k) for k in (
-        "size", "nodes", "procs_per_node", "steps", "repeats", "recoveries", "persist_interval", "launcher",
-        "plain_dir")))
+        "size", "nodes", "procs_per_node", "steps", "repeats", "recoveries", "persist_interval", "probe_size",
+        "launcher", "plain_dir")))
     if getattr(args, "replicas", None):
         line += f" --replicas {args.replicas}"
     if getattr(args, "late_agent", False):
@@ -202,10 +205,10 @@ def _measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float,
     job = None
     t_start = time.perf_counter()
     from jaxckpt.tools.bench.loopback import probe
-    loopback = probe(256 << 20)  # the bandwidth the host transport could have on this machine
+    loopback = probe(opts["probe_size"])  # the bandwidth the host transport could have on this machine
     from jaxckpt.tools.bench.memcpy import memcpy_gbps
     # one thread's memory copy (a median, as every bench reports it): the floor of a restore from local memory
-    memcpy = report.summarize(memcpy_gbps(256 << 20, 5))["median"]
+    memcpy = report.summarize(memcpy_gbps(opts["probe_size"], 5))["median"]
     log.info("bench cluster: loopback raw TCP %.2f GB/s, peer transport %.2f GB/s", loopback["tcp"]["gbps"],
              loopback["transport"]["gbps"])
     try:
@@ -263,6 +266,7 @@ def _measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float,
                       "state_bytes": size, "policies": policies, "keep_policy": KEEP_POLICY,
                       "warmup": opts["warmup"], "steps": opts["steps"], "repeats": opts["repeats"],
                       "recoveries": opts["recoveries"], "persist_interval": opts["persist_interval"],
+                      "probe_bytes": opts["probe_size"],
                       "plain_dir": opts["plain_dir"], "plain_fs": report.fs_type(opts["plain_dir"]),
                       "floors": dict(FLOORS), "wall_seconds": time.perf_counter() - t_start},
             **out}

@@ -14,6 +14,8 @@ a fresh state with the same compiled step:
   replicated arrays it holds: the save cost of whole replicas on one process per node;
 - ``orbax``:         ``ocp.AsyncCheckpointer(StandardCheckpointHandler)`` saving every step to tmpfs.
 
+``--modes`` measures a subset (``none`` always among them: the baseline).
+
 and then the idle snapshot throughput (save + wait with no training), compared with the machine's memcpy
 bandwidth measured in the same run. Step time is measured to the completion of each step's loss.
 """
@@ -268,12 +270,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def modes(args: argparse.Namespace) -> list[str]:
-    """The modes of this run: every mode but the optional ones ``--replicas`` does not ask for."""
+    """The modes of this run: every mode but the optional ones ``--replicas`` does not ask for, or the subset
+    ``--modes`` names (with ``none``, the baseline every other mode is measured against)."""
     asked = {r.strip() for r in str(getattr(args, "replicas", "split")).split(",") if r.strip()}
     bad = asked - {"split", "whole"}
     if bad:
         raise ValueError(f"--replicas {args.replicas!r}: expected split, whole or split,whole")
-    return [m for m in MODES if m not in OPTIONAL or OPTIONAL[m] in asked]
+    out = [m for m in MODES if m not in OPTIONAL or OPTIONAL[m] in asked]
+    if getattr(args, "modes", None):
+        want = [m.strip() for m in args.modes.split(",") if m.strip()]
+        unknown = [m for m in want if m not in MODES]
+        if unknown or "none" not in want:
+            raise ValueError(f"--modes {args.modes!r}: a comma-separated subset of {', '.join(MODES)} that "
+                             f"includes none (the baseline)")
+        off = [m for m in want if m not in out]
+        if off:
+            raise ValueError(f"--modes {args.modes!r}: {', '.join(off)} needs --replicas split,whole")
+        out = [m for m in out if m in want]
+    return out
 
 
 def procs_list(value: str | int) -> list[int]:
@@ -305,6 +319,8 @@ def command(args: argparse.Namespace) -> str:
     words += ["--procs", ",".join(map(str, procs_list(args.procs)))]
     if getattr(args, "replicas", "split") != "split":
         words += ["--replicas", args.replicas]
+    if getattr(args, "modes", None):
+        words += ["--modes", ",".join(modes(args))]
     for flag, value in (("--json", args.json), ("--update-md", args.update_md)):
         if value:
             words += [flag, value]
@@ -389,6 +405,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", default="split", help="Config.replicas of the jaxckpt modes: split (default), or "
                                                        "split,whole to add mode jaxckpt-whole (each process its "
                                                        "own node, saving whole copies of the replicated arrays)")
+    p.add_argument("--modes", default=None, help="comma-separated subset of the modes to measure, none (the "
+                                                 "baseline) among them (default: every mode)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--timeout", type=float, default=3600.0)
