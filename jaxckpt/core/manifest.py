@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 import msgpack
-import numpy as np
 
 from jaxckpt.core.box import Box
 from jaxckpt.core.checksum import crc32c
@@ -140,6 +139,8 @@ class Template:
                 parts.append(packer.pack_array_header(5) + _pack(box.to_wire()) + _pack(offset) + _pack(nb) + _CRC)
                 slots[k] = len(parts)  # the crc32c's part: its byte position once the parts are joined
                 parts += (bytes(4), _pack(proc))
+        import numpy as np  # here: the node agent decodes manifests and serves before it imports numpy
+
         starts = np.cumsum([0] + [len(x) for x in parts])
         self._body = b"".join(parts)
         # per chunk, the 4 byte positions of its crc32c (big-endian, as msgpack writes a uint32)
@@ -149,6 +150,8 @@ class Template:
                ) -> bytes:
         """The envelope of this layout's manifest of ``step`` with chunk crc32cs ``crcs`` (in the order of the
         template's ``chunks``), the plain values ``leaves`` and the time ``created`` (default: now)."""
+        import numpy as np
+
         body = bytearray(self._body)
         if len(self._slots):
             np.frombuffer(body, dtype=np.uint8)[self._slots] = np.asarray(crcs, dtype=">u4").view(np.uint8
