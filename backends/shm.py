@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxckpt.backends.agent.capacity import check_budget
-from jaxckpt.backends.agent.protocol import (AgentConnection, agent_dir, default_log_path, ensure_private_dir,
-                                             open_segment, spawn_agent)
+from jaxckpt.backends.agent.protocol import (AgentConnection, agent_dir, default_log_path,
+                                             open_segment, start_agent)
 from jaxckpt.node_identity import local_process_count, node_identity
 from jaxckpt.core.trim import trim
 from jaxckpt.config import Config
@@ -157,13 +157,8 @@ class ShmStore(Store):
             return  # the one we started is still coming up
         if time.monotonic() - self._last_spawn < RESPAWN_INTERVAL_S:
             return
-        ensure_private_dir(self.directory, create=True)
-        if self.config.peer_token:
-            from jaxckpt.backends.agent.serve import read_token, write_token
-            if read_token(self.directory) is None:  # the agent serves peers with the job's token
-                write_token(self.directory, self.config.peer_token.encode())
         self._last_spawn = time.monotonic()
-        self._spawned = spawn_agent(self.config, self.directory)
+        self._spawned = start_agent(self.config, self.directory)
         self.metrics["agent_spawns"] += 1
         log.info("process %d: started a node agent for job %s in %s (pid %d)", self.process_index,
                  self.config.job_id, self.directory, self._spawned.pid)

@@ -214,6 +214,13 @@ class ZmqClient(PeerClient):
             raise PeerError(f"peer {self.address}: malformed reply to a held request")
         return held
 
+    def about(self) -> dict[str, Any]:
+        header, _ = self._call("about", "an about request")
+        about = header.get("about")
+        if not isinstance(about, dict):
+            raise PeerError(f"peer {self.address}: malformed reply to an about request")
+        return about
+
     def manifest(self, step: int, process: int | None = None) -> bytes:
         parts: list[bytes] = []
         got, size = 0, None

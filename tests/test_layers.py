@@ -267,6 +267,7 @@ LAYERS = {
     "jaxckpt.backends.agent": 6,  # the node agent (builds protection blocks)
     "jaxckpt.backends": 7,  # the stores (shm starts and talks to the agent) and the peer transport
     "jaxckpt.frontend": 8,  # the front-end protocol and the shared Checkpointer face
+    "jaxckpt.early_agent": 8,  # jaxckpt.start_agent(): the node agent started before the framework
     "jaxckpt.jax": 9, "jaxckpt.torch": 9,  # the front ends
     "jaxckpt.orbax": 10,  # Orbax's handler and tiered manager, on the JAX front end
     "jaxckpt.backends.torch": 10,  # the torch front end's earlier public name (a re-export)

@@ -39,9 +39,23 @@ def base_dir():
 def _config(base: str, job: str, policy: str):
     import jaxckpt
 
-    return jaxckpt.Config(store="shm", job_id=job, shm_dir=f"{base}/{job}-node{node_info().node}", keep=2,
-                          chunk_bytes=CHUNK, agent_dirs=f"{base}/{job}-node*", commit_timeout_s=60.0,
-                          peer_timeout_s=20.0, protection=policy)
+    node = node_info().node
+    return jaxckpt.Config(**{"store": "shm", "job_id": job, "shm_dir": f"{base}/{job}-node{node}", "keep": 2,
+                             "chunk_bytes": CHUNK, "agent_dirs": f"{base}/{job}-node*", "commit_timeout_s": 60.0,
+                             "peer_timeout_s": 20.0, "protection": policy,
+                             **(rendezvous(base, node) if job.startswith("rdv") else {})})
+
+
+def rendezvous(base: str, node: int) -> dict:
+    """Config of jobs named "rdv*": nodes as separate machines would be, their agents finding each other by
+    address alone. Each simulated node has its own loopback address, every agent serves peers on the same known
+    port of its node's address with the job's shared token and CURVE (which a real cluster uses off loopback),
+    and no agent directories are named."""
+    import zlib
+
+    port = 20000 + zlib.crc32(base.encode()) % 20000  # the same in every process of the test (base is)
+    return {"agent_dirs": "", "peer_bind": f"127.0.0.{10 + node}", "agent_port": port, "peer_token": "rdv-token",
+            "peer_security": "curve", "agent_peers": ",".join(f"127.0.0.{10 + n}" for n in range(NODES))}
 
 
 def host_state(step: int) -> dict:
@@ -178,7 +192,9 @@ def lose_node_under_running_job(job: str, lost: int, ready: str) -> None:
                args=(BASE, job, "hybrid", [1, 2], str(ready)), env=ENV) as running:
         deadline = time.monotonic() + 240
         while len([n for n in os.listdir(ready) if n.startswith("ready-")]) < NODES * PROCS:
-            assert all(c is None for c in running.poll()), running.results()
+            if any(c is not None for c in running.poll()):  # one ended: say why
+                running.close()
+                raise AssertionError(running.results())
             assert time.monotonic() < deadline, "the job did not protect its steps within 240 s"
             time.sleep(0.1)
         assert running.kill_node(lost) == list(range(lost * PROCS, (lost + 1) * PROCS))
@@ -390,20 +406,34 @@ def test_replacement_node_restores_bitwise_while_its_agent_starts(tmp_path):
 
 
 def test_a_replacement_agent_recovers_its_node_share_and_the_restore_reads_it_locally(tmp_path):
-    """A node is lost under a running job (trainer and agent SIGKILLed, memory removed). The replacement node's
-    agent is started first, as a launcher starts it, knowing the job's other agents (``--agent-dirs``): as soon as
-    it serves it rebuilds the lost node's share of the newest step into its own memory, receiving at most 1.1x
-    the bytes it rebuilt. The relaunched trainer there finds that agent (it spawns none), and its restore reads
-    its own process's bytes from its node's memory, rebuilding nothing; every array bit for bit."""
+    """A node is lost under a running job (trainer and agent SIGKILLed, memory removed). The nodes behave as
+    separate machines: each its own loopback address, its agent serving peers there on the job's known port with
+    CURVE. The replacement node's agent is started first, as a launcher starts it, knowing only the job's node
+    list and token (``--peers``, ``--peer-port``): in a mount namespace of its own where the other nodes' agent
+    directories do not exist (so nothing of theirs is read through a file), it asks those addresses for its peers
+    and, as soon as it serves, rebuilds the lost node's share of the newest step into its own memory, receiving at
+    most 1.1x the bytes it rebuilt. The relaunched trainer there finds that agent (it spawns none), and its
+    restore reads its own process's bytes from its node's memory, rebuilding nothing; every array bit for bit."""
     import subprocess
     import sys
 
-    job, lost = "recover", 1
+    job, lost = "rdv-recover", 1
     lose_node_under_running_job(job, lost, tmp_path)
     d = f"{BASE}/{job}-node{lost}"
-    agent = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d, "--node",
-                              f"node{lost}", "--agent-dirs", f"{BASE}/{job}-node*",
-                              "--log", str(tmp_path / "agent.log")], stdin=subprocess.DEVNULL)
+    rdv = rendezvous(BASE, lost)
+    os.makedirs(d, mode=0o700)
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    # Its own directory stays visible (its trainer meets it there); the other nodes' vanish under a fresh tmpfs.
+    hide = (f'set -e; mount --bind "$1" "$2"; mount -t tmpfs -o mode=0700 none "$3"; mkdir -m 0700 "$1"; '
+            f'mount --bind "$2" "$1"; test "$(ls -A "$3")" = "$(basename "$1")"; shift 3; exec "$@"')
+    unshare = ["unshare", "--mount", "--propagation", "private"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
+    agent = subprocess.Popen(unshare + ["bash", "-c", hide, "hide", d, str(keep), BASE,
+                                        sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d,
+                                        "--node", f"node{lost}", "--peer-bind", rdv["peer_bind"], "--peer-security",
+                                        "curve", "--peer-port", str(rdv["agent_port"]), "--peers",
+                                        rdv["agent_peers"], "--log", str(tmp_path / "agent.log")],
+                             stdin=subprocess.DEVNULL, env={**os.environ, "JAXCKPT_PEER_TOKEN": rdv["peer_token"]})
     try:
         deadline = time.monotonic() + 60
         while True:  # serving: the trainers then find it (the recovery may still run: their hellos wait for it)
@@ -418,6 +448,8 @@ def test_a_replacement_agent_recovers_its_node_share_and_the_restore_reads_it_lo
         recovery = proto.agent_status(d, job)["recovery"]
         mine = list(range(lost * PROCS, (lost + 1) * PROCS))
         assert recovery["state"] == "done" and recovery["step"] == 2 and recovery["processes"] == mine, recovery
+        assert recovery["peers"] == [f"node{n} at tcp://127.0.0.{10 + n}:{rdv['agent_port']}"
+                                     for n in range(NODES) if n != lost], recovery
         assert 0 < recovery["received"] <= 1.1 * recovery["bytes"], recovery
         assert [r["latest"] for r in out] == [2] * NODES * PROCS, out  # every array was checked bit for bit
         for q in mine:
@@ -430,6 +462,35 @@ def test_a_replacement_agent_recovers_its_node_share_and_the_restore_reads_it_lo
     finally:
         proto.stop_agent(d, job)
         agent.wait(timeout=30)
+
+
+def test_a_rendezvous_needs_the_jobs_shared_token(tmp_path):
+    """An agent told its peers by address but holding no shared token (one made at random would match no other
+    node's) refuses to start, saying what it needs, and ``jaxckpt doctor`` reports it; a malformed peer list is a
+    ConfigError naming the entry."""
+    import subprocess
+    import sys
+
+    import jaxckpt
+
+    env = {k: v for k, v in os.environ.items() if k != "JAXCKPT_PEER_TOKEN"}
+    r = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", "rdv-token", "--dir",
+                        str(tmp_path / "a"), "--peers", "127.0.0.11,127.0.0.12", "--peer-port", "29555", "--log",
+                        str(tmp_path / "a.log")], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "needs the job's shared peer token" in r.stderr and "JAXCKPT_PEER_TOKEN" in r.stderr, \
+        r.stderr
+    # `jaxckpt doctor` says so before a job runs, and shows the rendezvous
+    r = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "doctor", "--job", "rdv-token"],
+                       env={**env, "JAXCKPT_STORE": "shm", "JAXCKPT_SHM_DIR": str(tmp_path / "d"),
+                            "JAXCKPT_AGENT_PEERS": "127.0.0.11,127.0.0.12", "JAXCKPT_AGENT_PORT": "29555"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "PROBLEM        Config.agent_peers is set but no shared peer token" in r.stdout, \
+        r.stdout + r.stderr
+    assert "port 29555 (node agent)" in r.stdout and "rendezvous     127.0.0.11,127.0.0.12" in r.stdout, r.stdout
+    with pytest.raises(jaxckpt.errors.ConfigError, match="entry 'node3:x'"):
+        jaxckpt.Config(agent_peers="node1,node3:x", agent_port=29555)
+    with pytest.raises(jaxckpt.errors.ConfigError, match="no port given and Config.agent_port is 0"):
+        jaxckpt.Config(agent_peers="node1")
 
 
 @pytest.mark.skipif(os.environ.get("RUN_SLOW_TESTS") != "1", reason="slow: set RUN_SLOW_TESTS=1")

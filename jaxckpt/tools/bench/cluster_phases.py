@@ -128,6 +128,18 @@ def config(spec: dict, job: str, node: int, protection: str, persistent: bool = 
                   restore_collective=spec.get("restore_collective", False), replicas=spec.get("replicas", "split"))
 
 
+def start_agent(spec: dict) -> None:
+    """Before JAX (the launcher calls it first, as a training script's first line would): start this node's agent
+    unless one serves (``jaxckpt.start_agent``), so that a replacement node's agent starts, and recovers its
+    share, while the trainer imports and joins JAX."""
+    import jaxckpt
+    from jaxckpt.testing import node_info
+
+    info = node_info()
+    # the phases' jobs, by phase: the restarted ones restore the kept policy's job (see _recovered)
+    jaxckpt.start_agent(config(spec, spec["keep_policy"], info.node, spec["keep_policy"], persistent=True))
+
+
 def write_result(spec: dict, name: str, value: dict) -> None:
     path = os.path.join(spec["results"], f"{name}.json")
     with open(path + ".tmp", "w") as f:
