@@ -16,6 +16,11 @@ from jaxckpt.core.store import Slot
     np.full((BLOCK_BYTES,), 1.25, dtype=ml_dtypes.bfloat16),
     np.array(7, dtype=np.int8),  # 0-d
     np.zeros((0, 4), np.float32),
+    np.arange(24, dtype=np.float32).reshape(4, 6) - 0.5,  # small and contiguous: the buffer protocol's copy
+    np.array([True, False, True]),
+    np.arange(5, dtype=">i4"),  # bytes as they are, whatever the byte order
+    np.full((3, 5), -2.0, dtype=ml_dtypes.bfloat16),  # small, of a dtype numpy exports no buffer of
+    np.arange(64, dtype=np.int16).reshape(8, 8)[:, ::2],  # small and strided
 ])
 def test_copy_and_checksum_matches_a_plain_copy(src):
     out = np.full(src.nbytes, 0xAB, dtype=np.uint8)

@@ -103,7 +103,16 @@ BATCH_BYTES, BATCH_TASKS = 1 << 20, 256  # chunks smaller than this are handed t
 
 def copy_and_checksum(out: np.ndarray, src: np.ndarray) -> int:
     """Copy ``src`` into the uint8 buffer ``out`` (exactly its size) and return the crc32c of the bytes written."""
-    if not src.flags.c_contiguous or src.nbytes <= BLOCK_BYTES:
+    contiguous = src.flags.c_contiguous
+    if contiguous and src.dtype.isbuiltin == 1 and 0 < src.nbytes <= BLOCK_BYTES:
+        # A small chunk (a state of thousands of leaves): the buffer protocol's copy costs two thirds of numpy's
+        # view, reshape and copyto (1.1 against 1.6 us of CPU per 1 KiB chunk, measured here). numpy exports no
+        # buffer of a dtype it does not define (isbuiltin 2: bfloat16); those, and byte-swapped or structured
+        # dtypes (isbuiltin 0), take copyto below.
+        written = memoryview(out)
+        written[:] = memoryview(src).cast("B")
+        return crc32c(written)
+    if not contiguous or src.nbytes <= BLOCK_BYTES:
         np.copyto(out.view(src.dtype).reshape(src.shape), src, casting="no")
         return crc32c(out)
     flat = src.reshape(-1).view(np.uint8)
