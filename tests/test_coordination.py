@@ -239,7 +239,7 @@ def test_one_process_touches_no_key_and_raises_its_own_error():
         ch.reduce("g", 0, lambda xs: 1 / xs[0])
     c.close()
     assert c.stats() == {"sets": 0, "gets": 0, "try_gets": 0, "deletes": 0, "rounds": 7}
-    assert coord._kv == {}
+    assert coord.keys() == []
 
 
 def test_published_state_and_instance_namespaces(tmp_path):

@@ -409,7 +409,7 @@ def curve_job(host: str, security: str, job_id: str):
     cfg = jaxckpt.Config(job_id=job_id, peer_bind=host, peer_security=security, chunk_bytes=64,
                          commit_timeout_s=60.0, peer_timeout_s=30.0)
     with jaxckpt.Checkpointer(cfg) as ck:
-        server = ck.engine._peers.server
+        server = ck.engine.peers.server
         ck.save(3, state)
         ck.wait()
         whole = ck.restore(None, step=3)  # every process's chunks: the other's come through its peer server

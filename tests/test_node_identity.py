@@ -121,7 +121,7 @@ def machine_save(base: str, job: str):
         ck.save(1, prt.device_state(mesh, 1))
         ck.wait()
         prot = ck.engine.protection
-        plan = next(iter(prot._plans.values()))
+        plan = next(iter(prot.plans().values()))
         own = {c.key: c.node for c in plan.chunks}
         # every block's holder node differs from the node of every byte it protects
         bad = [b.id for b in plan.copy_blocks if any(plan.chunks[i].node == b.node for i in b.chunks)]

@@ -148,7 +148,7 @@ def save_job(base: str, job: str, steps: list, drop: list | None = None, opts: d
         protected = ck.engine.protection.protected_steps()
         for step in drop or ():
             ck.store.delete(step)
-    return {"protected": protected, "failed": {s: repr(e) for s, e in ck.engine.protection._failed.items()},
+    return {"protected": protected, "failed": {s: repr(e) for s, e in ck.engine.protection.failures().items()},
             "made": list(GatedShmStore.made)}
 
 
@@ -166,8 +166,8 @@ def burst_job(base: str, job: str, n: int):
         GatedShmStore.gate.set()
         ck.wait(120)
         prot = ck.engine.protection
-        out = {"protected": prot.protected_steps(), "skipped": sorted(getattr(prot, "_skipped", ())),
-               "failed": {s: repr(e) for s, e in prot._failed.items()}, "latest": ck.latest_step(),
+        out = {"protected": prot.protected_steps(), "skipped": prot.skipped_steps(),
+               "failed": {s: repr(e) for s, e in prot.failures().items()}, "latest": ck.latest_step(),
                "writes": list(GatedShmStore.writes), "made": list(GatedShmStore.made)}
     return out
 

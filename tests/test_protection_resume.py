@@ -89,7 +89,7 @@ def train_through_a_wipe(base: str, job: str):
                 resumed = step
         return {"before": before, "resumed": resumed, "latest": ck.latest_step(), "skipped": skipped,
                 "pulled": prot.last_pull.get("pulled", 0),
-                "protected": prot.protected_steps(), "failed": {s: str(e)[:300] for s, e in prot._failed.items()}}
+                "protected": prot.protected_steps(), "failed": {s: str(e)[:300] for s, e in prot.failures().items()}}
 
 
 def restore_job(base: str, job: str):

@@ -98,8 +98,8 @@ def save_job(base: str, job: str, policy: str, steps: list, drop_protection: lis
         protected = ck.engine.protection.protected_steps()
         if drop_protection and node_info().node == drop_protection[0]:
             ck.engine.protection._store.delete(drop_protection[1])
-        policies = ck.engine.protection._plans[next(iter(ck.engine.protection._plans))].policies()
-    failed = {s: repr(e) for s, e in ck.engine.protection._failed.items()}
+        policies = next(iter(ck.engine.protection.plans().values())).policies()
+    failed = {s: repr(e) for s, e in ck.engine.protection.failures().items()}
     return {"protected": protected, "policies": {k: list(v) for k, v in policies.items()}, "failed": failed}
 
 

@@ -56,7 +56,7 @@ def save_job(base: str, job: str, replicas: str, steps: list):
             ck.save(step, sharded_state.device_state(mesh, host_state(step), SPECS, step))
         ck.wait()
         protected = ck.engine.protection.protected_steps()
-        plan = ck.engine.protection._plans[next(iter(ck.engine.protection._plans))]
+        plan = next(iter(ck.engine.protection.plans().values()))
     return {"protected": protected, "policies": {k: list(v) for k, v in plan.policies().items()},
             "stripes": len(plan.stripes), "data_bytes": plan.data_bytes()[plan.nodes[node_info().process_id]]}
 

@@ -223,6 +223,16 @@ class CheckpointEngine:
         prep = self._last_prep
         return [c[4] for c in prep.copies] if prep is not None else []
 
+    def last_devices(self) -> list[frozenset[int]]:
+        """Per array leaf of the newest save, the local devices its chunks were read from."""
+        prep = self._last_prep
+        return list(prep.devices) if prep is not None else []
+
+    @property
+    def peers(self) -> Any:
+        """The peer server and client of a job of several processes without node agents (None otherwise)."""
+        return self._peers
+
     def start(self, res: "Reservation", reads: Callable[[], list[ShardReads]], values: list[mf.LeafMeta],
               order: tuple[str, ...]) -> SaveHandle:
         """Hand a reserved save to the copy workers and return its handle.

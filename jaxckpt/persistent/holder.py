@@ -45,7 +45,7 @@ class _Step:
         for raw in index.manifests:
             m = mf.decode(raw, source=f"persisted step {step} manifest")
             self.manifests[m.process] = (raw, m)
-        self._arrays: dict[str, Any] = {}
+        self._opened: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._spec: tuple[bool, bool, Any] | None = None
 
@@ -56,7 +56,7 @@ class _Step:
     def array(self, path: str) -> Any:
         """The TensorStore of array ``path`` (opened once per step)."""
         with self._lock:
-            got = self._arrays.get(path)
+            got = self._opened.get(path)
             if got is not None:
                 return got
             name = self.index.names.get(path)
@@ -70,7 +70,7 @@ class _Step:
             ocdbt, zarr3, context = self._spec
             info = ocp.type_handlers.ParamInfo(name=name, parent_dir=self.item, use_zarr3=zarr3, ts_context=context)
             spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=ocdbt)
-            got = self._arrays[path] = ts.open(spec, context=context, open=True, read=True).result()
+            got = self._opened[path] = ts.open(spec, context=context, open=True, read=True).result()
             return got
 
 

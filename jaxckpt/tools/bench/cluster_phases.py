@@ -255,7 +255,7 @@ def save_phase(spec: dict) -> dict:
             row.update(base_step_s=base, save_step_s=loop, save_call_s=calls, protect_lag_s=lags,
                        commit_s=commits, pull_s=pulls, last_step=step)
             if prot is not None:
-                plan = next(iter(prot._plans.values()))  # the plan this run used (one layout)
+                plan = next(iter(prot.plans().values()))  # the plan this run used (one layout)
                 me = plan.nodes[info.process_id]
                 row["planned"] = {
                     "data_bytes": plan.data_bytes()[me], "extra_bytes": plan.extra_bytes()[me],
