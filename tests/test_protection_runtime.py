@@ -135,6 +135,31 @@ def restore_job(base: str, job: str, policy: str, save_next: int = 0):
     return {"latest": latest, "report": report, "protected": protected}
 
 
+def restore_alone(base: str, job: str):
+    """A job of one process on node 0 (its 2 devices) restores the 4-node job's newest step bit for bit; with it,
+    the restore report and the warnings the rebuild logged."""
+    import logging
+
+    import jax
+    import jaxckpt
+
+    got_logged: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            got_logged.append(record.getMessage())
+    logger = logging.getLogger("jaxckpt.protection.holder")
+    logger.addHandler(Keep(logging.WARNING))
+    mesh = sharded_state.node_mesh(1)
+    target = {k: jax.ShapeDtypeStruct(h.shape, h.dtype, sharding=_sharding(mesh, k))
+              for k, h in host_state(0).items()} | {"step": 0}
+    with jaxckpt.Checkpointer(_config(base, job, "hybrid")) as ck:
+        latest = ck.latest_step()
+        check_bitwise(ck.restore(target), latest)
+        report = ck.last_restore_report.to_dict()
+    return {"latest": latest, "report": report, "logged": got_logged}
+
+
 def save_and_train_on(base: str, job: str, policy: str, steps: list, ready: str):
     """Save ``steps`` protected, say so (a file per process in ``ready``), then train on until killed."""
     import time
@@ -201,6 +226,25 @@ def lose_node_under_running_job(job: str, lost: int, ready: str) -> None:
         lose_node(job, lost)  # its agent SIGKILLed, then its memory goes
 
 
+def run_agent(job: str, node: int, log: str, *args: str):
+    """Start the agent of ``node`` (``jaxckpt agent ... args``) as a launcher would; returns it once it serves."""
+    import subprocess
+    import sys
+
+    d = f"{BASE}/{job}-node{node}"
+    agent = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d, "--node",
+                              f"node{node}", "--log", log, *args], stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:  # serving: trainers then find it
+        assert agent.poll() is None, f"the agent of node {node} exited ({agent.returncode})"
+        assert time.monotonic() < deadline, f"the agent of node {node} did not serve within 60 s"
+        try:
+            proto.agent_status(d, job)
+            return agent
+        except StoreUnavailableError:  # not listening yet
+            time.sleep(0.05)
+
+
 def run(fn, *args):
     return expect_ok(launch(fn, nodes=NODES, procs_per_node=PROCS, devices_per_proc=2 // PROCS, args=(BASE, *args),
                             env=ENV, timeout=240))
@@ -214,7 +258,8 @@ def rebuilt_bytes(results) -> int:
 # Every job the tests below restore, saved in one launch: job -> [policy, steps, drop_protection].
 SAVED = {"turn-parity": ["parity", [1, 2], None], "turn-replica": ["replica", [1, 2], None],
          "two-bad-replica": ["replica", [1, 2], None], "older": ["parity", [1, 2], [2, 2]],
-         "corrupt": ["parity", [1, 2], None], "token": ["replica", [1], None]}
+         "corrupt": ["parity", [1, 2], None], "token": ["replica", [1], None],
+         "holder-fallback": ["hybrid", [1, 2], None]}
 
 
 @pytest.fixture(scope="module")
@@ -491,6 +536,47 @@ def test_a_rendezvous_needs_the_jobs_shared_token(tmp_path):
         jaxckpt.Config(agent_peers="node1,node3:x", agent_port=29555)
     with pytest.raises(jaxckpt.errors.ConfigError, match="no port given and Config.agent_port is 0"):
         jaxckpt.Config(agent_peers="node1")
+
+
+def test_a_rebuild_its_parity_holder_cannot_make_is_made_by_the_restore(saved, tmp_path):
+    """Node 1 is lost, and node 0's agent is restarted (SIGKILLed, its memory kept) serving no peers: node 0's
+    units of the parity stripes are then reachable only from node 0 itself. A job of one process on node 0
+    restores the step: the other nodes' agents holding the stripes' parity cannot read node 0's units, so each
+    such range is rebuilt by the restoring process itself (parity and units read here), bit for bit, logged,
+    and said so in its report: ``fallbacks`` (why), ``rebuilt_at["here"]`` (the bytes XORed here) and
+    ``rebuild_reads`` / ``rebuild_received`` (what it read, and received over the transport, to do so)."""
+    from jaxckpt.backends.agent import serve as agent_serve
+
+    job = "holder-fallback"
+    assert all(r["protected"] == [1, 2] for r in saved[job]), saved[job]
+    lose_node(job, 1)
+    d = f"{BASE}/{job}-node0"
+    proto.kill_agent(d)  # its memory stays for the next agent of the directory
+    assert os.path.exists(os.path.join(d, agent_serve.PEER_NAME))  # the killed agent's address, left behind
+    agent = run_agent(job, 0, str(tmp_path / "agent.log"), "--peer-bind", "none")
+    # the new agent serves no peers: it removed the address, so no reader waits out a connect to a dead one
+    assert not os.path.exists(os.path.join(d, agent_serve.PEER_NAME))
+    try:
+        (r,) = expect_ok(launch(restore_alone, nodes=1, procs_per_node=1, devices_per_proc=2, args=(BASE, job),
+                                env=ENV, timeout=240))
+    finally:
+        proto.stop_agent(d, job)
+        agent.wait(timeout=30)
+    rep = r["report"]
+    assert r["latest"] == 2, r  # every array checked bit for bit in the process
+    here = [fb for fb in rep["fallbacks"] if "rebuilt here from the parity and the other units" in fb]
+    assert here and all("no agent of process 0 serves peers" in fb for fb in here), rep["fallbacks"]
+    assert [m for m in r["logged"] if "rebuilt here" in m] == here, r["logged"]
+    assert rep["rebuilt_bytes"] > 0, rep
+    # Every range was XORed here (each stripe has a unit on node 0), from the parity's bytes of that range alone:
+    # the other units are chunks this restore reads anyway (the whole state, one process), received once.
+    assert rep["rebuilt_at"] == {"here": rep["rebuilt_bytes"]}, rep
+    assert sum(rep["rebuild_reads"].values()) == rep["rebuilt_bytes"], rep
+    assert 0 < rep["rebuild_received"] <= rep["rebuilt_bytes"], rep  # the parity held on nodes 2 and 3
+    assert rep["transport_bytes"] == rep["bytes_by_kind"]["remote"] + rep["rebuild_received"], rep
+    print(f"fallback restore: rebuilt {rep['rebuilt_bytes']} bytes ({rep['rebuilt_at']} by where the XOR ran), "
+          f"read {rep['rebuild_reads']} to rebuild them, transport {rep['transport_bytes']}, "
+          f"fallbacks {len(here)}")
 
 
 @pytest.mark.skipif(os.environ.get("RUN_SLOW_TESTS") != "1", reason="slow: set RUN_SLOW_TESTS=1")
