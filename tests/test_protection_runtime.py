@@ -552,8 +552,10 @@ def test_a_rebuild_its_parity_holder_cannot_make_is_made_by_the_restore(saved, t
     lose_node(job, 1)
     d = f"{BASE}/{job}-node0"
     proto.kill_agent(d)  # its memory stays for the next agent of the directory
-    os.unlink(os.path.join(d, agent_serve.PEER_NAME))  # the killed agent's address: nobody serves it now
+    assert os.path.exists(os.path.join(d, agent_serve.PEER_NAME))  # the killed agent's address, left behind
     agent = run_agent(job, 0, str(tmp_path / "agent.log"), "--peer-bind", "none")
+    # the new agent serves no peers: it removed the address, so no reader waits out a connect to a dead one
+    assert not os.path.exists(os.path.join(d, agent_serve.PEER_NAME))
     try:
         (r,) = expect_ok(launch(restore_alone, nodes=1, procs_per_node=1, devices_per_proc=2, args=(BASE, job),
                                 env=ENV, timeout=240))

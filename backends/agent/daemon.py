@@ -206,6 +206,8 @@ class Agent:
 
         self.snapshots = agent_serve.AgentSnapshots(self.table, self.dir, self.transport, about={
             "node": self.node, "job": self.job, "generation": self.generation, "directory": self.dir})
+        # a dead predecessor's address (we hold the directory's lock): readers would wait out a connect to it
+        remove_file(os.path.join(self.dir, agent_serve.PEER_NAME))
         if self.peer_bind is None:
             return
         try:
