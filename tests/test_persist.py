@@ -290,6 +290,7 @@ def test_kill_during_persist_leaves_no_visible_step(tmp_path):
     steps = persisted_steps(d)
     assert steps and all(str(s) in left for s in steps)
     assert ocp.CheckpointManager(d).all_steps() == steps  # ...and neither jaxckpt nor Orbax lists it
+    assert sorted(ocp.path.step.checkpoint_steps(d)) == steps  # jaxckpt's own listing is Orbax's
     target = {f"layer{i}": np.zeros((512, 256), np.float32) for i in range(48)}
     newest = steps[-1]
     with jaxckpt.Checkpointer(jaxckpt.Config(persistent_dir=str(d), persistent_interval=2)) as ck:
