@@ -9,7 +9,9 @@ Used when ``Config.peer_security`` asks for it (``jaxckpt.config.peer_uses_curve
   collective (``jaxckpt.backends.peers``), an agent's ``peer.addr`` file (``jaxckpt.backends.agent.serve``),
   and from there the catalog's exchange of agent infos and the protection pulls' sources. A client sets that
   key as ``CURVE_SERVERKEY``: a server at the address that does not hold the matching secret key cannot
-  complete the handshake, so nothing is sent to it and nothing it says is read;
+  complete the handshake, so nothing is sent to it and nothing it says is read. Node agents reached by address
+  alone (``Config.agent_peers``: a replacement node's agent has no published key to read) serve instead with the
+  pair derived from the job's token (:func:`rendezvous_keys`): a server is then proven to hold the token;
 * a *client* proves that it belongs to the job with the job's client key pair, derived from the job's peer
   token (:func:`client_keys`): whoever holds the token (the processes of the job, through the coordination
   service; the node agents, through their 0600 ``peer.token`` file) holds the key, so membership is what it
@@ -36,6 +38,7 @@ from jaxckpt.errors import ConfigError
 log = logging.getLogger("jaxckpt.backends.curve")
 
 _DERIVE = b"jaxckpt peer client key v1\0"
+_DERIVE_SERVER = b"jaxckpt agent rendezvous server key v1\0"
 
 
 def require_curve(what: str) -> None:
@@ -53,6 +56,17 @@ def client_keys(token: bytes) -> tuple[bytes, bytes]:
     if not token:
         raise ValueError("a CURVE client key needs a non-empty token")
     secret = z85.encode(hashlib.sha256(_DERIVE + bytes(token)).digest())
+    return zmq.curve_public(secret), secret
+
+
+def rendezvous_keys(token: bytes) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 CURVE key pair the job's node agents serve with when they are reached by address alone
+    (``Config.agent_peers``: a replacement node's agent knows its peers' host and port, and the job's token, but
+    no key they published). Derived from the token like :func:`client_keys`, under another label: whoever holds
+    the token can prove the server, whoever lacks it can neither serve as one nor connect."""
+    if not token:
+        raise ValueError("a CURVE server key needs a non-empty token")
+    secret = z85.encode(hashlib.sha256(_DERIVE_SERVER + bytes(token)).digest())
     return zmq.curve_public(secret), secret
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxckpt.core import hostbuf
 from jaxckpt.config import Config
-from jaxckpt.errors import BudgetExceededError, ClosedError, StepError
+from jaxckpt.errors import BudgetExceededError, ClosedError, StepError, StepNotFoundError
 from jaxckpt.core.store import Slot, SnapshotView, Store
 
 log = logging.getLogger("jaxckpt.backends.memory")
@@ -126,6 +126,15 @@ class MemoryStore(Store):
                 return None
             entry.pins += 1
         return _View(self, entry)
+
+    def slot_bytes(self, step: int) -> np.ndarray:
+        """The bytes of the slot of ``step`` in place, writable (the whole buffer, which may be longer than the
+        snapshot): what a test damages to see a checksum catch it. StepNotFoundError if no slot holds ``step``."""
+        with self._lock:
+            entry = self._entries.get(step)
+            if entry is None:
+                raise StepNotFoundError(f"step {step} is not held by the memory store (held: {sorted(self._entries)})")
+            return entry.buf
 
     def _unpin(self, entry: _Entry) -> None:
         with self._lock:

@@ -21,12 +21,16 @@ names where the other units' processes are (``agents``: [[address, token, CURVE 
 payload is the result alone. It runs on a worker thread of the server (it reads other servers, which may be
 rebuilding from this one), and its reply is sent by the server thread once done.
 ``process`` (optional) names the saving process whose snapshot is meant; without it, a store's server means its
-own process. ``held`` lists every (process, step) the source holds as ``jaxckpt.core.sources.HeldEntry`` wire lists.
+own process. ``held`` lists every (process, step) the source holds as ``jaxckpt.core.sources.HeldEntry`` wire lists;
+``about`` says what serves (``ServedHolder.about``: a node agent's node, job and generation), for a peer that knows
+only the address (``jaxckpt.backends.agent.rendezvous``).
 
 Every request carries the job's shared token, compared with ``hmac.compare_digest``; a request with a wrong
 or missing token is refused (logged, nothing served). With ``curve=True`` (``serve``) and a ``server_key``
 (``connect``) the connection is ZeroMQ CURVE (``jaxckpt.backends.curve``): encrypted, the server proven by the
-key published for its address, the client by the job's key, any other key refused in the handshake.
+key published for its address (or, for a node agent reached by address alone, ``serve(token_key=True)``, the key
+derived from the job's token), the client by the job's key, any other key refused in the handshake. ``serve(port=N)``
+listens on a port known beforehand instead of an ephemeral one.
 Requests are at most ``MAX_REQUEST_BYTES``; a read returns at most ``frame_bytes`` per reply and the client
 splits larger ranges (bounded messages both ways).
 Every wait has a time-out. The server thread sends zero-copy from a pinned ``store.open(step)`` view and keeps
@@ -60,7 +64,7 @@ VERSION = 1
 MAX_REQUEST_BYTES = 4096
 DEFAULT_FRAME_BYTES = 16 << 20
 HEADER_SLACK = 4096  # a reply header is far below this
-OPS = ("steps", "manifest", "read", "held", "rebuild")
+OPS = ("steps", "manifest", "read", "held", "rebuild", "about")
 WORKERS = 4  # rebuilds a server runs at once (each waits mostly for other servers)
 # A request waits at most this long for a connection to exist: a restarted agent listens on a new port, and
 # ZeroMQ would otherwise queue requests for the dead one's address until the whole peer time-out ran out.
@@ -119,9 +123,15 @@ class ZmqTransport(Transport):
         self.window = window
 
     def serve(self, store: Store | ServedHolder, *, token: bytes, host: str = "127.0.0.1",
-              curve: bool = False) -> "ZmqServer":
+              curve: bool = False, port: int = 0, token_key: bool = False) -> "ZmqServer":
         source = store if isinstance(store, ServedHolder) else StoreHolder(store)
-        return ZmqServer(source, token=token, host=host, frame_bytes=self.frame_bytes, curve=curve)
+        return ZmqServer(source, token=token, host=host, frame_bytes=self.frame_bytes, curve=curve, port=port,
+                         token_key=token_key)
+
+    def rendezvous_key(self, token: bytes) -> str:
+        from jaxckpt.backends import curve
+
+        return curve.rendezvous_keys(token)[0].decode()
 
     def connect(self, address: str, *, token: bytes, timeout_s: float, server_key: str = "") -> PeerClient:
         from jaxckpt.backends.zmq_client import ZmqClient  # it imports this module's protocol constants
@@ -142,7 +152,7 @@ class ZmqServer(PeerServer):
     POLL_MS = 100
 
     def __init__(self, source: ServedHolder, *, token: bytes, host: str, frame_bytes: int,
-                 curve: bool = False) -> None:
+                 curve: bool = False, port: int = 0, token_key: bool = False) -> None:
         if not token:
             raise PeerError("a peer server needs a non-empty token")
         self._source, self._token, self._frame_bytes = source, bytes(token), frame_bytes
@@ -152,14 +162,17 @@ class ZmqServer(PeerServer):
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         if curve:
-            self._curve(host)
+            self._curve(host, token_key)
         # Larger requests make ZeroMQ drop the connection before anything is buffered; smaller but still
         # oversized ones get a clear "too-large" reply below.
         self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         try:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
+            if port:
+                self._sock.bind(f"tcp://{host}:{port}")
+            else:
+                port = self._sock.bind_to_random_port(f"tcp://{host}")
         except BaseException:
             self._sock.close(linger=0)
             self._forget_domain()
@@ -187,11 +200,12 @@ class ZmqServer(PeerServer):
         """Requests and connections refused: a wrong or missing token, or a CURVE key outside the job."""
         return self.refused_tokens + self.refused_keys
 
-    def _curve(self, host: str) -> None:
+    def _curve(self, host: str, token_key: bool) -> None:
         from jaxckpt.backends import curve
 
         curve.require_curve(f"a CURVE peer server on {host!r}")
-        public, secret = zmq.curve_keypair()  # the secret goes into the socket only
+        # the secret goes into the socket only; derived from the token where peers reach us by address alone
+        public, secret = curve.rendezvous_keys(self._token) if token_key else zmq.curve_keypair()
         self._sock.curve_server = True
         self._sock.curve_secretkey = secret
         self._sock.curve_publickey = public
@@ -286,6 +300,9 @@ class ZmqServer(PeerServer):
         if op == "held":
             self._reply(ident, rid, ok=True, held=self._source.held())
             return
+        if op == "about":
+            self._reply(ident, rid, ok=True, about=self._source.about())
+            return
         step = _nonneg(req, "step")
         if op == "rebuild":
             self._rebuild(ident.bytes, rid, process, step, req)
@@ -375,10 +392,13 @@ class ZmqServer(PeerServer):
 
     def _reply(self, ident: zmq.Frame | bytes, rid: int | None, *, ok: bool, code: str = "", error: str = "",
                steps: list[int] | None = None, payload: Any = b"", size: int | None = None,
-               held: list[list] | None = None, rest: list[int] | None = None) -> zmq.MessageTracker:
+               held: list[list] | None = None, rest: list[int] | None = None,
+               about: dict | None = None) -> zmq.MessageTracker:
         fields = {"v": VERSION, "id": rid, "ok": ok, "code": code, "error": error, "steps": steps or [], "size": size}
         if held is not None:
             fields["held"] = held
+        if about is not None:
+            fields["about"] = about
         if rest is not None:
             fields["rest"] = rest
         header = msgpack.packb(fields, use_bin_type=True)

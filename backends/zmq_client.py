@@ -8,6 +8,10 @@ that stopped passing bytes). The client then closes that socket and sends the re
 fresh one, at most ``MAX_RESENDS`` times per call and always within the call's time-out. A fresh socket, not
 the old one: the old socket's queue may still belong to the dying connection, which drops what it holds.
 Every request is a read, so sending it twice is harmless.
+
+A read's payload is received into the reader's own memory (``recv_into``), asked for ``READ_BYTES`` at a time: an
+aligned buffer per range (huge pages advised from 2 MiB, ``jaxckpt.core.hostbuf``), which a restore keeps as the
+array's memory. libzmq's own copy of each frame is then freed at once and its memory reused by the next frame.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import logging
 import struct
 import threading
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import msgpack
 import numpy as np
@@ -32,6 +36,13 @@ from jaxckpt.errors import (PeerError, PeerHandshakeError, PeerTimeoutError, Pee
 
 log = logging.getLogger("jaxckpt.backends.zmq_client")
 
+# A range is asked for in requests of at most this many bytes, each received into the reader's own buffer
+# (``_payload``): libzmq allocates every frame it receives (malloc, in its I/O thread), and a frame of several
+# MiB is a fresh mapping faulted page by page, then given back, so each restore would fault its frames anew
+# (9,400 minor faults of a 128 MiB restore's first run, BENCHMARKS.md). Frames of 1 MiB, copied out at once,
+# stay in libzmq's heap and are reused from frame to frame; the copy lands in memory of the reader's, faulted
+# once in huge pages (core/hostbuf.py).
+READ_BYTES = 1 << 20
 MAX_RESENDS = 8  # lost connections one call lives through before it gives up on the peer
 _MONITORS = itertools.count(1)  # inproc monitor endpoints must be unique in the process
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -52,6 +63,7 @@ class ZmqClient(PeerClient):
                  server_key: str = "") -> None:
         self.address = address
         self._token, self._timeout, self._frame_bytes, self._window = bytes(token), timeout_s, frame_bytes, window
+        self._read_bytes = min(frame_bytes, READ_BYTES)
         self.server_key = server_key
         self._keys: tuple[bytes, bytes] | None = None
         if server_key:
@@ -154,8 +166,10 @@ class ZmqClient(PeerClient):
         self._open()
         return resends + 1
 
-    def _recv(self, want: set[int], deadline: float, what: str) -> tuple[int, dict, zmq.Frame | None]:
-        """The reply to one of ``want``; _Lost once the socket's connection was lost."""
+    def _recv(self, want: set[int], deadline: float, what: str, into: Callable[[int], Any] | None = None
+              ) -> tuple[int, dict, memoryview | None]:
+        """The reply to one of ``want``; _Lost once the socket's connection was lost. ``into(rid)``: a writable
+        buffer of the payload's expected size, received into it (None: the payload stays libzmq's frame)."""
         while True:
             left = deadline - time.monotonic()
             ready = dict(self._poller.poll(max(1, int(left * 1000)))) if left > 0 else {}
@@ -168,22 +182,51 @@ class ZmqClient(PeerClient):
                 if failed is not None:
                     raise failed
                 raise PeerTimeoutError(f"peer {self.address}: no reply to {what} within {self._timeout:g}s")
-            frames = self._sock.recv_multipart(copy=False)
+            first = self._sock.recv(copy=False)
             try:
-                header = msgpack.unpackb(frames[0].buffer, raw=False)
+                header = msgpack.unpackb(first.buffer, raw=False)
             except Exception:  # noqa: BLE001
+                self._discard(first)
                 raise PeerError(f"peer {self.address}: malformed reply to {what}") from None
             if not isinstance(header, dict) or header.get("v") != VERSION:
+                self._discard(first)
                 raise PeerError(f"peer {self.address}: malformed reply to {what} (not protocol {VERSION})")
             rid = header.get("id")
             if rid not in want:
+                self._discard(first)
                 continue  # a late reply to a request that timed out earlier
             if not header.get("ok"):
+                self._discard(first)
                 code, error = header.get("code"), header.get("error")
                 if code == "not-found":
                     raise StepNotFoundError(f"peer {self.address}: {error}")
                 raise PeerError(f"peer {self.address} refused {what}: {error} ({code})")
-            return rid, header, frames[1] if len(frames) > 1 else None
+            return rid, header, self._payload(first, into(rid) if into is not None else None, what)
+
+    def _payload(self, first: zmq.Frame, dest: Any, what: str) -> memoryview | None:
+        """The payload frame after the header ``first``: received into ``dest`` when given (memory of the
+        caller's, faulted once and kept: libzmq's own buffer for it is freed at once and reused by the next
+        frame, where a frame kept as it came is memory fresh from the kernel each time), else libzmq's frame."""
+        if not first.more:
+            return None
+        if dest is None:
+            frame = self._sock.recv(copy=False)
+            self._discard(frame)
+            return frame.buffer
+        view = memoryview(dest).cast("B")
+        got = self._sock.recv_into(view)
+        more = self._sock.get(zmq.RCVMORE)
+        if more:
+            self._discard(None)
+        if got != len(view):
+            raise PeerError(f"peer {self.address}: {what}: reply has {got} bytes, expected {len(view)}")
+        return view
+
+    def _discard(self, frame: zmq.Frame | None) -> None:
+        """Receive and drop what is left of the message whose last frame received was ``frame``."""
+        more = frame.more if frame is not None else True
+        while more:
+            more = self._sock.recv(copy=False).more
 
     def _call(self, op: str, what: str, **fields: int | None) -> tuple[dict, zmq.Frame | None]:
         with self._lock:
@@ -214,13 +257,20 @@ class ZmqClient(PeerClient):
             raise PeerError(f"peer {self.address}: malformed reply to a held request")
         return held
 
+    def about(self) -> dict[str, Any]:
+        header, _ = self._call("about", "an about request")
+        about = header.get("about")
+        if not isinstance(about, dict):
+            raise PeerError(f"peer {self.address}: malformed reply to an about request")
+        return about
+
     def manifest(self, step: int, process: int | None = None) -> bytes:
         parts: list[bytes] = []
         got, size = 0, None
         what = f"the manifest of step {step}" + (f" of process {process}" if process is not None else "")
         while size is None or got < size:
             header, payload = self._call("manifest", what, step=step, offset=got, process=process)
-            size, part = header.get("size"), payload.bytes if payload is not None else b""
+            size, part = header.get("size"), bytes(payload) if payload is not None else b""
             if not isinstance(size, int) or size > MAX_MANIFEST_BYTES or (got + len(part) < size and not part):
                 raise PeerError(f"peer {self.address}: malformed manifest reply for step {step} (size {size!r})")
             parts.append(part)
@@ -231,12 +281,11 @@ class ZmqClient(PeerClient):
         what = f"step {step} range {offset}+{nbytes}" + (f" of process {process}" if process is not None else "")
         parts = self._parts(offset, nbytes, None)
         # Frames land in one aligned buffer of the range's own (a restore keeps it as the array's memory: lent)
-        if len(parts) == 1:
-            return next(iter(self._pipeline(step, [(0, parts[0])], process, what)))[3]
-        out = hostbuf.empty(nbytes, np.uint8)
-        for _, (o, n, _), _, buf in self._pipeline(step, [(0, p) for p in parts], process, what):
-            out[o - offset:o - offset + n] = np.frombuffer(buf, dtype=np.uint8)
-        return memoryview(out)
+        out = memoryview(hostbuf.empty(nbytes, np.uint8))
+        for _ in self._pipeline(step, [(0, p) for p in parts], process, what,
+                                into=lambda _, part: out[part[0] - offset:part[0] - offset + part[1]]):
+            pass
+        return out
 
     def read_spans(self, step: int, spans: Sequence[Span], process: int | None = None, *, manifest: bool = False
                    ) -> Iterator[tuple[int, memoryview, tuple[int, int] | None]]:
@@ -246,7 +295,16 @@ class ZmqClient(PeerClient):
             parts.insert(0, (-1, _MANIFEST))
         whole: dict[int, list] = {}  # a span of several frames: [buffer, parts left, before, after]
         paged = False
-        for i, (o, n, _), header, buf in self._pipeline(step, parts, process, what):
+
+        def into(i: int, part: tuple) -> memoryview | None:
+            if i == -1:
+                return None
+            sp, (o, n, _) = spans[i], part
+            if n == sp.nbytes:
+                return memoryview(hostbuf.empty(n, np.uint8))
+            w = whole.setdefault(i, [hostbuf.empty(sp.nbytes, np.uint8), -(-sp.nbytes // self._read_bytes), 0, 0])
+            return memoryview(w[0])[o - sp.offset:o - sp.offset + n]
+        for i, (o, n, part_chunk), header, buf in self._pipeline(step, parts, process, what, into=into):
             if i == -1:
                 size = header.get("size")
                 if not isinstance(size, int) or size > MAX_MANIFEST_BYTES or size < len(buf):
@@ -257,16 +315,15 @@ class ZmqClient(PeerClient):
                     paged = True
                 continue
             sp = spans[i]
-            rest = header.get("rest") if sp.chunk is not None else None
-            if sp.chunk is not None and not (isinstance(rest, list) and len(rest) == 2
+            rest = header.get("rest") if part_chunk is not None else None
+            if part_chunk is not None and not (isinstance(rest, list) and len(rest) == 2
                                              and all(type(v) is int and 0 <= v < 1 << 32 for v in rest)):
                 raise PeerError(f"peer {self.address}: {what}: the reply for {o}+{n} lacks the crc32c of the rest "
                                 f"of its chunk")
             if n == sp.nbytes:
                 yield i, buf, (tuple(rest) if rest is not None else None)
                 continue
-            w = whole.setdefault(i, [hostbuf.empty(sp.nbytes, np.uint8), -(-sp.nbytes // self._frame_bytes), 0, 0])
-            w[0][o - sp.offset:o - sp.offset + n] = np.frombuffer(buf, dtype=np.uint8)
+            w = whole[i]  # the frame was received into its place (into)
             w[1] -= 1
             if rest is not None:  # the span's: before its first frame, after its last
                 w[2] = rest[0] if o == sp.offset else w[2]
@@ -285,23 +342,38 @@ class ZmqClient(PeerClient):
         # the peer's own reads of the other units must end (and say why) before this request times out
         extra = {"stripe": stripe, "unit": unit, "timeout_ms": int(self._timeout * 800),
                  "agents": [list(a) for a in agents], "sources": pairs}
-        out = hostbuf.empty(hi - lo, np.uint8)
-        for _, (o, n, _), _, buf in self._pipeline(step, [(0, p) for p in self._parts(lo, hi - lo, None)], process,
-                                                   what, op="rebuild", extra=extra):
-            out[o - lo:o - lo + n] = np.frombuffer(buf, dtype=np.uint8)
-        return memoryview(out)
+        out = memoryview(hostbuf.empty(hi - lo, np.uint8))
+        # A rebuild's parts stay whole frames: each part is a rebuild at the holder, which reads and checks every
+        # other unit's span of it; smaller parts would repeat that work
+        parts = [(0, p) for p in self._parts(lo, hi - lo, None, self._frame_bytes)]
+        for _ in self._pipeline(step, parts, process, what, op="rebuild", extra=extra,
+                                into=lambda _, part: out[part[0] - lo:part[0] - lo + part[1]]):
+            pass
+        return out
 
-    def _parts(self, offset: int, nbytes: int, chunk) -> list[tuple[int, int, list | None]]:
-        """The requests of one range: at most a frame each."""
-        c = list(chunk) if chunk is not None else None
-        return [(o, min(self._frame_bytes, offset + nbytes - o), c)
-                for o in range(offset, offset + nbytes, self._frame_bytes)] or [(offset, 0, c)]
+    def _parts(self, offset: int, nbytes: int, chunk, size: int = 0) -> list[tuple[int, int, list | None]]:
+        """The requests of one range: at most ``size`` (default ``_read_bytes``) each. Of a range checked against its chunk, only the
+        first part asks for the crc32c of the chunk's bytes before the range and only the last for those after
+        it (each names as its chunk the chunk's part up to, or from, its own bytes): every part naming the whole
+        chunk would make the server checksum nearly the whole chunk once per part."""
+        end, step = offset + nbytes, size or self._read_bytes
+        if chunk is None or nbytes <= step:
+            c = list(chunk) if chunk is not None else None
+            return [(o, min(step, end - o), c) for o in range(offset, end, step)] or [(offset, 0, c)]
+        lo, hi = chunk[0], chunk[0] + chunk[1]
+        out = []
+        for o in range(offset, end, step):
+            n = min(step, end - o)
+            c = [lo, o + n - lo] if o == offset else [o, hi - o] if o + n == end else None
+            out.append((o, n, c))
+        return out
 
     def _pipeline(self, step: int, parts: list, process: int | None, what: str, *, op: str = "read",
-                  extra: dict | None = None) -> Iterator[tuple]:
+                  extra: dict | None = None, into: Callable[[Any, tuple], Any] | None = None) -> Iterator[tuple]:
         """Send ``parts`` ([(key, (offset, nbytes, chunk))]), at most the window in flight, the next ones sent
         before a reply is handed on (the peer sends while the caller works); yields (key, part, header, payload
-        buffer) as replies arrive. A lost connection sends what was in flight again on a fresh one."""
+        buffer) as replies arrive. ``into(key, part)``: where a part's payload is received (None: libzmq's frame).
+        A lost connection sends what was in flight again on a fresh one."""
         with self._lock:
             self._check_open()
             deadline, resends = time.monotonic() + self._timeout, 0
@@ -326,7 +398,8 @@ class ZmqClient(PeerClient):
                 if not pending:
                     return
                 try:
-                    rid, header, payload = self._recv(set(pending), deadline, what)
+                    rid, header, payload = self._recv(set(pending), deadline, what,
+                                                      (lambda r: into(*pending[r])) if into is not None else None)
                 except _Lost:
                     resends = self._reopen(what, resends)
                     again = list(pending.values())
@@ -336,7 +409,7 @@ class ZmqClient(PeerClient):
                         send(key, part)
                     continue
                 key, part = pending.pop(rid)
-                buf = payload.buffer if payload is not None else memoryview(b"")
+                buf = payload if payload is not None else memoryview(b"")
                 if len(buf) != part[1] and part is not _MANIFEST:
                     raise PeerError(f"peer {self.address}: {what}: reply has {len(buf)} bytes, expected {part[1]}")
                 nxt = next(todo, None)

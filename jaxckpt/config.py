@@ -95,6 +95,12 @@ class Config:
     # node agent is always used, and the processes of a job share what they found through the coordination
     # service. ``restore_workers`` chunk fetches run in parallel per process.
     agent_dirs: str = ""
+    # Across machines (no directory to read): where the job's node agents listen, "host[:port],..." (the
+    # scheduler's node list), and the port every agent of the job serves peers on (0: an ephemeral one). An agent
+    # starting on a node that holds nothing of the job asks these addresses for its peers and recovers its node's
+    # share from them (jaxckpt.backends.agent.rendezvous); both need the job's shared peer_token.
+    agent_peers: str = ""
+    agent_port: int = 0
     restore_workers: int = 4
     # Multi-process restores onto a target: arrays replicated over processes are formed by the framework's
     # collective (XLA, or torch's process group) from the share each node holds (jaxckpt.core.routes) instead of
@@ -138,6 +144,10 @@ class Config:
                 raise ConfigError(f"Config.{name}={getattr(self, name)!r}: must be positive and at most "
                                   f"{MAX_TIMEOUT_S:g} (a week)")
         check_peer_security(self.peer_bind, self.peer_security)
+        if not 0 <= self.agent_port < 65536:
+            raise ConfigError(f"Config.agent_port={self.agent_port!r}: expected a port in 1..65535, or 0 (ephemeral)")
+        if self.agent_peers:
+            agent_peer_entries(self.agent_peers, self.agent_port)  # malformed: fails here, not on a replacement node
         if ":" not in self.transport:
             from jaxckpt.registry import registered_parts  # names only: imports no transport
 
@@ -236,6 +246,32 @@ def _env_not_fields() -> frozenset[str]:
 _PEER_NOTE = ("; peers are not a store: every multi-process job serves its snapshots to the other processes "
               "over the peer transport, whichever store holds them")
 _JOB_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def agent_peer_entries(spec: str, port: int) -> list[tuple[str, int]]:
+    """``(host, port)`` of each entry of ``Config.agent_peers`` (``port`` where an entry names none); ConfigError
+    on a malformed entry, or an entry without a port when ``port`` is 0."""
+    out: list[tuple[str, int]] = []
+    for raw in (p.strip() for p in spec.split(",")):
+        if not raw:
+            continue
+        if raw.startswith("["):  # [IPv6] or [IPv6]:port
+            host, _, p = raw[1:].partition("]")
+            p = p.removeprefix(":")
+        elif raw.count(":") == 1:
+            host, _, p = raw.partition(":")
+        else:  # a host name, an IPv4 address or a bare IPv6 address: no port
+            host, p = raw, ""
+        try:
+            n = int(p) if p else port
+        except ValueError:
+            raise ConfigError(f"Config.agent_peers entry {raw!r}: the port {p!r} is not a number") from None
+        if not host or not 0 < n < 65536:
+            raise ConfigError(f"Config.agent_peers entry {raw!r}: expected host[:port] with a port in 1..65535"
+                              + ("" if p else " (no port given and Config.agent_port is 0)"))
+        if (host, n) not in out:
+            out.append((host, n))
+    return out
 
 
 def is_loopback(host: str) -> bool:

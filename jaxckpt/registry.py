@@ -97,6 +97,12 @@ def register_part(group: str, name: str, cls: str | type, *, clobber: bool = Fal
     known[name] = cls
 
 
+def unregister_part(group: str, name: str) -> None:
+    """Forget part ``name`` of ``group`` (a plug-in's own registration, undone); nothing if it is not registered."""
+    _parts.get(group, {}).pop(name, None)
+    _loaded_parts.pop((group, name), None)
+
+
 def registered_parts(group: str) -> Mapping[str, str | type]:
     """A read-only view of the parts registered in ``group``."""
     return MappingProxyType(_parts.get(group, {}))

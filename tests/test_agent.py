@@ -40,7 +40,8 @@ NEWEST = {"reserve": -1, "reserved": -1, "copy": -1, "commit": -1, "committed": 
 def base_dir():
     os.makedirs(BASE, mode=0o700)
     yield BASE
-    left = remove_agents(BASE, also=[_dir(job) for job in ("kill", "jax", "akill0", "akill1", "two", "mp", "cli")])
+    left = remove_agents(BASE, also=[_dir(job) for job in ("kill", "jax", "akill0", "akill1", "two", "mp", "cli",
+                                                           "early")])
     assert not left, f"agents did not clean up {left}"
 
 
@@ -265,6 +266,35 @@ def test_multiprocess_job_restarts_and_agrees_on_the_newest_step_every_process_h
 
 
 # ---------------------------------------------------------------------------------------------- the CLI
+def test_start_agent_before_the_framework_starts_the_agent_a_checkpointer_then_uses():
+    """``jaxckpt.start_agent()``, a training script's first line: it starts the node's agent from the JAXCKPT_*
+    environment without importing jax or numpy and without waiting; the trainer's store then finds that agent
+    (it spawns none), and a second call while it serves starts nothing."""
+    job = "early"
+    d = _dir(job)
+    env = {**os.environ, "JAXCKPT_STORE": "shm", "JAXCKPT_JOB_ID": job, "JAXCKPT_SHM_DIR": d}
+    r = subprocess.run([sys.executable, "-c", "import json, sys, jaxckpt; started = jaxckpt.start_agent(); "
+                        "print(json.dumps([started, [m for m in ('jax', 'numpy', 'torch', 'ml_dtypes') "
+                        "if m in sys.modules]]))"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert _json(r.stdout) == [True, []], r.stdout
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(d, proto.SOCKET_NAME)):
+        assert time.monotonic() < deadline, "the agent start_agent() started did not serve within 60 s"
+        time.sleep(0.01)
+    import jaxckpt
+
+    config = Config(store="shm", job_id=job, shm_dir=d)
+    assert jaxckpt.start_agent(config) is False
+    assert jaxckpt.start_agent(config.replace(store="memory")) is False  # no agent to start
+    store = ShmStore(config)
+    try:
+        assert store.metrics["agent_spawns"] == 0 and store.agent["dir"] == d, store.agent
+    finally:
+        store.close()
+    _stop(d, job)
+
+
 def test_cli_agent_logs_to_a_file_and_frees_everything_on_sigterm(tmp_path):
     job = "cli"
     d = _dir(job)

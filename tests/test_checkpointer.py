@@ -469,17 +469,17 @@ def test_corrupted_chunk_raises_checksum_error(ckpt, m8):
                         "b": filled((8,), jnp.float32, NamedSharding(m8, P()))}}
     ck = ckpt()
     ck.save(1, state).result()
-    entry = ck.store._entries[1]
-    meta = mf.decode(entry.manifest).array("params/w")
+    with ck.store.open(1) as view:
+        meta = mf.decode(view.manifest).array("params/w")
     chunk = meta.chunks[3]
-    entry.buf[chunk.offset + 5] ^= 0x10
+    ck.store.slot_bytes(1)[chunk.offset + 5] ^= 0x10
     with pytest.raises(ChecksumError, match=r"params/w: step 1 chunk \(24, 0\)\.\.\(32, 8\) of process 0 "
                                             r"failed its crc32c check"):
         ck.restore(abstract(state))
     # Without verification the damaged bytes come through (the check is what caught it).
     unchecked = ckpt(verify_on_restore=False)
     unchecked.save(1, state).result()
-    unchecked.store._entries[1].buf[chunk.offset + 5] ^= 0x10
+    unchecked.store.slot_bytes(1)[chunk.offset + 5] ^= 0x10
     got = np.asarray(unchecked.restore(abstract(state))["params"]["w"])
     assert not np.array_equal(bits(got), bits(state["params"]["w"]))
 

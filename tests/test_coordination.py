@@ -239,7 +239,7 @@ def test_one_process_touches_no_key_and_raises_its_own_error():
         ch.reduce("g", 0, lambda xs: 1 / xs[0])
     c.close()
     assert c.stats() == {"sets": 0, "gets": 0, "try_gets": 0, "deletes": 0, "rounds": 7}
-    assert coord._kv == {}
+    assert coord.keys() == []
 
 
 def test_published_state_and_instance_namespaces(tmp_path):
@@ -325,10 +325,27 @@ def long_run_job(job_id: str, steps: int):
     return out
 
 
-def test_live_coordination_keys_do_not_grow_with_the_step_count():
-    n, steps = 4, 300
-    values = expect_ok(launch(long_run_job, nodes=n, procs_per_node=1, devices_per_proc=1,
-                              args=("longrun", steps), timeout=300))
+LONG_RUN = (4, 300)  # processes, steps of each phase
+ROUND_TIMEOUT_S = 3.0
+
+
+def long_run_and_failing_round_jobs(job_id: str, steps: int, timeout_s: float):
+    """Both jobs in the same launched processes, one after the other: the long run (its own Checkpointer and key
+    prefix) then the failing rounds (their own Collective and namespace)."""
+    return {"long": long_run_job(job_id, steps), "fail": failing_round_job(timeout_s)}
+
+
+@pytest.fixture(scope="module")
+def four_process_jobs() -> dict:
+    """The long run and the failing rounds on 4 processes, in one launch: job -> every process's result."""
+    values = expect_ok(launch(long_run_and_failing_round_jobs, nodes=LONG_RUN[0], procs_per_node=1,
+                              devices_per_proc=1, args=("longrun", LONG_RUN[1], ROUND_TIMEOUT_S), timeout=300))
+    return {job: [v[job] for v in values] for job in ("long", "fail")}
+
+
+def test_live_coordination_keys_do_not_grow_with_the_step_count(four_process_jobs):
+    n, steps = LONG_RUN
+    values = four_process_jobs["long"]
     first, second = values[0]["first"], values[0]["second"]
     assert first["latest"] == steps and second["latest"] == 2 * steps
     assert len(first["keys"]) <= 2 * n, first["keys"]  # a small constant x processes ...
@@ -437,10 +454,9 @@ def failing_round_job(timeout_s: float):
     return out
 
 
-def test_a_process_that_raises_makes_every_process_raise_the_same_error():
-    timeout = 3.0
-    values = expect_ok(launch(failing_round_job, nodes=4, procs_per_node=1, devices_per_proc=1, args=(timeout,),
-                              timeout=120))
+def test_a_process_that_raises_makes_every_process_raise_the_same_error(four_process_jobs):
+    timeout = ROUND_TIMEOUT_S
+    values = four_process_jobs["fail"]
     boom = {tuple(map(str, v["boom"])) for v in values}
     assert len(boom) == 1, boom  # the same error on every process
     message, processes, name, number, errors = values[0]["boom"]

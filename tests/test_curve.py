@@ -409,7 +409,7 @@ def curve_job(host: str, security: str, job_id: str):
     cfg = jaxckpt.Config(job_id=job_id, peer_bind=host, peer_security=security, chunk_bytes=64,
                          commit_timeout_s=60.0, peer_timeout_s=30.0)
     with jaxckpt.Checkpointer(cfg) as ck:
-        server = ck.engine._peers.server
+        server = ck.engine.peers.server
         ck.save(3, state)
         ck.wait()
         whole = ck.restore(None, step=3)  # every process's chunks: the other's come through its peer server
@@ -430,10 +430,24 @@ def curve_job(host: str, security: str, job_id: str):
                 "refused": server.refused}
 
 
-def test_a_two_process_job_saves_and_restores_bit_for_bit_over_curve():
+def curve_and_mixed_jobs(host: str, security: str, job_id: str, mixed_id: str):
+    """Both jobs below in the same 2 launched processes, one after the other (a Checkpointer each)."""
+    return {"curve": curve_job(host, security, job_id), "mixed": mixed_job(mixed_id)}
+
+
+@pytest.fixture(scope="module")
+def two_process_jobs() -> dict:
+    """The CURVE job and the job whose processes disagree on CURVE, run in one launch: job -> every process's
+    result."""
     security = "auto" if HOST != "0.0.0.0" else "curve"  # off loopback "auto" is CURVE; the wildcard: ask
-    values = expect_ok(launch(curve_job, nodes=2, procs_per_node=1, devices_per_proc=1,
-                              args=(HOST, security, f"curve-{uuid.uuid4().hex[:6]}"), timeout=240))
+    values = expect_ok(launch(curve_and_mixed_jobs, nodes=2, procs_per_node=1, devices_per_proc=1,
+                              args=(HOST, security, f"curve-{uuid.uuid4().hex[:6]}",
+                                    f"mixed-{uuid.uuid4().hex[:6]}"), timeout=240))
+    return {job: [v[job] for v in values] for job in ("curve", "mixed")}
+
+
+def test_a_two_process_job_saves_and_restores_bit_for_bit_over_curve(two_process_jobs):
+    values = two_process_jobs["curve"]
     keys = [v["key"] for v in values]
     assert all(valid_public_key(k) for k in keys) and keys[0] != keys[1], values
     assert all(v["served"] >= 1 and v["refused"] == 0 for v in values), values
@@ -457,9 +471,8 @@ def mixed_job(job_id: str):
         return str(e)
 
 
-def test_a_job_whose_processes_disagree_on_curve_is_refused_on_every_process():
-    values = expect_ok(launch(mixed_job, nodes=2, procs_per_node=1, devices_per_proc=1,
-                              args=(f"mixed-{uuid.uuid4().hex[:6]}",), timeout=180))
+def test_a_job_whose_processes_disagree_on_curve_is_refused_on_every_process(two_process_jobs):
+    values = two_process_jobs["mixed"]
     for v in values:
         assert "peer servers disagree on CURVE: process(es) [0] speak it, [1] do not" in v, values
         assert "Config.peer_security alike on every process" in v, values

@@ -174,9 +174,15 @@ def test_data_is_a_function_of_seed_and_step():
         next(gpt.batches(TINY, mesh, 6))
 
 
-def test_loss_falls():
+@pytest.fixture(scope="module")
+def tiny_step():
+    """The mesh and the TINY GPT's jitted train step, compiled once for the tests that train it."""
     mesh = gpt.make_mesh()
-    step_fn = gpt.make_train_step(TINY, mesh)
+    return mesh, gpt.make_train_step(TINY, mesh)
+
+
+def test_loss_falls(tiny_step):
+    mesh, step_fn = tiny_step
     state = gpt.init_state(TINY, mesh, seed=0)
     losses = []
     for _, batch in gpt.batches(TINY, mesh, BATCH, seed=0, stop=25):
@@ -185,9 +191,8 @@ def test_loss_falls():
     assert losses[-1] < losses[0] - 0.5, losses
 
 
-def test_restored_state_continues_identically_after_donating_step():
-    mesh = gpt.make_mesh()
-    step_fn = gpt.make_train_step(TINY, mesh)
+def test_restored_state_continues_identically_after_donating_step(tiny_step):
+    mesh, step_fn = tiny_step
     data = dict(gpt.batches(TINY, mesh, BATCH, seed=0, stop=5))
 
     state = gpt.init_state(TINY, mesh, seed=0)

@@ -25,9 +25,9 @@ def host_state(step: int) -> dict:
 
 def flip(ck: jaxckpt.Checkpointer, step: int, path: str = "w") -> None:
     """Flip a bit of the first chunk of ``path`` that this process saved at ``step``, in its memory store."""
-    entry = ck.store._entries[step]
-    chunk = mf.decode(entry.manifest).array(path).chunks[0]
-    entry.buf[chunk.offset + 3] ^= 0x04
+    with ck.store.open(step) as view:
+        chunk = mf.decode(view.manifest).array(path).chunks[0]
+    ck.store.slot_bytes(step)[chunk.offset + 3] ^= 0x04
 
 
 def bitwise(got: dict, want: dict) -> None:

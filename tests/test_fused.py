@@ -52,6 +52,7 @@ def test_fused_snapshots_equal_the_incoming_state_under_donation(axis_type):
 
 # A refused save must leave the caller with a usable state. Run in a child process: on 2+ CPU devices a donating
 # step on a donated (deleted) state can segfault inside JAX, which must show as an exit code, not kill pytest.
+# The routes run one after the other in one child (each its own Checkpointer and state): one JAX start-up.
 _REFUSAL_CHILD = r'''
 import sys
 import jax
@@ -62,78 +63,99 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxckpt
 from jaxckpt import errors
 
-route = sys.argv[1]
-mesh = jax.make_mesh((4,), ("d",))
+
+def run(route):
+    mesh = jax.make_mesh((4,), ("d",))
+
+    def make():
+        s = {"w": jax.device_put(jnp.arange(64 * 8, dtype=jnp.float32).reshape(64, 8), NamedSharding(mesh, P("d"))),
+             "b": jax.device_put(jnp.ones(8, jnp.float32), NamedSharding(mesh, P()))}
+        if route == "leaf":
+            s["c"] = 1j  # jit takes a complex scalar; jaxckpt cannot hold one
+        return s
+
+    def raw(s):
+        out = {"w": s["w"] * 0.5 + s["b"], "b": s["b"] + 1}
+        if "c" in s:
+            out["c"] = s["c"] * 2
+        return out
+
+    step = jax.jit(raw, donate_argnums=0)
+    ref = make()
+    for _ in range(3):
+        ref = step(ref)
+    want = {k: np.asarray(v).copy() for k, v in ref.items()}
+
+    config = jaxckpt.Config(keep=1)
+    if route == "budget":
+        with jaxckpt.Checkpointer(jaxckpt.Config()) as probe:
+            nbytes = probe.save(1, make()).nbytes
+        config = jaxckpt.Config(keep=1, memory_budget_bytes=nbytes * 3 // 2)
+    ck = jaxckpt.Checkpointer(config)
+    fused = ck.wrap_step(raw)
+    s = step(make())  # one warm donating step
+    expected, save_step = {"step": errors.StepError, "closed": errors.ClosedError,
+                           "leaf": errors.UnsupportedLeafError, "budget": errors.BudgetExceededError}[route], 1
+    if route == "step":
+        ck.save(5, s)
+        ck.wait()
+    elif route == "closed":
+        ck.close()
+    elif route == "budget":
+        ck.save(1, s).result()
+        save_step = 2
+    elif route == "leaf":
+        s["c"] = complex(s["c"])  # the step returned an array; a python complex is what jaxckpt refuses
+    try:
+        fused(s, save_step=save_step)
+    except expected as e:
+        print("refused:", type(e).__name__, e)
+    else:
+        raise SystemExit(f"fused(save_step={save_step}) did not raise {expected.__name__}")
+    deleted = [k for k, v in s.items() if isinstance(v, jax.Array) and v.is_deleted()]
+    assert not deleted, f"the refused save donated {deleted}"
+    s = step(s)  # the next warm donating steps run on the caller's state
+    s = step(s)
+    for k, v in want.items():
+        got = np.asarray(s[k]).reshape(-1).view(np.uint8)
+        assert np.array_equal(got, v.reshape(-1).view(np.uint8)), f"{k} differs from the unwrapped run"
+    if route == "step":
+        fused(s, save_step=save_step + 10)  # the checkpointer still works after a refusal
+        ck.wait()
+        assert ck.latest_step() == save_step + 10, ck.latest_step()
+        ck.close()
+    if route in ("leaf", "budget"):
+        ck.close()  # the next route's Checkpointer is its own
 
 
-def make():
-    s = {"w": jax.device_put(jnp.arange(64 * 8, dtype=jnp.float32).reshape(64, 8), NamedSharding(mesh, P("d"))),
-         "b": jax.device_put(jnp.ones(8, jnp.float32), NamedSharding(mesh, P()))}
-    if route == "leaf":
-        s["c"] = 1j  # jit takes a complex scalar; jaxckpt cannot hold one
-    return s
-
-
-def raw(s):
-    out = {"w": s["w"] * 0.5 + s["b"], "b": s["b"] + 1}
-    if "c" in s:
-        out["c"] = s["c"] * 2
-    return out
-
-
-step = jax.jit(raw, donate_argnums=0)
-ref = make()
-for _ in range(3):
-    ref = step(ref)
-want = {k: np.asarray(v).copy() for k, v in ref.items()}
-
-config = jaxckpt.Config(keep=1)
-if route == "budget":
-    with jaxckpt.Checkpointer(jaxckpt.Config()) as probe:
-        nbytes = probe.save(1, make()).nbytes
-    config = jaxckpt.Config(keep=1, memory_budget_bytes=nbytes * 3 // 2)
-ck = jaxckpt.Checkpointer(config)
-fused = ck.wrap_step(raw)
-s = step(make())  # one warm donating step
-expected, save_step = {"step": errors.StepError, "closed": errors.ClosedError,
-                       "leaf": errors.UnsupportedLeafError, "budget": errors.BudgetExceededError}[route], 1
-if route == "step":
-    ck.save(5, s)
-    ck.wait()
-elif route == "closed":
-    ck.close()
-elif route == "budget":
-    ck.save(1, s).result()
-    save_step = 2
-elif route == "leaf":
-    s["c"] = complex(s["c"])  # the step returned an array; a python complex is what jaxckpt refuses
-try:
-    fused(s, save_step=save_step)
-except expected as e:
-    print("refused:", type(e).__name__, e)
-else:
-    raise SystemExit(f"fused(save_step={save_step}) did not raise {expected.__name__}")
-deleted = [k for k, v in s.items() if isinstance(v, jax.Array) and v.is_deleted()]
-assert not deleted, f"the refused save donated {deleted}"
-s = step(s)  # the next warm donating steps run on the caller's state
-s = step(s)
-for k, v in want.items():
-    got = np.asarray(s[k]).reshape(-1).view(np.uint8)
-    assert np.array_equal(got, v.reshape(-1).view(np.uint8)), f"{k} differs from the unwrapped run"
-if route == "step":
-    fused(s, save_step=save_step + 10)  # the checkpointer still works after a refusal
-    ck.wait()
-    assert ck.latest_step() == save_step + 10, ck.latest_step()
-    ck.close()
-print("OK")
+for route in sys.argv[1:]:
+    print("route:", route, flush=True)
+    run(route)
+    print("OK", route, flush=True)
 '''
 
 
-@pytest.mark.parametrize("route,error", [("step", "StepError"), ("closed", "ClosedError"),
-                                         ("leaf", "UnsupportedLeafError"), ("budget", "BudgetExceededError")])
-def test_refused_fused_save_leaves_the_caller_a_usable_state(route, error):
+REFUSALS = {"step": "StepError", "closed": "ClosedError", "leaf": "UnsupportedLeafError",
+            "budget": "BudgetExceededError"}
+
+
+@pytest.fixture(scope="module")
+def refusals() -> dict:
+    """Every route of _REFUSAL_CHILD, one after the other in one child process (a Checkpointer and a state each):
+    its exit code, its stderr and each route's output (a route the child did not reach has none)."""
     import subprocess
     import sys
-    proc = subprocess.run([sys.executable, "-c", _REFUSAL_CHILD, route], capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"child exited {proc.returncode} (-11: segfault)\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    assert f"refused: {error}" in proc.stdout and proc.stdout.rstrip().endswith("OK"), proc.stdout
+    proc = subprocess.run([sys.executable, "-c", _REFUSAL_CHILD, *REFUSALS], capture_output=True, text=True,
+                          timeout=240)
+    parts = proc.stdout.split("route: ")
+    return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr,
+            "routes": {p.split("\n", 1)[0]: p for p in parts[1:]}}
+
+
+@pytest.mark.parametrize("route,error", list(REFUSALS.items()))
+def test_refused_fused_save_leaves_the_caller_a_usable_state(route, error, refusals):
+    out = refusals["routes"].get(route, "")
+    assert out.rstrip().endswith(f"OK {route}"), \
+        f"child exited {refusals['returncode']} (-11: segfault)\n{refusals['stdout']}\n{refusals['stderr'][-3000:]}"
+    assert f"refused: {error}" in out, out
+    assert refusals["returncode"] == 0, f"child exited {refusals['returncode']}\n{refusals['stderr'][-3000:]}"

@@ -245,12 +245,12 @@ def test_torch_front_end_saves_and_restores_bit_for_bit_without_jax():
 def test_ml_dtypes_stand_ins_have_the_widths_of_the_real_types():
     """Without ml_dtypes its types travel as same-width unsigned integers; the widths must be the real ones."""
     ml = pytest.importorskip("ml_dtypes")
-    from jaxckpt.core.dtypes import _ML_WIDTHS
+    from jaxckpt.core.dtypes import ML_WIDTHS
 
-    real = {n: np.dtype(getattr(ml, n)).itemsize for n in _ML_WIDTHS if hasattr(ml, n)}
-    assert real and real == {n: _ML_WIDTHS[n] for n in real}
-    from jaxckpt.torch.dtypes import _NAMES  # every ml_dtypes name torch uses has a stand-in
-    assert {n for n in _NAMES.values() if not hasattr(np, n)} <= set(_ML_WIDTHS)
+    real = {n: np.dtype(getattr(ml, n)).itemsize for n in ML_WIDTHS if hasattr(ml, n)}
+    assert real and real == {n: ML_WIDTHS[n] for n in real}
+    from jaxckpt.torch.dtypes import DTYPE_NAMES  # every ml_dtypes name torch uses has a stand-in
+    assert {n for n in DTYPE_NAMES.values() if not hasattr(np, n)} <= set(ML_WIDTHS)
 
 
 # --------------------------------------------------------------------------------------- from the source
@@ -267,6 +267,7 @@ LAYERS = {
     "jaxckpt.backends.agent": 6,  # the node agent (builds protection blocks)
     "jaxckpt.backends": 7,  # the stores (shm starts and talks to the agent) and the peer transport
     "jaxckpt.frontend": 8,  # the front-end protocol and the shared Checkpointer face
+    "jaxckpt.early_agent": 8,  # jaxckpt.start_agent(): the node agent started before the framework
     "jaxckpt.jax": 9, "jaxckpt.torch": 9,  # the front ends
     "jaxckpt.orbax": 10,  # Orbax's handler and tiered manager, on the JAX front end
     "jaxckpt.backends.torch": 10,  # the torch front end's earlier public name (a re-export)
@@ -357,49 +358,77 @@ def test_the_layer_check_sees_an_upward_import_a_lazy_one_and_a_relative_one():
     assert _unit("jaxckpt.config", modules) == "jaxckpt.config"  # a top-level module is its own unit
 
 
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _own(owner: ast.AST) -> bool:
+    """``self``, ``cls`` or ``super()``: the object's own class reaching its own (or a base's) private names."""
+    return (isinstance(owner, ast.Name) and owner.id in ("self", "cls")) or \
+        (isinstance(owner, ast.Call) and ast.unparse(owner.func) == "super")
+
+
 def _private_uses(tree: ast.AST, defined_here: set[str], private_defs: dict[str, set[str]], module: str
                   ) -> list[tuple[int, str]]:
-    """Calls of ``x._name(...)`` (x not self/cls) and imports of ``_name`` from jaxckpt, where ``_name`` is a
-    function or method another module defines and this one does not."""
+    """Every ``x._name`` (read, written or called; x not self/cls/super()) and import of ``_name`` from jaxckpt,
+    where ``_name`` is a private function, method or attribute another module of jaxckpt defines and this one does
+    not: a library object's insides reached from outside its module."""
     out = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            name, owner = node.func.attr, node.func.value
-            if (name.startswith("_") and not name.startswith("__") and name not in defined_here
-                    and private_defs.get(name, set()) - {module}
-                    and not (isinstance(owner, ast.Name) and owner.id in ("self", "cls"))
-                    and not (isinstance(owner, ast.Call) and ast.unparse(owner.func) == "super")):
-                out.append((node.lineno, ast.unparse(node.func)))
+        if isinstance(node, ast.Attribute):
+            if (_is_private(node.attr) and node.attr not in defined_here and private_defs.get(node.attr, set()) -
+                    {module} and not _own(node.value)):
+                out.append((node.lineno, ast.unparse(node)))
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxckpt"):
-            out += [(node.lineno, f"from {node.module} import {a.name}") for a in node.names
-                    if a.name.startswith("_") and not a.name.startswith("__")]
-    return out
+            out += [(node.lineno, f"from {node.module} import {a.name}") for a in node.names if _is_private(a.name)]
+    return sorted(out)
 
 
 def _private_defs(trees: dict[str, ast.AST]) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
-    """Per private name, the modules defining it as a function or method; per module, every private name it
-    defines (functions, methods, attributes it assigns)."""
+    """Per private name, the modules defining it; per module, the private names it defines: functions, methods,
+    classes, attributes it assigns on ``self``/``cls``, names it assigns in a class body."""
     defs: dict[str, set[str]] = {}
     names: dict[str, set[str]] = {}
     for module, tree in trees.items():
         here = names.setdefault(module, set())
         for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("_"):
-                defs.setdefault(node.name, set()).add(module)
-                here.add(node.name)
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-                here.add(node.attr)
+            found: list[str] = []
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                found.append(node.name)
+                if isinstance(node, ast.ClassDef):  # class attributes and dataclass fields
+                    for stmt in node.body:
+                        targets = stmt.targets if isinstance(stmt, ast.Assign) else \
+                            [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+                        found += [t.id for t in targets if isinstance(t, ast.Name)]
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _own(node.value):
+                found.append(node.attr)
+            for name in found:
+                if _is_private(name):
+                    defs.setdefault(name, set()).add(module)
+                    here.add(name)
     return defs, names
 
 
-def test_no_module_calls_or_imports_another_module_s_private_functions():
+def test_no_module_reaches_into_another_module_s_private_names():
     modules = _modules()
     trees = {m: ast.parse(p.read_text()) for m, p in modules.items()}
     defs, names = _private_defs(trees)
     bad = [f"{modules[m].relative_to(ROOT)}:{line}: {what}" for m in sorted(trees)  # the tooling too
            for line, what in _private_uses(trees[m], names[m], defs, m)]
     assert bad == [], "\n".join(bad)
-    # the check sees one: the Orbax handler calling Checkpointer._restore, as it once did
-    probe = ast.parse("def f(ck):\n    return ck._restore_step(None)\n")
-    assert _private_uses(probe, set(), {"_restore_step": {"jaxckpt.core.restore"}}, "jaxckpt.orbax.handler") == \
-        [(2, "ck._restore_step")]
+
+
+def test_the_private_check_sees_a_call_a_read_and_an_import_but_not_an_object_s_own_names():
+    """The check itself, on the forms it must see (so that the test above cannot pass by seeing nothing)."""
+    modules = _modules()
+    trees = {m: ast.parse(p.read_text()) for m, p in modules.items()}
+    defs, _ = _private_defs(trees)
+    assert "jaxckpt.protection.runtime" in defs["_plans"]  # an attribute assigned on self is a definition
+    probe = ast.parse("from jaxckpt.core.dtypes import _ML_WIDTHS\n"
+                      "def f(ck, prot):\n"
+                      "    ck._restore_step(None)\n"  # the Orbax handler calling Checkpointer's, as it once did
+                      "    plan = prot._plans\n"  # the cluster bench reading the Protector's plans, as it once did
+                      "    self._plans = super()._plans\n")
+    assert _private_uses(probe, set(), {**defs, "_restore_step": {"jaxckpt.core.restore"}},
+                         "jaxckpt.tools.bench.cluster_phases") == \
+        [(1, "from jaxckpt.core.dtypes import _ML_WIDTHS"), (3, "ck._restore_step"), (4, "prot._plans")]

@@ -114,7 +114,7 @@ def scenario(mesh_shape, job_id):
                          commit_timeout_s=60.0)
     refs = {}
     with jaxckpt.Checkpointer(cfg) as ck:
-        assert ck.engine._peers is not None
+        assert ck.engine.peers is not None
         for step in range(N_STEPS):
             state["step"] = step
             ck.save(step, state)  # several saves in flight; the next line donates the buffers just saved
@@ -270,7 +270,7 @@ def coordinator_and_tokens(job_id):
         except PeerError as e:
             refused = str(e)
         multihost_utils.sync_global_devices("refused")
-        refused_count = ck.engine._peers.server.refused
+        refused_count = ck.engine.peers.server.refused
     return {"other": other.decode(), "missing": missing, "timed_out": timed_out, "refused": refused,
             "refused_count": refused_count}
 

@@ -121,7 +121,7 @@ def machine_save(base: str, job: str):
         ck.save(1, prt.device_state(mesh, 1))
         ck.wait()
         prot = ck.engine.protection
-        plan = next(iter(prot._plans.values()))
+        plan = next(iter(prot.plans().values()))
         own = {c.key: c.node for c in plan.chunks}
         # every block's holder node differs from the node of every byte it protects
         bad = [b.id for b in plan.copy_blocks if any(plan.chunks[i].node == b.node for i in b.chunks)]
@@ -167,7 +167,7 @@ set -e
 mount -t tmpfs -o size=64m tmpfs /dev/shm
 cd /tmp
 "$PY" - <<'EOF'
-import json, jaxckpt
+import json, os, jaxckpt
 from jaxckpt.errors import ConfigError
 try:
     jaxckpt.Checkpointer(jaxckpt.Config(store="shm", job_id="small", memory_budget_bytes=256 << 20))
@@ -178,9 +178,14 @@ ck = jaxckpt.Checkpointer(jaxckpt.Config(store="shm", job_id="fits", memory_budg
 ck.close()
 from jaxckpt.backends.agent.protocol import agent_dir, stop_agent
 stop_agent(agent_dir(ck.config), "fits")
+# jaxckpt doctor --json, without and then with a budget, in this process (one start-up, not three)
+from jaxckpt.cli import main
+main(["doctor", "--json"])
+os.environ["JAXCKPT_MEMORY_BUDGET_BYTES"] = "268435456"
+rc = main(["doctor", "--json"])
+if rc:
+    print(f"exit {rc}")
 EOF
-"$PY" -m jaxckpt.cli doctor --json || true
-JAXCKPT_MEMORY_BUDGET_BYTES=268435456 "$PY" -m jaxckpt.cli doctor --json || echo "exit $?"
 """
 
 

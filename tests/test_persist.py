@@ -120,7 +120,7 @@ def test_restore_reads_persisted_steps(tmp_path):
         ck.save(6, _state(6, mesh))
         ck.wait()
         ck.persister.wait()
-        ck.store._entries[6].buf[0] ^= 0xFF
+        ck.store.slot_bytes(6)[0] ^= 0xFF
         r = ck.restore_with_extra(other, 6)
         assert r.source == "memory+persistent"
         assert any("failed its crc32c check" in f and "persistent source" in f for f in r.report.fallbacks), \
@@ -150,9 +150,9 @@ def test_restore_reads_persisted_steps(tmp_path):
 
 def _flip(ck, step: int, path: str = "params/w") -> None:
     """Flip a bit of the first chunk of ``path`` saved at ``step`` in this process's memory store."""
-    entry = ck.store._entries[step]
-    chunk = mf.decode(entry.manifest).array(path).chunks[0]
-    entry.buf[chunk.offset + 5] ^= 0x10
+    with ck.store.open(step) as view:
+        chunk = mf.decode(view.manifest).array(path).chunks[0]
+    ck.store.slot_bytes(step)[chunk.offset + 5] ^= 0x10
 
 
 def test_a_newest_step_corrupt_in_memory_comes_from_disk_in_the_same_restore(tmp_path):
@@ -193,7 +193,7 @@ def test_a_newest_step_corrupt_in_memory_and_not_persisted_falls_back_in_the_sam
         # a step only the directory holds is a fallback too: memory holds 6 and 7, both corrupt, 6 persisted
         _saved(ck, mesh, [6, 7])
         _flip(ck, 7)
-        ck.store._entries[6].buf[:] = 0  # step 6 in memory: every chunk bad, its manifest still good
+        ck.store.slot_bytes(6)[:] = 0  # step 6 in memory: every chunk bad, its manifest still good
         r = ck.restore_with_extra(target)
         _assert_state(r.state, 6, target)
         assert (r.step, r.source) == (6, "persistent") and ck.last_restore_report.skipped[0].startswith("step 7:")
@@ -290,6 +290,7 @@ def test_kill_during_persist_leaves_no_visible_step(tmp_path):
     steps = persisted_steps(d)
     assert steps and all(str(s) in left for s in steps)
     assert ocp.CheckpointManager(d).all_steps() == steps  # ...and neither jaxckpt nor Orbax lists it
+    assert sorted(ocp.path.step.checkpoint_steps(d)) == steps  # jaxckpt's own listing is Orbax's
     target = {f"layer{i}": np.zeros((512, 256), np.float32) for i in range(48)}
     newest = steps[-1]
     with jaxckpt.Checkpointer(jaxckpt.Config(persistent_dir=str(d), persistent_interval=2)) as ck:

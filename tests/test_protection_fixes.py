@@ -12,6 +12,9 @@ process (2 CPU devices each), node agents, protection on.
 5. protection keeps up with a burst of saves: queued steps that retention has let go (``keep`` newer ones are
    committed) are skipped, and the newest becomes protected (the first protection write is held back by a gate
    until every step is committed, so the queue is deterministic); no step is reported protected that was not.
+
+One launch saves the jobs of every test (each job with its own Checkpointer, agents and memory), and one restores
+the three jobs of tests 2-4 after each test's damage was done to its own job.
 """
 import logging
 import os
@@ -86,10 +89,17 @@ class Grab(logging.Handler):
     def emit(self, record):
         self.lines.append(f"{record.levelname} {record.name}: {record.getMessage()}")
 
+    def remove(self) -> None:
+        """Stop grabbing; the logger's level back to what it was before grab()."""
+        lg = logging.getLogger("jaxckpt")
+        lg.removeHandler(self)
+        lg.setLevel(self.before)
+
 
 def grab(level=logging.WARNING) -> Grab:
     g = Grab(level)
     lg = logging.getLogger("jaxckpt")
+    g.before = lg.level
     lg.addHandler(g)
     lg.setLevel(min(lg.getEffectiveLevel(), level))
     return g
@@ -140,6 +150,7 @@ def save_job(base: str, job: str, steps: list, drop: list | None = None, opts: d
     retention would (their protection slots stay)."""
     import jaxckpt
 
+    GatedShmStore.made.clear()  # the stores of this job only
     mesh = _mesh()
     with jaxckpt.Checkpointer(_config(base, job, opts)) as ck:
         for step in steps:
@@ -148,7 +159,7 @@ def save_job(base: str, job: str, steps: list, drop: list | None = None, opts: d
         protected = ck.engine.protection.protected_steps()
         for step in drop or ():
             ck.store.delete(step)
-    return {"protected": protected, "failed": {s: repr(e) for s, e in ck.engine.protection._failed.items()},
+    return {"protected": protected, "failed": {s: repr(e) for s, e in ck.engine.protection.failures().items()},
             "made": list(GatedShmStore.made)}
 
 
@@ -157,6 +168,8 @@ def burst_job(base: str, job: str, n: int):
     import jaxckpt
 
     mesh = _mesh()
+    GatedShmStore.made.clear()  # the stores and protection writes of this job only
+    GatedShmStore.writes.clear()
     GatedShmStore.gate.clear()
     cfg = _config(base, job, {"store": f"{HERE}:GatedShmStore", "max_pending_saves": n})
     with jaxckpt.Checkpointer(cfg) as ck:
@@ -166,8 +179,8 @@ def burst_job(base: str, job: str, n: int):
         GatedShmStore.gate.set()
         ck.wait(120)
         prot = ck.engine.protection
-        out = {"protected": prot.protected_steps(), "skipped": sorted(getattr(prot, "_skipped", ())),
-               "failed": {s: repr(e) for s, e in prot._failed.items()}, "latest": ck.latest_step(),
+        out = {"protected": prot.protected_steps(), "skipped": prot.skipped_steps(),
+               "failed": {s: repr(e) for s, e in prot.failures().items()}, "latest": ck.latest_step(),
                "writes": list(GatedShmStore.writes), "made": list(GatedShmStore.made)}
     return out
 
@@ -180,13 +193,28 @@ def restore_job(base: str, job: str, level: int = logging.WARNING, opts: dict | 
     mesh = _mesh()
     target = {k: jax.ShapeDtypeStruct(h.shape, h.dtype, sharding=_sharding(mesh, k))
               for k, h in host_state(0).items()} | {"step": 0}
-    with jaxckpt.Checkpointer(_config(base, job, opts)) as ck:
-        latest = ck.latest_step()
-        got = ck.restore(target)
-        check_bitwise(got, latest)
-        report = ck.last_restore_report.to_dict()
-        losses = sorted(ck.engine.protection.holder.losses)
+    try:
+        with jaxckpt.Checkpointer(_config(base, job, opts)) as ck:
+            latest = ck.latest_step()
+            got = ck.restore(target)
+            check_bitwise(got, latest)
+            report = ck.last_restore_report.to_dict()
+            losses = sorted(ck.engine.protection.holder.losses)
+    finally:
+        g.remove()  # the next job of this process logs to its own
     return {"latest": latest, "report": report, "lines": g.lines, "losses": losses}
+
+
+def save_jobs(base: str, jobs: list, burst: int):
+    """Every test's save in one process: ``jobs`` [[job, steps, drop, opts], ...] one after the other (each its own
+    Checkpointer, agents and memory), then the burst of ``burst`` saves; job -> its save_job (burst_job) result."""
+    out = {job: save_job(base, job, *spec) for job, *spec in jobs}
+    return out | {"burst": burst_job(base, "burst", burst)}
+
+
+def restore_jobs(base: str, jobs: list):
+    """``jobs`` [[job, level, opts], ...] restored one after the other in this process; job -> restore_job's."""
+    return {job: restore_job(base, job, level, opts) for job, level, opts in jobs}
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -215,26 +243,56 @@ def kill_agent_keep_memory(job: str, node: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------------- tests
-def test_protection_slots_use_the_configured_store_class():
+# Every test's job, saved in one launch: job -> [steps, drop, opts]; the burst of test 5 comes last in it.
+SAVED = {"cls": [[1, 2], [], {"store": f"{HERE}:GatedShmStore"}], "stale": [[1, 2], None, None],
+         "spurious": [[1, 2], [1], None], "badman": [[1, 2], None, None]}
+BURST = 8
+
+
+@pytest.fixture(scope="module")
+def saved() -> dict:
+    """job -> every process's save_job (burst_job) result, for the jobs of SAVED and "burst"."""
+    values = run(save_jobs, [[job, *spec] for job, spec in SAVED.items()], BURST, timeout=300)
+    return {job: [v[job] for v in values] for job in [*SAVED, "burst"]}
+
+
+@pytest.fixture(scope="module")
+def restored(saved) -> dict:
+    """Tests 2-4's jobs restored in one launch, after the damage each test describes was done to its own job:
+    job -> every process's restore_job result, and "stale-addr": whether the dead agent's address stayed."""
+    # test 2: node 1's agent is killed, its peer address stays published; node 1 restarts in a fresh directory
+    d = kill_agent_keep_memory("stale", 1)
+    facts = {"stale-addr": os.path.exists(os.path.join(d, "peer.addr"))}
+    # test 4: process 1's manifest of step 2 damaged in its agent's record; the restarted agent adopts it
+    d = kill_agent_keep_memory("badman", 1)
+    os.unlink(os.path.join(d, "peer.addr"))  # the restarted agent publishes its own (test 2 covers a stale one)
+    rec = os.path.join(d, "rec-p1-s2")
+    with open(rec, "rb") as f:
+        data = msgpack.unpackb(f.read(), raw=False)
+    data["manifest"] = b"\xc1" + data["manifest"][1:]
+    with open(rec, "wb") as f:
+        f.write(msgpack.packb(data, use_bin_type=True))
+    # each process fetches in test 2 (restore_collective off), so every process asks for the rebuilt bytes
+    jobs = [["stale", logging.INFO, {"peer_timeout_s": 5.0, "replaced": {"1": "b"}, "restore_collective": False}],
+            ["spurious", logging.WARNING, None], ["badman", logging.WARNING, None]]
+    values = run(restore_jobs, jobs, timeout=300)
+    return facts | {job: [v[job] for v in values] for job, *_ in jobs}
+
+
+def test_protection_slots_use_the_configured_store_class(saved):
     """Defect 1: Config.store names a ShmStore subclass; the protection slots go through it too."""
-    out = run(save_job, "cls", [1, 2], [], {"store": f"{HERE}:GatedShmStore"})
-    for p, r in enumerate(out):
+    for p, r in enumerate(saved["cls"]):
         assert r["protected"] == [1, 2] and not r["failed"], r
         assert sorted(r["made"]) == [p, PROTECT_BASE + p], r
 
 
-def test_dead_agent_costs_one_timeout_per_operation():
+def test_dead_agent_costs_one_timeout_per_operation(saved, restored):
     """Defect 2: node 1's agent is killed (its peer address stays published) and the node is replaced by a
     fresh directory; the restoring job asks the dead agent once per operation, then skips it (logged once)."""
-    job = "stale"
-    out = run(save_job, job, [1, 2])
+    out = saved["stale"]
     assert all(r["protected"] == [1, 2] for r in out), out
-    d = kill_agent_keep_memory(job, 1)
-    assert os.path.exists(os.path.join(d, "peer.addr"))
-    # each process fetches (restore_collective off), so every process asks for the rebuilt bytes
-    out = run(restore_job, job, logging.INFO, {"peer_timeout_s": 5.0, "replaced": {"1": "b"},
-                                               "restore_collective": False})
-    for r in out:
+    assert restored["stale-addr"]
+    for r in restored["stale"]:
         assert r["latest"] == 2, r
         assert r["report"]["bytes_by_kind"].get("rebuild", 0) > 0, r["report"]
         marked = [ln for ln in r["lines"] if "did not answer (" in ln]
@@ -246,34 +304,23 @@ def test_dead_agent_costs_one_timeout_per_operation():
         assert all("node" in ln and "tcp://" in ln for ln in marked), marked
 
 
-def test_no_spurious_cannot_rebuild_warning():
+def test_no_spurious_cannot_rebuild_warning(saved, restored):
     """Defect 3: step 1 was dropped from the snapshots (as retention does) while its protection slots stayed;
     restoring step 2 warns about nothing and records no loss."""
-    job = "spurious"
-    out = run(save_job, job, [1, 2], [1])
+    out = saved["spurious"]
     assert all(r["protected"] == [1, 2] for r in out), out
-    out = run(restore_job, job)
-    for r in out:
+    for r in restored["spurious"]:
         assert r["latest"] == 2 and r["losses"] == [], r
         assert not [ln for ln in r["lines"] if "cannot rebuild" in ln], r["lines"]
 
 
-def test_corrupt_own_manifest_is_routed_around():
+def test_corrupt_own_manifest_is_routed_around(saved, restored):
     """Defect 4: process 1's manifest of step 2 is damaged in its node agent's record (the agent restarts and
     adopts it); the restore takes the copy kept with protection, reads the own bytes verified against it, and
     restores step 2 bit for bit on every process."""
-    job = "badman"
-    out = run(save_job, job, [1, 2])
+    out = saved["badman"]
     assert all(r["protected"] == [1, 2] for r in out), out
-    d = kill_agent_keep_memory(job, 1)
-    os.unlink(os.path.join(d, "peer.addr"))  # the restarted agent publishes its own (test 2 covers a stale one)
-    rec = os.path.join(d, "rec-p1-s2")
-    with open(rec, "rb") as f:
-        data = msgpack.unpackb(f.read(), raw=False)
-    data["manifest"] = b"\xc1" + data["manifest"][1:]
-    with open(rec, "wb") as f:
-        f.write(msgpack.packb(data, use_bin_type=True))
-    out = run(restore_job, job)
+    out = restored["badman"]
     assert [r["latest"] for r in out] == [2, 2], out
     assert any("manifest of process 1" in ln and "corrupt" in ln for ln in out[1]["lines"]), out[1]["lines"]
     assert out[1]["report"]["bytes_by_kind"].get("local", 0) > 0, out[1]["report"]
@@ -298,12 +345,12 @@ def test_corrupt_manifest_without_another_copy_is_a_clear_error():
         np.testing.assert_array_equal(np.asarray(got[k]).view(np.uint8), h.view(np.uint8))
 
 
-def test_protection_keeps_up_with_a_burst_of_saves():
+def test_protection_keeps_up_with_a_burst_of_saves(saved):
     """Defect 5: 8 steps committed (keep=2) while the first protection write is held back; then the queued steps
     retention has let go are skipped instead of failing one by one, and the newest two (the ones kept) are
     protected; nothing fails and no skipped step is reported protected."""
-    n = 8
-    out = run(burst_job, "burst", n)
+    n = BURST
+    out = saved["burst"]
     for r in out:
         assert r["latest"] == n, r
         assert not r["failed"], r

@@ -117,7 +117,7 @@ def save_refused_job(base: str, job: str):
             ck.save(step, _device_state(step))
             ck.wait()
         prot = ck.engine.protection
-        return {"latest": ck.latest_step(), "protected": prot.protected_steps(), "failed": sorted(prot._failed)}
+        return {"latest": ck.latest_step(), "protected": prot.protected_steps(), "failed": sorted(prot.failures())}
 
 
 def plain_restart_job(base: str, job: str):
@@ -172,8 +172,8 @@ def race_job(base: str, job: str):
         ck.wait()
         prot = ck.engine.protection
         go = prot.decisions.get(2)  # process 0's decision, as every process got it in the round "decide 2"
-        return {"protected": prot.protected_steps(), "failed": {s: str(e) for s, e in prot._failed.items()},
-                "skipped": sorted(prot._skipped), "go2": None if go is None else ("1" if go else "0")}
+        return {"protected": prot.protected_steps(), "failed": {s: str(e) for s, e in prot.failures().items()},
+                "skipped": prot.skipped_steps(), "go2": None if go is None else ("1" if go else "0")}
 
 
 def first_jobs(base: str, rate: int) -> dict:

@@ -6,7 +6,12 @@ The node's agent restarts (the trainer spawns it) and saves resume; the steps sa
 protected again, or the next node loss has nothing newer than the last step protected before the wipe to rebuild
 from (the chaos run saw the job go back thousands of steps that way). Then the node is lost for good, and the
 relaunched job restores the newest protected step, bit for bit.
+
+Both jobs (agents found through the directories, "local", and through the coordination service, "remote") train
+in one launch and restore in another (each job its own Checkpointer, agents and memory).
 """
+import contextlib
+import io
 import os
 import re
 import shutil
@@ -89,7 +94,7 @@ def train_through_a_wipe(base: str, job: str):
                 resumed = step
         return {"before": before, "resumed": resumed, "latest": ck.latest_step(), "skipped": skipped,
                 "pulled": prot.last_pull.get("pulled", 0),
-                "protected": prot.protected_steps(), "failed": {s: str(e)[:300] for s, e in prot._failed.items()}}
+                "protected": prot.protected_steps(), "failed": {s: str(e)[:300] for s, e in prot.failures().items()}}
 
 
 def restore_job(base: str, job: str):
@@ -106,10 +111,50 @@ def restore_job(base: str, job: str):
         return {"latest": latest, "report": ck.last_restore_report.to_dict()}
 
 
-@pytest.mark.parametrize("job", ["local", "remote"])
-def test_protection_resumes_after_an_agent_is_killed_with_its_memory_and_a_later_node_loss_uses_it(job, capsys):
-    out = expect_ok(launch(train_through_a_wipe, nodes=NODES, procs_per_node=1, devices_per_proc=2,
-                           args=(BASE, job), env=ENV, timeout=300))
+def train_jobs(base: str, jobs: list):
+    """``jobs`` trained through the wipe one after the other in this process; job -> train_through_a_wipe's."""
+    return {job: train_through_a_wipe(base, job) for job in jobs}
+
+
+def restore_jobs(base: str, jobs: list):
+    """``jobs`` restored one after the other in this process; job -> restore_job's."""
+    return {job: restore_job(base, job) for job in jobs}
+
+
+JOBS = ["local", "remote"]
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    """Every job trained through the wipe (one launch); what its agents and ``jaxckpt ls`` then said; node 2 of
+    every job lost for good; every job restored (one launch). job -> {"trained", "pulled_bytes", "ls", "ls_out",
+    "restored"}."""
+    trained = expect_ok(launch(train_jobs, nodes=NODES, procs_per_node=1, devices_per_proc=2, args=(BASE, JOBS),
+                               env=ENV, timeout=300))
+    out = {}
+    for job in JOBS:
+        ls = io.StringIO()
+        with contextlib.redirect_stdout(ls):
+            rc = cli.main(["ls", "--job", job, "--dir", f"{BASE}/{job}-node0"])
+        out[job] = {"trained": [v[job] for v in trained], "ls": rc, "ls_out": ls.getvalue(),
+                    "pulled_bytes": [proto.agent_status(f"{BASE}/{job}-node{node}")["pulled_bytes"]
+                                     for node in range(NODES)]}
+    for job in JOBS:
+        lost = f"{BASE}/{job}-node2"  # now lose another node for good: the newest protected step must come back
+        proto.stop_agent(lost, timeout_s=20)
+        proto.kill_agent(lost, remove_memory=True)
+        shutil.rmtree(lost, ignore_errors=True)
+    restored = expect_ok(launch(restore_jobs, nodes=NODES, procs_per_node=1, devices_per_proc=2, args=(BASE, JOBS),
+                                env=ENV, timeout=300))
+    for job in JOBS:
+        out[job]["restored"] = [v[job] for v in restored]
+    return out
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_protection_resumes_after_an_agent_is_killed_with_its_memory_and_a_later_node_loss_uses_it(job, runs):
+    run = runs[job]
+    out = run["trained"]
     for r in out:
         assert r["before"] and max(r["before"]) == 3, r
         assert r["resumed"] is not None, r  # a step saved after the wipe is protected on every node
@@ -117,15 +162,9 @@ def test_protection_resumes_after_an_agent_is_killed_with_its_memory_and_a_later
     assert all(r["resumed"] == resumed for r in out), out
     # The node agents moved the protection bytes (backends/agent/protection_pull.py), not the trainers.
     assert all(r["pulled"] > 0 for r in out), out
-    for node in range(NODES):
-        assert proto.agent_status(f"{BASE}/{job}-node{node}")["pulled_bytes"] > 0
-    assert cli.main(["ls", "--job", job, "--dir", f"{BASE}/{job}-node0"]) == 0
-    assert re.search(r"protection bytes pulled from other nodes: [1-9]", capsys.readouterr().out)
-    lost = f"{BASE}/{job}-node2"  # now lose another node for good: the newest protected step must come back
-    proto.stop_agent(lost, timeout_s=20)
-    proto.kill_agent(lost, remove_memory=True)
-    shutil.rmtree(lost, ignore_errors=True)
-    out = expect_ok(launch(restore_job, nodes=NODES, procs_per_node=1, devices_per_proc=2, args=(BASE, job),
-                           env=ENV, timeout=300))
+    assert all(b > 0 for b in run["pulled_bytes"]), run["pulled_bytes"]
+    assert run["ls"] == 0
+    assert re.search(r"protection bytes pulled from other nodes: [1-9]", run["ls_out"]), run["ls_out"]
+    out = run["restored"]  # after node 2 was lost for good
     assert all(r["latest"] >= resumed for r in out), (resumed, out)
     assert out[2]["report"]["bytes_by_kind"].get("rebuild", 0) > 0, out[2]["report"]

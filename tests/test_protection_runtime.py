@@ -39,9 +39,23 @@ def base_dir():
 def _config(base: str, job: str, policy: str):
     import jaxckpt
 
-    return jaxckpt.Config(store="shm", job_id=job, shm_dir=f"{base}/{job}-node{node_info().node}", keep=2,
-                          chunk_bytes=CHUNK, agent_dirs=f"{base}/{job}-node*", commit_timeout_s=60.0,
-                          peer_timeout_s=20.0, protection=policy)
+    node = node_info().node
+    return jaxckpt.Config(**{"store": "shm", "job_id": job, "shm_dir": f"{base}/{job}-node{node}", "keep": 2,
+                             "chunk_bytes": CHUNK, "agent_dirs": f"{base}/{job}-node*", "commit_timeout_s": 60.0,
+                             "peer_timeout_s": 20.0, "protection": policy,
+                             **(rendezvous(base, node) if job.startswith("rdv") else {})})
+
+
+def rendezvous(base: str, node: int) -> dict:
+    """Config of jobs named "rdv*": nodes as separate machines would be, their agents finding each other by
+    address alone. Each simulated node has its own loopback address, every agent serves peers on the same known
+    port of its node's address with the job's shared token and CURVE (which a real cluster uses off loopback),
+    and no agent directories are named."""
+    import zlib
+
+    port = 20000 + zlib.crc32(base.encode()) % 20000  # the same in every process of the test (base is)
+    return {"agent_dirs": "", "peer_bind": f"127.0.0.{10 + node}", "agent_port": port, "peer_token": "rdv-token",
+            "peer_security": "curve", "agent_peers": ",".join(f"127.0.0.{10 + n}" for n in range(NODES))}
 
 
 def host_state(step: int) -> dict:
@@ -84,8 +98,8 @@ def save_job(base: str, job: str, policy: str, steps: list, drop_protection: lis
         protected = ck.engine.protection.protected_steps()
         if drop_protection and node_info().node == drop_protection[0]:
             ck.engine.protection._store.delete(drop_protection[1])
-        policies = ck.engine.protection._plans[next(iter(ck.engine.protection._plans))].policies()
-    failed = {s: repr(e) for s, e in ck.engine.protection._failed.items()}
+        policies = next(iter(ck.engine.protection.plans().values())).policies()
+    failed = {s: repr(e) for s, e in ck.engine.protection.failures().items()}
     return {"protected": protected, "policies": {k: list(v) for k, v in policies.items()}, "failed": failed}
 
 
@@ -119,6 +133,31 @@ def restore_job(base: str, job: str, policy: str, save_next: int = 0):
             protected = ck.engine.protection.protected_steps()
         multihost_utils.sync_global_devices("restored")
     return {"latest": latest, "report": report, "protected": protected}
+
+
+def restore_alone(base: str, job: str):
+    """A job of one process on node 0 (its 2 devices) restores the 4-node job's newest step bit for bit; with it,
+    the restore report and the warnings the rebuild logged."""
+    import logging
+
+    import jax
+    import jaxckpt
+
+    got_logged: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            got_logged.append(record.getMessage())
+    logger = logging.getLogger("jaxckpt.protection.holder")
+    logger.addHandler(Keep(logging.WARNING))
+    mesh = sharded_state.node_mesh(1)
+    target = {k: jax.ShapeDtypeStruct(h.shape, h.dtype, sharding=_sharding(mesh, k))
+              for k, h in host_state(0).items()} | {"step": 0}
+    with jaxckpt.Checkpointer(_config(base, job, "hybrid")) as ck:
+        latest = ck.latest_step()
+        check_bitwise(ck.restore(target), latest)
+        report = ck.last_restore_report.to_dict()
+    return {"latest": latest, "report": report, "logged": got_logged}
 
 
 def save_and_train_on(base: str, job: str, policy: str, steps: list, ready: str):
@@ -178,11 +217,32 @@ def lose_node_under_running_job(job: str, lost: int, ready: str) -> None:
                args=(BASE, job, "hybrid", [1, 2], str(ready)), env=ENV) as running:
         deadline = time.monotonic() + 240
         while len([n for n in os.listdir(ready) if n.startswith("ready-")]) < NODES * PROCS:
-            assert all(c is None for c in running.poll()), running.results()
+            if any(c is not None for c in running.poll()):  # one ended: say why
+                running.close()
+                raise AssertionError(running.results())
             assert time.monotonic() < deadline, "the job did not protect its steps within 240 s"
             time.sleep(0.1)
         assert running.kill_node(lost) == list(range(lost * PROCS, (lost + 1) * PROCS))
         lose_node(job, lost)  # its agent SIGKILLed, then its memory goes
+
+
+def run_agent(job: str, node: int, log: str, *args: str):
+    """Start the agent of ``node`` (``jaxckpt agent ... args``) as a launcher would; returns it once it serves."""
+    import subprocess
+    import sys
+
+    d = f"{BASE}/{job}-node{node}"
+    agent = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d, "--node",
+                              f"node{node}", "--log", log, *args], stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:  # serving: trainers then find it
+        assert agent.poll() is None, f"the agent of node {node} exited ({agent.returncode})"
+        assert time.monotonic() < deadline, f"the agent of node {node} did not serve within 60 s"
+        try:
+            proto.agent_status(d, job)
+            return agent
+        except StoreUnavailableError:  # not listening yet
+            time.sleep(0.05)
 
 
 def run(fn, *args):
@@ -198,7 +258,8 @@ def rebuilt_bytes(results) -> int:
 # Every job the tests below restore, saved in one launch: job -> [policy, steps, drop_protection].
 SAVED = {"turn-parity": ["parity", [1, 2], None], "turn-replica": ["replica", [1, 2], None],
          "two-bad-replica": ["replica", [1, 2], None], "older": ["parity", [1, 2], [2, 2]],
-         "corrupt": ["parity", [1, 2], None], "token": ["replica", [1], None]}
+         "corrupt": ["parity", [1, 2], None], "token": ["replica", [1], None],
+         "holder-fallback": ["hybrid", [1, 2], None]}
 
 
 @pytest.fixture(scope="module")
@@ -390,20 +451,34 @@ def test_replacement_node_restores_bitwise_while_its_agent_starts(tmp_path):
 
 
 def test_a_replacement_agent_recovers_its_node_share_and_the_restore_reads_it_locally(tmp_path):
-    """A node is lost under a running job (trainer and agent SIGKILLed, memory removed). The replacement node's
-    agent is started first, as a launcher starts it, knowing the job's other agents (``--agent-dirs``): as soon as
-    it serves it rebuilds the lost node's share of the newest step into its own memory, receiving at most 1.1x
-    the bytes it rebuilt. The relaunched trainer there finds that agent (it spawns none), and its restore reads
-    its own process's bytes from its node's memory, rebuilding nothing; every array bit for bit."""
+    """A node is lost under a running job (trainer and agent SIGKILLed, memory removed). The nodes behave as
+    separate machines: each its own loopback address, its agent serving peers there on the job's known port with
+    CURVE. The replacement node's agent is started first, as a launcher starts it, knowing only the job's node
+    list and token (``--peers``, ``--peer-port``): in a mount namespace of its own where the other nodes' agent
+    directories do not exist (so nothing of theirs is read through a file), it asks those addresses for its peers
+    and, as soon as it serves, rebuilds the lost node's share of the newest step into its own memory, receiving at
+    most 1.1x the bytes it rebuilt. The relaunched trainer there finds that agent (it spawns none), and its
+    restore reads its own process's bytes from its node's memory, rebuilding nothing; every array bit for bit."""
     import subprocess
     import sys
 
-    job, lost = "recover", 1
+    job, lost = "rdv-recover", 1
     lose_node_under_running_job(job, lost, tmp_path)
     d = f"{BASE}/{job}-node{lost}"
-    agent = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d, "--node",
-                              f"node{lost}", "--agent-dirs", f"{BASE}/{job}-node*",
-                              "--log", str(tmp_path / "agent.log")], stdin=subprocess.DEVNULL)
+    rdv = rendezvous(BASE, lost)
+    os.makedirs(d, mode=0o700)
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    # Its own directory stays visible (its trainer meets it there); the other nodes' vanish under a fresh tmpfs.
+    hide = (f'set -e; mount --bind "$1" "$2"; mount -t tmpfs -o mode=0700 none "$3"; mkdir -m 0700 "$1"; '
+            f'mount --bind "$2" "$1"; test "$(ls -A "$3")" = "$(basename "$1")"; shift 3; exec "$@"')
+    unshare = ["unshare", "--mount", "--propagation", "private"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
+    agent = subprocess.Popen(unshare + ["bash", "-c", hide, "hide", d, str(keep), BASE,
+                                        sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d,
+                                        "--node", f"node{lost}", "--peer-bind", rdv["peer_bind"], "--peer-security",
+                                        "curve", "--peer-port", str(rdv["agent_port"]), "--peers",
+                                        rdv["agent_peers"], "--log", str(tmp_path / "agent.log")],
+                             stdin=subprocess.DEVNULL, env={**os.environ, "JAXCKPT_PEER_TOKEN": rdv["peer_token"]})
     try:
         deadline = time.monotonic() + 60
         while True:  # serving: the trainers then find it (the recovery may still run: their hellos wait for it)
@@ -418,6 +493,8 @@ def test_a_replacement_agent_recovers_its_node_share_and_the_restore_reads_it_lo
         recovery = proto.agent_status(d, job)["recovery"]
         mine = list(range(lost * PROCS, (lost + 1) * PROCS))
         assert recovery["state"] == "done" and recovery["step"] == 2 and recovery["processes"] == mine, recovery
+        assert recovery["peers"] == [f"node{n} at tcp://127.0.0.{10 + n}:{rdv['agent_port']}"
+                                     for n in range(NODES) if n != lost], recovery
         assert 0 < recovery["received"] <= 1.1 * recovery["bytes"], recovery
         assert [r["latest"] for r in out] == [2] * NODES * PROCS, out  # every array was checked bit for bit
         for q in mine:
@@ -430,6 +507,76 @@ def test_a_replacement_agent_recovers_its_node_share_and_the_restore_reads_it_lo
     finally:
         proto.stop_agent(d, job)
         agent.wait(timeout=30)
+
+
+def test_a_rendezvous_needs_the_jobs_shared_token(tmp_path):
+    """An agent told its peers by address but holding no shared token (one made at random would match no other
+    node's) refuses to start, saying what it needs, and ``jaxckpt doctor`` reports it; a malformed peer list is a
+    ConfigError naming the entry."""
+    import subprocess
+    import sys
+
+    import jaxckpt
+
+    env = {k: v for k, v in os.environ.items() if k != "JAXCKPT_PEER_TOKEN"}
+    r = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", "rdv-token", "--dir",
+                        str(tmp_path / "a"), "--peers", "127.0.0.11,127.0.0.12", "--peer-port", "29555", "--log",
+                        str(tmp_path / "a.log")], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "needs the job's shared peer token" in r.stderr and "JAXCKPT_PEER_TOKEN" in r.stderr, \
+        r.stderr
+    # `jaxckpt doctor` says so before a job runs, and shows the rendezvous
+    r = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "doctor", "--job", "rdv-token"],
+                       env={**env, "JAXCKPT_STORE": "shm", "JAXCKPT_SHM_DIR": str(tmp_path / "d"),
+                            "JAXCKPT_AGENT_PEERS": "127.0.0.11,127.0.0.12", "JAXCKPT_AGENT_PORT": "29555"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "PROBLEM        Config.agent_peers is set but no shared peer token" in r.stdout, \
+        r.stdout + r.stderr
+    assert "port 29555 (node agent)" in r.stdout and "rendezvous     127.0.0.11,127.0.0.12" in r.stdout, r.stdout
+    with pytest.raises(jaxckpt.errors.ConfigError, match="entry 'node3:x'"):
+        jaxckpt.Config(agent_peers="node1,node3:x", agent_port=29555)
+    with pytest.raises(jaxckpt.errors.ConfigError, match="no port given and Config.agent_port is 0"):
+        jaxckpt.Config(agent_peers="node1")
+
+
+def test_a_rebuild_its_parity_holder_cannot_make_is_made_by_the_restore(saved, tmp_path):
+    """Node 1 is lost, and node 0's agent is restarted (SIGKILLed, its memory kept) serving no peers: node 0's
+    units of the parity stripes are then reachable only from node 0 itself. A job of one process on node 0
+    restores the step: the other nodes' agents holding the stripes' parity cannot read node 0's units, so each
+    such range is rebuilt by the restoring process itself (parity and units read here), bit for bit, logged,
+    and said so in its report: ``fallbacks`` (why), ``rebuilt_at["here"]`` (the bytes XORed here) and
+    ``rebuild_reads`` / ``rebuild_received`` (what it read, and received over the transport, to do so)."""
+    from jaxckpt.backends.agent import serve as agent_serve
+
+    job = "holder-fallback"
+    assert all(r["protected"] == [1, 2] for r in saved[job]), saved[job]
+    lose_node(job, 1)
+    d = f"{BASE}/{job}-node0"
+    proto.kill_agent(d)  # its memory stays for the next agent of the directory
+    assert os.path.exists(os.path.join(d, agent_serve.PEER_NAME))  # the killed agent's address, left behind
+    agent = run_agent(job, 0, str(tmp_path / "agent.log"), "--peer-bind", "none")
+    # the new agent serves no peers: it removed the address, so no reader waits out a connect to a dead one
+    assert not os.path.exists(os.path.join(d, agent_serve.PEER_NAME))
+    try:
+        (r,) = expect_ok(launch(restore_alone, nodes=1, procs_per_node=1, devices_per_proc=2, args=(BASE, job),
+                                env=ENV, timeout=240))
+    finally:
+        proto.stop_agent(d, job)
+        agent.wait(timeout=30)
+    rep = r["report"]
+    assert r["latest"] == 2, r  # every array checked bit for bit in the process
+    here = [fb for fb in rep["fallbacks"] if "rebuilt here from the parity and the other units" in fb]
+    assert here and all("no agent of process 0 serves peers" in fb for fb in here), rep["fallbacks"]
+    assert [m for m in r["logged"] if "rebuilt here" in m] == here, r["logged"]
+    assert rep["rebuilt_bytes"] > 0, rep
+    # Every range was XORed here (each stripe has a unit on node 0), from the parity's bytes of that range alone:
+    # the other units are chunks this restore reads anyway (the whole state, one process), received once.
+    assert rep["rebuilt_at"] == {"here": rep["rebuilt_bytes"]}, rep
+    assert sum(rep["rebuild_reads"].values()) == rep["rebuilt_bytes"], rep
+    assert 0 < rep["rebuild_received"] <= rep["rebuilt_bytes"], rep  # the parity held on nodes 2 and 3
+    assert rep["transport_bytes"] == rep["bytes_by_kind"]["remote"] + rep["rebuild_received"], rep
+    print(f"fallback restore: rebuilt {rep['rebuilt_bytes']} bytes ({rep['rebuilt_at']} by where the XOR ran), "
+          f"read {rep['rebuild_reads']} to rebuild them, transport {rep['transport_bytes']}, "
+          f"fallbacks {len(here)}")
 
 
 @pytest.mark.skipif(os.environ.get("RUN_SLOW_TESTS") != "1", reason="slow: set RUN_SLOW_TESTS=1")

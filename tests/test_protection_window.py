@@ -77,7 +77,7 @@ def save_job(base: str, job: str):
                            for k, h in host_state(step).items()})
             ck.wait()
         prot = ck.engine.protection
-        return {"latest": ck.latest_step(), "protected": prot.protected_steps(), "failed": sorted(prot._failed)}
+        return {"latest": ck.latest_step(), "protected": prot.protected_steps(), "failed": sorted(prot.failures())}
 
 
 def restore_job(base: str, job: str):

@@ -16,6 +16,11 @@ from jaxckpt.core.store import Slot
     np.full((BLOCK_BYTES,), 1.25, dtype=ml_dtypes.bfloat16),
     np.array(7, dtype=np.int8),  # 0-d
     np.zeros((0, 4), np.float32),
+    np.arange(24, dtype=np.float32).reshape(4, 6) - 0.5,  # small and contiguous: the buffer protocol's copy
+    np.array([True, False, True]),
+    np.arange(5, dtype=">i4"),  # bytes as they are, whatever the byte order
+    np.full((3, 5), -2.0, dtype=ml_dtypes.bfloat16),  # small, of a dtype numpy exports no buffer of
+    np.arange(64, dtype=np.int16).reshape(8, 8)[:, ::2],  # small and strided
 ])
 def test_copy_and_checksum_matches_a_plain_copy(src):
     out = np.full(src.nbytes, 0xAB, dtype=np.uint8)
@@ -116,3 +121,32 @@ def test_a_chunk_table_lands_every_chunk_and_drops_each_source_after_its_last_ch
     assert [i for what, i in log if what == "start"] == list(range(len(chunks_of)))
     assert sorted(k for what, k in log if what == "drop") == list(range(5))
     assert table.held == [None] * 5
+
+
+def test_snapshots_queued_back_to_back_all_land_and_close_stops_every_thread():
+    """Several saves queued at once, each of many small chunks in several batches under a small budget, one of
+    them failing: each lands bit for bit with its own crc32cs (the failed one fails alone), and close() finishes
+    what was queued and ends the copier's threads."""
+    before = set(threading.enumerate())
+    rng = np.random.default_rng(1)
+    eng = Copier(workers=3, inflight_bytes=64 << 10)
+    saves = []
+    for k in range(4):
+        srcs = [rng.integers(0, 256, int(rng.integers(1, 9000)), dtype=np.uint8) for _ in range(300)]
+        offsets = np.concatenate([[0], np.cumsum([s.nbytes for s in srcs])]).tolist()
+        buf = bytearray(offsets[-1])
+        tasks = [CopyTask(fetch=lambda s=s: s, offset=o, nbytes=s.nbytes) for s, o in zip(srcs, offsets)]
+        if k == 2:
+            tasks[150] = CopyTask(fetch=lambda: (_ for _ in ()).throw(OSError("shard 150 gone")), offset=offsets[150],
+                                  nbytes=srcs[150].nbytes)
+        saves.append((srcs, buf, eng.submit(Slot(k, len(buf), memoryview(buf)), tasks)))
+    eng.close()
+    for k, (srcs, buf, fut) in enumerate(saves):
+        assert fut.done()
+        if k == 2:
+            with pytest.raises(OSError, match="shard 150 gone"):
+                fut.result()
+            continue
+        assert bytes(buf) == b"".join(s.tobytes() for s in srcs)
+        assert fut.result().crcs == [crc32c(s) for s in srcs]
+    assert not [t for t in threading.enumerate() if t not in before and t.is_alive()]

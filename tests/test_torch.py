@@ -16,7 +16,7 @@ from torch.distributed.tensor import Replicate, Shard
 from jaxckpt import Config
 from jaxckpt.torch import Checkpointer, PerRank, TorchStoreCoordinator
 from jaxckpt.torch import dtensor as dt
-from jaxckpt.torch.dtypes import _NAMES, numpy_view
+from jaxckpt.torch.dtypes import DTYPE_NAMES, numpy_view
 from jaxckpt.errors import ClosedError, ConfigError, StepError, StepNotFoundError, TargetMismatchError, UnsupportedLeafError
 
 
@@ -46,7 +46,7 @@ def manifest_of(ck, step=None):
 
 
 # ------------------------------------------------------------------------------------------ leaves, dtypes
-@pytest.mark.parametrize("dtype", list(_NAMES), ids=str)
+@pytest.mark.parametrize("dtype", list(DTYPE_NAMES), ids=str)
 def test_every_dtype_round_trips_bit_for_bit(dtype):
     g = torch.Generator().manual_seed(7)
     state = {"m": random_tensor((3, 5), dtype, g), "s": random_tensor((), dtype, g),

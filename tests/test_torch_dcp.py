@@ -8,6 +8,7 @@ import datetime
 import os
 import shutil
 import signal
+import re
 import subprocess
 import sys
 import uuid
@@ -28,8 +29,8 @@ from jaxckpt.torch import JaxckptReader, JaxckptWriter
 from jaxckpt.torch import dcp_metadata
 from jaxckpt.torch.dcp import checkpoint_step
 from jaxckpt.torch.dcp_metadata import Locator, StorageIndex
-from jaxckpt.torch.dtypes import _NAMES
-from jaxckpt.errors import ChecksumError, ManifestError, PlanError, StepError, StepNotFoundError
+from jaxckpt.torch.dtypes import DTYPE_NAMES
+from jaxckpt.errors import ChecksumError, ConfigError, ManifestError, PlanError, StepError, StepNotFoundError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -76,7 +77,7 @@ def zeros_like_tree(x):
 
 def every_dtype_state(seed=0):
     g = torch.Generator().manual_seed(seed)
-    tensors = {f"t_{str(d).split('.')[-1]}": random_tensor((3, 5), d, g) for d in _NAMES}
+    tensors = {f"t_{str(d).split('.')[-1]}": random_tensor((3, 5), d, g) for d in DTYPE_NAMES}
     base = random_tensor((4, 6), torch.float32, g)
     return {"model": {**tensors, "transposed": base.t(), "strided": base[::2, 1::2], "scalar": torch.tensor(-0.0),
                       "empty": torch.empty(0, 3), "grad": torch.ones(2, requires_grad=True)},
@@ -135,6 +136,21 @@ def test_checkpoint_ids():
         assert "it holds steps [1]" in str(e.value.failures[0][0])
 
 
+def test_protection_and_the_persistent_tier_are_refused_not_ignored(tmp_path):
+    """A DCP checkpoint lives in the store only: asking for protection or a persistent directory is an error at
+    construction (before any save), with a config or through a given store, for the writer and the reader."""
+    from jaxckpt.backends.memory import MemoryStore
+
+    for cfg, what in ((Config(job_id="dcp-tiers", protection="xor-group"), "Config.protection='xor-group'"),
+                      (Config(job_id="dcp-tiers", persistent_dir=str(tmp_path)),
+                       f"Config.persistent_dir={str(tmp_path)!r}")):
+        for make in (lambda: JaxckptWriter(config=cfg), lambda: JaxckptReader(config=cfg),
+                     lambda: JaxckptWriter(store=MemoryStore(cfg))):
+            with pytest.raises(ConfigError, match=re.escape(what) + ": DCP checkpoints"):
+                make()
+    assert not any(tmp_path.iterdir())  # nothing was written there
+
+
 def test_saving_an_id_again_replaces_it_and_keep_bounds_the_store():
     with JaxckptWriter(config=Config(job_id="dcp-keep", keep=2)) as w:
         r = JaxckptReader(store=w.store)
@@ -154,7 +170,7 @@ def test_corrupted_chunk_raises_checksum_error():
             dcp.save(state, storage_writer=w, checkpoint_id=5)
             md = JaxckptReader(store=w.store, checkpoint_id=5).read_metadata()
             loc = md.storage_data.locators[MetadataIndex("b", [0])]
-            w.store._entries[5].buf[loc.offset + 3] ^= 0x40  # one bit of b's chunk in the store's memory
+            w.store.slot_bytes(5)[loc.offset + 3] ^= 0x40  # one bit of b's chunk in the store's memory
             target = {"a": torch.zeros(16), "b": torch.zeros(8, dtype=torch.int64)}
             if verify:
                 with pytest.raises(CheckpointException) as e:
@@ -406,7 +422,7 @@ def dcp_two_rank_worker(job_id: str) -> dict:
 
         # One flipped bit in rank 0's slot: rank 1 needs that chunk for Replicate, so both ranks raise.
         if rank == 0:
-            writer.store._entries[1].buf[0] ^= 0x01
+            writer.store.slot_bytes(1)[0] ^= 0x01
         dist.barrier()
         m4, o4 = _model(mesh, replicate, seed=5)
         _train_step(m4, 6)

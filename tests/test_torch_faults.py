@@ -180,7 +180,7 @@ def train_job(base: str, job: str, protection: str, kill_rank: int, kill_step: i
             t.train()  # after wait_for_reads() below: see the defer_reads contract
             if protected and t.step == protected + 1:
                 ck.wait()
-                assert protected in ck.engine.protection.protected_steps(), ck.engine.protection._failed
+                assert protected in ck.engine.protection.protected_steps(), ck.engine.protection.failures()
                 _mark(f"protected-{info.process_id}")
             if protected and t.step == protected:
                 ck.engine.protection._parity_pool.submit(time.sleep, 0.5)  # a slow parity thread

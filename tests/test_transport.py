@@ -281,8 +281,8 @@ def test_the_transport_is_the_one_config_names_in_the_registry(monkeypatch):
     finally:
         peers.close()
         store.close()
-        registry._parts["transport"].pop("recording")
-        registry._loaded_parts.pop(("transport", "recording"), None)
+        registry.unregister_part("transport", "recording")
+        assert "recording" not in registry.registered_parts("transport")
 
 
 def test_a_node_agent_refuses_a_transport_it_cannot_make(tmp_path):

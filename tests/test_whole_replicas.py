@@ -7,6 +7,9 @@ byte over the host transport), and those arrays get no parity: after a node is l
 memory removed) the replacement reads them from another node's copy, bit for bit, and only the fully sharded
 array is rebuilt from protection. The same job with split replicas (REFT's 1/R) reads the other replicas' shares
 over the transport: the contrast that shows the check can fail.
+
+One launch saves both jobs and one restores both with every agent alive (each job its own Checkpointer, agents and
+memory); the restore after the node loss is a launch of its own.
 """
 import os
 import shutil
@@ -56,7 +59,7 @@ def save_job(base: str, job: str, replicas: str, steps: list):
             ck.save(step, sharded_state.device_state(mesh, host_state(step), SPECS, step))
         ck.wait()
         protected = ck.engine.protection.protected_steps()
-        plan = ck.engine.protection._plans[next(iter(ck.engine.protection._plans))]
+        plan = next(iter(ck.engine.protection.plans().values()))
     return {"protected": protected, "policies": {k: list(v) for k, v in plan.policies().items()},
             "stripes": len(plan.stripes), "data_bytes": plan.data_bytes()[plan.nodes[node_info().process_id]]}
 
@@ -78,6 +81,16 @@ def restore_job(base: str, job: str, replicas: str):
     return {"latest": latest, "report": report}
 
 
+def save_jobs(base: str, jobs: list):
+    """``jobs`` [[job, replicas, steps], ...] saved one after the other in this process; job -> save_job's."""
+    return {job: save_job(base, job, replicas, steps) for job, replicas, steps in jobs}
+
+
+def restore_jobs(base: str, jobs: list):
+    """``jobs`` [[job, replicas], ...] restored one after the other in this process; job -> restore_job's."""
+    return {job: restore_job(base, job, replicas) for job, replicas in jobs}
+
+
 # ----------------------------------------------------------------------------------------------- helpers
 def run(fn, *args):
     return expect_ok(launch(fn, nodes=NODES, procs_per_node=1, devices_per_proc=2, args=(BASE, *args), env=ENV,
@@ -95,17 +108,29 @@ def far_kinds(report: dict) -> set:
 
 
 # ----------------------------------------------------------------------------------------------- tests
-def test_whole_replicas_restore_from_own_node_and_survive_a_node_loss():
+JOBS = {"whole": ["whole", [1, 2]], "split": ["split", [1]]}  # job -> [replicas, steps saved]
+
+
+@pytest.fixture(scope="module")
+def saved() -> dict:
+    """job -> every process's save_job result, then restore_job result with every agent alive (the trainers
+    relaunched): both jobs saved in one launch and restored in one."""
+    saves = run(save_jobs, [[job, *spec] for job, spec in JOBS.items()])
+    restores = run(restore_jobs, [[job, replicas] for job, (replicas, _) in JOBS.items()])
+    return {job: ([v[job] for v in saves], [v[job] for v in restores]) for job in JOBS}
+
+
+def test_whole_replicas_restore_from_own_node_and_survive_a_node_loss(saved):
     job = "whole"
     host = host_state(2)
-    out = run(save_job, job, "whole", [1, 2])
+    out, restored = saved[job]
     assert all(r["protected"] == [1, 2] for r in out), out
     # the replicated arrays' own copies on the other nodes protect them: no parity; the sharded one is XORed
     assert out[0]["policies"] == {"rep": ["whole"], "dp": ["whole"], "fsdp": ["xor-group"]}, out[0]
     whole = host["rep"].nbytes + host["dp"].nbytes + host["fsdp"].nbytes // NODES
     assert [r["data_bytes"] for r in out] == [whole] * NODES, out  # a full copy of rep and dp on every node
 
-    out = run(restore_job, job, "whole")  # every trainer restarted, the agents alive
+    out = restored  # every trainer restarted, the agents alive
     assert [r["latest"] for r in out] == [2] * NODES, out  # checked bit for bit in every process
     for r in out:
         assert r["report"]["transport_bytes"] == 0 and not far_kinds(r["report"]), r["report"]
@@ -123,12 +148,11 @@ def test_whole_replicas_restore_from_own_node_and_survive_a_node_loss():
             assert rep["transport_bytes"] == 0 and not far_kinds(rep), rep
 
 
-def test_split_replicas_read_the_other_replicas_shares():
+def test_split_replicas_read_the_other_replicas_shares(saved):
     """The default split (1/R per replica): the same restore fetches 3/4 of each replicated array from the other
     nodes, and the replicated arrays are protected by parity."""
-    job = "split"
-    out = run(save_job, job, "split", [1])
+    out, restored = saved["split"]
     assert out[0]["policies"] == {"rep": ["parity"], "dp": ["parity"], "fsdp": ["xor-group"]}, out[0]
-    out = run(restore_job, job, "split")
+    out = restored
     assert [r["latest"] for r in out] == [1] * NODES, out
     assert all(r["report"]["transport_bytes"] > 0 for r in out), out

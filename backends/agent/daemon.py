@@ -49,6 +49,7 @@ from jaxckpt.backends.agent.protocol import (LOCK_NAME, PID_NAME, SOCKET_NAME, V
                                              recv_msg, remove_file, send_msg, shm_base, stop_agent)
 from jaxckpt.backends.agent.table import Limits, Refused, SlotTable
 from jaxckpt.config import PEER_SECURITY, Config, peer_uses_curve
+from jaxckpt.errors import ConfigError
 from jaxckpt.node_identity import allocation, node_identity
 
 log = logging.getLogger("jaxckpt.backends.agent.daemon")
@@ -80,9 +81,12 @@ class Agent:
 
     def __init__(self, job: str, directory: str, *, node: str = "", node_budget: int = 0,
                  peer_bind: str | None = "127.0.0.1", message_timeout_s: float = MESSAGE_TIMEOUT_S,
-                 peer_security: str = "auto", transport: str = "zmq", agent_dirs: str = "") -> None:
-        # validates the job id (it names files), and refuses a bind off loopback that could not be protected
-        Config(job_id=job, peer_bind=peer_bind or "127.0.0.1", peer_security=peer_security, transport=transport)
+                 peer_security: str = "auto", transport: str = "zmq", agent_dirs: str = "", agent_peers: str = "",
+                 agent_port: int = 0) -> None:
+        # validates the job id (it names files), the rendezvous, and refuses a bind off loopback that could not be
+        # protected
+        Config(job_id=job, peer_bind=peer_bind or "127.0.0.1", peer_security=peer_security, transport=transport,
+               agent_peers=agent_peers, agent_port=agent_port)
         self.job, self.dir = job, os.path.abspath(directory)
         self.node = node or socket.gethostname()
         self.generation = secrets.token_hex(8)
@@ -106,6 +110,16 @@ class Agent:
         # Config.agent_dirs: the job's other agents, from which a fresh node's agent recovers its node's share
         # as soon as it serves (agent/recovery.py); its trainers' hellos wait for that
         self.agent_dirs = agent_dirs
+        # Config.agent_peers / agent_port: the same, across machines, by address (agent/rendezvous.py)
+        self.agent_peers, self.agent_port = agent_peers, agent_port
+        self.token = b""  # the peer token it serves with, once serving
+        if agent_peers:
+            from jaxckpt.backends.agent.serve import TOKEN_ENV, read_token
+
+            if not (os.environ.get(TOKEN_ENV) or os.path.isdir(self.dir) and read_token(self.dir)):
+                raise ConfigError(f"agent of job {job}: Config.agent_peers ({agent_peers!r}) needs the job's shared "
+                                  f"peer token on every node (Config.peer_token, {TOKEN_ENV}); a token made here "
+                                  f"would match no other node's")
         self.recovery = None
         self.startup: dict[str, float] = {}  # startup_cost() once serving
         self.modules_at_serving: list[str] = []  # _packages() once serving
@@ -159,10 +173,10 @@ class Agent:
             self.startup = startup_cost()
             self.modules_at_serving = _packages()
             threading.Thread(target=_import_late, name="agent-import-late", daemon=True).start()
-            if self.agent_dirs and not self.table.committed():
+            if (self.agent_dirs or self.agent_peers) and not self.table.committed():
                 from jaxckpt.backends.agent.recovery import Recovery
 
-                self.recovery = Recovery(self, self.agent_dirs)
+                self.recovery = Recovery(self)
                 self.recovery.start()
             log.info("agent %s (pid %d) of job %s on node %s serving %s, %.0f ms after exec (%.0f ms CPU)",
                      self.generation, os.getpid(), self.job, self.node, self.dir, 1e3 * self.startup["serving_s"],
@@ -190,15 +204,20 @@ class Agent:
         """Serve the node's committed snapshots to peers and publish the address (agent_serve.py)."""
         from jaxckpt.backends.agent import serve as agent_serve
 
-        self.snapshots = agent_serve.AgentSnapshots(self.table, self.dir, self.transport)
+        self.snapshots = agent_serve.AgentSnapshots(self.table, self.dir, self.transport, about={
+            "node": self.node, "job": self.job, "generation": self.generation, "directory": self.dir})
+        # a dead predecessor's address (we hold the directory's lock): readers would wait out a connect to it
+        remove_file(os.path.join(self.dir, agent_serve.PEER_NAME))
         if self.peer_bind is None:
             return
         try:
             from jaxckpt.core.transport import get_transport
 
-            token = agent_serve.load_or_make_token(self.dir)
-            self.peer_server = get_transport(self.transport).serve(self.snapshots, token=token, host=self.peer_bind,
-                                                     curve=peer_uses_curve(self.peer_bind, self.peer_security))
+            self.token = token = agent_serve.load_or_make_token(self.dir)
+            # reached by address alone (Config.agent_peers): a known port, and the CURVE key the token derives
+            self.peer_server = get_transport(self.transport).serve(
+                self.snapshots, token=token, host=self.peer_bind, port=self.agent_port,
+                curve=peer_uses_curve(self.peer_bind, self.peer_security), token_key=bool(self.agent_peers))
             agent_serve.write_peer_info(self.dir, {"address": self.peer_server.address, "node": self.node,
                                                    "job": self.job, "generation": self.generation,
                                                    "pid": os.getpid(), "directory": self.dir,
@@ -539,6 +558,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agent-dirs", default="",
                    help="Config.agent_dirs: where the job's other agents publish their peer files; an agent starting "
                         "on a node that holds nothing of the job recovers its node's share from them at once")
+    p.add_argument("--peers", default="",
+                   help="Config.agent_peers: where the job's agents listen, host[:port],... (e.g. the scheduler's node "
+                        "list); across machines, an agent starting on a node that holds nothing of the job asks them "
+                        "for its node's share at once. Needs the job's shared JAXCKPT_PEER_TOKEN on every node")
+    p.add_argument("--peer-port", type=int, default=0,
+                   help="Config.agent_port: the port this agent serves peers on (default 0: an ephemeral one); the "
+                        "port of --peers entries that name none")
     p.add_argument("--message-timeout-s", type=float, default=MESSAGE_TIMEOUT_S,
                    help="a request must arrive whole within this long of its first byte, else the connection is "
                         f"dropped (default {MESSAGE_TIMEOUT_S:g})")
@@ -573,7 +599,8 @@ def run_cli(args: argparse.Namespace) -> int:
         return Agent(args.job, directory, node=node_identity(config).name, node_budget=args.budget_bytes,
                      peer_bind=None if args.peer_bind == "none" else args.peer_bind,
                      message_timeout_s=args.message_timeout_s, peer_security=args.peer_security,
-                     transport=args.transport, agent_dirs=args.agent_dirs).run(wait=args.wait)
+                     transport=args.transport, agent_dirs=args.agent_dirs, agent_peers=args.peers,
+                     agent_port=args.peer_port).run(wait=args.wait)
     except Exception:
         log.exception("agent of job %s in %s failed", args.job, directory)
         raise

@@ -271,7 +271,19 @@ class AgentConnection:
             pass
 
 
-def spawn_agent(config: Config, directory: str, *, log_path: str | None = None) -> subprocess.Popen:
+def start_agent(config: Config, directory: str, *, recover: bool = False) -> subprocess.Popen:
+    """Make the agent directory (private), hand it the job's peer token (``Config.peer_token``: the agent serves
+    peers with it) and :func:`spawn_agent`: what a trainer does when no agent serves its node."""
+    ensure_private_dir(directory, create=True)
+    if config.peer_token:
+        from jaxckpt.backends.agent.serve import read_token, write_token
+        if read_token(directory) is None:
+            write_token(directory, config.peer_token.encode())
+    return spawn_agent(config, directory, recover=recover)
+
+
+def spawn_agent(config: Config, directory: str, *, log_path: str | None = None,
+                recover: bool = False) -> subprocess.Popen:
     """Start ``jaxckpt agent`` for ``config``'s job on ``directory``, detached (own session, no tty, no pipes).
 
     Under SLURM (with ``srun`` at hand) it starts as a step of its own in the allocation, on this node
@@ -280,11 +292,22 @@ def spawn_agent(config: Config, directory: str, *, log_path: str | None = None) 
     when it frees the node's memory. The Popen is then the ``srun``; it dies with the spawner's step, which
     mostly leaves the agent's step running (not always: ``agent/lifetime.py``).
     Two spawns race harmlessly: the agent's lock lets one run; the other exits at once.
+    An agent told ``Config.agent_peers`` serves where the job's other agents look for it (``--peers``,
+    ``--peer-port``), and so recovers a lost node's share when it starts empty (``agent/recovery.py``); with
+    ``recover`` it is also told ``Config.agent_dirs`` (an agent started before the trainer imports its framework,
+    ``jaxckpt.start_agent``): one spawned by ``Checkpointer()`` starts when its trainer is about to restore, which
+    then rebuilds what it needs itself.
     """
     from jaxckpt.backends.agent.lifetime import step_launch
     cmd = [sys.executable, "-m", "jaxckpt.cli", "agent", "--job", config.job_id, "--dir", directory,
            "--node", node_identity(config).name, "--log", log_path or default_log_path(directory),
            "--peer-bind", config.peer_bind, "--peer-security", config.peer_security, "--transport", config.transport]
+    if config.agent_peers:
+        cmd += ["--peers", config.agent_peers]
+    if config.agent_port:
+        cmd += ["--peer-port", str(config.agent_port)]
+    if recover and config.agent_dirs:
+        cmd += ["--agent-dirs", config.agent_dirs]
     step = step_launch()
     prefix, env = step if step is not None else ([], None)
     # Without srun under SLURM it stays in the spawning task's process group: where the step is a process group

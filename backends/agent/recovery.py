@@ -1,7 +1,8 @@
 """A replacement node's agent brings its node's share back before its trainers ask for it.
 
 An agent started with the job's peers (``jaxckpt agent --agent-dirs``, ``Config.agent_dirs``: where the job's other
-agents publish their peer files) on a directory that holds nothing of the job (a fresh node) looks, as soon as it
+agents publish their peer files; across machines ``--peers``, ``Config.agent_peers``: where they listen,
+``rendezvous.py``) on a directory that holds nothing of the job (a fresh node) looks, as soon as it
 serves, for what a lost node took: it reads the other agents' protection slots (``jaxckpt.protection.holder``'s
 ``RebuildHolder`` over their peer transport), takes the newest step that every process can still be read or
 rebuilt for, and, when exactly one node is missing from it (the node this one replaces: the relaunched job
@@ -56,8 +57,8 @@ class Recovery:
     """The recovery of one agent (see the module docstring): :meth:`start` once serving, :meth:`wait` from a
     trainer's hello."""
 
-    def __init__(self, agent: Any, agent_dirs: str, timeout_s: float = 20.0) -> None:
-        self.agent, self.agent_dirs, self.timeout = agent, agent_dirs, timeout_s
+    def __init__(self, agent: Any, timeout_s: float = 20.0) -> None:
+        self.agent, self.timeout = agent, timeout_s
         self.done = threading.Event()
         self.report: dict[str, Any] = {"state": "pending"}
 
@@ -83,16 +84,17 @@ class Recovery:
         log.info("agent: recovery %s", self.report)
 
     def _recover(self) -> dict[str, Any]:
-        from jaxckpt.backends.agent.readers import RemoteAgentHolder, expand_dirs, local_agents
+        from jaxckpt.backends.agent.readers import RemoteAgentHolder
         from jaxckpt.core import manifest as mf
         from jaxckpt.protection.holder import RebuildHolder
 
         a = self.agent
         if a.table.committed():
             return {"state": "skipped", "why": "the node's memory holds snapshots of the job"}
-        peers = [i for i in local_agents(a.job, expand_dirs(self.agent_dirs)) if i.directory != a.dir]
+        peers = self._peers()
         if not peers:
-            return {"state": "skipped", "why": f"no peer agent serves from {self.agent_dirs!r}"}
+            where = " or ".join(repr(w) for w in (a.agent_dirs, a.agent_peers) if w)
+            return {"state": "skipped", "why": f"no peer agent serves from {where}"}
         holders = [RemoteAgentHolder(i, i.node, self.timeout, transport=a.transport) for i in peers]
         try:
             rebuild = RebuildHolder(lambda: holders)
@@ -116,10 +118,29 @@ class Recovery:
                 finally:
                     opened.close()
             return {"state": "done", "step": step, "processes": processes, "bytes": written,
-                    "received": counts.received, "rebuilt_at": counts.rebuilt_at}
+                    "received": counts.received, "rebuilt_at": counts.rebuilt_at,
+                    "peers": sorted(f"{i.node} at {i.address}" for i in peers)}
         finally:
             for h in holders:
                 h.close()
+
+    def _peers(self) -> list:
+        """The job's other agents: from the directories it can read (``agent_dirs``), and by address
+        (``agent_peers``, agent/rendezvous.py) for those it cannot."""
+        from jaxckpt.backends.agent.readers import expand_dirs, local_agents
+        from jaxckpt.config import peer_uses_curve
+
+        a = self.agent
+        peers = [i for i in local_agents(a.job, expand_dirs(a.agent_dirs)) if i.directory != a.dir]
+        if a.agent_peers and a.token:
+            from jaxckpt.backends.agent.rendezvous import discover
+
+            known = {i.generation for i in peers}
+            peers += [i for i in discover(a.job, a.agent_peers, a.agent_port, token=a.token,
+                                          curve=peer_uses_curve(a.peer_bind or "127.0.0.1", a.peer_security),
+                                          generation=a.generation, transport=a.transport, timeout_s=min(5.0, self.timeout))
+                      if i.generation not in known]
+        return peers
 
     def _write(self, q: int, step: int, opened: Any, m: Any) -> int:
         """Process ``q``'s snapshot of ``step``, chunk by chunk from ``opened``, as a committed slot here; the bytes of

@@ -142,8 +142,10 @@ class AgentSnapshots(ServedHolder):
     """The committed slots of every process of the node, for the peer server: pinned in the slot table while a
     reply is in flight, their segments mapped read-only once and shared by all replies."""
 
-    def __init__(self, table: SlotTable, directory: str, transport: str = "zmq") -> None:
+    def __init__(self, table: SlotTable, directory: str, transport: str = "zmq",
+                 about: dict[str, Any] | None = None) -> None:
         self.table, self.dir = table, directory
+        self._about = dict(about or {})  # node, job, generation, directory: what a rendezvous asks (agent/rendezvous.py)
         self.transport = transport  # Config.transport: what a rebuild here reads other nodes' agents through
         self.label = f"node agent at {directory}"
         self._maps: dict[str, mmap.mmap] = {}
@@ -183,6 +185,9 @@ class AgentSnapshots(ServedHolder):
         live = {n for p in procs for n in self.table.segments(p)}
         for n in [n for n in self._maps if n not in live]:
             del self._maps[n]
+
+    def about(self) -> dict[str, Any]:
+        return {"label": self.label, **self._about}
 
     def rebuild(self, process: int, step: int, stripe: int, unit: int, lo: int, hi: int,
                 sources: dict[int, PeerAddress], timeout_s: float) -> Any:

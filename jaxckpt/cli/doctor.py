@@ -83,6 +83,9 @@ def report(config: Config, *, sweep: bool = False) -> dict[str, Any]:
     except OSError as e:
         problems.append(f"cannot look at the filesystem of {directory}: {e}")
     out["ports"] = _ports(config)
+    if config.agent_peers and not config.peer_token:
+        problems.append(f"Config.agent_peers is set but no shared peer token (JAXCKPT_PEER_TOKEN): a node agent "
+                        f"refuses to start with a rendezvous and a token of its own (docs/deploy.md)")
     # Memory of ended SLURM allocations (this user's default directories).
     stale = []
     for name in sorted(os.listdir(shm_base())) if os.path.isdir(shm_base()) else []:
@@ -101,6 +104,10 @@ def _ports(config: Config) -> dict[str, Any]:
     lo, hi = _ephemeral()
     peers = {"bind": config.peer_bind, "port": f"ephemeral ({lo}-{hi})",
              "security": "CURVE" if peer_uses_curve(config.peer_bind, config.peer_security) else "token"}
+    if config.agent_port:  # the node agent's, for the rendezvous (Config.agent_peers)
+        peers["port"] = f"{config.agent_port} (node agent), ephemeral ({lo}-{hi}) (trainers)"
+    if config.agent_peers:
+        peers["rendezvous"] = config.agent_peers
     env = os.environ
     coord: dict[str, Any] = {}
     if env.get("JAXCKPT_COORDINATOR"):
@@ -153,6 +160,8 @@ def render(r: dict[str, Any]) -> str:
                                           "none (Config.memory_budget_bytes=0)"))
     p = r["ports"]
     lines.append(f"peers          bind {p['peers']['bind']}, port {p['peers']['port']}, {p['peers']['security']}")
+    if p["peers"].get("rendezvous"):
+        lines.append(f"rendezvous     {p['peers']['rendezvous']}")
     c = p["coordinator"]
     lines.append(f"coordinator    {c.get('address') or 'none'}" + (f"  ({c['from']})" if c.get("from") else ""))
     if r.get("swept"):

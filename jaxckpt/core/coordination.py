@@ -81,6 +81,11 @@ class LocalCoordinator:
         with self._cv:
             self._kv.pop(key, None)
 
+    def keys(self) -> list[str]:
+        """The keys held now, sorted (rounds that are done leave none)."""
+        with self._cv:
+            return sorted(self._kv)
+
 
 class CommitTracker:
     """Runs the commit protocol above for each locally finished step, in order, on its own thread."""

@@ -20,7 +20,7 @@ _FIXED_NAME = re.compile(r"(str|bytes|void)\[(\d{1,8})\]\Z")
 _FIXED_CODE = {"str": "<U", "bytes": "S", "void": "V"}
 # Without ml_dtypes (a torch-only install) its types still travel under their own names, their bytes held as
 # same-width unsigned integers: the torch front end reinterprets the bits, and numpy could not compute with them.
-_ML_WIDTHS = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+ML_WIDTHS = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
               "float8_e4m3b11fnuz": 1, "float8_e8m0fnu": 1, "float8_e3m4": 1, "float8_e4m3": 1,
               "float4_e2m1fn": 1, "float6_e2m3fn": 1, "float6_e3m2fn": 1, "int1": 1, "int2": 1, "int4": 1,
               "uint1": 1, "uint2": 1, "uint4": 1}
@@ -30,7 +30,7 @@ _ML_WIDTHS = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3f
 def _ml_dtypes() -> ModuleType | None:
     """ml_dtypes, imported on the first name numpy does not know: its import costs about a second of CPU (it
     registers hundreds of ufunc loops), which processes that never meet such a name (node agents, numpy trainers)
-    need not pay. It ships with jax; a torch-only install may lack it (see _ML_WIDTHS)."""
+    need not pay. It ships with jax; a torch-only install may lack it (see ML_WIDTHS)."""
     try:
         import ml_dtypes
     except ImportError:  # pragma: no cover - depends on the environment
@@ -75,8 +75,8 @@ def dtype_from_name(name: str) -> np.dtype:
             scalar = getattr(ml, name, None) if ml is not None and not name.startswith("_") else None
             if isinstance(scalar, type) and issubclass(scalar, np.generic):
                 dt = np.dtype(scalar)
-            elif ml is None and name in _ML_WIDTHS:
-                dt = np.dtype(f"u{_ML_WIDTHS[name]}")
+            elif ml is None and name in ML_WIDTHS:
+                dt = np.dtype(f"u{ML_WIDTHS[name]}")
     if dt is None or dt.hasobject or dt.subdtype is not None or dt.names is not None:
         raise ManifestError(f"unknown dtype {name!r} in manifest")
     return dt

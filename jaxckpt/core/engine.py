@@ -223,6 +223,16 @@ class CheckpointEngine:
         prep = self._last_prep
         return [c[4] for c in prep.copies] if prep is not None else []
 
+    def last_devices(self) -> list[frozenset[int]]:
+        """Per array leaf of the newest save, the local devices its chunks were read from."""
+        prep = self._last_prep
+        return list(prep.devices) if prep is not None else []
+
+    @property
+    def peers(self) -> Any:
+        """The peer server and client of a job of several processes without node agents (None otherwise)."""
+        return self._peers
+
     def start(self, res: "Reservation", reads: Callable[[], list[ShardReads]], values: list[mf.LeafMeta],
               order: tuple[str, ...]) -> SaveHandle:
         """Hand a reserved save to the copy workers and return its handle.
@@ -306,15 +316,10 @@ class CheckpointEngine:
     def _local_finished(self, fut, handle: SaveHandle, slot, prep: Prepared, values, order) -> None:
         try:
             res: SnapshotResult = fut.result()
-            chunks: dict[int, list[mf.ChunkMeta]] = {}
-            for c, leaf_i, crc in zip(prep.plan.chunks, prep.chunk_leaf, res.crcs):
-                chunks.setdefault(leaf_i, []).append(mf.ChunkMeta(c.box, c.offset, c.nbytes, crc, self.process_index))
-            arrays = tuple(mf.ArrayMeta(m.path, m.keypath, m.shape, m.dtype, m.kind, m.sharding, m.attrs,
-                                        tuple(chunks.get(i, ()))) for i, m in enumerate(prep.metas))
-            manifest = mf.Manifest(step=handle.step, process=self.process_index, process_count=self.process_count,
-                                   framework=self.framework, arrays=arrays, leaves=tuple(values), order=order,
-                                   nbytes=prep.plan.nbytes, layout=prep.plan.layout)
-            self.store.commit(slot, mf.encode(manifest))
+            # O(1) Python objects whatever the chunk count: the layout's manifest is encoded once, the crc32cs
+            # filled in (objects per chunk here set off the collector while the training thread waits for the GIL)
+            template = prep.template(self.process_index, self.process_count, self.framework, order)
+            self.store.commit(slot, template.encode(handle.step, res.crcs, values))
             handle.snapshot_seconds = res.seconds
         except BaseException as e:  # noqa: BLE001 - reported through the handle and the commit protocol
             log.error("step %d: snapshot failed on process %d: %s", handle.step, self.process_index, e,

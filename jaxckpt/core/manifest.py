@@ -4,12 +4,19 @@ A manifest lists every array of the state (path, global shape, dtype, how it was
 process holds (box, byte offset in its snapshot buffer, crc32c), plus the non-array leaves by value. Restore
 merges the manifests of all processes into one chunk table per array. The encoded form is an envelope
 ``[FORMAT, VERSION, crc32c(body), body]`` so a truncated or flipped manifest is refused, never half-read.
+
+A save encodes its manifest through its layout's :class:`Template`: the body packed once per layout with a
+fixed-width slot for each chunk's crc32c, the slots filled per save in one numpy call and the step, time and
+plain values packed after them. A save then makes a handful of Python objects however many chunks it has, where
+the dataclasses and wire lists of every chunk set off the collector on the copy worker while the training
+thread waited for the GIL. The body stays the msgpack map every reader decodes (a crc32c packed as a 4-byte
+unsigned int is the same integer to msgpack).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import msgpack
 
@@ -84,8 +91,76 @@ class Manifest:
 
 def encode(m: Manifest) -> bytes:
     """The msgpack envelope of a manifest."""
-    body = msgpack.packb(_to_wire(m), use_bin_type=True)
-    return msgpack.packb([FORMAT, VERSION, crc32c(body), body], use_bin_type=True)
+    chunks = [(i, c.box, c.offset, c.nbytes, c.process) for i, a in enumerate(m.arrays) for c in a.chunks]
+    return Template(m.process, m.process_count, m.framework, m.arrays, chunks, m.order, m.nbytes,
+                    m.layout).encode(m.step, [c.crc32c for a in m.arrays for c in a.chunks], m.leaves, m.created)
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+_CRC = b"\xce"  # msgpack's uint32: a crc32c slot is always 4 bytes wide, whatever its value
+_TAIL_KEYS = tuple(_pack(k) for k in ("step", "created", "leaves"))
+
+
+class Template:
+    """One layout's manifest, encoded once: :meth:`encode` fills in a save's chunk crc32cs, step, time and
+    plain values.
+
+    ``arrays``: the layout's arrays (their ``chunks`` are ignored); ``chunks``: this manifest's chunks as
+    ``(array index, box, offset, nbytes, process)``, in the order :meth:`encode` is given their crc32cs (the
+    save plan's, for the engine); each array lists its chunks in that order."""
+
+    __slots__ = ("order", "_body", "_slots")
+
+    def __init__(self, process: int, process_count: int, framework: str, arrays: Sequence[ArrayMeta],
+                 chunks: Sequence[tuple[int, Box, int, int, int]], order: Sequence[str], nbytes: int,
+                 layout: str) -> None:
+        self.order = order  # the leaf order it was made for (the engine checks a save's order is the same)
+        per_array: list[list[int]] = [[] for _ in arrays]
+        for k, c in enumerate(chunks):
+            per_array[c[0]].append(k)
+        packer = msgpack.Packer(use_bin_type=True)
+        parts = [packer.pack_map_header(10)]
+        for key, value in (("process", process), ("process_count", process_count), ("framework", framework),
+                           ("nbytes", nbytes), ("layout", layout), ("order", list(order))):
+            parts += (_pack(key), _pack(value))
+        parts += (_pack("arrays"), packer.pack_array_header(len(arrays)))
+        slots = [0] * len(chunks)
+        for a, ks in zip(arrays, per_array):
+            fields = _array_head(a)
+            parts.append(packer.pack_map_header(len(fields) + 1))
+            for key, value in fields.items():
+                parts += (_pack(key), _pack(value))
+            parts += (_pack("chunks"), packer.pack_array_header(len(ks)))
+            for k in ks:
+                _, box, offset, nb, proc = chunks[k]
+                parts.append(packer.pack_array_header(5) + _pack(box.to_wire()) + _pack(offset) + _pack(nb) + _CRC)
+                slots[k] = len(parts)  # the crc32c's part: its byte position once the parts are joined
+                parts += (bytes(4), _pack(proc))
+        import numpy as np  # here: the node agent decodes manifests and serves before it imports numpy
+
+        starts = np.cumsum([0] + [len(x) for x in parts])
+        self._body = b"".join(parts)
+        # per chunk, the 4 byte positions of its crc32c (big-endian, as msgpack writes a uint32)
+        self._slots = starts[np.asarray(slots, dtype=np.int64)].reshape(-1, 1) + np.arange(4, dtype=np.int64)
+
+    def encode(self, step: int, crcs: Sequence[int], leaves: Sequence[LeafMeta], created: float | None = None
+               ) -> bytes:
+        """The envelope of this layout's manifest of ``step`` with chunk crc32cs ``crcs`` (in the order of the
+        template's ``chunks``), the plain values ``leaves`` and the time ``created`` (default: now)."""
+        import numpy as np
+
+        body = bytearray(self._body)
+        if len(self._slots):
+            np.frombuffer(body, dtype=np.uint8)[self._slots] = np.asarray(crcs, dtype=">u4").view(np.uint8
+                                                                                               ).reshape(-1, 4)
+        step_k, created_k, leaves_k = _TAIL_KEYS
+        raw = b"".join((body, step_k, _pack(step), created_k,
+                        _pack(float(time.time() if created is None else created)),
+                        leaves_k, _pack([_leaf_wire(x) for x in leaves])))
+        return msgpack.packb([FORMAT, VERSION, crc32c(raw), raw], use_bin_type=True)
 
 
 def decode(data: bytes | memoryview, *, source: str = "manifest") -> Manifest:
@@ -134,16 +209,25 @@ def _keypath_from_wire(v: Any) -> tuple[KeyEntry, ...]:
     return tuple(out)
 
 
+def _array_head(a: ArrayMeta) -> dict:
+    """An array's wire fields but its chunks."""
+    return {"path": a.path, "keypath": _keypath_to_wire(a.keypath), "shape": list(a.shape), "dtype": a.dtype,
+            "kind": a.kind, "sharding": a.sharding, "attrs": dict(a.attrs)}
+
+
+def _leaf_wire(x: LeafMeta) -> dict:
+    return {"path": x.path, "keypath": _keypath_to_wire(x.keypath), "value": x.value}
+
+
 def _to_wire(m: Manifest) -> dict:
+    """The manifest as the map its body packs (what :class:`Template` writes, field by field)."""
     return {
         "step": m.step, "process": m.process, "process_count": m.process_count, "framework": m.framework,
         "nbytes": m.nbytes, "layout": m.layout, "created": m.created, "order": list(m.order),
-        "arrays": [{
-            "path": a.path, "keypath": _keypath_to_wire(a.keypath), "shape": list(a.shape), "dtype": a.dtype,
-            "kind": a.kind, "sharding": a.sharding, "attrs": dict(a.attrs),
-            "chunks": [[c.box.to_wire(), c.offset, c.nbytes, c.crc32c, c.process] for c in a.chunks],
-        } for a in m.arrays],
-        "leaves": [{"path": x.path, "keypath": _keypath_to_wire(x.keypath), "value": x.value} for x in m.leaves],
+        "arrays": [{**_array_head(a),
+                    "chunks": [[c.box.to_wire(), c.offset, c.nbytes, c.crc32c, c.process] for c in a.chunks]}
+                   for a in m.arrays],
+        "leaves": [_leaf_wire(x) for x in m.leaves],
     }
 
 

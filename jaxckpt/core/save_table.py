@@ -49,6 +49,16 @@ class Prepared:
     key: Hashable = ()  # the layout key (protection plans are kept per layout)
     copies: tuple = ()  # per local chunk (leaf index, device, slice of the device's shard, slot offset, nbytes)
     table: "ChunkIndex | None" = None  # the copies as the copier's table reads them; made on first use
+    manifest: "mf.Template | None" = None  # the manifest's encoding (its leaf order's), made on the first save
+
+    def template(self, process: int, process_count: int, framework: str, order: tuple[str, ...]) -> mf.Template:
+        """This layout's manifest template for a save of leaves in ``order`` (made once per layout)."""
+        t = self.manifest
+        if t is None or (t.order is not order and t.order != order):
+            chunks = [(i, c.box, c.offset, c.nbytes, process) for c, i in zip(self.plan.chunks, self.chunk_leaf)]
+            t = self.manifest = mf.Template(process, process_count, framework, self.metas, chunks, order,
+                                            self.plan.nbytes, self.plan.layout)
+        return t
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,10 @@ class ServedHolder(abc.ABC):
     def held(self) -> list[list]:
         """Every snapshot held, as HeldEntry wire lists."""
 
+    def about(self) -> dict[str, Any]:
+        """What serves, for a peer that knows only the address (a node agent: its node, job and generation)."""
+        return {"label": self.label}
+
     def rebuild(self, process: int, step: int, stripe: int, unit: int, lo: int, hi: int,
                 sources: dict[int, PeerAddress], timeout_s: float) -> Any:
         """Bytes [lo, hi) of unit ``unit`` of parity stripe ``stripe``, rebuilt here, where that stripe's parity
@@ -98,6 +102,10 @@ class PeerClient(abc.ABC):
     def held(self) -> list[list]:
         """Every snapshot the peer holds, as HeldEntry wire lists."""
 
+    def about(self) -> dict[str, Any]:
+        """What the peer says it serves (:meth:`ServedHolder.about`); PeerError where the transport cannot ask."""
+        raise PeerError(f"peer {self.address}: this transport cannot ask a peer what it serves")
+
     def rebuild(self, step: int, process: int, stripe: int, unit: int, lo: int, hi: int,
                 sources: dict[int, PeerAddress]) -> memoryview:
         """Ask the peer to rebuild bytes [lo, hi) of unit ``unit`` of parity stripe ``stripe`` where it holds
@@ -116,9 +124,15 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def serve(self, store: Store | ServedHolder, *, token: bytes, host: str = "127.0.0.1",
-              curve: bool = False) -> PeerServer:
-        """Start serving ``store`` (a Store or any ServedHolder) on ``host`` (an ephemeral port); returns at once.
-        ``curve``: speak CURVE only, with a key pair made here (its public half is ``server.public_key``)."""
+              curve: bool = False, port: int = 0, token_key: bool = False) -> PeerServer:
+        """Start serving ``store`` (a Store or any ServedHolder) on ``host`` (``port``, 0: an ephemeral one); returns
+        at once. ``curve``: speak CURVE only, with a key pair made here (its public half is ``server.public_key``),
+        or with ``token_key`` the one derived from ``token`` (``jaxckpt.backends.curve.rendezvous_keys``)."""
+
+    def rendezvous_key(self, token: bytes) -> str:
+        """The CURVE public key of a server made with ``serve(token_key=True)`` and ``token``: what a client that
+        knows only the address checks the server against."""
+        raise PeerError(f"the {self.name or type(self).__name__} transport has no key derived from the token")
 
     @abc.abstractmethod
     def connect(self, address: str, *, token: bytes, timeout_s: float, server_key: str = "") -> PeerClient:

@@ -14,31 +14,37 @@ and jaxckpt reads it as one more holder of the step's snapshots (``jaxckpt.persi
 say which chunk lives where, the chunks are read as boxes of Orbax's arrays and checked by their crc32c. Orbax
 writes a step under ``<step>.orbax-checkpoint-tmp`` and renames it when complete: a crash mid-persist leaves
 only that temporary name, which every listing here (and Orbax's) ignores.
+
+Nothing here imports Orbax: the steps are listed from the directory itself, as Orbax lists them
+(``persisted_steps``), so that a ``Checkpointer`` whose restore is served from memory (after a node loss, say)
+never pays Orbax's and TensorStore's import; only writing a step (``writer``) and reading bytes from disk
+(``holder``) import them.
 """
 from __future__ import annotations
 
 import base64
 import json
 import logging
+import re
 import shutil
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxckpt.errors import ManifestError, StepError, StepNotFoundError
 
 log = logging.getLogger("jaxckpt.persistent.directory")
 
-__all__ = ["EXTRA_ITEM", "INDEX_ITEM", "STATE_ITEM", "TMP_SUFFIX", "StepIndex", "index_item", "persisted_steps",
+__all__ = ["COMMIT_SUCCESS", "EXTRA_ITEM", "INDEX_ITEM", "STATE_ITEM", "TMP_SUFFIX", "StepIndex", "index_item", "persisted_steps",
            "read_index", "remove_temporaries", "step_dir"]
 
 STATE_ITEM = "default"  # ocp.CheckpointManager's item name for a single StandardSave
 EXTRA_ITEM = "extra"
 INDEX_ITEM = "jaxckpt"
-TMP_SUFFIX = ocp.path.step.TMP_DIR_SUFFIX
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's TMP_DIR_SUFFIX (a test holds them equal)
+COMMIT_SUCCESS = "commit_success.txt"  # what marks a finished step on GCS, where Orbax does not rename
 INDEX_FORMAT, INDEX_VERSION = "jaxckpt-persisted", 1
 
 
@@ -50,12 +56,31 @@ def step_dir(directory: epath.PathLike, step: Any) -> epath.Path:
     return epath.Path(directory) / str(int(step))
 
 
+def _finalized_step(path: epath.Path) -> int | None:
+    """The step of ``path`` when it is a finalized step directory, else None; Orbax's own test, which
+    ``ocp.path.step.checkpoint_steps`` applies to each entry: a directory (a link to one counts) named ``<step>``
+    or ``<prefix>_<step>``, not a temporary (``TMP_SUFFIX`` in its name) and, on GCS, holding ``COMMIT_SUCCESS``.
+    A name Orbax's listing raises on (``_12``) is no step here."""
+    name = path.name
+    if not (name.isdigit() or name.split("_")[-1].isdigit()) or not path.is_dir():
+        return None
+    if path.as_posix().startswith("gs://"):
+        if not (path / COMMIT_SUCCESS).exists():
+            return None
+    elif TMP_SUFFIX in name:
+        return None
+    if name.isdigit():
+        return int(name) if name.isdecimal() else None
+    m = re.fullmatch(r"(.+)_(\d+)", name)
+    return int(m.group(2)) if m else None
+
+
 def persisted_steps(directory: epath.PathLike) -> list[int]:
     """Finalized steps in ``directory``, ascending (temporary, half-written ones are not steps)."""
     directory = epath.Path(directory)
     if not directory.exists():
         return []
-    return sorted(ocp.path.step.checkpoint_steps(directory))
+    return sorted(s for p in directory.iterdir() if (s := _finalized_step(p)) is not None)
 
 
 def remove_temporaries(directory: epath.PathLike) -> list[str]:

@@ -8,7 +8,8 @@ come from (``jaxckpt.core.restore``).
 
 A persisted step holds every saving process's manifest (``jaxckpt.persistent.directory``); a read of a range of
 process ``q``'s snapshot buffer is the box of each chunk it covers, read from Orbax's array through TensorStore
-(the parameter name the index records), and is checked against the chunk's crc32c by the chunk reader.
+(the parameter name the index records), and is checked against the chunk's crc32c by the chunk reader. Orbax and
+TensorStore are imported at the first such read: listing the steps and reading their indexes needs neither.
 """
 from __future__ import annotations
 
@@ -20,8 +21,6 @@ import threading
 from typing import Any
 
 import numpy as np
-import orbax.checkpoint as ocp
-import tensorstore as ts
 from etils import epath
 
 from jaxckpt.core import manifest as mf
@@ -45,7 +44,7 @@ class _Step:
         for raw in index.manifests:
             m = mf.decode(raw, source=f"persisted step {step} manifest")
             self.manifests[m.process] = (raw, m)
-        self._arrays: dict[str, Any] = {}
+        self._opened: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._spec: tuple[bool, bool, Any] | None = None
 
@@ -55,8 +54,11 @@ class _Step:
 
     def array(self, path: str) -> Any:
         """The TensorStore of array ``path`` (opened once per step)."""
+        import orbax.checkpoint as ocp  # here, not above: only a read from disk pays for the import
+        import tensorstore as ts
+
         with self._lock:
-            got = self._arrays.get(path)
+            got = self._opened.get(path)
             if got is not None:
                 return got
             name = self.index.names.get(path)
@@ -70,7 +72,7 @@ class _Step:
             ocdbt, zarr3, context = self._spec
             info = ocp.type_handlers.ParamInfo(name=name, parent_dir=self.item, use_zarr3=zarr3, ts_context=context)
             spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=ocdbt)
-            got = self._arrays[path] = ts.open(spec, context=context, open=True, read=True).result()
+            got = self._opened[path] = ts.open(spec, context=context, open=True, read=True).result()
             return got
 
 

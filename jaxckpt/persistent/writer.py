@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxckpt.config import Config
@@ -50,6 +49,8 @@ from jaxckpt.persistent.directory import (EXTRA_ITEM, INDEX_ITEM, STATE_ITEM, in
 from jaxckpt.persistent.holder import PersistentHolder
 
 if TYPE_CHECKING:
+    import orbax.checkpoint as ocp
+
     from jaxckpt.core.engine import CheckpointEngine
 
 log = logging.getLogger("jaxckpt.persistent.writer")
@@ -100,7 +101,7 @@ class Persister:
         self._errors: list[BaseException] = []
         self.persisted: list[int] = []  # steps this persister wrote, in order
         self.skipped: list[int] = []  # eligible steps not persisted because MAX_PENDING persists were pending
-        self._mngr: ocp.CheckpointManager | None = None
+        self._mngr: "ocp.CheckpointManager | None" = None
         self._thread: threading.Thread | None = None
         engine.attach_tier(self)
         if self.interval > 0:
@@ -189,7 +190,9 @@ class Persister:
                     self._busy = False
                     self._cv.notify_all()
 
-    def _manager(self) -> ocp.CheckpointManager:
+    def _manager(self) -> "ocp.CheckpointManager":
+        import orbax.checkpoint as ocp  # here, not above: a Checkpointer that never persists never imports Orbax
+
         if self._mngr is None:
             self.directory.mkdir(parents=True, exist_ok=True)  # Orbax refuses create=True with active_processes
             mp = ocp.options.MultiprocessingOptions(
@@ -202,6 +205,8 @@ class Persister:
         return self._mngr
 
     def _persist(self, step: int, note: _Note | None) -> None:
+        import orbax.checkpoint as ocp
+
         t0 = time.perf_counter()
         with self.engine.open(step, report=False) as (step, manifests, reader):
             own = next(m for m in manifests if m.process == self._pi)

@@ -432,6 +432,21 @@ class Protector:
         with self._cond:
             return dict(self._protected_at)
 
+    def plans(self) -> dict[tuple, ProtectionPlan]:
+        """The protection plan of each state layout saved so far, by layout key."""
+        with self._cond:
+            return dict(self._plans)
+
+    def failures(self) -> dict[int, BaseException]:
+        """The newest steps whose protection failed, with why."""
+        with self._cond:
+            return dict(self._failed)
+
+    def skipped_steps(self) -> list[int]:
+        """The newest committed steps retention let go before their turn came (never protected), ascending."""
+        with self._cond:
+            return sorted(self._skipped)
+
     def wait(self, step: int | None = None, timeout: float | None = None) -> bool:
         """Until ``step`` (default: every step handed to protection so far) is protected, failed, skipped
         (``Config.keep`` newer steps were committed before its turn) or dropped (not committed by every process:

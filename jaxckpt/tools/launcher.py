@@ -359,7 +359,8 @@ def _envs(n_nodes: int, procs_per_node: int, devices_per_proc: int, launch_dir: 
 
 def start(fn: Callable, *, nodes: int, procs_per_node: int, devices_per_proc: int = 2, args: Sequence[Any] = (),
           env: dict[str, str] | None = None, distributed: bool = True, fail_fast_grace: float | None = 5.0,
-          launch_dir: str | None = None, prefix: Callable[[int], Sequence[str]] | None = None) -> Job:
+          launch_dir: str | None = None, prefix: Callable[[int], Sequence[str]] | None = None,
+          before: Callable | None = None) -> Job:
     """Start ``fn(*args)`` in ``nodes * procs_per_node`` processes and return the running Job at once.
 
     ``fn`` must be a module-level function, ``args`` and its return value JSON-serialisable. With
@@ -368,6 +369,8 @@ def start(fn: Callable, *, nodes: int, procs_per_node: int, devices_per_proc: in
     ``prefix(node)``: words that start each process of ``node`` through another launcher (``srun`` placing it on
     a node of an allocation, :mod:`jaxckpt.tools.bench.srun`); the worker is then that launcher's child, not
     ours, and the Job's signals reach it through the pid it writes.
+    ``before(*args)``: a module-level function each process calls before it joins JAX (and imports it), as a
+    training script's first lines would (``jaxckpt.start_agent()``).
     """
     target = _target(fn)
     try:
@@ -378,7 +381,7 @@ def start(fn: Callable, *, nodes: int, procs_per_node: int, devices_per_proc: in
     launch_dir = launch_dir or tempfile.mkdtemp(prefix="jaxckpt-launch-")
     try:
         spec = {"target": target, "args": args_json, "distributed": distributed,
-                "parent_pid": None if prefix else os.getpid()}
+                "parent_pid": None if prefix else os.getpid(), "before": _target(before) if before else None}
         spec_path = os.path.join(launch_dir, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)

@@ -65,6 +65,8 @@ def main(argv: list[str]) -> int:
     _write(os.path.join(info.launch_dir, WORKER_PID_FILE.format(info.process_id)), str(os.getpid()))
     result = os.path.join(info.launch_dir, f"result-{info.process_id}.json")
     try:
+        if spec.get("before"):
+            _resolve(spec["before"])(*spec["args"])  # before JAX, as a training script's first lines
         if spec["distributed"]:
             init_from_env()  # before the target's module is imported: it may touch JAX at import time
         value = _resolve(spec["target"])(*spec["args"])

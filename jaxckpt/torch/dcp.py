@@ -11,7 +11,8 @@ Checkpoint ids. A checkpoint is a store step: ``checkpoint_id`` (given to the co
 ``"jaxckpt://12"``; anything else raises :class:`jaxckpt.errors.StepError`. Saving needs an id; loading without
 one reads the newest checkpoint the coordinator's store holds. Saving an id again replaces it. Each rank's store
 keeps the ``Config.keep`` highest steps (as for ``Checkpointer``); give DCP checkpoints a ``job_id`` of their
-own, a ``Checkpointer`` of the same job and store would see their slots as foreign snapshots.
+own, a ``Checkpointer`` of the same job and store would see their slots as foreign snapshots. A DCP checkpoint
+lives in the store only: ``Config.protection`` and ``Config.persistent_dir`` are refused (ConfigError).
 
 Save, in DCP's call order (ranks are those of the process group DCP runs on):
 
@@ -96,7 +97,7 @@ from jaxckpt.core.collective import Channel, Collective, agree
 from jaxckpt.core.copier import CopyTask, Copier
 from jaxckpt.registry import get_store_class
 from jaxckpt.core.store import Slot, Store
-from jaxckpt.errors import ManifestError, PlanError, StepError, StepNotFoundError
+from jaxckpt.errors import ConfigError, ManifestError, PlanError, StepError, StepNotFoundError
 
 log = logging.getLogger("jaxckpt.torch.dcp")
 
@@ -134,9 +135,23 @@ def _make_store(config: Config | None, store: Store | None, rank: int, world: in
         if store.process_index != rank:
             raise PlanError(f"the given {store.name} store belongs to process {store.process_index}, but this "
                             f"process is rank {rank} of the DCP process group")
+        _refuse_tiers(store.config)
         return store.config, store, False
     config = config or Config()
+    _refuse_tiers(config)
     return config, get_store_class(config.store)(config, process_index=rank, process_count=world), True
+
+
+def _refuse_tiers(config: Config) -> None:
+    """DCP checkpoints are slots of the store only (docs/design.md, known limits): an option asking for more is
+    refused, never ignored."""
+    if config.protection != "none":
+        raise ConfigError(f"Config.protection={config.protection!r}: DCP checkpoints (JaxckptWriter/JaxckptReader) "
+                          f"are not protected; use protection='none' for them, or jaxckpt's own torch Checkpointer")
+    if config.persistent_dir:
+        raise ConfigError(f"Config.persistent_dir={config.persistent_dir!r}: DCP checkpoints (JaxckptWriter/"
+                          f"JaxckptReader) are not persisted; leave it empty, or save to disk with DCP's own "
+                          f"FileSystemWriter")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from jaxckpt.errors import ManifestError, UnsupportedLeafError
 
 # Names are those jaxckpt.core.dtypes writes for the same numpy / ml_dtypes dtype, so a JAX snapshot and a torch
 # snapshot of the same values carry the same manifest.
-_NAMES: dict[torch.dtype, str] = {
+DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bool: "bool",
     torch.uint8: "uint8", torch.uint16: "uint16", torch.uint32: "uint32", torch.uint64: "uint64",
     torch.int8: "int8", torch.int16: "int16", torch.int32: "int32", torch.int64: "int64",
@@ -20,7 +20,7 @@ _NAMES: dict[torch.dtype, str] = {
     torch.float8_e4m3fnuz: "float8_e4m3fnuz", torch.float8_e5m2fnuz: "float8_e5m2fnuz",
     torch.float8_e8m0fnu: "float8_e8m0fnu",
 }
-_BY_NAME = {v: k for k, v in _NAMES.items()}
+_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
 # numpy has no bfloat16/float8: such tensors are viewed as same-width integers, then as the ml_dtypes type.
 _NATIVE = {torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16, torch.int32,
            torch.int64, torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128}
@@ -30,7 +30,7 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def dtype_name(dtype: torch.dtype, path: str = "") -> str:
     """The manifest name of a torch dtype; UnsupportedLeafError (naming ``path``) when it has none."""
     try:
-        return _NAMES[dtype]
+        return DTYPE_NAMES[dtype]
     except KeyError:
         raise UnsupportedLeafError(f"{path}: torch dtype {dtype} cannot be snapshotted (no numpy/ml_dtypes "
                                    f"equivalent)") from None

@@ -73,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                             ("--persist-interval", "persist_interval", "steps between persists while training")):
         p.add_argument(flag, default=None, type=str if key == "size" else int,
                        help=f"{what} (default {FULL[key]}, --quick {QUICK[key]})")
+    p.add_argument("--late-agent", action="store_true",
+                   help="relaunched trainers leave the node agent to their Checkpointer() (as before "
+                        "jaxckpt.start_agent()) instead of starting it before they import JAX")
     p.add_argument("--restore-collective", action="store_true",
                    help="restores form replicated arrays with the collective (Config.restore_collective)")
     p.add_argument("--replicas", default=None, choices=("split", "whole"),
@@ -97,6 +100,7 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     out["size"] = parse_size(str(out["size"]))
     out["plain_dir"] = args.plain_dir or tempfile.gettempdir()
     out["restore_collective"] = bool(getattr(args, "restore_collective", False))
+    out["late_agent"] = bool(getattr(args, "late_agent", False))
     from jaxckpt.config import Config
     out["replicas"] = getattr(args, "replicas", None) or Config().replicas
     out["launcher"] = getattr(args, "launcher", None) or "own"
@@ -117,6 +121,8 @@ def command(args: argparse.Namespace) -> str:
         "plain_dir")))
     if getattr(args, "replicas", None):
         line += f" --replicas {args.replicas}"
+    if getattr(args, "late_agent", False):
+        line += " --late-agent"
     return line + " --restore-collective" if getattr(args, "restore_collective", False) else line
 
 
@@ -175,6 +181,7 @@ def _measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float,
         "orbax_em_persistent": os.path.join(disk, "orbax-emergency-persistent"), "max_train_steps": MAX_TRAIN_STEPS,
         "settle_steps": 2 * opts["persist_interval"],
         "cycle": 0, "last": False, "restore_collective": opts["restore_collective"],
+        "late_agent": opts.get("late_agent", False),
         "replicas": opts.get("replicas", "split")}
     size = state_bytes(spec)
     # Measured peak about (procs + 12) x state: the replicated half on every process (and a restored copy), the
@@ -252,7 +259,7 @@ def _measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float,
             "command": cmd, "loopback": loopback, "memcpy_gbps": memcpy,
             "setup": {"nodes": opts["nodes"], "procs_per_node": opts["procs_per_node"], "devices_per_proc": devices,
                       "mesh": spec["mesh"], "reshard_mesh": spec["reshard_mesh"], "arrays": opts["arrays"],
-                      "replicas": spec["replicas"],
+                      "replicas": spec["replicas"], "late_agent": spec["late_agent"],
                       "state_bytes": size, "policies": policies, "keep_policy": KEEP_POLICY,
                       "warmup": opts["warmup"], "steps": opts["steps"], "repeats": opts["repeats"],
                       "recoveries": opts["recoveries"], "persist_interval": opts["persist_interval"],
@@ -269,7 +276,8 @@ def _phases() -> Any:
 def _start(fn: Any, layout: Mapping[str, int], spec: Mapping[str, Any], env: dict[str, str],
            prefix: Callable[[int], list[str]] | None) -> Any:
     from jaxckpt.testing import start
-    return start(fn, **layout, args=(dict(spec),), env=env, fail_fast_grace=5.0, prefix=prefix)
+    before = None if spec.get("late_agent") else _phases().start_agent
+    return start(fn, **layout, args=(dict(spec),), env=env, fail_fast_grace=5.0, prefix=prefix, before=before)
 
 
 def _read(spec: Mapping[str, Any], phase: str, procs: int, missing_ok: bool = False) -> list[dict[str, Any]]:

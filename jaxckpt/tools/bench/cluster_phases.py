@@ -128,6 +128,18 @@ def config(spec: dict, job: str, node: int, protection: str, persistent: bool = 
                   restore_collective=spec.get("restore_collective", False), replicas=spec.get("replicas", "split"))
 
 
+def start_agent(spec: dict) -> None:
+    """Before JAX (the launcher calls it first, as a training script's first line would): start this node's agent
+    unless one serves (``jaxckpt.start_agent``), so that a replacement node's agent starts, and recovers its
+    share, while the trainer imports and joins JAX."""
+    import jaxckpt
+    from jaxckpt.testing import node_info
+
+    info = node_info()
+    # the phases' jobs, by phase: the restarted ones restore the kept policy's job (see _recovered)
+    jaxckpt.start_agent(config(spec, spec["keep_policy"], info.node, spec["keep_policy"], persistent=True))
+
+
 def write_result(spec: dict, name: str, value: dict) -> None:
     path = os.path.join(spec["results"], f"{name}.json")
     with open(path + ".tmp", "w") as f:
@@ -243,7 +255,7 @@ def save_phase(spec: dict) -> dict:
             row.update(base_step_s=base, save_step_s=loop, save_call_s=calls, protect_lag_s=lags,
                        commit_s=commits, pull_s=pulls, last_step=step)
             if prot is not None:
-                plan = next(iter(prot._plans.values()))  # the plan this run used (one layout)
+                plan = next(iter(prot.plans().values()))  # the plan this run used (one layout)
                 me = plan.nodes[info.process_id]
                 row["planned"] = {
                     "data_bytes": plan.data_bytes()[me], "extra_bytes": plan.extra_bytes()[me],

@@ -11,7 +11,8 @@ from typing import Any, Mapping, Sequence
 from jaxckpt.tools.bench import report
 
 PATHS = (("local", "jaxckpt, local: all trainers restarted, agents alive"),
-         ("peers", "jaxckpt, via peers: a node lost with its memory (lost chunks rebuilt)"),
+         ("peers", "jaxckpt, via peers: a node lost with its memory (lost chunks rebuilt, by the restore or by the "
+                   "replacement's agent)"),
          ("resharded", "jaxckpt, resharded onto another process count and mesh"),
          ("persistent", "jaxckpt, persistent tier (every agent's memory gone)"),
          ("orbax_standard", "Orbax StandardRestore, directory on disk, page cache dropped"),
@@ -283,8 +284,12 @@ def render(result: Mapping[str, Any]) -> str:
             line += f"{what} {fm(sv[key]['save_call_s'])} ms, finished {fm(sv[key]['total_s'])} ms; "
     ratio = q.get(f"orbax_emergency_save_call_over_{st['keep_policy']}")
     line = line.rstrip("; ") + (f" (Orbax emergency save() / jaxckpt save(): {fn(ratio)}x)." if ratio else ".")
+    agent = ("each relaunched trainer's `Checkpointer()` starts its node's agent" if st.get("late_agent") else
+             "each relaunched trainer starts its node's agent before it imports JAX (`jaxckpt.start_agent()`), and a "
+             "replacement node's agent recovers the node's share meanwhile")
     parts += ["", line, "", f"Recovery after a node loss ({st['recoveries']} of each), SIGKILL to the end of the first "
-                            f"step trained after the restore, relaunch, JAX start-up and compilation included:", ""]
+                            f"step trained after the restore, relaunch, JAX start-up and compilation included; {agent}:",
+              ""]
     rec = result["recovery"]
     rows = []
     for kind, label in (("peers", "jaxckpt, restore from the other nodes' agents"),

@@ -7,7 +7,9 @@ MiB (8 float32 arrays, half replicated over 'data', half split over both axes) t
 then RELAUNCHES times a fresh job (agents alive) makes a Checkpointer and restores the step 4 times, then makes
 a second Checkpointer in the same processes and restores twice more. Each process reports, per restore: wall
 time, CPU time (the process's user + system), minor page faults (getrusage), and the restore report's phases.
-Printed: the medians over processes and relaunches per restore index. Every restore is checked bit for bit.
+Printed: the medians over processes and relaunches per restore index, and the first restore's wall and CPU over
+the median of the later restores of the same Checkpointer (per relaunch and process, then their median: issue
+26's floor is 1.2x). Every restore is checked bit for bit.
 REPLICAS is ``Config.replicas`` (default split; whole: each node keeps the replicated half whole, so a restore
 with the agents alive fetches nothing from the other node).
 """
@@ -100,6 +102,14 @@ def main() -> None:
         busy = {p: statistics.median(x["phases"].get(p, 0.0) for x in xs) for p in xs[0]["phases"]}
         print(f"{ckp} Checkpointer, restore {k}: wall {1e3 * med['wall_s']:.0f} ms, CPU {1e3 * med['cpu_s']:.0f} ms, "
               f"minor faults {med['faults']:.0f}; busy ms " + ", ".join(f"{p} {1e3 * v:.0f}" for p, v in busy.items()))
+    # Issue 26's floor: the first restore of a relaunched job at most 1.2x a later one. Per relaunch and process,
+    # the first restore over the median of the first Checkpointer's later restores; the median of those ratios.
+    runs = list(zip(*(rows[("first", k)] for k in range(4))))
+    for f, name in (("wall_s", "wall"), ("cpu_s", "CPU")):
+        ratios = [r[0][f] / statistics.median(x[f] for x in r[1:]) for r in runs]
+        print(f"first restore / later ones, {name}: median {statistics.median(ratios):.2f}x (each relaunch and "
+              f"process: {', '.join(f'{x:.2f}' for x in ratios)}); at most 1.2x: "
+              f"{'met' if statistics.median(ratios) <= 1.2 else 'not met'}")
 
 
 if __name__ == "__main__":

@@ -180,9 +180,10 @@ def _jax8() -> Any:
     return jax
 
 
-def _timed_saves(ck: Any, state: Any, warmup: int, repeats: int) -> tuple[list[float], list[float], int]:
-    call, total = [], []
-    step = 0
+def timed_saves(ck: Any, state: Any, warmup: int, repeats: int) -> tuple[list[float], list[float], int]:
+    """``repeats`` timed saves of ``state`` after ``warmup`` (at least 2) untimed ones, from step 1: each save()
+    call's seconds, each save-to-committed's, and the last step saved."""
+    call, total, step = [], [], 0
     for _ in range(max(warmup, 2)):  # both slots of the double buffer in use before timing
         step += 1
         ck.save(step, state)
@@ -211,7 +212,7 @@ def save_phase(spec: dict) -> dict:
     nbytes = sum(x.nbytes for x in state.values())
     target = restore_target(state)
     with Checkpointer(Config(job_id=spec["job"] + "-mem")) as ck:
-        call, total, _ = _timed_saves(ck, state, spec["warmup"], spec["save_repeats"])
+        call, total, _ = timed_saves(ck, state, spec["warmup"], spec["save_repeats"])
         check_equal("jaxckpt memory restore", ck.restore(target), state)
         restore = []
         for _ in range(spec["repeats"]):
@@ -225,7 +226,7 @@ def save_phase(spec: dict) -> dict:
     t0 = time.perf_counter()
     with Checkpointer(cfg) as ck:
         start = time.perf_counter() - t0  # connect (and spawn the agent)
-        call, total, last = _timed_saves(ck, state, spec["warmup"], spec["save_repeats"])
+        call, total, last = timed_saves(ck, state, spec["warmup"], spec["save_repeats"])
         shm = {"save_call_s": s(call), "snapshot_s": s(total), "start_s": start, "step": last}
     for where in (spec["tmpfs"], spec["plain"]):
         with ocp.StandardCheckpointer() as ckptr:

@@ -134,7 +134,7 @@ def _save_calls(state: dict[str, Any], repeats: int, warmup: int, step: Any = No
             ck.wait()
             if i >= max(warmup, 2):
                 call.append(t1 - t0)
-        devices = ck.engine._last_prep.devices
+        devices = ck.engine.last_devices()
     return call, state, devices
 
 

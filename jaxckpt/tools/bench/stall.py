@@ -38,7 +38,8 @@ MODES = ("none", "jaxckpt", "jaxckpt-fused", "jaxckpt-shm", "jaxckpt-fused-shm",
 OPTIONAL = {"jaxckpt-whole": "whole"}  # modes run only when --replicas names them
 # Presets: (d_model, layers). State bytes ~ 12 bytes/param (param + 2 AdamW moments, float32). "0.2G-deep" has
 # the bytes of "0.2G" in 4x the layers: 879 leaves instead of 231 (the leaf count of an LLM-like state, issue 13).
-SIZES = {"tiny": (64, 2), "0.2G": (512, 6), "0.2G-deep": (256, 24), "1G": (1024, 7)}
+# "4k-leaves": 4,083 leaves of 68 MB (issue 28's state of ~4,096 leaves: per-leaf costs, not bytes, dominate).
+SIZES = {"tiny": (64, 2), "0.2G": (512, 6), "0.2G-deep": (256, 24), "1G": (1024, 7), "4k-leaves": (64, 113)}
 
 
 def gpt_config(size: str, seq_len: int) -> dict:

@@ -33,6 +33,7 @@ import warnings
 from typing import Any, Mapping
 
 from jaxckpt.tools.bench import memcpy, report, runner
+from jaxckpt.tools.bench.restore import timed_saves
 from jaxckpt.tools.bench.save import parse_size
 
 log = logging.getLogger("jaxckpt.tools.bench")
@@ -252,24 +253,12 @@ def bench_jaxckpt(state: dict, target: dict, repeats: int, warmup: int) -> dict[
     from jaxckpt import Config
     from jaxckpt.torch import Checkpointer
 
-    call, total, dcall, dreads, dtotal, rin, rnew = [], [], [], [], [], [], []
-    step = 0
+    dcall, dreads, dtotal, rin, rnew = [], [], [], [], []
     with Checkpointer(Config(job_id="bench-torch")) as safe:
         deferred = Checkpointer(engine=safe.engine, defer_reads=True)
         try:
             # Warm-up fills both slots of the double buffer, so timed saves reuse slots, as in training.
-            for _ in range(max(warmup, 2)):  # keep in step with setup['jaxckpt_warmup_saves']
-                step += 1
-                safe.save(step, state)
-                safe.wait()
-            for _ in range(repeats):
-                step += 1
-                t0 = time.perf_counter()
-                safe.save(step, state)
-                t1 = time.perf_counter()
-                safe.wait()
-                call.append(t1 - t0)
-                total.append(time.perf_counter() - t0)
+            call, total, step = timed_saves(safe, state, warmup, repeats)  # keep setup['jaxckpt_warmup_saves']
             for i in range(warmup + repeats):
                 step += 1
                 t0 = time.perf_counter()

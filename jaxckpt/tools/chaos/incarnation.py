@@ -77,6 +77,11 @@ class Incarnation:
         with self._cv:
             self._cv.notify_all()
 
+    @property
+    def lock(self) -> threading.Condition:
+        """What the event readers hold while they append to ``events``: hold it to read or trim them at once."""
+        return self._cv
+
     def wait(self, pred: Callable[[], Any], timeout: float) -> bool:
         """Until ``pred()`` holds or every process has exited (then: ``pred()``); False on time-out."""
         deadline = time.monotonic() + timeout

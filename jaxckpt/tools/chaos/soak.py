@@ -305,7 +305,7 @@ class SoakRun(chaos.ChaosRun):
     def _segment(self, inc: chaos.Incarnation) -> None:
         """Train ``fault_every`` steps, sampling every ``sample_every``; stop early at a phase fault or an exit."""
         prog = _Progress(inc)
-        with inc._cv:
+        with inc.lock:
             prog.update()
         first = min(e["step"] for e in inc.of("trained"))
         inc.soak_first = first
@@ -350,7 +350,7 @@ def _trim(inc: chaos.Incarnation) -> None:
     """Keep, of an incarnation's per-step events, only each process's newest of each kind (what the fault code
     reads: the newest trained, committed and protected steps), in their order; every other event stays."""
     per_step = ("trained", "committed", "protected")
-    with inc._cv:
+    with inc.lock:
         newest = {(e["ev"], e["p"]): i for i, e in enumerate(inc.events) if e["ev"] in per_step}
         keep = set(newest.values())
         inc.events[:] = [e for i, e in enumerate(inc.events) if e["ev"] not in per_step or i in keep]
