@@ -24,7 +24,8 @@ SWEEP_TIMES = {"jaxckpt_save_call_s", "wrap_step_save_s", "plain_step_call_s", "
                "jaxckpt_restore_s", "orbax_restore_s"}
 SWEEP_KEYS = SWEEP_TIMES | {"leaves", "shards", "size_bytes", "view_s_per_shard", "orbax_over_jaxckpt",
                             "orbax_over_wrap_step_save", "restore_orbax_over_jaxckpt", "fresh"}
-FRESH_KEYS = {"fresh_save_call_s", "saved_shards", "view_s", "expose_s", "over_views", "over_views_and_expose"}
+FRESH_KEYS = {"fresh_save_call_s", "saved_shards", "view_s", "direct_view_s", "expose_s", "save_s_per_saved_shard",
+              "over_views", "over_views_and_expose"}
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +74,17 @@ def _check_schema(res, sizes, mode):
         for k in SWEEP_TIMES:
             _check_stats(r[k], f"sweep {r['leaves']}/{k}")
         assert r["shards"] == 8 * r["leaves"]  # every leaf is split over all 8 devices
-        # save() of a state a donating step just made, both layouts, against its floor measured in the same run
-        sharded, mixed = r["fresh"]["sharded"], r["fresh"]["mixed"]
-        assert set(sharded) == FRESH_KEYS and set(mixed) == FRESH_KEYS | {"shards"}
+        # save() of a state a donating step just made, three layouts, against its floor measured in the same run
+        assert list(r["fresh"]) == ["sharded", "mixed", "replicated"]
+        sharded, mixed, replicated = r["fresh"]["sharded"], r["fresh"]["mixed"], r["fresh"]["replicated"]
+        assert set(sharded) == FRESH_KEYS and set(mixed) == set(replicated) == FRESH_KEYS | {"shards"}
         assert sharded["saved_shards"] == r["shards"]
         # mixed: of every 4 leaves on the 4x2 mesh, 8 + 2 + 4 + 1 distinct shards are saved, of 32 local ones
         assert mixed["shards"] == 8 * r["leaves"] and mixed["saved_shards"] == 15 * r["leaves"] // 4
-        for f in (sharded, mixed):
+        assert replicated["shards"] == 8 * r["leaves"] and replicated["saved_shards"] == r["leaves"]
+        for f in (sharded, mixed, replicated):
             _check_stats(f["fresh_save_call_s"], f"sweep {r['leaves']}/fresh")
+            assert math.isclose(f["save_s_per_saved_shard"], f["fresh_save_call_s"]["median"] / f["saved_shards"])
             assert math.isclose(f["over_views"], f["fresh_save_call_s"]["median"] / f["view_s"])
             assert math.isclose(f["over_views_and_expose"],
                                 f["fresh_save_call_s"]["median"] / (f["view_s"] + f["expose_s"]))
@@ -120,9 +124,9 @@ def test_markdown_table_from_json(quick):
     assert rows[2].startswith("| 1 MiB |") and rows[3].startswith("| 4 MiB |")
     sweep_md, fresh_md = sweep_md.split("#### save() of the state a donating step just made")
     fresh_rows = [line for line in fresh_md.splitlines() if line.startswith("|")]
-    assert len(fresh_rows) == 2 + 2 * 2  # header, rule, per leaf count the sharded and the mixed layout
-    assert [r.split("|")[1:3] for r in fresh_rows[2:]] == [[" 8 ", " sharded "], [" 8 ", " mixed "],
-                                                          [" 64 ", " sharded "], [" 64 ", " mixed "]]
+    assert len(fresh_rows) == 2 + 2 * 3  # header, rule, per leaf count the sharded, mixed and replicated layout
+    assert [r.split("|")[1:3] for r in fresh_rows[2:]] == [[f" {n} ", f" {name} "] for n in (8, 64)
+                                                          for name in ("sharded", "mixed", "replicated")]
     sweep_rows = [line for line in sweep_md.splitlines() if line.startswith("|")]
     assert len(sweep_rows) == 2 + 2 and sweep_rows[0].startswith("| leaves | local shards | jaxckpt save() ms |")
     assert sweep_rows[2].startswith("| 8 | 64 |") and sweep_rows[3].startswith("| 64 | 512 |")

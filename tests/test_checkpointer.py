@@ -503,21 +503,24 @@ def test_context_manager_closes(m8):
         ck.save(2, {"x": jnp.ones(2)})
 
 
-def test_a_save_of_many_shards_keeps_few_python_objects_alive_while_it_copies(ckpt, m24):
-    """Objects per shard that live while the copy runs reach the collector's oldest generation and set off
-    full collections on the training thread: a save keeps O(arrays) of them, not O(shards); and what it
-    copied is the state at the call, bit for bit."""
+def test_a_save_of_many_shards_leaves_few_young_python_objects_while_it_copies(ckpt, m24):
+    """Tracked objects per shard that are young while the copy runs are promoted by the collector and count
+    towards full collections on the training thread. A save of a state a donating step just made makes them
+    (JAX's Python array and sharding of every local buffer, the views), so save() hands them to the oldest
+    generation unexamined: with the collector running, as in training, what it leaves young while it copies is
+    O(arrays), not O(shards), and no full collection runs; what it copied is the state at the call, bit for bit.
+    Objects the caller froze stay frozen."""
     import gc
     import threading
 
     state = {f"p{i:03d}": filled((64, 32), jnp.float32, NamedSharding(m24, P("data", "model")), seed=i)
              for i in range(64)}
     shards = sum(len(x.addressable_shards) for x in state.values())  # 512
-    expected = {k: np.array(v) for k, v in state.items()}
+    step = jax.jit(lambda s: jax.tree.map(lambda x: x * 2.0 + 1.0, s), donate_argnums=0)
     ck = ckpt(keep=2)
     ck.save(1, state).result(timeout=60)  # plans and caches made: the next save of this layout is the steady one
-    for x in state.values():
-        x._arrays  # JAX's own per-device arrays, made once per array: not the save's
+    state = jax.block_until_ready(step(state))  # fresh arrays: JAX has built no per-device arrays of them yet
+    expected = {k: np.array(v) for k, v in state.items()}
     held = threading.Event()
     copier = ck.engine._snap
     run_one = copier._run_one
@@ -526,26 +529,39 @@ def test_a_save_of_many_shards_keeps_few_python_objects_alive_while_it_copies(ck
         held.wait(60)
         return run_one(*args)
 
+    def young() -> int:
+        return len(gc.get_objects(0)) + len(gc.get_objects(1))
+
     copier._run_one = hold
     gc.collect()
-    gc.disable()
+    full = gc.get_stats()[2]["collections"]
     try:
-        before = len(gc.get_objects())
+        before = young()
         handle = ck.save(2, state)
         deadline = time.monotonic() + 30
         while copier._queue.qsize() and time.monotonic() < deadline:  # the dispatcher took the save
             time.sleep(0.01)
         time.sleep(0.2)  # and built its table
-        alive = len(gc.get_objects()) - before
+        alive = young() - before
+        full = gc.get_stats()[2]["collections"] - full
     finally:
         held.set()
-        gc.enable()
+    state = step(state)  # donates what was saved
     handle.result(timeout=60)
     copier._run_one = run_one
-    assert alive < shards // 2, f"{alive} tracked objects alive for a save of {shards} shards"
+    assert full == 0, f"{full} full collections during a save"
+    assert alive < shards // 2, f"{alive} young tracked objects alive for a save of {shards} shards"
     out = ck.restore(abstract(state), step=2)
     for k, want in expected.items():
         np.testing.assert_array_equal(bits(out[k]), bits(want), err_msg=k)
+    state = jax.block_until_ready(step(state))
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        ck.save(3, state).result(timeout=60)
+        assert gc.get_freeze_count() > frozen // 2  # released, it would be 0 (some frozen objects died since)
+    finally:
+        gc.unfreeze()
 
 
 def test_a_save_of_fresh_replicated_arrays_exposes_one_buffer_of_each(ckpt, m24):

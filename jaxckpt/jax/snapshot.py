@@ -8,11 +8,13 @@ returns for the snapshot to equal the state at the call:
 
 - jax arrays on CPU: a zero-copy numpy view of each shard read. It makes a donating next step leave that
   buffer alone (JAX skips donation of buffers with external references), so the workers copy the state as it
-  was at the call. Measured here (2 cores, jax 0.10.2): about 3.5 us per shard, the one per-shard cost left,
-  beside JAX's own cost of exposing the buffers of an array a step just made (``_arrays`` builds a Python
-  array and a sharding for every local buffer, and the first view of each builds more): a fully replicated
-  array read from one device is taken through its one buffer (``_fully_replicated_shard``), and the collector
-  is paused while the views are taken (see ``Saver.pins``).
+  was at the call. The view goes through the buffer protocol where jaxlib gives it (``_buffer_protocol``):
+  about 3 us per first view of a buffer here (2 cores, jax 0.10.2), the one per-shard cost left, beside
+  JAX's own cost of exposing the buffers of an array a step just made (``_arrays`` builds a Python array
+  and a sharding for every local buffer, about 3.3 us each, unsaved replicas too): a fully replicated array
+  read from one device is taken through its one buffer (``_fully_replicated_shard``). The collector is
+  paused while the views are taken and what it did not examine is handed to its oldest generation unexamined
+  (see ``Saver.pins``, ``_skip_young``).
 - jax arrays on an accelerator, PRNG keys: a device-side copy dispatched now (``shards.local_sources``).
 - numpy arrays: copied now (the caller may write them in place as soon as ``save()`` returns).
 
@@ -178,10 +180,11 @@ class Saver:
         self._layouts[key] = got
         return got
 
-    def _reads(self, plan: TreeLayout, devices: list[frozenset[int]]) -> tuple[tuple, tuple[int, ...]]:
+    def _reads(self, plan: TreeLayout, devices: list[frozenset[int]], leaves: list[Any]
+               ) -> tuple[tuple, tuple[int, ...]]:
         """Per array record: ("view", leaf, positions in ``_arrays``, device ids, all positions? or "one": the
-        fully replicated array's one buffer read) for a CPU jax array, ("copy", leaf) for numpy, ("same", leaf)
-        for a numpy scalar, ("sources", leaf, devs) otherwise,
+        fully replicated array's one buffer read, viewed through the buffer protocol?) for a CPU jax array,
+        ("copy", leaf) for numpy, ("same", leaf) for a numpy scalar, ("sources", leaf, devs) otherwise,
         or ("none",) when this process reads nothing of it; and the records an owned state still takes at once
         (numpy leaves are the caller's memory even there)."""
         out = []
@@ -200,7 +203,7 @@ class Saver:
                 # the one JAX exposes without building a Python array (and a sharding) for every local buffer.
                 whole = plan.shardings[i].is_fully_replicated and len(pos) == 1
                 out.append(("view", i, pos, tuple(order[k] for k in pos),
-                            "one" if whole else pos == tuple(range(len(order)))))
+                            "one" if whole else pos == tuple(range(len(order))), _buffer_protocol(leaves[i].dtype)))
             else:
                 out.append(("sources", i, devs))
         return tuple(out), tuple(j for j, r in enumerate(out) if r[0] in ("copy", "same"))
@@ -211,7 +214,7 @@ class Saver:
         thread) that makes the engine's sources from it. ``owned``: the jax leaves are jaxckpt's own copies
         (the fused path), so only numpy leaves are taken now."""
         if plan.reads is None:
-            plan.reads, plan.eager = self._reads(plan, devices)
+            plan.reads, plan.eager = self._reads(plan, devices, leaves)
         reads, views = plan.reads, self._views
         taken: list[Any] = [None] * len(reads)
         if owned:
@@ -228,6 +231,7 @@ class Saver:
             _pin(reads, taken, leaves, plan, views)
         finally:
             if was:
+                _skip_young()
                 gc.enable()
         return lambda: _sources(reads, taken, None, plan, views)
 
@@ -239,15 +243,41 @@ def _pin(reads: tuple, taken: list[Any], leaves: list[Any], plan: TreeLayout,
         what = r[0]
         if what == "view":  # the one per-shard cost of a save (see the module docstring)
             x = leaves[r[1]]
-            if r[4] == "one":
-                taken[j] = views([x._fully_replicated_shard()])
-            else:
-                arrs = x._arrays
-                taken[j] = views(arrs if r[4] else [arrs[p] for p in r[2]])
+            arrs = [x._fully_replicated_shard()] if r[4] == "one" else x._arrays
+            if r[4] is False:
+                arrs = [arrs[p] for p in r[2]]
+            taken[j] = list(map(np.asarray, arrs)) if r[5] else views(arrs)
         elif what == "sources":
             taken[j] = shards.local_sources(leaves[r[1]], plan.leaves[r[1]].kind, r[2])
         elif what != "none":
             taken[j] = _take(r, leaves)
+
+
+def _buffer_protocol(dtype: Any) -> bool:
+    """Whether a CPU buffer of ``dtype`` is viewed through the buffer protocol (``np.asarray`` of a per-device
+    array): its view holds the buffer as jaxlib's direct view does (JAX skips donating it) for less than half
+    the first-view cost of the direct one, which builds a second Python array and a sharding for the buffer
+    (2.9 us against 6.3-8.0 us measured here). jaxlib gives the protocol for numpy's own types only: bfloat16,
+    float8 and int4 buffers take the direct view."""
+    dt = np.dtype(dtype)
+    return dt.isbuiltin == 1 and dt.kind in "biufc"
+
+
+def _skip_young() -> None:
+    """Hand what the paused collector did not look at to its oldest generation unexamined, when a young
+    collection is due: JAX's per-buffer arrays and shardings of the state (three tracked objects per local
+    buffer) and the views (two per shard saved), all alive until the next step replaces the state and the
+    copy has run, when reference counts free them. Examined, they cost a young collection at the next
+    allocation (2-3 us per buffer here, a quarter of a many-leaf save) only to be promoted, and those still
+    alive at the next collection of the middle generation count towards a full one. ``freeze`` + ``unfreeze``
+    moves every tracked object to the oldest generation in constant time and counts none of them towards a
+    full collection; the caller's young objects move with them (a cycle among them is freed by the next full
+    collection instead of a young one). Not done when the caller froze objects itself (``unfreeze`` would
+    release them)."""
+    young = gc.get_threshold()[0]
+    if young and gc.get_count()[0] > young and not gc.get_freeze_count():
+        gc.freeze()
+        gc.unfreeze()
 
 
 def _take(r: tuple, leaves: list[Any]) -> np.ndarray:

@@ -27,19 +27,22 @@ FULL = {"leaf_counts": "8,128,1024,4096", "leaf_total": "64M", "leaf_repeats": 5
 # replicated over the other, and fully replicated, so that most local buffers are replicas a save reads once.
 MIXED_MESH = (4, 2)
 MIXED_SPECS = (("data", "model"), (None, "model"), ("data", None), ())
+# Fresh saves run on these layouts: the sweep's own, the mixed one, and every leaf fully replicated (P() on the
+# mixed mesh: one shard saved per leaf), which shows what a replicated leaf costs against the shards it saves.
+LAYOUTS = ("sharded", "mixed", "replicated")
 QUICK = {"leaf_counts": "8,64", "leaf_total": "1M", "leaf_repeats": 3}
 
 
-def make_state(n_leaves: int, total_bytes: int, mixed: bool = False) -> dict[str, Any]:
-    """``n_leaves`` float32 arrays of about ``total_bytes`` together, each sharded over all 8 devices (or, with
-    ``mixed``, on the mixed layout: ``MIXED_MESH``, ``MIXED_SPECS``)."""
+def make_state(n_leaves: int, total_bytes: int, layout: str = "sharded") -> dict[str, Any]:
+    """``n_leaves`` float32 arrays of about ``total_bytes`` together, each sharded over all 8 devices (or on
+    the ``mixed`` layout: ``MIXED_MESH``, ``MIXED_SPECS``, or ``replicated`` on every device of it)."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from jaxckpt.tools.bench.state import DEVICES, MESH, SPECS
 
-    shape, specs = (MIXED_MESH, MIXED_SPECS) if mixed else (MESH, SPECS)
+    shape, specs = {"sharded": (MESH, SPECS), "mixed": (MIXED_MESH, MIXED_SPECS), "replicated": (MIXED_MESH, ((),))}[layout]
     mesh = Mesh(np.array(jax.devices()[:DEVICES]).reshape(shape), ("data", "model"))
     per_leaf = max(DEVICES * DEVICES, total_bytes // 4 // n_leaves)
     cols = 64 if per_leaf >= 64 * 64 else DEVICES
@@ -53,10 +56,13 @@ def make_state(n_leaves: int, total_bytes: int, mixed: bool = False) -> dict[str
 def bench_fresh(state: dict[str, Any], repeats: int, warmup: int) -> dict[str, Any]:
     """save() of the arrays a donating step just made, as in training (JAX has built no per-device arrays of
     them yet): the call's seconds, and in the same run the floor of what it takes: a zero-copy view of each
-    shard it saves, first views of fresh buffers (``view_s``), and JAX's cost of exposing an array's local
-    buffers (``expose_s``: ``_arrays`` of every local buffer, or the one buffer of a fully replicated array)."""
+    shard it saves, first views of fresh buffers (``view_s``: ``np.asarray`` of the per-device array, the
+    buffer-protocol view save() takes of float32; ``direct_view_s``: jaxlib's direct view, the one save()
+    takes of bfloat16), and JAX's cost of exposing an array's local buffers (``expose_s``: ``_arrays`` of
+    every local buffer, or the one buffer of a fully replicated array)."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from jaxckpt.jax.snapshot import fast_view
 
@@ -65,8 +71,8 @@ def bench_fresh(state: dict[str, Any], repeats: int, warmup: int) -> dict[str, A
     call, state, devices = _save_calls(state, repeats, warmup, step)
     saved = 0
     views = fast_view()
-    expose, view = [], []
-    for _ in range(3):
+    expose, view, direct = [], [], []
+    for i in range(4):  # the two views alternate between first and second half of the shards
         state = jax.block_until_ready(step(state))
         gc.collect()
         gc.disable()  # as save() takes its views
@@ -77,18 +83,27 @@ def bench_fresh(state: dict[str, Any], repeats: int, warmup: int) -> dict[str, A
         picked = [a if len(a) == 1 else [b for b, d in zip(a, o) if d in devs]
                   for a, o, devs in zip(taken, order, devices)]
         saved = sum(map(len, picked))
+        half = len(picked) // 2
+        first, second = (picked[:half], picked[half:]) if i % 2 else (picked[half:], picked[:half])
+        if not half:  # one leaf: both views of its shards
+            first = second = picked
         t2 = time.perf_counter()
-        got = [views(a) for a in picked]
+        got = [list(map(np.asarray, a)) for a in first]
         t3 = time.perf_counter()
+        got2 = [views(a) for a in second]
+        t4 = time.perf_counter()
         gc.enable()
         expose.append(t1 - t0)
-        view.append(t3 - t2)
-        del got, taken, picked
+        n1, n2 = sum(map(len, first)), sum(map(len, second))
+        view.append((t3 - t2) / max(n1, 1) * saved)  # per shard, scaled to all saved shards
+        direct.append((t4 - t3) / max(n2, 1) * saved)
+        del got, got2, taken, picked, first, second
     del state
     med = report.summarize(call)["median"]
     view_s, expose_s = min(view), min(expose)
     return {"fresh_save_call_s": report.summarize(call), "saved_shards": saved, "view_s": view_s,
-            "expose_s": expose_s, "over_views": med / view_s, "over_views_and_expose": med / (view_s + expose_s)}
+            "direct_view_s": min(direct), "expose_s": expose_s, "save_s_per_saved_shard": med / saved,
+            "over_views": med / view_s, "over_views_and_expose": med / (view_s + expose_s)}
 
 
 def _step(state: dict[str, Any]) -> dict[str, Any]:
@@ -257,16 +272,19 @@ def measure(opts: Mapping[str, Any], warmup: int) -> dict[str, Any]:
         view = view_seconds_per_shard(state)
         del state
         gc.collect()
-        mixed = make_state(n, opts["leaf_total"], mixed=True)
-        fresh = {"sharded": bench_fresh(make_state(n, opts["leaf_total"]), reps, warmup),
-                 "mixed": bench_fresh(mixed, reps, warmup)}
-        fresh["mixed"]["shards"] = sum(len(x.sharding.addressable_devices) for x in mixed.values())
-        del mixed
-        gc.collect()
+        fresh = {}
+        for name in LAYOUTS:
+            other = make_state(n, opts["leaf_total"], name)
+            fresh[name] = bench_fresh(other, reps, warmup)
+            if name != "sharded":
+                fresh[name]["shards"] = sum(len(x.sharding.addressable_devices) for x in other.values())
+            del other
+            gc.collect()
         for name, f in fresh.items():
-            log.info("%d leaves, %s layout, fresh state: save() %.1f ms for %d saved shards; their views %.1f ms, "
-                     "JAX exposing the buffers %.1f ms: %.2fx the views, %.2fx views + exposing", n, name,
-                     f["fresh_save_call_s"]["median"] * 1e3, f["saved_shards"], f["view_s"] * 1e3,
+            log.info("%d leaves, %s layout, fresh state: save() %.1f ms for %d saved shards (%.2f us each); their "
+                     "views %.1f ms (direct views %.1f ms), JAX exposing the buffers %.1f ms: %.2fx the views, "
+                     "%.2fx views + exposing", n, name, f["fresh_save_call_s"]["median"] * 1e3, f["saved_shards"],
+                     f["save_s_per_saved_shard"] * 1e6, f["view_s"] * 1e3, f["direct_view_s"] * 1e3,
                      f["expose_s"] * 1e3, f["over_views"], f["over_views_and_expose"])
         row = {"leaves": n, "shards": shards, "size_bytes": nbytes, "jaxckpt_save_call_s": plain, **wrapped,
                "orbax_save_call_s": orbax, "view_s_per_shard": view, "fresh": fresh, **restored,
@@ -316,17 +334,22 @@ def _render_fresh(sweep: Mapping[str, Any]) -> list[str]:
     for r in sweep["rows"]:
         for name, f in r.get("fresh", {}).items():
             rows.append([str(r["leaves"]), name, str(f.get("shards", r["shards"])), str(f["saved_shards"]),
-                         report.fmt_ms(f["fresh_save_call_s"]), f"{f['view_s'] * 1e3:.1f}",
+                         report.fmt_ms(f["fresh_save_call_s"]), report.fmt_num(f["save_s_per_saved_shard"] * 1e6),
+                         f"{f['view_s'] * 1e3:.1f}", f"{f['direct_view_s'] * 1e3:.1f}",
                          f"{f['expose_s'] * 1e3:.1f}", f"{report.fmt_num(f['over_views'])}x",
                          f"{report.fmt_num(f['over_views_and_expose'])}x"])
     if not rows:
         return []
     return ["", "#### save() of the state a donating step just made, against its floor in the same run", "",
-            report.table(["leaves", "layout", "local shards", "shards saved", "save() ms", "views ms",
-                          "JAX exposing ms", "save()/views", "save()/(views + exposing)"], rows), "",
+            report.table(["leaves", "layout", "local shards", "shards saved", "save() ms", "save() us per shard saved",
+                          "views ms", "direct views ms", "JAX exposing ms", "save()/views",
+                          "save()/(views + exposing)"], rows), "",
             "As in training, every save sees the arrays a donating step just made. Layouts: sharded (the sweep's "
-            "own) and mixed (4x2 mesh, shardings alternating P('data','model'), P(None,'model'), P('data',None), "
-            "P()). Views: a first zero-copy view of each shard the save reads (the column \"us per shard view\" "
-            "above re-views buffers already viewed, which JAX caches); JAX exposing: building the Python arrays of "
-            "an array's local buffers (`_arrays`, or the one buffer of a fully replicated array), which JAX does "
-            "for every local buffer before any one can be viewed."]
+            "own), mixed (4x2 mesh, shardings alternating P('data','model'), P(None,'model'), P('data',None), "
+            "P()) and replicated (every leaf P() on that mesh: one shard saved per leaf). Views: a first zero-copy "
+            "view of each shard the save reads, through the buffer protocol (`np.asarray` of the per-device array, "
+            "the view save() takes of float32); direct views: jaxlib's own (`__array__`'s, the one save() takes of "
+            "bfloat16), each timed on half the shards and scaled to all (the column \"us per shard view\" above "
+            "re-views buffers already viewed, which JAX caches); JAX exposing: building the Python arrays of an "
+            "array's local buffers (`_arrays`, or the one buffer of a fully replicated array), which JAX does for "
+            "every local buffer before any one can be viewed."]
