@@ -14,7 +14,7 @@ first; the budget keeps pinned staging memory and link contention bounded so tha
 the workers read zero-copy views taken at ``save()``.
 
 Level 2 (host): worker threads copy each chunk into the store's preallocated slot and checksum it (numpy's
-copy and crc32c both release the GIL on large buffers), dropping their reference to the source as soon as
+copy and crc32c both release the GIL on large buffers), dropping their reference to the shard read as soon as
 their chunk is done.
 """
 from __future__ import annotations
@@ -84,7 +84,7 @@ class _TaskList:
 
     def done(self, lo: int, hi: int) -> None:
         for task in self._tasks[lo:hi]:
-            # Drop these chunks' references to their sources now: a view released early lets a later
+            # Drop these chunks' references to their shard reads now: a view released early lets a later
             # donating step reuse that buffer instead of allocating a fresh one.
             task.fetch = task.start = None  # type: ignore[assignment]
 
@@ -184,7 +184,7 @@ class Copier:
         then runs on the dispatcher thread, so the caller pays nothing per chunk (an exception it raises fails
         the future).
 
-        ``release`` runs once all copies are done (or failed): the caller drops its views of the source
+        ``release`` runs once all copies are done (or failed): the caller drops its views of the shards
         buffers there, so a donating step can reuse them as early as possible. ``on_done(future)`` is
         attached before the work is queued (so the caller can queue it last: waking the dispatcher may cost
         the caller its core on a busy machine).
@@ -208,7 +208,7 @@ class Copier:
                     tasks = make()
                 except BaseException as e:  # noqa: BLE001 - delivered through the future
                     tasks = [CopyTask(fetch=_raiser(e), offset=0, nbytes=0)]
-                del make  # the sources it captured now live only in the tasks
+                del make  # the shard reads it captured now live only in the tasks
             if isinstance(tasks, list):
                 tasks = _TaskList(tasks)
             self._run_one(slot, tasks, release, fut)
@@ -295,7 +295,7 @@ class Copier:
             try:
                 job.release()
             except Exception:  # releasing views must never mask the copy's own outcome
-                log.exception("releasing source views failed")
+                log.exception("releasing shard views failed")
         if job.errors:
             job.fut.set_exception(job.errors[0])
         else:

@@ -1,4 +1,4 @@
-"""Host buffers a CPU device can adopt as they are, and a save source's bytes on the host.
+"""Host buffers a CPU device can adopt as they are, and a shard read's bytes on the host.
 
 XLA:CPU takes a host array given to ``device_put`` without copying it only when the data is aligned to 64 bytes;
 numpy's large allocations come from malloc's mmap path at 16 bytes past a page boundary, so a restored shard
@@ -47,5 +47,5 @@ def copy(a: np.ndarray) -> np.ndarray:
 
 
 def host_bytes(fetch: np.ndarray | Callable[[], np.ndarray]) -> np.ndarray:
-    """A save source's shard on the host (``core.engine.ShardReads``): the array itself, or what ``fetch()`` returns."""
+    """A shard read's bytes on the host (``core.engine.ShardReads``): the array itself, or what ``fetch()`` returns."""
     return fetch if isinstance(fetch, np.ndarray) else fetch()

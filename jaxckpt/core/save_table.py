@@ -63,12 +63,12 @@ class Prepared:
 
 @dataclass(frozen=True)
 class ChunkIndex:
-    """A layout's chunks, indexed once: per chunk its source (a (leaf, device) pair, numbered), slice, offset
-    and size; per source, its (leaf, device) and how many chunks read it."""
+    """A layout's chunks, indexed once: per chunk its shard read (a (leaf, device) pair, numbered), slice,
+    offset and size; per shard read, its (leaf, device) and how many chunks read it."""
 
-    sources: tuple[tuple[int, int], ...]
+    shards: tuple[tuple[int, int], ...]
     uses: tuple[int, ...]
-    source_of: tuple[int, ...]
+    shard_of: tuple[int, ...]
     slices: tuple[tuple[slice, ...], ...]
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -78,18 +78,18 @@ class ChunkIndex:
         number: dict[tuple[int, int], int] = {}
         for leaf_i, dev, _, _, _ in copies:
             number.setdefault((leaf_i, dev), len(number))
-        source_of = tuple(number[(c[0], c[1])] for c in copies)
+        shard_of = tuple(number[(c[0], c[1])] for c in copies)
         uses = [0] * len(number)
-        for k in source_of:
+        for k in shard_of:
             uses[k] += 1
-        return cls(tuple(number), tuple(uses), source_of, tuple(c[2] for c in copies),
+        return cls(tuple(number), tuple(uses), shard_of, tuple(c[2] for c in copies),
                    tuple(c[3] for c in copies), tuple(c[4] for c in copies))
 
 
 class SaveChunks:
-    """One save's chunks as the copier's table (``core.copier.Chunks``): a save keeps two lists of its sources
-    and one of counts, nothing per chunk or per source that the collector tracks (see ``Chunks`` for why). A
-    source is dropped as soon as its last chunk is copied, so a donating step can reuse that buffer."""
+    """One save's chunks as the copier's table (``core.copier.Chunks``): a save keeps two lists of its shard reads
+    and one of counts, nothing per chunk or per shard read that the collector tracks (see ``Chunks`` for why).
+    A shard read is dropped as soon as its last chunk is copied, so a donating step can reuse that buffer."""
 
     __slots__ = ("_index", "_fetch", "_start", "_left", "offsets", "sizes")
 
@@ -100,7 +100,7 @@ class SaveChunks:
         srcs = reads()
         self._fetch: list[Any] = []
         starts: list[Any] = []
-        for leaf_i, dev in index.sources:
+        for leaf_i, dev in index.shards:
             fetch, start = srcs[leaf_i][dev]
             self._fetch.append(fetch)
             starts.append(start)
@@ -110,17 +110,17 @@ class SaveChunks:
 
     def start(self, i: int) -> None:
         if self._start is not None:
-            start = self._start[self._index.source_of[i]]
+            start = self._start[self._index.shard_of[i]]
             if start is not None:
                 start()
 
     def fetch(self, i: int) -> np.ndarray:
-        return host_bytes(self._fetch[self._index.source_of[i]])[self._index.slices[i]]
+        return host_bytes(self._fetch[self._index.shard_of[i]])[self._index.slices[i]]
 
     def done(self, lo: int, hi: int) -> None:
-        source_of, left = self._index.source_of, self._left
+        shard_of, left = self._index.shard_of, self._left
         for i in range(lo, hi):
-            k = source_of[i]
+            k = shard_of[i]
             left[k] -= 1
             if not left[k]:
                 self._fetch[k] = None

@@ -48,7 +48,7 @@ def describe_sharding(x: Any) -> str:
     return type(s).__name__
 
 
-def local_sources(x: Any, kind: str, devices: frozenset[int], owned: bool = False
+def shard_reads(x: Any, kind: str, devices: frozenset[int], owned: bool = False
                   ) -> dict[int, tuple[Callable[[], np.ndarray], Callable[[], None] | None]]:
     """For each local device id in ``devices``, (fetch, start) returning the host bytes of that device's shard.
 

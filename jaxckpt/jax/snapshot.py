@@ -15,10 +15,10 @@ returns for the snapshot to equal the state at the call:
   read from one device is taken through its one buffer (``_fully_replicated_shard``). The collector is
   paused while the views are taken and what it did not examine is handed to its oldest generation unexamined
   (see ``Saver.pins``, ``_skip_young``).
-- jax arrays on an accelerator, PRNG keys: a device-side copy dispatched now (``shards.local_sources``).
+- jax arrays on an accelerator, PRNG keys: a device-side copy dispatched now (``shards.shard_reads``).
 - numpy arrays: copied now (the caller may write them in place as soon as ``save()`` returns).
 
-Everything per shard after that (the engine's sources) is built on the copier's dispatcher thread, and as few
+Everything per shard after that (the engine's shard reads) is built on the copier's dispatcher thread, and as few
 Python objects as it can: the views themselves, no function per shard, no task per chunk (see
 ``core.copier.Chunks``: objects per shard that live while the copy runs set off the collector's full
 collections, which cost the training thread more than the rest of a save). A state that is jaxckpt's own (the
@@ -115,7 +115,7 @@ def _record(leaf: Leaf) -> ArrayRecord:
         return mf.ArrayMeta(leaf.path, leaf.keypath, lay.shape, lay.dtype, kind, shards.describe_sharding(v), attrs)
 
     return ArrayRecord(leaf.path, (), lambda: shards.array_layout(leaf.path, v, kind), meta,
-                       lambda devs: shards.local_sources(v, kind, devs))
+                       lambda devs: shards.shard_reads(v, kind, devs))
 
 
 @dataclass
@@ -130,12 +130,12 @@ class TreeLayout:
     values: tuple[int, ...]  # leaf index of each plain value
     jax_leaves: frozenset[int]  # leaf indices of jax.Array leaves, keys too (the fused path saves their copies)
     order: tuple[str, ...]
-    # Filled on the first save: per array record, how its sources are taken (see ``Saver._reads``).
+    # Filled on the first save: per array record, how its shards are read (see ``Saver._reads``).
     reads: tuple | None = field(default=None, repr=False)
     eager: tuple[int, ...] = field(default=(), repr=False)
 
     def records(self, leaves: list[Any]) -> list[ArrayRecord]:
-        """The engine's records (layouts and metadata; their sources are not used: see ``Saver.pins``)."""
+        """The engine's records (layouts and metadata; their shard reads are not used: see ``Saver.pins``)."""
         return [_record(Leaf(self.leaves[i].path, self.leaves[i].keypath, leaves[i], self.leaves[i].kind))
                 for i in self.arrays]
 
@@ -184,7 +184,7 @@ class Saver:
                ) -> tuple[tuple, tuple[int, ...]]:
         """Per array record: ("view", leaf, positions in ``_arrays``, device ids, all positions? or "one": the
         fully replicated array's one buffer read, viewed through the buffer protocol?) for a CPU jax array,
-        ("copy", leaf) for numpy, ("same", leaf) for a numpy scalar, ("sources", leaf, devs) otherwise,
+        ("copy", leaf) for numpy, ("same", leaf) for a numpy scalar, ("shards", leaf, devs) otherwise,
         or ("none",) when this process reads nothing of it; and the records an owned state still takes at once
         (numpy leaves are the caller's memory even there)."""
         out = []
@@ -205,13 +205,13 @@ class Saver:
                 out.append(("view", i, pos, tuple(order[k] for k in pos),
                             "one" if whole else pos == tuple(range(len(order))), _buffer_protocol(leaves[i].dtype)))
             else:
-                out.append(("sources", i, devs))
+                out.append(("shards", i, devs))
         return tuple(out), tuple(j for j, r in enumerate(out) if r[0] in ("copy", "same"))
 
     def pins(self, plan: TreeLayout, devices: list[frozenset[int]], leaves: list[Any], owned: bool
              ) -> Callable[[], list[ShardReads]]:
         """Take now what must be taken before ``save()`` returns; return the function (run on the dispatcher
-        thread) that makes the engine's sources from it. ``owned``: the jax leaves are jaxckpt's own copies
+        thread) that makes the engine's shard reads from it. ``owned``: the jax leaves are jaxckpt's own copies
         (the fused path), so only numpy leaves are taken now."""
         if plan.reads is None:
             plan.reads, plan.eager = self._reads(plan, devices, leaves)
@@ -220,7 +220,7 @@ class Saver:
         if owned:
             for j in plan.eager:
                 taken[j] = _take(reads[j], leaves)
-            return lambda: _sources(reads, taken, leaves, plan, views)
+            return lambda: _shard_reads(reads, taken, leaves, plan, views)
         # JAX builds several collector-tracked objects per buffer it exposes (a Python array, its sharding, tuples);
         # with the collector running, a many-leaf save sets off a young collection every 700 of them and promotes
         # them all to the oldest generation while the loop runs, which feeds the full collections. Paused, they
@@ -233,7 +233,7 @@ class Saver:
             if was:
                 _skip_young()
                 gc.enable()
-        return lambda: _sources(reads, taken, None, plan, views)
+        return lambda: _shard_reads(reads, taken, None, plan, views)
 
 
 def _pin(reads: tuple, taken: list[Any], leaves: list[Any], plan: TreeLayout,
@@ -247,8 +247,8 @@ def _pin(reads: tuple, taken: list[Any], leaves: list[Any], plan: TreeLayout,
             if r[4] is False:
                 arrs = [arrs[p] for p in r[2]]
             taken[j] = list(map(np.asarray, arrs)) if r[5] else views(arrs)
-        elif what == "sources":
-            taken[j] = shards.local_sources(leaves[r[1]], plan.leaves[r[1]].kind, r[2])
+        elif what == "shards":
+            taken[j] = shards.shard_reads(leaves[r[1]], plan.leaves[r[1]].kind, r[2])
         elif what != "none":
             taken[j] = _take(r, leaves)
 
@@ -284,9 +284,9 @@ def _take(r: tuple, leaves: list[Any]) -> np.ndarray:
     return _copy_numpy(leaves[r[1]]) if r[0] == "copy" else np.asarray(leaves[r[1]])
 
 
-def _sources(reads: tuple, taken: list[Any], owned: list[Any] | None, plan: TreeLayout,
+def _shard_reads(reads: tuple, taken: list[Any], owned: list[Any] | None, plan: TreeLayout,
              views: Callable[[list[Any]], list[np.ndarray]]) -> list[ShardReads]:
-    """The engine's sources, on the dispatcher thread; ``owned``: the fused path's copies, read from here."""
+    """The engine's shard reads, on the dispatcher thread; ``owned``: the fused path's copies, read from here."""
     out: list[ShardReads] = []
     for r, t in zip(reads, taken):
         what = r[0]
@@ -305,9 +305,9 @@ def _sources(reads: tuple, taken: list[Any], owned: list[Any] | None, plan: Tree
                 out.append({d: (v, None) for v, d in zip(t, r[3])})
         elif what in ("copy", "same"):
             out.append({HOST: (t, None)})
-        elif what == "sources":
+        elif what == "shards":
             out.append(t if owned is None else
-                       shards.local_sources(owned[r[1]], plan.leaves[r[1]].kind, r[2], True))
+                       shards.shard_reads(owned[r[1]], plan.leaves[r[1]].kind, r[2], True))
         else:
             out.append({})
     taken.clear()

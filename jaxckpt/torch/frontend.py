@@ -133,16 +133,16 @@ class TorchFrontend:
         me, v, kind = self._engine.process_index, leaf.value, leaf.kind
         if kind == "dtensor":
             box, local = self._local_box(leaf)
-            return {} if box is None else {me: self.host.source(local, reads)}
+            return {} if box is None else {me: self.host.shard_read(local, reads)}
         if kind == "generator":
-            return {me: self.host.source(v.get_state(), reads, lead=True)}
+            return {me: self.host.shard_read(v.get_state(), reads, lead=True)}
         if kind == "per_rank":
-            return {me: self.host.source(v.tensor, reads, lead=True)}
+            return {me: self.host.shard_read(v.tensor, reads, lead=True)}
         if kind in ("numpy", "numpy_scalar"):
             # Copied at save(): wait_for_reads() cannot know when numpy arrays are written in place.
             arr = _native(v)
             return {me: ((lambda: arr), None)}
-        return {me: self.host.source(v, reads)}
+        return {me: self.host.shard_read(v, reads)}
 
     def _local_box(self, leaf: Leaf) -> tuple[Box | None, Any]:
         """This rank's box of a DTensor (checked once per layout) and its local tensor."""

@@ -41,7 +41,7 @@ class Reads:
 
 
 def _parity_read(handle: SaveHandle, timeout: float | None) -> bool:
-    """Whether the save's parity stripes (Config.protection) have read its host sources, waiting up to ``timeout``.
+    """Whether the save's parity stripes (Config.protection) have read its host shards, waiting up to ``timeout``.
 
     They are computed from the same views (or pinned buffers) as the snapshot's chunks, on their own thread and
     possibly after the local copy is done: an in-place update before then would put torn bytes into the parity.
@@ -57,7 +57,7 @@ def _parity_read(handle: SaveHandle, timeout: float | None) -> bool:
 
 
 class HostCopies:
-    """Hands the engine host sources for tensors and tracks the reads still running, one save at a time."""
+    """Hands the engine shard reads of tensors on the host and tracks the reads still running, one save at a time."""
 
     def __init__(self) -> None:
         self._pending: list[Reads] = []
@@ -71,7 +71,7 @@ class HostCopies:
         self._pending.append(reads)
         return reads
 
-    def source(self, t: torch.Tensor, reads: Reads, lead: bool = False) -> Fetch:
+    def shard_read(self, t: torch.Tensor, reads: Reads, lead: bool = False) -> Fetch:
         """(fetch, start) for the engine: ``t``'s bytes as of now, as a host array or a ``fetch()`` returning
         them (``lead``: with a new first axis of size 1, for per-process rows)."""
         t = t.detach()
@@ -81,12 +81,12 @@ class HostCopies:
             reads.views = True
             return view, None  # the array itself: nothing per tensor for the collector (core.copier.Chunks)
         if t.device.type == "cuda" and torch.cuda.is_available():
-            return self._cuda_source(t, reads, lead)
+            return self._cuda_shard_read(t, reads, lead)
         host = numpy_view(t.cpu())  # unknown accelerators: a synchronous copy is always correct
         host = host.reshape((1,) + host.shape) if lead else host
         return host, None
 
-    def _cuda_source(self, t: torch.Tensor, reads: Reads, lead: bool) -> Fetch:
+    def _cuda_shard_read(self, t: torch.Tensor, reads: Reads, lead: bool) -> Fetch:
         stream = self._streams.get(t.device)
         if stream is None:
             stream = self._streams[t.device] = torch.cuda.Stream(device=t.device)
