@@ -24,7 +24,6 @@ logs to a file.
 """
 from __future__ import annotations
 
-import argparse
 import errno
 import fcntl
 import itertools
@@ -43,14 +42,13 @@ from typing import Any
 
 import msgpack
 
-from jaxckpt.backends.agent import heap, lifetime
-from jaxckpt.backends.agent.protocol import (LOCK_NAME, PID_NAME, SOCKET_NAME, VERSION, ProtocolError, agent_dir,
-                                             default_log_path, ensure_private_dir, open_segment, pid_alive,
-                                             recv_msg, remove_file, send_msg, shm_base, stop_agent)
+from jaxckpt.backends.agent import lifetime
+from jaxckpt.backends.agent.protocol import (LOCK_NAME, PID_NAME, SOCKET_NAME, VERSION, ProtocolError,
+                                             ensure_private_dir, open_segment, pid_alive, recv_msg, remove_file,
+                                             send_msg)
 from jaxckpt.backends.agent.table import Limits, Refused, SlotTable
-from jaxckpt.config import PEER_SECURITY, Config, peer_uses_curve
+from jaxckpt.config import Config, peer_uses_curve
 from jaxckpt.errors import ConfigError
-from jaxckpt.node_identity import allocation, node_identity
 
 log = logging.getLogger("jaxckpt.backends.agent.daemon")
 
@@ -532,75 +530,3 @@ def _int(msg: dict, key: str, hi: int = MAX_INT) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= hi:
         raise ValueError(f"{key}={v!r} is not an integer in [0, {hi}]")
     return v
-
-
-# --------------------------------------------------------------------------------------------------------- CLI
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """``jaxckpt agent --job ID [--dir DIR] [--node NAME] [--budget-bytes N] [--log PATH] [--wait | --stop]``."""
-    p.add_argument("--job", required=True, help="job id (Config.job_id) this agent serves")
-    p.add_argument("--dir", default="",
-                   help="agent directory (Config.shm_dir; default /dev/shm/jaxckpt-<uid>-<job>[@slurm<id>]@<node>)")
-    p.add_argument("--node", default="", help="this node's name (Config.node_name; default: the scheduler's name for "
-                                              "it, else the host name: `jaxckpt doctor` shows it)")
-    p.add_argument("--wait", action="store_true",
-                   help="if an agent already serves the directory, wait until it exits and take over (an agent run "
-                        "as its own SLURM step beside trainers that spawned theirs) instead of exiting")
-    p.add_argument("--stop", action="store_true",
-                   help="ask the directory's agent to stop and free its memory, wait until it has, and exit")
-    p.add_argument("--budget-bytes", type=int, default=0, help="cap on the node's snapshot memory (0: none)")
-    p.add_argument("--log", default="", help="log file (default: in the temp directory, named after --dir)")
-    p.add_argument("--peer-bind", default="127.0.0.1",
-                   help="address peers read this node's snapshots on (default loopback; 'none': do not serve)")
-    p.add_argument("--peer-security", default="auto", choices=PEER_SECURITY,
-                   help="Config.peer_security of the peer server (default auto: CURVE off loopback)")
-    p.add_argument("--transport", default="zmq",
-                   help="Config.transport: the peer transport's registry name or module:Class (default zmq)")
-    p.add_argument("--agent-dirs", default="",
-                   help="Config.agent_dirs: where the job's other agents publish their peer files; an agent starting "
-                        "on a node that holds nothing of the job recovers its node's share from them at once")
-    p.add_argument("--peers", default="",
-                   help="Config.agent_peers: where the job's agents listen, host[:port],... (e.g. the scheduler's node "
-                        "list); across machines, an agent starting on a node that holds nothing of the job asks them "
-                        "for its node's share at once. Needs the job's shared JAXCKPT_PEER_TOKEN on every node")
-    p.add_argument("--peer-port", type=int, default=0,
-                   help="Config.agent_port: the port this agent serves peers on (default 0: an ephemeral one); the "
-                        "port of --peers entries that name none")
-    p.add_argument("--message-timeout-s", type=float, default=MESSAGE_TIMEOUT_S,
-                   help="a request must arrive whole within this long of its first byte, else the connection is "
-                        f"dropped (default {MESSAGE_TIMEOUT_S:g})")
-    p.set_defaults(run=run_cli)
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    """Run the agent in the foreground until SIGTERM."""
-    config = Config(job_id=args.job, shm_dir=os.path.abspath(args.dir) if args.dir else "", node_name=args.node)
-    directory = agent_dir(config)
-    if args.stop:
-        stopped = stop_agent(directory, args.job)
-        print(f"jaxckpt agent: {'stopped the agent of' if stopped else 'no agent serves'} {directory}")
-        return 0
-    heap.fix_mmap_threshold()  # before anything big is allocated and freed
-    log_path = args.log or default_log_path(directory)
-    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-    # O_NOFOLLOW and 0600: the default log path is predictable (under /tmp), so a planted symlink must not
-    # redirect the agent's writes, and the log (names of jobs and steps) is the user's alone.
-    try:
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        os.fchmod(fd, 0o600)
-        handler = logging.StreamHandler(os.fdopen(fd, "a", buffering=1))
-    except OSError as e:  # a symlink (ELOOP) or an unwritable path: log to stderr rather than not start
-        handler = logging.StreamHandler(sys.stderr)
-        print(f"jaxckpt agent: not logging to {log_path} ({e.strerror}); logging to stderr", file=sys.stderr)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s agent[{os.getpid()}] %(levelname)s %(message)s"))
-    logging.getLogger("jaxckpt").addHandler(handler)
-    if allocation():  # memory an ended allocation left on this node (agent/lifetime.py)
-        lifetime.sweep_ended(shm_base())
-    try:
-        return Agent(args.job, directory, node=node_identity(config).name, node_budget=args.budget_bytes,
-                     peer_bind=None if args.peer_bind == "none" else args.peer_bind,
-                     message_timeout_s=args.message_timeout_s, peer_security=args.peer_security,
-                     transport=args.transport, agent_dirs=args.agent_dirs, agent_peers=args.peers,
-                     agent_port=args.peer_port).run(wait=args.wait)
-    except Exception:
-        log.exception("agent of job %s in %s failed", args.job, directory)
-        raise

@@ -14,7 +14,7 @@ import jaxckpt
 # name -> (help, module, function adding its arguments)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "launch": ("run a command in N JAX processes grouped into nodes", "jaxckpt.tools.launcher", "add_arguments"),
-    "agent": ("run the node agent holding a job's snapshots in shared memory", "jaxckpt.backends.agent.daemon",
+    "agent": ("run the node agent holding a job's snapshots in shared memory", "jaxckpt.backends.agent.command",
               "add_arguments"),
     "ls": ("steps held by a node agent, per process, with bytes and age", "jaxckpt.cli.listing", "add_ls_arguments"),
     "inspect": ("arrays, shardings and chunk checksums of a step", "jaxckpt.cli.listing", "add_inspect_arguments"),
