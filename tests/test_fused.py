@@ -159,3 +159,52 @@ def test_refused_fused_save_leaves_the_caller_a_usable_state(route, error, refus
         f"child exited {refusals['returncode']} (-11: segfault)\n{refusals['stdout']}\n{refusals['stderr'][-3000:]}"
     assert f"refused: {error}" in out, out
     assert refusals["returncode"] == 0, f"child exited {refusals['returncode']}\n{refusals['stderr'][-3000:]}"
+
+
+def test_a_fused_save_of_many_shards_sets_off_no_collection_while_its_reads_are_built():
+    """The fused path views its host copies on the dispatcher thread while the training loop runs: JAX's Python
+    array and sharding of every local buffer and the reads per shard, hundreds of tracked objects per save.
+    With the collector running, as in training, they set off young collections that promoted them (and whatever
+    the loop held then) towards the oldest generation, and so full collections every few saves; built with the
+    collector paused, no collection runs while they are, and what the save copied is the incoming state, bit for
+    bit, though the step donated it."""
+    import gc
+    import threading
+    import time
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    state = {f"p{i:03d}": jax.device_put(jnp.full((8, 4), float(i), jnp.float32), NamedSharding(mesh, P("data", "model")))
+             for i in range(128)}  # 1,024 shards
+    with jaxckpt.Checkpointer(jaxckpt.Config(keep=2)) as ck:
+        step_fn = ck.wrap_step(lambda s: (jax.tree.map(lambda x: x * 2.0 + 1.0, s), 0.0))
+        state, _ = step_fn(state, save_step=1)  # compiles, plans: the next save of this layout is the steady one
+        ck.wait()
+        state = jax.block_until_ready(state)
+        expected = {k: np.asarray(v).copy() for k, v in state.items()}
+        copier = ck.engine._snap
+        run_one, held = copier._run_one, threading.Event()
+
+        def hold(*args):
+            held.wait(60)
+            return run_one(*args)
+
+        copier._run_one = hold
+        gc.collect()
+        before = gc.get_stats()
+        try:
+            state, _ = step_fn(state, save_step=2)
+            deadline = time.monotonic() + 60
+            while copier._queue.qsize() and time.monotonic() < deadline:  # the dispatcher took the save
+                time.sleep(0.01)
+            time.sleep(0.2)  # and built its reads (it waits in hold after that)
+            after = gc.get_stats()
+        finally:
+            held.set()
+            copier._run_one = run_one
+        ck.wait()
+        ran = [a["collections"] - b["collections"] for a, b in zip(after, before)]
+        assert ran == [0, 0, 0], f"collections per generation while the fused save's reads were built: {ran}"
+        target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in state.items()}
+        got = ck.restore(target, step=2)
+        for k, want in expected.items():
+            np.testing.assert_array_equal(np.asarray(got[k]).view(np.uint32), want.view(np.uint32), err_msg=k)

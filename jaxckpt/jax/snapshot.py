@@ -287,31 +287,67 @@ def _take(r: tuple, leaves: list[Any]) -> np.ndarray:
 def _shard_reads(reads: tuple, taken: list[Any], owned: list[Any] | None, plan: TreeLayout,
              views: Callable[[list[Any]], list[np.ndarray]]) -> list[ShardReads]:
     """The engine's shard reads, on the dispatcher thread; ``owned``: the fused path's copies, read from here."""
+    if owned is not None:
+        return _owned_reads(reads, taken, owned, plan, views)
     out: list[ShardReads] = []
     for r, t in zip(reads, taken):
         what = r[0]
-        if what == "view":
-            # The host arrays themselves, no function per shard (see core.copier.Chunks); the fused path's
-            # copies are viewed here, which waits for its program as the first chunk's copy would.
-            if owned is not None:
-                x = owned[r[1]]
-                if r[4] == "one":
-                    got = views([x._fully_replicated_shard()])
-                else:
-                    arrs = x._arrays
-                    got = views([arrs[p] for p in r[2]])
-                out.append({d: (v, None) for v, d in zip(got, r[3])})
-            else:
-                out.append({d: (v, None) for v, d in zip(t, r[3])})
+        if what == "view":  # the host arrays themselves, no function per shard (see core.copier.Chunks)
+            out.append({d: (v, None) for v, d in zip(t, r[3])})
         elif what in ("copy", "same"):
             out.append({HOST: (t, None)})
         elif what == "shards":
-            out.append(t if owned is None else
-                       shards.shard_reads(owned[r[1]], plan.leaves[r[1]].kind, r[2], True))
+            out.append(t)
         else:
             out.append({})
     taken.clear()
     return out
+
+
+def _owned_reads(reads: tuple, taken: list[Any], owned: list[Any], plan: TreeLayout,
+                 views: Callable[[list[Any]], list[np.ndarray]]) -> list[ShardReads]:
+    """The fused path's shard reads: views of its host copies, taken here (the first waits for its program).
+
+    JAX builds a Python array and a sharding for every local buffer of each copy (``_arrays``), and the reads
+    (a dict and a tuple per shard) live until the engine has indexed them: thousands of tracked objects per
+    save, made while the training thread runs. With the collector on, they set off a young collection every
+    700, survive it, and are promoted into the middle generation and then the oldest, where they count
+    towards a full collection (a 200-270 ms pause of every thread every ~10 saves with JAX's heap, measured
+    on the 879-leaf state). Paused here, and handed to the oldest generation unexamined at the end
+    (``_skip_young``), they are freed by reference counts when the engine drops them and count towards
+    nothing; the direct view's base holds the buffer, not JAX's per-buffer array, so those die at once. The
+    program is waited for first, with the collector on: the outputs of one program are ready together."""
+    first = next((r[1] for r in reads if r[0] == "view"), None)
+    if first is not None:
+        owned[first].block_until_ready()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        out: list[ShardReads] = []
+        for r, t in zip(reads, taken):
+            what = r[0]
+            if what == "view":
+                x = owned[r[1]]
+                if r[4] == "one":
+                    got = views([x._fully_replicated_shard()])
+                elif r[4]:
+                    got = views(x._arrays)
+                else:
+                    arrs = x._arrays
+                    got = views([arrs[p] for p in r[2]])
+                out.append({d: (v, None) for v, d in zip(got, r[3])})
+            elif what in ("copy", "same"):
+                out.append({HOST: (t, None)})  # numpy leaves: taken at the call
+            elif what == "shards":
+                out.append(shards.shard_reads(owned[r[1]], plan.leaves[r[1]].kind, r[2], True))
+            else:
+                out.append({})
+        taken.clear()
+        return out
+    finally:
+        if was:
+            _skip_young()
+            gc.enable()
 
 
 def _copy_numpy(x: np.ndarray) -> np.ndarray:
