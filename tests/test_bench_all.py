@@ -174,11 +174,13 @@ def test_stall_options_are_checked_before_anything_runs(capsys):
     for bad in ("3", "0", "1,5", ""):
         with pytest.raises(ValueError, match="must divide the 8 CPU devices"):
             stall.procs_list(bad)
-    for argv in (["--procs", "3"], ["--sizes", "0.2G,huge"]):
+    for argv in (["--procs", "3"], ["--sizes", "0.2G,huge"], ["--orbax-steps", "0"]):
         ns = cli.build_parser().parse_args(["bench", "stall", *argv])
         assert stall.run(ns) == 2, argv
     assert stall.gpt_config("0.2G-deep", 64)["layers"] == 4 * stall.gpt_config("0.2G", 64)["layers"]
     parse = cli.build_parser().parse_args
+    assert stall.command(parse(["bench", "stall", "--sizes", "4k-leaves", "--orbax-steps", "2"])).endswith(
+        "--procs 2 --orbax-steps 2")
     assert stall.modes(parse(["bench", "stall"])) == [m for m in stall.MODES if m != "jaxckpt-whole"]
     assert stall.modes(parse(["bench", "stall", "--modes", "orbax, none,jaxckpt-fused"])) == \
         ["none", "jaxckpt-fused", "orbax"]  # in the benchmark's order
