@@ -30,7 +30,7 @@ import pytest
 from jaxckpt.backends.agent.protocol import kill_agent, read_pid_file
 from jaxckpt.testing import slurm
 from requires import available
-from scheduler_trainer import live_pids, results
+from scheduler_trainer import early_agent_calls, live_pids, results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAINER = os.path.join(HERE, "scheduler_trainer.py")
@@ -124,7 +124,8 @@ def assert_freed(name: str, job: str) -> float:
 
 # ------------------------------------------------------------------------------------------------- tests
 def test_failed_step_relaunched_restores_from_memory_and_allocation_end_frees_it(cluster, job_name, tmp_path):
-    """2 nodes, agents spawned by the trainers (the default), each through ``srun --overlap`` as a step of its own.
+    """2 nodes, agents spawned by the trainers (``jaxckpt.start_agent()`` first thing in step 0, a Checkpointer's
+    spawn where none serves later), each through ``srun --overlap`` as a step of its own.
     In step 0 rank 1 dies once step 3 is committed (SIGKILL; --kill-on-bad-exit ends the step); step 1 restores
     step 3 from the nodes' memory (served by the agents' steps, which usually outlive step 0, or adopted by new
     ones where SLURM cancelled them with it: backends/agent/lifetime.py) and trains to 5 bit for bit. The
@@ -133,10 +134,14 @@ def test_failed_step_relaunched_restores_from_memory_and_allocation_end_frees_it
     out = str(tmp_path)
     job = cluster.salloc(2, job_name)
     args = ["--out", out, "--job", job_name, "--steps", "5", "--fail-rank", "1", "--fail-at", "3"]
-    finish(srun(cluster, job, nodes(cluster, 0, 1), args))
+    finish(srun(cluster, job, nodes(cluster, 0, 1), args + ["--early-agent", "first"]))
     assert os.path.exists(os.path.join(out, "failed-1"))
     dirs = job_dirs(job_name, job)
     assert len(dirs) == 2, dirs
+    # Step 0's trainers called jaxckpt.start_agent() first thing, before importing jax: each started its node's
+    # agent (checked below to be a step of its own, as the Checkpointer's spawn makes it).
+    calls = early_agent_calls(out, "first")
+    assert [c["started"] for c in calls] == [True, True] and not any(c["jax_imported"] for c in calls), calls
     p = srun(cluster, job, nodes(cluster, 0, 1), args + ["--linger"])
     wait_for(lambda: all(os.path.exists(os.path.join(out, f"result-{r}-relaunch.json")) for r in (0, 1))
              or p.poll() is not None, STEP_TIMEOUT_S, "the relaunched step's results")
