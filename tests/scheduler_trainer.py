@@ -15,6 +15,8 @@ protected); ``--fail-rank -2``: every rank waits there to be killed from outside
 its result the process waits to be killed (the allocation's end). ``--early-agent TAG``: the script's first act,
 before importing its framework, is ``jaxckpt.start_agent()`` (as the README advises a relaunched job), and the
 process writes ``<out>/early-TAG-<pid>.json`` saying whether that call started the node's agent.
+``--agent-ports NODE=PORT,...``: this node's ``JAXCKPT_AGENT_PORT`` (SLURMD_NODENAME's entry): emulated nodes
+share one machine's addresses, so each serves its peers on a port of its own (real nodes would share one port).
 """
 from __future__ import annotations
 
@@ -264,7 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--protection", default="none")
     p.add_argument("--linger", action="store_true")
     p.add_argument("--early-agent", metavar="TAG", default=None)
+    p.add_argument("--agent-ports", default="")
     args = p.parse_args(argv)
+    if args.agent_ports:
+        os.environ["JAXCKPT_AGENT_PORT"] = dict(e.split("=") for e in args.agent_ports.split(","))[
+            os.environ["SLURMD_NODENAME"]]
     if args.early_agent is not None:
         _start_agent_early(args)
     faulthandler.register(signal.SIGUSR1)  # a test that times out dumps every thread's stack (kill -USR1)
