@@ -522,7 +522,7 @@ def test_a_save_of_many_shards_leaves_few_young_python_objects_while_it_copies(c
     state = jax.block_until_ready(step(state))  # fresh arrays: JAX has built no per-device arrays of them yet
     expected = {k: np.array(v) for k, v in state.items()}
     held = threading.Event()
-    copier = ck.engine._snap
+    copier = ck.engine.slots.copier
     run_one = copier._run_one
 
     def hold(*args):
