@@ -116,12 +116,13 @@ def test_restore_paths_and_recovery(run):
     assert peers["newest_protected_at_kill"] <= peers["restored_step"] <= peers["killed_at_step"]
     assert persistent["newest_persisted_at_kill"] <= persistent["restored_step"] <= persistent["killed_at_step"]
     for e in events:
-        parts = e["relaunch_s"] + e["create_s"] + e["latest_s"] + e["restore_s"] + e["first_step_s"]
+        parts = e["relaunch_s"] + e["target_s"] + e["create_s"] + e["latest_s"] + e["restore_s"] + e["first_step_s"]
         assert math.isclose(parts, e["recovery_s"])
         # Checkpointer() of the process that finished it last, stage by stage: the stages and the rest add up to it
         slow = e["create_slowest"]
         assert math.isclose(slow["create_s"], e["create_s"], abs_tol=1e-3) or slow["create_s"] <= e["create_s"]
-        assert {"store", "protection", "discover agents", "catalog scan", "agree held", "persistent", "rest"} <= set(
+        assert {"import", "store", "protection", "discover agents", "catalog scan", "agree held", "persistent",
+                "rest"} <= set(
             slow["stages"]), slow
         assert math.isclose(sum(v["seconds"] for v in slow["stages"].values()), slow["create_s"], rel_tol=1e-6)
         assert {"create", "latest", "restore", "first_step"} <= set(slow["cpu_s"])

@@ -138,7 +138,7 @@ def _startup(row: Mapping[str, Any]) -> dict[str, Any]:
     covers, the front end's own imports and set-up), its CPU seconds per recovery stage, and how long its node
     agent's hello waited for the recovery of the node's share."""
     su, stamps = row.get("startup") or {}, row["stamps"]
-    create = stamps["created"] - stamps["entry"]
+    create = stamps["created"] - stamps["target"]
     stages = dict(su.get("stages") or {})
     stages["rest"] = {"seconds": max(0.0, create - sum(v["seconds"] for v in stages.values())),
                       "cpu_s": max(0.0, (su.get("cpu_s") or {}).get("create", 0.0) - sum(v["cpu_s"] for v in stages.values()))}
@@ -161,21 +161,23 @@ def _recovery(results: Mapping[str, Any], recoveries: Sequence[Mapping[str, Any]
     events = []
     for ev in recoveries:
         rows = results["recovered"][f"{ev['kind']}{ev['cycle']}"]
-        st = {k: max(r["stamps"][k] for r in rows) for k in ("entry", "created", "opened", "restored", "first_step")}
+        st = {k: max(r["stamps"][k] for r in rows) for k in ("entry", "target", "created", "opened", "restored",
+                                                             "first_step")}
         events.append({"kind": ev["kind"], "cycle": ev["cycle"], "lost_node": ev["lost_node"],
                        "killed_at_step": ev["step"], "restored_step": rows[0]["step"],
                        "newest_protected_at_kill": ev["newest_protected"],
                        "newest_persisted_at_kill": ev["newest_persisted"],
                        "steps_lost": ev["step"] - rows[0]["step"], "recovery_s": st["first_step"] - ev["t_kill"],
-                       "relaunch_s": st["entry"] - ev["t_kill"], "create_s": st["created"] - st["entry"],
+                       "relaunch_s": st["entry"] - ev["t_kill"], "target_s": st["target"] - st["entry"],
+                       "create_s": st["created"] - st["target"],
                        "latest_s": st["opened"] - st["created"],
                        "restore_s": st["restored"] - st["opened"], "first_step_s": st["first_step"] - st["restored"],
                        **_startups(rows, ev["lost_node"])})
     out: dict[str, Any] = {"events": events}
     for kind in ("peers", "persistent"):
         ev = [e for e in events if e["kind"] == kind]
-        out[kind] = {k: s([e[k] for e in ev]) for k in ("recovery_s", "relaunch_s", "create_s", "latest_s",
-                                                         "restore_s", "first_step_s")}
+        out[kind] = {k: s([e[k] for e in ev]) for k in ("recovery_s", "relaunch_s", "target_s", "create_s",
+                                                         "latest_s", "restore_s", "first_step_s")}
     out["persistent_over_peers"] = out["persistent"]["recovery_s"]["median"] / out["peers"]["recovery_s"]["median"]
     return out
 
@@ -332,9 +334,11 @@ def render(result: Mapping[str, Any]) -> str:
                         ("persistent", f"restart from the persistent tier (every {st['persist_interval']} steps)")):
         r = rec[kind]
         lost = sorted(e["steps_lost"] for e in rec["events"] if e["kind"] == kind)
-        rows.append([label, fm(r["recovery_s"]), fm(r["relaunch_s"]), fm(r["create_s"]), fm(r["latest_s"]),
-                     fm(r["restore_s"]), fm(r["first_step_s"]), ", ".join(str(x) for x in lost)])
-    parts.append(report.table(["path", "kill → first step ms", "relaunch (start, JAX init) ms", "Checkpointer() ms",
+        rows.append([label, fm(r["recovery_s"]), fm(r["relaunch_s"]), fm(r["target_s"]) if "target_s" in r else "–",
+                     fm(r["create_s"]), fm(r["latest_s"]), fm(r["restore_s"]), fm(r["first_step_s"]),
+                     ", ".join(str(x) for x in lost)])
+    parts.append(report.table(["path", "kill → first step ms", "relaunch (start, JAX init) ms",
+                               "the script's target built ms", "import jaxckpt.jax + Checkpointer() ms",
                                "latest_step() ms", "restore ms", "first step (with compile) ms", "steps lost"], rows))
     events = "; ".join(f"{e['kind']}: node {e['lost_node']} lost at step {e['killed_at_step']} (newest protected "
                        f"{e['newest_protected_at_kill']}, newest persisted {e['newest_persisted_at_kill']}), restored "
