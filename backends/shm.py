@@ -296,6 +296,25 @@ class ShmStore(Store):
             self._views.add(view)
             return view
 
+    def manifest(self, step: int) -> bytes | None:
+        """The manifest alone: pinned and unpinned at once, the segment neither mapped nor populated (a start-up
+        adopting its held steps would otherwise fault in every one of them, and most are then deleted)."""
+        with self._lock:
+            self._check_open()
+            try:
+                r = self._call("open", block=True, step=step)
+            except StoreUnavailableError as e:
+                raise StepNotFoundError(f"step {step} of process {self.process_index}: the node agent holding it "
+                                        f"is unreachable ({e}); its snapshots cannot be read") from None
+            if not r["found"]:
+                self._explain_missing(step, r["steps"])
+                return None
+            try:
+                self._call("unpin", block=False, retry=False, step=step)
+            except StoreUnavailableError as e:  # the pin went with the connection
+                log.warning("step %d: unpin not delivered: %s", step, e)
+            return r["manifest"]
+
     def _explain_missing(self, step: int, held: list[int]) -> None:
         gen = self._known.get(step)
         if gen is not None and gen != self.agent["generation"]:

@@ -88,17 +88,16 @@ def _own_steps(engine: "CheckpointEngine", held: list[int]) -> list[int]:
     out = []
     for s in held:
         try:
-            view = engine.store.open(s)
+            raw = engine.store.manifest(s)  # the bytes stay unread: most held steps are deleted next
         except StepNotFoundError:
             continue
-        if view is None:
+        if raw is None:
             continue
-        with view:
-            try:
-                m = mf.decode(view.manifest, source=f"step {s} manifest of process {engine.process_index}")
-            except mf.ManifestError as e:
-                log.warning("process %d: held step %d is unreadable (%s); not adopted", engine.process_index, s, e)
-                continue
+        try:
+            m = mf.decode(raw, source=f"step {s} manifest of process {engine.process_index}")
+        except mf.ManifestError as e:
+            log.warning("process %d: held step %d is unreadable (%s); not adopted", engine.process_index, s, e)
+            continue
         if (m.process, m.process_count) == (engine.process_index, engine.process_count):
             out.append(s)
     return out
