@@ -120,7 +120,7 @@ def test_restore_paths_and_recovery(run):
         assert math.isclose(parts, e["recovery_s"])
         # Checkpointer() of the process that finished it last, stage by stage: the stages and the rest add up to it
         slow = e["create_slowest"]
-        assert math.isclose(slow["create_s"], e["create_s"], abs_tol=1e-3) or slow["create_s"] <= e["create_s"]
+        assert slow["create_s"] >= e["create_s"] - 1e-6  # its own, from its target built (the event's: the last's)
         assert {"import", "store", "protection", "discover agents", "catalog scan", "agree held", "persistent",
                 "rest"} <= set(
             slow["stages"]), slow

@@ -143,7 +143,9 @@ def _startup(row: Mapping[str, Any]) -> dict[str, Any]:
     stages["rest"] = {"seconds": max(0.0, create - sum(v["seconds"] for v in stages.values())),
                       "cpu_s": max(0.0, (su.get("cpu_s") or {}).get("create", 0.0) - sum(v["cpu_s"] for v in stages.values()))}
     return {"process": row["process"], "create_s": create, "stages": stages, "cpu_s": su.get("cpu_s") or {},
-            "recovery_wait_s": su.get("recovery_wait_s"), "agent_recovery": su.get("agent_recovery") or {}}
+            "recovery_wait_s": su.get("recovery_wait_s"),
+            "agent_recovery": {k: v for k, v in (su.get("agent_recovery") or {}).items()
+                               if k in ("state", "why", "error", "step", "bytes", "received", "seconds")}}
 
 
 def _startups(rows: Sequence[Mapping[str, Any]], lost_node: int) -> dict[str, Any]:
