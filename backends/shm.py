@@ -315,6 +315,20 @@ class ShmStore(Store):
                 log.warning("step %d: unpin not delivered: %s", step, e)
             return r["manifest"]
 
+    def prefetch(self, step: int) -> None:
+        """Map and populate ``step``'s segment on a thread of its own: the restore that follows a start-up finds the
+        mapping made (or waits, under the store's lock, for what is left of it) instead of faulting it in."""
+        def run() -> None:
+            try:
+                view = self.open(step)
+            except Exception as e:  # noqa: BLE001 - closed, unreachable, gone: the restore reports it itself
+                log.debug("step %d: not prefetched: %s", step, e)
+                return
+            if view is not None:
+                view.close()
+
+        threading.Thread(target=run, name="jaxckpt-prefetch", daemon=True).start()
+
     def _explain_missing(self, step: int, held: list[int]) -> None:
         gen = self._known.get(step)
         if gen is not None and gen != self.agent["generation"]:

@@ -493,6 +493,7 @@ class CheckpointEngine:
             self._committed = list(a.agreed)
             self._last_step = a.newest
             self._tracker.adopt(a.newest)
+            self.store.prefetch(a.newest)  # what a relaunch restores next: its bytes made ready meanwhile
             log.info("process %d adopted steps %s held by store %r from an earlier run (latest %d%s)",
                      self.process_index, list(a.agreed), self.config.store, a.newest,
                      ", restorable from the node agents" if a.newest not in a.agreed else "")

@@ -96,6 +96,10 @@ class Store(abc.ABC):
         with view:
             return bytes(view.manifest)
 
+    def prefetch(self, step: int) -> None:
+        """Start making committed ``step``'s bytes ready to read (a relaunch restores it next) and return at once;
+        a store whose reads cost nothing up front does nothing. Failures are the restore's to report."""
+
     @abc.abstractmethod
     def delete(self, step: int) -> None:
         """Free a committed snapshot (deferred while readers hold it); unknown steps are ignored."""
