@@ -279,16 +279,23 @@ class ShmStore(Store):
             self._note_steps(steps)
             return steps
 
+    def _pin(self, step: int) -> dict | None:
+        """The agent's ``open`` of ``step`` (it pins it for this connection); None where it is not held."""
+        self._check_open()
+        try:
+            r = self._call("open", block=True, step=step)
+        except StoreUnavailableError as e:
+            raise StepNotFoundError(f"step {step} of process {self.process_index}: the node agent holding it "
+                                    f"is unreachable ({e}); its snapshots cannot be read") from None
+        if not r["found"]:
+            self._explain_missing(step, r["steps"])
+            return None
+        return r
+
     def open(self, step: int) -> SnapshotView | None:
         with self._lock:
-            self._check_open()
-            try:
-                r = self._call("open", block=True, step=step)
-            except StoreUnavailableError as e:
-                raise StepNotFoundError(f"step {step} of process {self.process_index}: the node agent holding it "
-                                        f"is unreachable ({e}); its snapshots cannot be read") from None
-            if not r["found"]:
-                self._explain_missing(step, r["steps"])
+            r = self._pin(step)
+            if r is None:
                 return None
             buf = (memoryview(self._map(r["seg"], r["size"], r["nbytes"]))[:r["nbytes"]] if r["seg"]
                    else memoryview(b""))
@@ -300,14 +307,8 @@ class ShmStore(Store):
         """The manifest alone: pinned and unpinned at once, the segment neither mapped nor populated (a start-up
         adopting its held steps would otherwise fault in every one of them, and most are then deleted)."""
         with self._lock:
-            self._check_open()
-            try:
-                r = self._call("open", block=True, step=step)
-            except StoreUnavailableError as e:
-                raise StepNotFoundError(f"step {step} of process {self.process_index}: the node agent holding it "
-                                        f"is unreachable ({e}); its snapshots cannot be read") from None
-            if not r["found"]:
-                self._explain_missing(step, r["steps"])
+            r = self._pin(step)
+            if r is None:
                 return None
             try:
                 self._call("unpin", block=False, retry=False, step=step)
