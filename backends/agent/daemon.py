@@ -72,6 +72,7 @@ class _Conn:
     client: bool = False  # set by a tool's hello
     reader: bool = False  # set by a reader's hello (with client)
     pins: Counter = field(default_factory=Counter)
+    recovery_wait_s: float = 0.0  # how long its hello waited for the node's share to be recovered
 
 
 class Agent:
@@ -379,7 +380,9 @@ class Agent:
         else:
             process = _int(msg, "process", MAX_PROCESS)
             if self.recovery is not None:  # join the recovery of the node's share rather than fetch it again
+                t0 = time.monotonic()
                 self.recovery.wait()
+                conn.recovery_wait_s = time.monotonic() - t0
             limits = Limits(budget=_int(msg, "budget"), keep=max(1, _int(msg, "keep")),
                             pending=max(1, _int(msg, "pending")))
             self._claim(conn, process)
@@ -387,7 +390,10 @@ class Agent:
             log.info("process %d (pid %d) connected", process, conn.pid)
         return {"ok": True, "pid": os.getpid(), "generation": self.generation, "node": self.node, "dir": self.dir,
                 "job": self.job, "started": self.started, "adoption": self.adoption,
-                "steps": self.table.steps(conn.process) if conn.process is not None else []}
+                "steps": self.table.steps(conn.process) if conn.process is not None else [],
+                # how long this hello waited for the recovery of the node's share (agent/recovery.py), and its end
+                "recovery_wait_s": conn.recovery_wait_s,
+                "recovery": dict(self.recovery.report) if self.recovery is not None else {}}
 
     def _claim(self, conn: _Conn, process: int) -> None:
         with self._lock:

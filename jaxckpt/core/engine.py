@@ -36,6 +36,7 @@ from jaxckpt.errors import (ClosedError, CommitError, ConfigError, NoCheckpointE
                             StepOutOfRangeError, StoreUnavailableError)
 from jaxckpt.core.capabilities import NodeAgent, ProtectionSlots
 from jaxckpt.core.catalog import Catalog
+from jaxckpt.core.timeline import Stopwatch
 from jaxckpt.core.fetch import ChunkReader
 from jaxckpt.core.sources import Holder
 from jaxckpt.core.protect import Protection, ProtectionFactory
@@ -118,10 +119,13 @@ class CheckpointEngine:
         self.framework = framework
         self.coordinator = coordinator
         self.process_index, self.process_count = coordinator.process_index, coordinator.process_count
+        # where the constructor's time goes, stage by stage (the front end adds its own): bench cluster's timeline
+        self.startup = Stopwatch()
         # Every cross-process round of this instance (jaxckpt.core.collective): its own keys, deleted when done.
         self.collective = Collective.for_job(coordinator, config.job_id, config.commit_timeout_s)
-        store_cls = get_store_class(config.store)
-        self.store = store_cls(config, process_index=self.process_index, process_count=self.process_count)
+        with self.startup.stage("store"):  # its import, and with node agents the hello (a recovery it joins)
+            store_cls = get_store_class(config.store)
+            self.store = store_cls(config, process_index=self.process_index, process_count=self.process_count)
         self._peers = None
         # Restore needs chunks that other processes hold: node agents serve them (store="shm"), else each process.
         if self.process_count > 1 and not self.store.supports(NodeAgent):
@@ -161,7 +165,8 @@ class CheckpointEngine:
                                   f"to run (build it through a Checkpointer, or pass protection="
                                   f"jaxckpt.protection.runtime.Protector)")
             try:
-                self.protection = protection(self)
+                with self.startup.stage("protection"):
+                    self.protection = protection(self)
             except BaseException:
                 self.store.close()
                 raise
@@ -470,6 +475,7 @@ class CheckpointEngine:
             self.slots.adopt(a.agreed)
             self._last_step = a.newest
             self._tracker.adopt(a.newest)
+            self.store.prefetch(a.newest)  # what a relaunch restores next: its bytes made ready meanwhile
             log.info("process %d adopted steps %s held by store %r from an earlier run (latest %d%s)",
                      self.process_index, list(a.agreed), self.config.store, a.newest,
                      ", restorable from the node agents" if a.newest not in a.agreed else "")
