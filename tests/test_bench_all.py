@@ -89,7 +89,8 @@ def test_every_benchmark_ran_and_wrote_its_json(suite):
         assert (suite["out"] / f"{r['name']}.log").exists()
     # each --bench-args reached its benchmark alone, after its preset
     forwarded = suite["forwarded"]
-    assert sorted(forwarded) == ["cluster", "stall"] and forwarded["cluster"].endswith(f"--plain-dir {suite['plain']}")
+    assert sorted(forwarded) == ["cluster", "save", "stall"]
+    assert forwarded["cluster"].endswith(f"--plain-dir {suite['plain']}")
     for r in summary["runs"]:
         assert [n for n, opts in forwarded.items() if r["command"].endswith(f"--json {suite['out'] / r['name']}.json "
                                                                             f"{opts}")] == \
