@@ -13,6 +13,15 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+
+def pytest_sessionstart(session):
+    """jaxckpt's modules (and these tests' helper modules) byte-compiled once, as installing the package does:
+    with ``PYTHONDONTWRITEBYTECODE`` set, as on this project's machines, each of the hundreds of processes the
+    suite launches would otherwise compile every jaxckpt module it imports (jaxckpt/tools/bytecode.py)."""
+    from jaxckpt.tools.bytecode import byte_compile
+
+    byte_compile((os.path.dirname(os.path.abspath(__file__)),))
+
 BENCH_PROSE = "# Benchmarks\n\nprose before\n\n<!-- bench:save:begin -->\nold\n<!-- bench:save:end -->\n\nprose after\n"
 
 

@@ -45,6 +45,7 @@ import uuid
 from typing import Any, Callable, Mapping
 
 from jaxckpt.tools.bench import report, runner
+from jaxckpt.tools.bytecode import byte_compile
 from jaxckpt.tools.bench.cluster_report import aggregate, render
 from jaxckpt.tools.bench.save import parse_size
 
@@ -201,7 +202,7 @@ def _measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float,
     os.makedirs(base, mode=0o700)
     layout = dict(nodes=opts["nodes"], procs_per_node=opts["procs_per_node"], devices_per_proc=devices)
     env = {"JAXCKPT_LOG_LEVEL": "WARNING"}
-    bytecode = byte_compile()
+    bytecode = byte_compile()  # as installing the package does (jaxckpt/tools/bytecode.py says why)
     recoveries: list[dict[str, Any]] = []
     job = None
     t_start = time.perf_counter()
@@ -271,24 +272,6 @@ def _measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float,
                       "plain_dir": opts["plain_dir"], "plain_fs": report.fs_type(opts["plain_dir"]),
                       "floors": dict(FLOORS), "bytecode": bytecode, "wall_seconds": time.perf_counter() - t_start},
             **out}
-
-
-def byte_compile() -> dict[str, Any]:
-    """Byte-compile jaxckpt's modules before any process is launched, as installing the package does: a source
-    checkout run with ``PYTHONDONTWRITEBYTECODE`` set has no ``.pyc`` files, so every relaunched process would
-    compile each jaxckpt module it imports again (measured: about 200 ms of a replacement's ``Checkpointer()``),
-    a cost an installed package never pays. Where the package's directories are not writable nothing is
-    written (``written`` False): the figures then include that compilation, and the setup says so."""
-    import compileall
-
-    import jaxckpt
-    import jaxckpt.backends
-
-    t0 = time.perf_counter()
-    dirs = [*jaxckpt.__path__, *jaxckpt.backends.__path__]
-    ok = all(os.access(d, os.W_OK) and compileall.compile_dir(d, quiet=2) for d in dirs)
-    return {"written": bool(ok), "dont_write_bytecode_env": bool(os.environ.get("PYTHONDONTWRITEBYTECODE")),
-            "seconds": time.perf_counter() - t0}
 
 
 def _phases() -> Any:
