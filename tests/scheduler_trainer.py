@@ -12,7 +12,11 @@ against an uninterrupted run computed here from the start, and writes ``<out>/re
 (attempt ``first`` when it found nothing to restore, else ``relaunch``). ``--fail-rank R --fail-at S``: on the
 first attempt, rank R SIGKILLs itself once step S is committed (and
 protected); ``--fail-rank -2``: every rank waits there to be killed from outside. ``--linger``: after writing
-its result the process waits to be killed (the allocation's end).
+its result the process waits to be killed (the allocation's end). ``--early-agent TAG``: the script's first act,
+before importing its framework, is ``jaxckpt.start_agent()`` (as the README advises a relaunched job), and the
+process writes ``<out>/early-TAG-<pid>.json`` saying whether that call started the node's agent.
+``--agent-ports NODE=PORT,...``: this node's ``JAXCKPT_AGENT_PORT`` (SLURMD_NODENAME's entry): emulated nodes
+share one machine's addresses, so each serves its peers on a port of its own (real nodes would share one port).
 """
 from __future__ import annotations
 
@@ -231,6 +235,26 @@ def torch_main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def _start_agent_early(args: argparse.Namespace) -> None:
+    import jaxckpt  # before jax: the document says whether jax was imported by then
+
+    started = jaxckpt.start_agent(jaxckpt.Config(store="shm", job_id=args.job))
+    doc = {"started": started, "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT"),
+           "jax_imported": "jax" in sys.modules}
+    with open(os.path.join(args.out, f"early-{args.early_agent}-{os.getpid()}.json"), "w") as f:
+        json.dump(doc, f)
+
+
+def early_agent_calls(out: str, tag: str) -> list[dict]:
+    """What each process's ``jaxckpt.start_agent()`` said under ``--early-agent tag`` (for the tests)."""
+    docs = []
+    for name in sorted(os.listdir(out)):
+        if name.startswith(f"early-{tag}-"):
+            with open(os.path.join(out, name)) as f:
+                docs.append(json.load(f))
+    return docs
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("mode", choices=("jax", "torch"))
@@ -241,7 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fail-at", type=int, default=-1)
     p.add_argument("--protection", default="none")
     p.add_argument("--linger", action="store_true")
+    p.add_argument("--early-agent", metavar="TAG", default=None)
+    p.add_argument("--agent-ports", default="")
     args = p.parse_args(argv)
+    if args.agent_ports:
+        os.environ["JAXCKPT_AGENT_PORT"] = dict(e.split("=") for e in args.agent_ports.split(","))[
+            os.environ["SLURMD_NODENAME"]]
+    if args.early_agent is not None:
+        _start_agent_early(args)
     faulthandler.register(signal.SIGUSR1)  # a test that times out dumps every thread's stack (kill -USR1)
     (jax_main if args.mode == "jax" else torch_main)(args)
     return 0

@@ -30,7 +30,7 @@ from jaxckpt.core.box import Box
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.errors import AgentError, ChecksumError, PeerError, StepNotFoundError
 from jaxckpt.core.fetch import ChunkReader
-from jaxckpt.core.manifest import ChunkMeta
+from jaxckpt.core.manifest import ChunkMeta, decode
 from jaxckpt.core.sources import HeldEntry, RestoreReport, Source, Version, choose_version, complete_steps, \
     missing_processes, newest_common
 from jaxckpt.testing import expect_ok, launch, node_info, remove_agents, start
@@ -372,6 +372,39 @@ def test_agents_serve_their_node_with_a_private_token(saved):
                     other.close()
         finally:
             conn.close()
+
+
+def test_a_remote_agent_opened_for_a_restore_connects_every_client_and_reads_bit_for_bit(saved):
+    """Opening another node's agent for a restore makes all its transport clients at once (their connections
+    are set up while the restore plans), and reads on every client at the same time give the agent's bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from jaxckpt.backends.agent.readers import NodeAgentHolder, RemoteAgentHolder, local_agents
+
+    d = node_dir(JOB, 1)
+    (info,) = local_agents(JOB, [d])
+    remote = RemoteAgentHolder(info, node="node0", timeout_s=20.0, clients=3)
+    local = NodeAgentHolder(d, JOB, "node1", timeout_s=20.0)
+    try:
+        assert remote.clients == 0
+        (entry, *_) = [e for e in remote.held() if e.step == 3]
+        assert remote.clients == 1
+        far, near = remote.open(entry.process, 3), local.open(entry.process, 3)
+        assert remote.clients == 3
+        try:
+            assert bytes(far.manifest) == bytes(near.manifest)
+            size = max(c.offset + c.nbytes for a in decode(near.manifest).arrays for c in a.chunks)
+            parts = [(o, min(size - o, 200_000)) for o in range(0, size, 200_000)][:12]
+            with ThreadPoolExecutor(max_workers=3) as ex:
+                got = list(ex.map(lambda p: bytes(far.read(*p)), parts))
+            assert got == [bytes(near.read(*p)) for p in parts]
+            assert remote.clients == 3
+        finally:
+            far.close()
+            near.close()
+    finally:
+        remote.close()
+        local.close()
 
 
 # The fetch path (every process reads what it needs from whichever agent holds it) and the collective path

@@ -24,7 +24,7 @@ import pytest
 import jaxckpt
 from jaxckpt.backends.agent import protocol as proto
 from requires import available, missing
-from scheduler_trainer import live_pids, results
+from scheduler_trainer import early_agent_calls, live_pids, results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAINER = os.path.join(HERE, "scheduler_trainer.py")
@@ -102,7 +102,7 @@ def test_torchrun_restarted_workers_restore_from_the_agent(job, tmp_path):
     out = str(tmp_path)
     cmd = [*TORCHRUN, "--standalone", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1",
            "--monitor-interval=0.5", TRAINER, "torch", "--out", out, "--job", job, "--steps", "5",
-           "--fail-rank", "1", "--fail-at", "3"]
+           "--fail-rank", "1", "--fail-at", "3", "--early-agent", "w"]
     done = run(cmd, job)
     assert done.returncode == 0, done.stdout[-4000:]
     assert os.path.exists(os.path.join(out, "failed-1"))
@@ -117,6 +117,13 @@ def test_torchrun_restarted_workers_restore_from_the_agent(job, tmp_path):
         assert d["scheduler"] == "torchrun" and d["source"] == "host name", d
     assert {(d["node"], d["agent_dir"], d["agent_pid"]) for d in got} == {
         (got[0]["node"], proto.agent_dir(jaxckpt.Config(job_id=job)), agent[0])}, (got, agent)  # one node, one agent
+    # Every worker called jaxckpt.start_agent() first thing, before importing torch's jaxckpt front end or jax: the
+    # first attempt's calls started the agent (one of them, or both racing for its lock), the restarted workers'
+    # found it serving and started none.
+    calls = early_agent_calls(out, "w")
+    assert len(calls) == 4 and not any(c["jax_imported"] for c in calls), calls
+    assert any(c["started"] for c in calls if c["restart"] == "0"), calls
+    assert [c["started"] for c in calls if c["restart"] == "1"] == [False, False], calls
 
 
 @available(missing("mpirun"))
@@ -126,11 +133,15 @@ def test_mpirun_relaunched_job_restores_from_the_agent(job, tmp_path):
     out = str(tmp_path)
     cmd = ["mpirun", "--oversubscribe", "--allow-run-as-root", "-np", "2", "-x", "JAXCKPT_LOG_LEVEL",
            sys.executable, TRAINER, "jax", "--out", out, "--job", job, "--steps", "5"]
-    first = run(cmd + ["--fail-rank", "1", "--fail-at", "3"], job)
+    first = run(cmd + ["--fail-rank", "1", "--fail-at", "3", "--early-agent", "first"], job)
     assert first.returncode != 0 and os.path.exists(os.path.join(out, "failed-1")), first.stdout[-4000:]
     agent = proto.read_pid_file(proto.agent_dir(jaxckpt.Config(job_id=job)))
     assert agent is not None
-    again = run(cmd + ["--fail-rank", "1", "--fail-at", "3"], job)
+    # jaxckpt.start_agent() as each rank's first act: the first run's ranks started the agent (one, or both racing
+    # for its lock; one serves); the relaunch's found it serving.
+    calls = early_agent_calls(out, "first")
+    assert len(calls) == 2 and any(c["started"] for c in calls) and not any(c["jax_imported"] for c in calls), calls
+    again = run(cmd + ["--fail-rank", "1", "--fail-at", "3", "--early-agent", "again"], job)
     assert again.returncode == 0, again.stdout[-4000:]
     got = results(out, "relaunch", 2)
     for d in got:
@@ -138,3 +149,4 @@ def test_mpirun_relaunched_job_restores_from_the_agent(job, tmp_path):
         assert d["kinds"] and set(d["kinds"]) <= MEMORY_KINDS, d
         assert d["scheduler"] == "mpirun" and d["source"] == "host name" and d["processes"] == 2, d
     assert {d["agent_pid"] for d in got} == {agent[0]}, (got, agent)  # the memory outlived the first job
+    assert [c["started"] for c in early_agent_calls(out, "again")] == [False, False]

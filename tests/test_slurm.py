@@ -6,9 +6,10 @@ default one, per job, allocation and node.
 - a step that fails in a running allocation is relaunched and restores from memory, bit for bit (agents spawned by
   the trainers as steps of their own: they outlive the failed step); the allocation's end frees every node's
   memory (the agents hear of it); what a SIGKILLed agent left is swept by the next agent, or by the epilog;
-- agents run as their own step (``srun --overlap ... jaxckpt agent --wait``): a node is lost with its memory and
-  the job is relaunched on a fresh node of the allocation: rebuilt from protection, bit for bit; then scancel
-  frees every node's memory and stops every agent;
+- agents run as their own step (``srun --overlap ... jaxckpt agent --peers ... --wait``, docs/deploy.md's
+  rendezvous): a node is lost with its memory and the job is relaunched on a spare node of the allocation, whose
+  agent (started by the trainer's ``jaxckpt.start_agent()``) rebuilds the lost share from the peers' protection
+  before the trainer asks, bit for bit; then scancel frees every node's memory and stops every agent;
 - a batch script that ends normally frees the memory its agent step held.
 
 One cluster for the module, started and stopped here (its teardown checks that no daemon, step process or cgroup
@@ -19,6 +20,7 @@ on 2 cores.
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -30,7 +32,7 @@ import pytest
 from jaxckpt.backends.agent.protocol import kill_agent, read_pid_file
 from jaxckpt.testing import slurm
 from requires import available
-from scheduler_trainer import live_pids, results
+from scheduler_trainer import early_agent_calls, live_pids, results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAINER = os.path.join(HERE, "scheduler_trainer.py")
@@ -69,11 +71,13 @@ def nodes(cluster, *index: int) -> str:
     return ",".join(cluster.nodes[i] for i in index)
 
 
-def srun(cluster, job: str, nodes: str, args: list[str], *, extra: tuple = ()) -> subprocess.Popen:
-    """``srun`` of the trainer in allocation ``job`` on ``nodes`` (one task per node), with this interpreter."""
+def srun(cluster, job: str, nodes: str, args: list[str], *, extra: tuple = (), env: dict | None = None
+         ) -> subprocess.Popen:
+    """``srun`` of the trainer in allocation ``job`` on ``nodes`` (one task per node), with this interpreter, in
+    ``env`` (default: the cluster's)."""
     cmd = ["srun", f"--jobid={job}", f"--nodelist={nodes}", f"-N{len(nodes.split(','))}", "--ntasks-per-node=1",
            "--kill-on-bad-exit=1", *extra, sys.executable, TRAINER, "jax", *args]
-    return subprocess.Popen(cmd, env={**cluster.env, "JAXCKPT_LOG_LEVEL": "WARNING"}, cwd=HERE,
+    return subprocess.Popen(cmd, env={**(env or cluster.env), "JAXCKPT_LOG_LEVEL": "WARNING"}, cwd=HERE,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -124,7 +128,8 @@ def assert_freed(name: str, job: str) -> float:
 
 # ------------------------------------------------------------------------------------------------- tests
 def test_failed_step_relaunched_restores_from_memory_and_allocation_end_frees_it(cluster, job_name, tmp_path):
-    """2 nodes, agents spawned by the trainers (the default), each through ``srun --overlap`` as a step of its own.
+    """2 nodes, agents spawned by the trainers (``jaxckpt.start_agent()`` first thing in step 0, a Checkpointer's
+    spawn where none serves later), each through ``srun --overlap`` as a step of its own.
     In step 0 rank 1 dies once step 3 is committed (SIGKILL; --kill-on-bad-exit ends the step); step 1 restores
     step 3 from the nodes' memory (served by the agents' steps, which usually outlive step 0, or adopted by new
     ones where SLURM cancelled them with it: backends/agent/lifetime.py) and trains to 5 bit for bit. The
@@ -133,10 +138,14 @@ def test_failed_step_relaunched_restores_from_memory_and_allocation_end_frees_it
     out = str(tmp_path)
     job = cluster.salloc(2, job_name)
     args = ["--out", out, "--job", job_name, "--steps", "5", "--fail-rank", "1", "--fail-at", "3"]
-    finish(srun(cluster, job, nodes(cluster, 0, 1), args))
+    finish(srun(cluster, job, nodes(cluster, 0, 1), args + ["--early-agent", "first"]))
     assert os.path.exists(os.path.join(out, "failed-1"))
     dirs = job_dirs(job_name, job)
     assert len(dirs) == 2, dirs
+    # Step 0's trainers called jaxckpt.start_agent() first thing, before importing jax: each started its node's
+    # agent (checked below to be a step of its own, as the Checkpointer's spawn makes it).
+    calls = early_agent_calls(out, "first")
+    assert [c["started"] for c in calls] == [True, True] and not any(c["jax_imported"] for c in calls), calls
     p = srun(cluster, job, nodes(cluster, 0, 1), args + ["--linger"])
     wait_for(lambda: all(os.path.exists(os.path.join(out, f"result-{r}-relaunch.json")) for r in (0, 1))
              or p.poll() is not None, STEP_TIMEOUT_S, "the relaunched step's results")
@@ -187,41 +196,69 @@ def test_next_agent_sweeps_what_a_killed_agent_left(cluster, job_name):
         agent.wait(60)
 
 
-def test_node_lost_relaunched_on_a_fresh_node_rebuilds_from_protection(cluster, job_name, tmp_path):
-    """3 nodes, an agent step on each (``srun --overlap ... jaxckpt agent --wait``); trainers on the first two
-    nodes with protection; rank 1 dies at step 3 (protected) and the second node is lost with its memory; the job
-    is relaunched on the first and the third (empty): rank 1's part is rebuilt from the first node's protection,
-    bit for bit. scancel then frees every node and stops every agent. About 35 s."""
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_node_lost_replaced_by_a_spare_whose_agent_recovers_its_share(cluster, job_name, tmp_path):
+    """docs/deploy.md's rendezvous recipe under srun. 3 nodes; an agent step on each of the first two (``srun
+    --overlap ... jaxckpt agent --peer-port P --peers <every node's address> --wait``, the job's token in the
+    environment); trainers there with protection; rank 1 dies at step 3 (protected) and the second node is lost
+    with its memory. The job is relaunched on the first and the third (a spare, no agent): each trainer's first act
+    is ``jaxckpt.start_agent()``, which on the spare starts an agent (a step of its own) told the peers: it finds
+    the first node's agent and rebuilds the lost node's share into its own memory, receiving at most 1.1x what it
+    rebuilt, while the trainer imports JAX; the trainers restore step 3 from their nodes' memory (nothing rebuilt
+    by them) bit for bit and protect again. scancel then frees every node and stops every agent. About 35 s."""
     out = str(tmp_path)
     job = cluster.salloc(3, job_name)
-    agents = subprocess.Popen(["srun", f"--jobid={job}", "--overlap", "-N3", "--ntasks-per-node=1", sys.executable,
-                               "-m", "jaxckpt.cli", "agent", "--job", job_name, "--wait"],
-                              env=cluster.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ports = dict(zip(cluster.nodes[:3], free_ports(3)))  # the emulated nodes share 127.0.0.1: a port each
+    peers = ",".join(f"127.0.0.1:{p}" for p in ports.values())
+    env = {**cluster.env, "JAXCKPT_PEER_TOKEN": "9f" * 32, "JAXCKPT_AGENT_PEERS": peers}
+    agents = [subprocess.Popen(["srun", f"--jobid={job}", "--overlap", f"--nodelist={n}", "-N1", "--ntasks=1",
+                                sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job_name, "--peer-port",
+                                str(ports[n]), "--peers", peers, "--wait"],
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+              for n in cluster.nodes[:2]]
     try:
         wait_for(lambda: len([d for d in job_dirs(job_name, job)
-                              if os.path.exists(f"/dev/shm/{d}/agent.sock")]) == 3, 60, "3 agent steps listening")
+                              if os.path.exists(f"/dev/shm/{d}/agent.sock")]) == 2, 60, "2 agent steps listening")
         args = ["--out", out, "--job", job_name, "--steps", "5", "--fail-rank", "1", "--fail-at", "3",
-                "--protection", "hybrid"]
-        finish(srun(cluster, job, nodes(cluster, 0, 1), args))
+                "--protection", "hybrid", "--agent-ports", ",".join(f"{n}={p}" for n, p in ports.items())]
+        finish(srun(cluster, job, nodes(cluster, 0, 1), args, env=env))
         assert os.path.exists(os.path.join(out, "failed-1"))
         from jaxckpt.backends.agent import protocol as proto
         lost = f"/dev/shm/jaxckpt-{os.geteuid()}-{job_name}@slurm{job}@{cluster.nodes[1]}"
         assert proto.kill_agent(lost, remove_memory=True) is not None  # the second node is lost with its memory
         subprocess.run(["rm", "-rf", lost], check=True)
-        finish(srun(cluster, job, nodes(cluster, 0, 2), args))
+        finish(srun(cluster, job, nodes(cluster, 0, 2), args + ["--early-agent", "relaunch"], env=env))
+        calls = early_agent_calls(out, "relaunch")
+        assert sorted(c["started"] for c in calls) == [False, True], calls  # the spare's; the first node's serves
+        spare = f"/dev/shm/jaxckpt-{os.geteuid()}-{job_name}@slurm{job}@{cluster.nodes[2]}"
+        recovery = proto.agent_status(spare, job_name)["recovery"]
+        assert recovery["state"] == "done" and recovery["step"] == 3 and recovery["processes"] == [1], recovery
+        assert recovery["peers"] == [f"{cluster.nodes[0]} at tcp://127.0.0.1:{ports[cluster.nodes[0]]}"], recovery
+        assert 0 < recovery["received"] <= 1.1 * recovery["bytes"], recovery
         got = results(out, "relaunch", 2)
         for r in got:
             assert r["restored"] == 3 and r["bitwise"] and r["latest"] == 5, r
+            assert r["kinds"] and "rebuild" not in r["kinds"], r  # the spare's agent had rebuilt it: read locally
         assert [r["node"] for r in got] == [cluster.nodes[0], cluster.nodes[2]]
-        assert sum(r["kinds"].get("rebuild", 0) for r in got) > 0, got  # the lost node's part came from protection
         assert all(5 in r["protected"] for r in got), got  # protection resumed on the new node set
         cluster.run(["scancel", job])
         took = assert_freed(job_name, job)
         print(f"allocation end freed the memory in {took:.1f}s")
     finally:
-        if agents.poll() is None:
-            agents.send_signal(signal.SIGTERM)
-        agents.wait(60)
+        for a in agents:
+            if a.poll() is None:
+                a.send_signal(signal.SIGTERM)
+            a.wait(60)
 
 
 BATCH = """#!/bin/bash

@@ -163,6 +163,19 @@ class RemoteAgentHolder(Holder):
         self._lock = threading.Lock()
         self._closed = False
 
+    @property
+    def clients(self) -> int:
+        """Transport clients made so far (each connecting or connected to the agent)."""
+        return self._made
+
+    def _connect(self):
+        """A new client (under ``_lock``): its connection (and CURVE handshake) is made in the background."""
+        self._made += 1
+        c = self._transport.connect(self.info.address, token=self.info.token, timeout_s=self._timeout,
+                                    server_key=self.info.server_key)
+        self._all.append(c)
+        return c
+
     def _client(self):
         try:
             return self._idle.get_nowait()
@@ -172,11 +185,7 @@ class RemoteAgentHolder(Holder):
             if self._closed:
                 raise PeerError(f"{self.name}: closed")
             if self._made < self._max:
-                self._made += 1
-                c = self._transport.connect(self.info.address, token=self.info.token, timeout_s=self._timeout,
-                                            server_key=self.info.server_key)
-                self._all.append(c)
-                return c
+                return self._connect()
         try:
             return self._idle.get(timeout=self._timeout * 2)
         except queue.Empty:
@@ -194,6 +203,12 @@ class RemoteAgentHolder(Holder):
 
     def open(self, process: int, step: int) -> Opened:
         manifest = self._with_client(lambda c: c.manifest(step, process))
+        # A restore reads this agent next, on ``clients`` fetch threads: every client is made now, so that their
+        # connections are set up while the restore plans and reads this node's memory, not on the first request
+        # of each fetch thread (a relaunched process's first restore waited for them).
+        with self._lock:
+            while not self._closed and self._made < self._max:
+                self._idle.put(self._connect())
         # Each read returns memory of its own (received frames), never rewritten: the restored arrays may keep
         # it instead of a copy (Source.lend).
         return Opened(manifest, lambda offset, nbytes: self._with_client(lambda c: c.read(step, offset, nbytes,
