@@ -279,22 +279,56 @@ class ShmStore(Store):
             self._note_steps(steps)
             return steps
 
+    def _pin(self, step: int) -> dict | None:
+        """The agent's ``open`` of ``step`` (it pins it for this connection); None where it is not held."""
+        self._check_open()
+        try:
+            r = self._call("open", block=True, step=step)
+        except StoreUnavailableError as e:
+            raise StepNotFoundError(f"step {step} of process {self.process_index}: the node agent holding it "
+                                    f"is unreachable ({e}); its snapshots cannot be read") from None
+        if not r["found"]:
+            self._explain_missing(step, r["steps"])
+            return None
+        return r
+
     def open(self, step: int) -> SnapshotView | None:
         with self._lock:
-            self._check_open()
-            try:
-                r = self._call("open", block=True, step=step)
-            except StoreUnavailableError as e:
-                raise StepNotFoundError(f"step {step} of process {self.process_index}: the node agent holding it "
-                                        f"is unreachable ({e}); its snapshots cannot be read") from None
-            if not r["found"]:
-                self._explain_missing(step, r["steps"])
+            r = self._pin(step)
+            if r is None:
                 return None
             buf = (memoryview(self._map(r["seg"], r["size"], r["nbytes"]))[:r["nbytes"]] if r["seg"]
                    else memoryview(b""))
             view = _View(self, step, r["manifest"], buf.toreadonly(), self._conn_id)
             self._views.add(view)
             return view
+
+    def manifest(self, step: int) -> bytes | None:
+        """The manifest alone: pinned and unpinned at once, the segment neither mapped nor populated (a start-up
+        adopting its held steps would otherwise fault in every one of them, and most are then deleted)."""
+        with self._lock:
+            r = self._pin(step)
+            if r is None:
+                return None
+            try:
+                self._call("unpin", block=False, retry=False, step=step)
+            except StoreUnavailableError as e:  # the pin went with the connection
+                log.warning("step %d: unpin not delivered: %s", step, e)
+            return r["manifest"]
+
+    def prefetch(self, step: int) -> None:
+        """Map and populate ``step``'s segment on a thread of its own: the restore that follows a start-up finds the
+        mapping made (or waits, under the store's lock, for what is left of it) instead of faulting it in."""
+        def run() -> None:
+            try:
+                view = self.open(step)
+            except Exception as e:  # noqa: BLE001 - closed, unreachable, gone: the restore reports it itself
+                log.debug("step %d: not prefetched: %s", step, e)
+                return
+            if view is not None:
+                view.close()
+
+        threading.Thread(target=run, name="jaxckpt-prefetch", daemon=True).start()
 
     def _explain_missing(self, step: int, held: list[int]) -> None:
         gen = self._known.get(step)

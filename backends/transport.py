@@ -368,15 +368,19 @@ class ZmqServer(PeerServer):
                                 unit, offset, nbytes, type(e).__name__, e)
                 done = (ident, rid, False, code, f"{type(e).__name__}: {e}", b"")
             self._done.append(done)
-            with self._wake_lock:  # never a write to a closed pipe's number, which another file may hold now
-                try:
-                    if self._wake_w >= 0:
-                        os.write(self._wake_w, b"\0")
-                except BlockingIOError:  # a full pipe: the server wakes anyway
-                    pass
+            self._wake()
         if self._work is None:
             self._work = ThreadPoolExecutor(WORKERS, thread_name_prefix="jaxckpt-peer-rebuild")
         self._work.submit(work)
+
+    def _wake(self) -> None:
+        """Wake the server thread's poll now (a rebuild's reply to send, or a close)."""
+        with self._wake_lock:  # never a write to a closed pipe's number, which another file may hold now
+            try:
+                if self._wake_w >= 0:
+                    os.write(self._wake_w, b"\0")
+            except BlockingIOError:  # a full pipe: the server wakes anyway
+                pass
 
     def _send_done(self) -> None:
         """Send the replies of the rebuilds done since the last look (server thread)."""
@@ -414,6 +418,7 @@ class ZmqServer(PeerServer):
     def close(self) -> None:
         """Stop serving; in-flight replies are dropped (clients time out or retry elsewhere)."""
         self._stop.set()
+        self._wake()  # not a poll interval later: every agent's stop and every closed store waits for this join
         self._thread.join(timeout=5)
         self._forget_domain()
         if not self._thread.is_alive():  # else the pipe stays open with the thread that polls it

@@ -13,6 +13,15 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+
+def pytest_sessionstart(session):
+    """jaxckpt's modules (and these tests' helper modules) byte-compiled once, as installing the package does:
+    with ``PYTHONDONTWRITEBYTECODE`` set, as on this project's machines, each of the hundreds of processes the
+    suite launches would otherwise compile every jaxckpt module it imports (jaxckpt/tools/bytecode.py)."""
+    from jaxckpt.tools.bytecode import byte_compile
+
+    byte_compile((os.path.dirname(os.path.abspath(__file__)),))
+
 BENCH_PROSE = "# Benchmarks\n\nprose before\n\n<!-- bench:save:begin -->\nold\n<!-- bench:save:end -->\n\nprose after\n"
 
 
@@ -25,7 +34,12 @@ BENCH_TIMEOUT_S = 900  # the quick run of every benchmark: ~1.5 minutes quiet, 5
 # cluster: still 4 nodes (parity at 1/(R-1) with R = 4, xor-group), every policy, every restore path and both
 # node losses (from peers, from the persistent tier), on 8 MiB instead of 32 with one repeat and one timed step
 # per loop, and 32 MiB loopback and memory copy probes instead of 256.
-BENCH_SUITE_ARGS = {"stall": "--modes none,jaxckpt,orbax",
+# save: the leaf-count sweep at 8 and 16 leaves instead of 8 and 64 (the 64-leaf states, three layouts with Orbax
+# beside them, cost about 15% of the benchmark's CPU time): still two leaf counts of the same total bytes, each a
+# multiple of 4, so every layout's shard counts (mixed: 15 of every 4 leaves' 32) are checked.
+SAVE_LEAF_COUNTS = (8, 16)
+BENCH_SUITE_ARGS = {"save": f"--leaf-counts {','.join(map(str, SAVE_LEAF_COUNTS))}",
+                    "stall": "--modes none,jaxckpt,orbax",
                     "cluster": "--size 8M --repeats 1 --steps 1 --probe-size 32M --restore-collective"}
 
 

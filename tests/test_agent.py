@@ -194,10 +194,15 @@ def test_two_trainers_on_one_node_see_only_their_own_slots():
         p0 = ShmStore(cfg, process_index=0, process_count=2)  # the successor takes over process 0
         try:
             assert p0.steps() == [1, 2]  # its half-written step 3 was discarded
-            for step in (1, 2):
-                with p0.open(step) as v:
-                    np.testing.assert_array_equal(np.frombuffer(v.buffer, np.uint8), pattern(step, 8192))
-            assert p0.open(3) is None
+            # a held step's manifest alone (what a start-up's adoption reads): nothing mapped, nothing left pinned
+            assert [p0.manifest(s) for s in (1, 2, 3)] == [manifest_of(1), manifest_of(2), None]
+            assert not p0._maps
+            pins = {(sl["process"], sl["step"]): sl["pins"] for sl in proto.agent_status(d, job)["slots"]}
+            assert pins[(0, 1)] == pins[(0, 2)] == 0, pins  # unpinned: retention frees them as if never read
+            p0.delete(1)
+            with p0.open(2) as v:
+                np.testing.assert_array_equal(np.frombuffer(v.buffer, np.uint8), pattern(2, 8192))
+            assert p0.open(1) is None and p0.open(3) is None
             with p1.open(3) as v:
                 np.testing.assert_array_equal(np.frombuffer(v.buffer, np.uint8), pattern(33, 4096))
         finally:
@@ -240,15 +245,22 @@ def _mp_restore(job: str, d: str):
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     ckpt = jaxckpt.Checkpointer(Config(store="shm", job_id=job, shm_dir=d, keep=2))
+    # The adoption read the held steps' manifests only; the step to restore is then mapped (and populated) on a
+    # thread of its own (Store.prefetch): one segment, never process 1's step 3 that was dropped.
+    deadline = time.monotonic() + 30
+    while not ckpt.store._maps and time.monotonic() < deadline:
+        time.sleep(0.01)
+    mapped = len(ckpt.store._maps)
     latest = ckpt.latest_step()
     target = {"x": jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P(None, "x"))), "step": 0}
     got = ckpt.restore(target)
     want = np.arange(64, dtype=np.float32).reshape(8, 8) * latest
     ok = all(np.array_equal(np.asarray(s.data), want[s.index]) for s in got["x"].addressable_shards)
     held = ckpt.store.steps()
+    mapped = [mapped, len(ckpt.store._maps)]  # the restore found the mapping made: no other one
     multihost_utils.sync_global_devices("restored")  # the other process may still read our chunks
     ckpt.close()
-    return {"latest": latest, "bitwise": ok, "step": got["step"], "held": held}
+    return {"latest": latest, "bitwise": ok, "step": got["step"], "held": held, "mapped": mapped}
 
 
 def test_multiprocess_job_restarts_and_agrees_on_the_newest_step_every_process_holds():
@@ -261,7 +273,7 @@ def test_multiprocess_job_restarts_and_agrees_on_the_newest_step_every_process_h
     got = expect_ok(launch(_mp_restore, nodes=1, procs_per_node=2, devices_per_proc=2, args=[job, d], env=env,
                            timeout=120))
     # Process 0 lost step 3: both agree on step 2, and process 1 drops its step 3 (not held everywhere).
-    assert got == [{"latest": 2, "bitwise": True, "step": 2, "held": [2]}] * 2
+    assert got == [{"latest": 2, "bitwise": True, "step": 2, "held": [2], "mapped": [1, 1]}] * 2
     _stop(d, job)
 
 

@@ -14,7 +14,7 @@ import pytest
 from jaxckpt import cli
 from jaxckpt.tools.bench import report, save
 from jaxckpt.tools.bench.save import parse_size
-from conftest import bench_section
+from conftest import SAVE_LEAF_COUNTS, bench_section
 
 STATS = {"median", "min", "max", "p10", "p90", "n"}
 JAXCKPT_KEYS = {"save_call_s", "snapshot_s", "snapshot_worker_s", "restore_s", "snapshot_gbps", "snapshot_vs_memcpy"}
@@ -68,7 +68,7 @@ def _check_schema(res, sizes, mode):
                             o["save_call_s"]["median"] / j["save_call_s"]["median"])
         assert math.isclose(j["snapshot_vs_memcpy"], j["snapshot_gbps"] / res["memcpy_gbps"])
     sweep = res["leaf_sweep"]  # the leaf-count sweep: same total bytes, more and more leaves
-    assert [r["leaves"] for r in sweep["rows"]] == [8, 64] and sweep["total_bytes"] == 1 << 20
+    assert [r["leaves"] for r in sweep["rows"]] == list(SAVE_LEAF_COUNTS) and sweep["total_bytes"] == 1 << 20
     for r in sweep["rows"]:
         assert set(r) == SWEEP_KEYS, set(r) ^ SWEEP_KEYS
         for k in SWEEP_TIMES:
@@ -100,7 +100,8 @@ def _check_schema(res, sizes, mode):
 
 def test_quick_run_json_schema(quick):
     _check_schema(quick["json"], [1 << 20, 4 << 20], "quick")
-    assert quick["json"]["command"].startswith("jaxckpt bench save --quick --json ")
+    counts = ",".join(map(str, SAVE_LEAF_COUNTS))
+    assert quick["json"]["command"].startswith(f"jaxckpt bench save --quick --leaf-counts {counts} --json ")
     assert not quick["shm_left"], "Orbax tmpfs directories left behind"
 
 
@@ -125,11 +126,11 @@ def test_markdown_table_from_json(quick):
     sweep_md, fresh_md = sweep_md.split("#### save() of the state a donating step just made")
     fresh_rows = [line for line in fresh_md.splitlines() if line.startswith("|")]
     assert len(fresh_rows) == 2 + 2 * 3  # header, rule, per leaf count the sharded, mixed and replicated layout
-    assert [r.split("|")[1:3] for r in fresh_rows[2:]] == [[f" {n} ", f" {name} "] for n in (8, 64)
+    assert [r.split("|")[1:3] for r in fresh_rows[2:]] == [[f" {n} ", f" {name} "] for n in SAVE_LEAF_COUNTS
                                                           for name in ("sharded", "mixed", "replicated")]
     sweep_rows = [line for line in sweep_md.splitlines() if line.startswith("|")]
     assert len(sweep_rows) == 2 + 2 and sweep_rows[0].startswith("| leaves | local shards | jaxckpt save() ms |")
-    assert sweep_rows[2].startswith("| 8 | 64 |") and sweep_rows[3].startswith("| 64 | 512 |")
+    assert [r.split("|")[1:3] for r in sweep_rows[2:]] == [[f" {n} ", f" {8 * n} "] for n in SAVE_LEAF_COUNTS]
     assert all(r.count("|") == sweep_rows[0].count("|") for r in sweep_rows)
     assert f"Command: `{quick['json']['command']}`" in md
     assert f"orbax-checkpoint {quick['json']['machine']['versions']['orbax-checkpoint']}" in md
@@ -177,10 +178,12 @@ def test_cli_in_a_process_that_imported_jax_measures_in_a_subprocess(tmp_path):
     # This pytest process has jax imported (conftest), so the CLI must hand over to `python -m jaxckpt.tools.bench.save`.
     assert "jax" in sys.modules
     out = tmp_path / "one.json"
-    assert cli.main(["bench", "save", "--quick", "--sizes", "256K", "--repeats", "1", "--json", str(out)]) == 0
+    counts = ",".join(map(str, SAVE_LEAF_COUNTS))  # the suite's leaf sweep (conftest.py), not the preset's 64 leaves
+    assert cli.main(["bench", "save", "--quick", "--sizes", "256K", "--repeats", "1", "--leaf-counts", counts,
+                     "--json", str(out)]) == 0
     res = report.read_json(out)
     _check_schema(res, [256 << 10], "quick")
-    assert res["command"] == f"jaxckpt bench save --quick --sizes 256K --repeats 1 --json {out}"
+    assert res["command"] == f"jaxckpt bench save --quick --sizes 256K --repeats 1 --leaf-counts {counts} --json {out}"
 
 
 def test_replace_section(tmp_path):

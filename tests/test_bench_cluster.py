@@ -116,13 +116,27 @@ def test_restore_paths_and_recovery(run):
     assert peers["newest_protected_at_kill"] <= peers["restored_step"] <= peers["killed_at_step"]
     assert persistent["newest_persisted_at_kill"] <= persistent["restored_step"] <= persistent["killed_at_step"]
     for e in events:
-        parts = e["relaunch_s"] + e["create_s"] + e["latest_s"] + e["restore_s"] + e["first_step_s"]
+        parts = e["relaunch_s"] + e["target_s"] + e["create_s"] + e["latest_s"] + e["restore_s"] + e["first_step_s"]
         assert math.isclose(parts, e["recovery_s"])
+        # Checkpointer() of the process that finished it last, stage by stage: the stages and the rest add up to it
+        slow = e["create_slowest"]
+        assert slow["create_s"] >= e["create_s"] - 1e-6  # its own, from its target built (the event's: the last's)
+        assert {"import", "store", "protection", "discover agents", "catalog scan", "agree held", "persistent",
+                "rest"} <= set(
+            slow["stages"]), slow
+        assert math.isclose(sum(v["seconds"] for v in slow["stages"].values()), slow["create_s"], rel_tol=1e-6)
+        assert {"create", "latest", "restore", "first_step"} <= set(slow["cpu_s"])
+        assert [b["process"] for b in e["create_replacement"]] == [e["lost_node"]]  # 1 process per node
+    if not res["setup"].get("late_agent"):  # the replacement's agent recovered the node's share; its hello joined it
+        rep = peers["create_replacement"][0]
+        assert rep["agent_recovery"]["state"] == "done" and rep["recovery_wait_s"] >= 0, rep
+    assert res["setup"]["bytecode"]["written"]  # jaxckpt's modules byte-compiled, as an installed package is
 
 
 def test_markdown_and_plots(run, tmp_path):
     res = run["result"]
     text = run["md"].read_text()
+    assert "`Checkpointer()` of each relaunch, stage by stage" in text and "last to finish `Checkpointer()`" in text
     body = cluster.render(res)
     assert body == cluster_report.render(res)
     assert text.startswith("# Benchmarks\n\nbefore\n\n<!-- bench:cluster:begin -->\n") and "\nafter\n" in text

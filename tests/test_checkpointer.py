@@ -522,7 +522,7 @@ def test_a_save_of_many_shards_leaves_few_young_python_objects_while_it_copies(c
     state = jax.block_until_ready(step(state))  # fresh arrays: JAX has built no per-device arrays of them yet
     expected = {k: np.array(v) for k, v in state.items()}
     held = threading.Event()
-    copier = ck.engine._snap
+    copier = ck.engine.slots.copier
     run_one = copier._run_one
 
     def hold(*args):
@@ -592,3 +592,43 @@ def test_a_save_of_fresh_replicated_arrays_exposes_one_buffer_of_each(ckpt, m24)
     out = ck.restore(target, step=2)
     for k, want in expected.items():
         np.testing.assert_array_equal(bits(out[k]), bits(want), err_msg=k)
+
+
+@pytest.mark.parametrize("public", [False, True], ids=["private-views", "public-views"])
+def test_a_save_of_a_mixed_layout_is_bit_for_bit_through_either_way_to_the_buffers(ckpt, public, monkeypatch,
+                                                                                  caplog):
+    """save() views shards through jax's private per-device arrays where they are there and behave, else through
+    the public ``addressable_shards`` (``jaxckpt.jax.buffers``; ``JAXCKPT_JAX_PUBLIC_BUFFERS=1`` forces the public
+    way, as a jax without them would): either way the snapshot of a mixed layout (fully sharded, split over one
+    axis, replicated) is the state at the call bit for bit, though the next step donates it."""
+    import logging
+
+    from jaxckpt.jax import buffers
+
+    m42 = mesh((4, 2), ("data", "model"))
+    specs = (P("data", "model"), P(None, "model"), P("data", None), P())
+    if public:
+        monkeypatch.setenv(buffers.ENV, "1")
+    buffers.recheck()
+    try:
+        with caplog.at_level(logging.INFO, logger="jaxckpt.jax.buffers"):
+            state = {f"a{i:02d}": filled((16, 8), jnp.float32, NamedSharding(m42, specs[i % 4]), seed=i)
+                     for i in range(16)}
+            step = jax.jit(lambda s: jax.tree.map(lambda x: x * 2.0 + 1.0, s), donate_argnums=0)
+            ck = ckpt(keep=2)
+            ck.save(1, state).result(timeout=60)
+            state = jax.block_until_ready(step(state))  # fresh arrays, donated by the next step
+            expected, target = {k: np.array(v) for k, v in state.items()}, abstract(state)
+            handle = ck.save(2, state)
+            state = step(state)
+            handle.result(timeout=60)
+        assert (buffers._arrays_ok, buffers._whole_ok) == ((False, False) if public else (True, True))
+        said = [r.getMessage() for r in caplog.records if r.name == "jaxckpt.jax.buffers"]
+        assert len(said) == (2 if public else 0) and all(buffers.ENV in m for m in said), said
+        out = ck.restore(target, step=2)
+        for k, want in expected.items():
+            np.testing.assert_array_equal(bits(out[k]), bits(want), err_msg=k)
+            assert out[k].sharding == target[k].sharding
+    finally:
+        monkeypatch.delenv(buffers.ENV, raising=False)
+        buffers.recheck()

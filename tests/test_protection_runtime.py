@@ -194,10 +194,12 @@ def restore_on_replacement(base: str, job: str, policy: str):
         check_bitwise(ck.restore(target), latest)
         report = ck.last_restore_report.to_dict()
         st = proto.agent_status(ck.engine.store.directory, job)
+        hello = ck.engine.store.agent
         multihost_utils.sync_global_devices("restored")
     frameworks = [m for m in ("numpy", "jax", "jaxlib", "ml_dtypes", "torch") if m in st["modules"]]
     return {"latest": latest, "report": report, "spawns": spawns, "startup": st["startup"],
-            "agent_frameworks": frameworks}
+            "agent_frameworks": frameworks, "created": ck.startup, "hello_recovery": hello["recovery"],
+            "hello_recovery_wait_s": hello["recovery_wait_s"]}
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -434,6 +436,8 @@ def test_replacement_node_restores_bitwise_while_its_agent_starts(tmp_path):
     assert [r["spawns"] for r in on_lost] == [1] + [0] * (PROCS - 1), out  # its first store spawned the agent
     assert all(r["spawns"] == 0 for i, r in enumerate(out) if i // PROCS != lost), out  # the others' lived on
     for r in on_lost:
+        # the agent its store spawned was told no peers: it recovers nothing, the hello waited for nothing
+        assert r["hello_recovery"] == {} and r["hello_recovery_wait_s"] == 0, r
         # no framework; numpy only if the agent served a peer or a pull by the time it was asked
         assert set(r["agent_frameworks"]) <= {"numpy"} and r["startup"]["serving_s"] > 0, r
     # The lost bytes moved once: every range rebuilt from parity was XORed where its parity lives, and what each
@@ -501,6 +505,13 @@ def test_a_replacement_agent_recovers_its_node_share_and_the_restore_reads_it_lo
             r = out[q]
             rep = r["report"]
             assert r["spawns"] == 0, r  # the running agent served it
+            # its hello joined the recovery (said how long it waited) and says how it ended
+            assert r["hello_recovery"] == recovery and r["hello_recovery_wait_s"] >= 0, r
+            # where its Checkpointer()'s time went, stage by stage: wall and CPU seconds
+            stages = r["created"]
+            assert {"store", "protection", "discover agents", "catalog scan", "agree held"} <= set(stages), stages
+            assert all(v["seconds"] >= 0 and v["cpu_s"] >= 0 for v in stages.values()), stages
+            assert stages["store"]["seconds"] >= r["hello_recovery_wait_s"], (stages, r["hello_recovery_wait_s"])
             assert rep["bytes_by_kind"].get("rebuild", 0) == 0, rep
             own = rep["bytes_by_process"].get(str(q), 0)
             assert own > 0 and rep["bytes_by_kind"].get("local", 0) + rep["bytes_by_kind"].get("node", 0) >= own, rep

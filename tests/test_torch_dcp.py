@@ -30,7 +30,8 @@ from jaxckpt.torch import dcp_metadata
 from jaxckpt.torch.dcp import checkpoint_step
 from jaxckpt.torch.dcp_metadata import Locator, StorageIndex
 from jaxckpt.torch.dtypes import DTYPE_NAMES
-from jaxckpt.errors import ChecksumError, ConfigError, ManifestError, PlanError, StepError, StepNotFoundError
+from jaxckpt.errors import (BudgetExceededError, ChecksumError, ConfigError, CoordinationError, ManifestError, PlanError,
+                            StepError, StepNotFoundError)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -379,13 +380,17 @@ def dcp_two_rank_worker(job_id: str) -> dict:
         except PlanError as e:
             assert "use_collectives=False" in str(e), e
         assert writer.store.steps() == [1]
-        # Rank 1 fails while rank 0 (the coordinator) has written its slot: no finish(), no checkpoint; the
-        # same id saves fine next time (the coordinator's unfinished slot is freed, not left holding the step).
+        # Rank 1 fails while rank 0 (the coordinator) has written its slot: every rank hears of it (the write's
+        # agreement), no finish(), no checkpoint; the same id saves fine next time (rank 0's written slot is freed,
+        # not left holding the step).
         try:
             dcp.save(state, storage_writer=writer, checkpoint_id=0, planner=_FailOnRank1())
             raise AssertionError("a save that failed on rank 1 succeeded")
         except CheckpointException as e:
-            assert set(e.failures) == {1} and "rank 1 cannot read its state" in str(e.failures[1][0]), e
+            assert set(e.failures) == {0, 1} and "rank 1 cannot read its state" in str(e.failures[1][0]), e
+            assert isinstance(e.failures[0][0], CoordinationError), e
+            assert str(e.failures[0][0]) == "process 1 failed in writing DCP checkpoint step 0: rank 1 cannot read " \
+                                            "its state", e
         assert writer.store.steps() == [1]
         dcp.save(state, storage_writer=writer)  # no id given: the writer keeps id 0 (reset() is not called)
         assert writer.store.steps() == [0, 1]
@@ -467,6 +472,69 @@ def test_two_ranks_dtensor_model_and_optimizer_save_and_load_resharded():
                               args=[f"dcp-2r-{uuid.uuid4().hex[:6]}"], timeout=180))
     for rank, v in enumerate(values):
         assert v == {"rank": rank, "done": ["save", "replicate", "mesh2", "async-newest", "corrupt", "outside-group"]}
+
+
+def dcp_slot_failure_worker(job_id: str) -> dict:
+    """One rank of 2: checkpoint 1 saved (keep=1), then checkpoint 2 does not fit the memory budget of one rank's
+    store, first the coordinator's (rank 0), then rank 1's: every rank raises one BudgetExceededError naming the
+    failing rank, no rank commits or trims anything, and checkpoint 1 loads bit for bit, resharded."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    from jaxckpt.tools.node import node_info
+
+    info = node_info()
+    rank = info.process_id
+    _init((rank, info.process_count, info.coordinator))
+    out = {"rank": rank}
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        g = torch.Generator().manual_seed(11)
+        full = {"w": random_tensor((64, 16), torch.float32, g), "b": random_tensor((30,), torch.bfloat16, g)}
+        small = {k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in full.items()}
+        big = dict(small, big=distribute_tensor(torch.ones(256, 256, dtype=torch.uint8), mesh, [Shard(0)],
+                                                src_data_rank=None))
+        for failing in (0, 1):
+            budget = 16 << 10 if rank == failing else 0  # checkpoint 1 fits (2 KiB a rank), 2 does not (34 KiB)
+            with JaxckptWriter(config=Config(job_id=f"{job_id}-{failing}", keep=1, memory_budget_bytes=budget)) as w:
+                dcp.save(small, storage_writer=w, checkpoint_id=1)
+                try:
+                    dcp.save(big, storage_writer=w, checkpoint_id=2)
+                    raise AssertionError(f"a save that does not fit rank {failing}'s budget succeeded")
+                except CheckpointException as e:
+                    errs = {r: (type(f[0]).__name__, str(f[0])) for r, f in e.failures.items()}
+                assert set(errs) == {0, 1} and {n for n, _ in errs.values()} == {"BudgetExceededError"}, errs
+                mine = errs[rank][1]
+                said = re.escape(f"step 2: snapshot of ") + r"\d+" + re.escape(
+                    f" bytes does not fit the memory budget of {16 << 10} bytes")
+                if rank == failing:
+                    assert re.match(said, mine), errs
+                else:
+                    assert re.match(re.escape(f"process {failing} failed in writing DCP checkpoint step 2: ") + said,
+                                    mine), errs
+                assert w.store.steps() == [1], (failing, w.store.steps())  # nothing committed, nothing trimmed
+                target = {k: distribute_tensor(torch.zeros_like(v), mesh, [Replicate()], src_data_rank=None)
+                          for k, v in full.items()}
+                dcp.load(target, storage_reader=JaxckptReader(store=w.store))  # the newest: checkpoint 1
+                for k, v in full.items():
+                    assert raw(target[k].to_local()) == raw(v), (failing, k)
+                dcp.save(small, storage_writer=w, checkpoint_id=3)  # the next save commits and trims as usual
+                assert w.store.steps() == [3], (failing, w.store.steps())
+                dist.barrier()
+            out[f"failing-{failing}"] = "ok"
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_slot_failure_on_one_rank_raises_on_every_rank_and_keeps_the_previous_checkpoint():
+    """DCP's storage writes through the slot path and agrees its outcome through the collective wrapper: a rank
+    whose slot cannot be written fails the save on every rank before any rank commits, so retention (keep=1)
+    never trims the checkpoint saved before."""
+    from jaxckpt.tools.launcher import expect_ok, launch
+
+    values = expect_ok(launch(dcp_slot_failure_worker, nodes=1, procs_per_node=2, distributed=False,
+                              args=[f"dcp-slotfail-{uuid.uuid4().hex[:6]}"], timeout=180))
+    assert values == [{"rank": r, "failing-0": "ok", "failing-1": "ok"} for r in range(2)]
 
 
 def dcp_shm_save_worker(job_id: str, shm_dir: str) -> dict:

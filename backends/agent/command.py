@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import sys
@@ -53,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """Run the agent in the foreground until SIGTERM."""
+    """Run the agent in the foreground until SIGTERM or a stop, then end the process with its exit code (``--stop``
+    returns)."""
     config = Config(job_id=args.job, shm_dir=os.path.abspath(args.dir) if args.dir else "", node_name=args.node)
     directory = agent_dir(config)
     if args.stop:
@@ -77,7 +79,7 @@ def run_cli(args: argparse.Namespace) -> int:
     if allocation():  # memory an ended allocation left on this node (agent/lifetime.py)
         lifetime.sweep_ended(shm_base())
     try:
-        return Agent(args.job, directory, node=node_identity(config).name, node_budget=args.budget_bytes,
+        code = Agent(args.job, directory, node=node_identity(config).name, node_budget=args.budget_bytes,
                      peer_bind=None if args.peer_bind == "none" else args.peer_bind,
                      message_timeout_s=args.message_timeout_s, peer_security=args.peer_security,
                      transport=args.transport, agent_dirs=args.agent_dirs, agent_peers=args.peers,
@@ -85,3 +87,11 @@ def run_cli(args: argparse.Namespace) -> int:
     except Exception:
         log.exception("agent of job %s in %s failed", args.job, directory)
         raise
+    # The agent has freed or handed on its memory and closed its sockets; what is left is the interpreter's
+    # teardown of its modules and threads (0.1-0.2 s), which whoever waits for this process to end (a stop, a
+    # launcher, the next agent's --wait) would wait out for nothing. The exit handlers still run (logging's
+    # flush among them): only the teardown is skipped.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

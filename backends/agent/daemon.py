@@ -72,6 +72,7 @@ class _Conn:
     client: bool = False  # set by a tool's hello
     reader: bool = False  # set by a reader's hello (with client)
     pins: Counter = field(default_factory=Counter)
+    recovery_wait_s: float = 0.0  # how long its hello waited for the node's share to be recovered
 
 
 class Agent:
@@ -249,6 +250,9 @@ class Agent:
                 if e.errno in (errno.EINTR, errno.ECONNABORTED):
                     continue
                 raise
+            if self._stop.is_set():  # the wake-up connection of _request_stop
+                sock.close()
+                break
             sock.settimeout(None)
             pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                               struct.calcsize("3i")))
@@ -376,7 +380,9 @@ class Agent:
         else:
             process = _int(msg, "process", MAX_PROCESS)
             if self.recovery is not None:  # join the recovery of the node's share rather than fetch it again
+                t0 = time.monotonic()
                 self.recovery.wait()
+                conn.recovery_wait_s = time.monotonic() - t0
             limits = Limits(budget=_int(msg, "budget"), keep=max(1, _int(msg, "keep")),
                             pending=max(1, _int(msg, "pending")))
             self._claim(conn, process)
@@ -384,7 +390,10 @@ class Agent:
             log.info("process %d (pid %d) connected", process, conn.pid)
         return {"ok": True, "pid": os.getpid(), "generation": self.generation, "node": self.node, "dir": self.dir,
                 "job": self.job, "started": self.started, "adoption": self.adoption,
-                "steps": self.table.steps(conn.process) if conn.process is not None else []}
+                "steps": self.table.steps(conn.process) if conn.process is not None else [],
+                # how long this hello waited for the recovery of the node's share (agent/recovery.py), and its end
+                "recovery_wait_s": conn.recovery_wait_s,
+                "recovery": dict(self.recovery.report) if self.recovery is not None else {}}
 
     def _claim(self, conn: _Conn, process: int) -> None:
         with self._lock:
@@ -492,11 +501,15 @@ class Agent:
 
     def _request_stop(self) -> None:
         self._stop.set()
-        if self._listener is not None:
-            try:
-                self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop now
-            except OSError:
-                pass
+        # Wake the accept loop now: shutdown() of a listening unix socket does not end a blocked accept() on
+        # Linux, so without this connection the stop waits out the accept's 0.2 s time-out (paid by every
+        # `jaxckpt agent --stop`, store close and test teardown).
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as wake:
+                wake.settimeout(1.0)
+                wake.connect(os.path.join(self.dir, SOCKET_NAME))
+        except OSError:
+            pass  # the listener is gone already: nothing to wake
 
 
 def startup_cost() -> dict[str, float]:

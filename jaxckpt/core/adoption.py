@@ -48,21 +48,25 @@ class Adoption:
 
 def decide(engine: "CheckpointEngine") -> Adoption:
     """The adoption of ``engine``'s store at start-up; with several processes, collectively (one round)."""
+    watch = engine.startup
     held = engine.store.steps()
     own = _own_steps(engine, held)
     restorable = None
     if engine.catalog.uses_agents:
         main = engine.collective.channel("main")
-        engine.catalog.discover(main)
-        restorable = engine.catalog.agree_latest(main)  # its scan is the one protected_steps() reads
-    holder = engine.protection.holder if engine.protection is not None else None
-    protected = holder.protected_steps() if holder is not None else []
-    rebuildable = holder.rebuildable_steps() if holder is not None else []
-    if engine.process_count == 1:
-        agreed = own[-engine.config.keep:]
-        guard = max(set(own) & set(protected), default=None)
-    else:
-        agreed, guard, rebuildable = _agree_held(engine, own, protected, rebuildable)
+        with watch.stage("discover agents"):
+            engine.catalog.discover(main)
+        with watch.stage("catalog scan"):
+            restorable = engine.catalog.agree_latest(main)  # its scan is the one protected_steps() reads
+    with watch.stage("agree held"):
+        holder = engine.protection.holder if engine.protection is not None else None
+        protected = holder.protected_steps() if holder is not None else []
+        rebuildable = holder.rebuildable_steps() if holder is not None else []
+        if engine.process_count == 1:
+            agreed = own[-engine.config.keep:]
+            guard = max(set(own) & set(protected), default=None)
+        else:
+            agreed, guard, rebuildable = _agree_held(engine, own, protected, rebuildable)
     if guard is not None and restorable is not None and guard > restorable:
         guard = None
     # Fallbacks newer than guard that can be rebuilt though not protected on every node (a node of theirs was
@@ -84,17 +88,16 @@ def _own_steps(engine: "CheckpointEngine", held: list[int]) -> list[int]:
     out = []
     for s in held:
         try:
-            view = engine.store.open(s)
+            raw = engine.store.manifest(s)  # the bytes stay unread: most held steps are deleted next
         except StepNotFoundError:
             continue
-        if view is None:
+        if raw is None:
             continue
-        with view:
-            try:
-                m = mf.decode(view.manifest, source=f"step {s} manifest of process {engine.process_index}")
-            except mf.ManifestError as e:
-                log.warning("process %d: held step %d is unreadable (%s); not adopted", engine.process_index, s, e)
-                continue
+        try:
+            m = mf.decode(raw, source=f"step {s} manifest of process {engine.process_index}")
+        except mf.ManifestError as e:
+            log.warning("process %d: held step %d is unreadable (%s); not adopted", engine.process_index, s, e)
+            continue
         if (m.process, m.process_count) == (engine.process_index, engine.process_count):
             out.append(s)
     return out

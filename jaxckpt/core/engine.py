@@ -3,6 +3,9 @@
 Save: the face every front end shares (``jaxckpt.frontend.checkpointer``) calls :meth:`CheckpointEngine.begin`
 (reserves the slot; a refusal leaves nothing behind), has its front end take what must be taken now, then calls
 :meth:`CheckpointEngine.start` with the shard reads (one :class:`ArrayRecord` per array leaf, plus plain values).
+The engine plans, numbers and commits steps across processes; the slot each step's bytes go into is reserved,
+written, committed and retained by its :class:`~jaxckpt.core.slots.SlotWriter` (``slots``), the path DCP's
+storage writes through too.
 :meth:`CheckpointEngine.save` does both for a caller whose records are ready (tests, engines without a face).
 Restore: the one restore driver (``jaxckpt.core.restore.restore_step``) and the persistent writer read a
 committed step through :meth:`CheckpointEngine.open`: its manifests and a
@@ -33,12 +36,14 @@ from jaxckpt.errors import (ClosedError, CommitError, ConfigError, NoCheckpointE
                             StepOutOfRangeError, StoreUnavailableError)
 from jaxckpt.core.capabilities import NodeAgent, ProtectionSlots
 from jaxckpt.core.catalog import Catalog
+from jaxckpt.core.timeline import Stopwatch
 from jaxckpt.core.fetch import ChunkReader
 from jaxckpt.core.sources import Holder
 from jaxckpt.core.protect import Protection, ProtectionFactory
 from jaxckpt.node_identity import node_identity
 from jaxckpt.registry import get_part, get_store_class
-from jaxckpt.core.copier import Copier, SnapshotResult
+from jaxckpt.core.copier import SnapshotResult
+from jaxckpt.core.slots import SlotWriter
 # ArrayRecord and ShardReads: the front ends' names for what they hand a save (defined with the chunk table)
 from jaxckpt.core.save_table import ArrayRecord, Prepared, SaveChunks, ShardReads, prepare
 
@@ -114,10 +119,13 @@ class CheckpointEngine:
         self.framework = framework
         self.coordinator = coordinator
         self.process_index, self.process_count = coordinator.process_index, coordinator.process_count
+        # where the constructor's time goes, stage by stage (the front end adds its own): bench cluster's timeline
+        self.startup = Stopwatch()
         # Every cross-process round of this instance (jaxckpt.core.collective): its own keys, deleted when done.
         self.collective = Collective.for_job(coordinator, config.job_id, config.commit_timeout_s)
-        store_cls = get_store_class(config.store)
-        self.store = store_cls(config, process_index=self.process_index, process_count=self.process_count)
+        with self.startup.stage("store"):  # its import, and with node agents the hello (a recovery it joins)
+            store_cls = get_store_class(config.store)
+            self.store = store_cls(config, process_index=self.process_index, process_count=self.process_count)
         self._peers = None
         # Restore needs chunks that other processes hold: node agents serve them (store="shm"), else each process.
         if self.process_count > 1 and not self.store.supports(NodeAgent):
@@ -130,7 +138,8 @@ class CheckpointEngine:
         self.catalog = Catalog(config, coordinator, self.store, self._peers,  # where restores read from
                                collective=self.collective)
         self.last_restore_report = None  # jaxckpt.core.sources.RestoreReport of the last open() (restore)
-        self._snap = Copier(config.workers, config.inflight_bytes)
+        # Every step's slot: reserved, written, committed and kept config.keep deep (jaxckpt.core.slots).
+        self.slots = SlotWriter(self.store, config.keep, workers=config.workers, inflight_bytes=config.inflight_bytes)
         self.costs = SaveCosts()  # this job's measured save costs: what advise_interval reads
         self._tracker = CommitTracker(self.collective.channel("commit"), config.commit_timeout_s,
                                       on_commit=self._after_commit)
@@ -138,15 +147,12 @@ class CheckpointEngine:
         self._last_prep: Prepared | None = None
         self._nodes: tuple[int, ...] | None = None  # node of each process (Config.replicas="whole")
         self._pending: deque[SaveHandle] = deque()
-        self._committed: list[int] = []
         self._last_step: int | None = None
         self._lock = threading.Lock()
         self._closed = False
         # Commit hooks (the persistent tier, protection) run on the commit thread before retention; a pinned step
         # (a pending persist, protection's guard) outlives ``keep`` until its last pin goes.
         self._commit_hooks: list[Callable[[int, bool], None]] = []
-        self._pins: dict[int, int] = {}
-        self._deferred: set[int] = set()
         self.tier: Tier | None = None  # the persistent tier, once attached (attach_tier)
         # Config.protection (``protection``: jaxckpt.protection.runtime.Protector, given by the front end's face):
         # needs node agents; registers its rebuild holder before _adopt so that a restarted job counts steps it
@@ -159,7 +165,8 @@ class CheckpointEngine:
                                   f"to run (build it through a Checkpointer, or pass protection="
                                   f"jaxckpt.protection.runtime.Protector)")
             try:
-                self.protection = protection(self)
+                with self.startup.stage("protection"):
+                    self.protection = protection(self)
             except BaseException:
                 self.store.close()
                 raise
@@ -203,7 +210,7 @@ class CheckpointEngine:
         self._throttle()
         prep = self._prepare(key, records)
         try:
-            slot = self.store.reserve(step, prep.plan.nbytes)
+            slot = self.slots.reserve(step, prep.plan.nbytes)
         except StoreUnavailableError as e:  # logged and counted by the store; training goes on
             self._tracker.local_done(step, False)
             self._last_step = step  # the step is decided (aborted) for every process: never reuse it
@@ -254,15 +261,16 @@ class CheckpointEngine:
         handle.save_call_seconds = time.perf_counter() - res.t0
         self.costs.record(step, time.monotonic() - handle.save_call_seconds, handle.save_call_seconds)
         # Last: from here the dispatcher runs (and on a loaded machine may take the caller's core for a while).
-        self._snap.submit(res.slot, functools.partial(SaveChunks, prep, reads),
-                          on_done=lambda f: self._local_finished(f, handle, res.slot, prep, values, order))
+        self.slots.write(res.slot, functools.partial(SaveChunks, prep, reads),
+                         manifest=lambda r: self._manifest(prep, step, r, values, order),
+                         on_done=lambda f: self._local_finished(f, handle))
         return handle
 
     def cancel(self, res: "Reservation", error: BaseException) -> SaveHandle:
         """Give up a reserved save (what was to be saved could not be produced): its slot is freed, the other
         processes learn that the step failed, and the returned handle (also raised by :meth:`wait`) holds
         ``error``. The step number is used up, as for any step the commit protocol decided."""
-        self.store.abort(res.slot)
+        self.slots.abort(res.slot)
         self._tracker.local_done(res.step, False)
         self._last_step = res.step
         handle = SaveHandle(res.step, self._tracker)
@@ -313,20 +321,24 @@ class CheckpointEngine:
             log.info("process %d: whole replicas over %d node(s) %s", self.process_index, len(names), list(names))
         return self._nodes
 
-    def _local_finished(self, fut, handle: SaveHandle, slot, prep: Prepared, values, order) -> None:
+    def _manifest(self, prep: Prepared, step: int, res: SnapshotResult, values: list[mf.LeafMeta],
+                  order: tuple[str, ...]) -> bytes:
+        """The manifest of a written slot, on the copier's thread: O(1) Python objects whatever the chunk count
+        (the layout's template is made once, the crc32cs filled in; objects per chunk here set off the collector
+        while the training thread waits for the GIL)."""
+        template = prep.template(self.process_index, self.process_count, self.framework, order)
+        return template.encode(step, res.crcs, values)
+
+    def _local_finished(self, fut, handle: SaveHandle) -> None:
+        """The slot of ``handle``'s step is committed here (or failed and freed): tell the commit protocol."""
         try:
             res: SnapshotResult = fut.result()
-            # O(1) Python objects whatever the chunk count: the layout's manifest is encoded once, the crc32cs
-            # filled in (objects per chunk here set off the collector while the training thread waits for the GIL)
-            template = prep.template(self.process_index, self.process_count, self.framework, order)
-            self.store.commit(slot, template.encode(handle.step, res.crcs, values))
             handle.snapshot_seconds = res.seconds
         except BaseException as e:  # noqa: BLE001 - reported through the handle and the commit protocol
             log.error("step %d: snapshot failed on process %d: %s", handle.step, self.process_index, e,
                       exc_info=not isinstance(e, StoreUnavailableError))
             handle.error = e
             handle.skipped = isinstance(e, StoreUnavailableError)
-            self.store.abort(slot)
             self._tracker.local_done(handle.step, False)
         else:
             self._tracker.local_done(handle.step, True)
@@ -341,15 +353,9 @@ class CheckpointEngine:
                 log.exception("step %d: commit hook failed", step)
         if not committed:
             log.warning("step %d was not committed by every process; dropping it", step)
-            self.store.delete(step)
+            self.slots.discard(step)
             return
-        with self._lock:
-            self._committed = sorted(self._committed + [step])
-            drop, self._committed = self._committed[:-self.config.keep], self._committed[-self.config.keep:]
-            self._deferred.update(s for s in drop if self._pins.get(s))
-            drop = [s for s in drop if not self._pins.get(s)]
-        for s in drop:
-            self.store.delete(s)
+        self.slots.count(step)
 
     # ------------------------------------------------------------------------- commit hooks, pins, the tier
     def add_commit_hook(self, hook: Callable[[int, bool], None]) -> None:
@@ -358,21 +364,11 @@ class CheckpointEngine:
 
     def pin(self, step: int) -> None:
         """Keep ``step`` in the store past ``Config.keep`` until :meth:`unpin` (call from a commit hook)."""
-        with self._lock:
-            self._pins[step] = self._pins.get(step, 0) + 1
+        self.slots.pin(step)
 
     def unpin(self, step: int) -> None:
         """Drop one pin of ``step``; a step retention already let go is freed with its last pin."""
-        with self._lock:
-            n = self._pins.get(step, 0) - 1
-            if n > 0:
-                self._pins[step] = n
-                return
-            self._pins.pop(step, None)
-            free = step in self._deferred
-            self._deferred.discard(step)
-        if free:
-            self.store.delete(step)
+        self.slots.unpin(step)
 
     def newest_begun(self) -> int | None:
         """The newest step this process began to save (or adopted); later saves must be newer."""
@@ -384,12 +380,9 @@ class CheckpointEngine:
         agreed they cannot be restored bit for bit (``jaxckpt.core.fallback``), so the job goes on from
         ``restored`` and may save those numbers again. ``begun`` is the newest step any process began to save:
         rounds numbered by step (commit, protection, persist) are shifted past every number used so far."""
+        self.slots.forget(steps)
         with self._lock:
-            self._committed = [s for s in self._committed if s not in steps]
             self._pending = deque(h for h in self._pending if h.step not in steps)  # decided long ago
-            for s in steps:
-                self._pins.pop(s, None)
-                self._deferred.discard(s)
             if self._last_step is not None and begun is not None and self._last_step <= begun:
                 self._last_step = restored  # no newer save began here: the next one may be restored + 1
         top = max(begun if begun is not None else restored, *steps)
@@ -432,14 +425,12 @@ class CheckpointEngine:
 
     def committed_steps(self) -> list[int]:
         """Committed steps, ascending, without asking the store (whose agent may be down) whether it holds them."""
-        with self._lock:
-            return list(self._committed)
+        return self.slots.counted()
 
     def pinned_steps(self) -> list[int]:
         """Steps pinned past retention (protection's guard, adoption's rebuildable fallbacks), ascending: a restore
         may fall back to them when the newer steps' bytes are proven bad (``jaxckpt.core.fallback``)."""
-        with self._lock:
-            return sorted(s for s, n in self._pins.items() if n > 0)
+        return self.slots.pinned()
 
     def attach_tier(self, tier: "Tier") -> None:
         """Read steps from the persistent tier too: its holder joins the catalog (ranked last), and its steps are
@@ -464,8 +455,7 @@ class CheckpointEngine:
 
     def all_steps(self) -> list[int]:
         """Committed steps still held, ascending."""
-        with self._lock:
-            committed = list(self._committed)
+        committed = self.slots.counted()
         held = set(self.store.steps())  # a step deleted from the store directly (e.g. by the Orbax handler)
         return [s for s in committed if s in held]
 
@@ -477,17 +467,15 @@ class CheckpointEngine:
         for s in a.delete:
             self.store.delete(s)
         for step, complete in a.holds:
-            with self._lock:
-                self._pins[step] = self._pins.get(step, 0) + 1
-                if step not in a.agreed:  # freed with its last pin, like a step retention let go
-                    self._deferred.add(step)
+            self.slots.pin(step, let_go=step not in a.agreed)  # not agreed: freed with its last pin
             self.protection.adopt(step, complete=complete)
             log.info("process %d keeps step %d, the newest %s, until a newer step is protected", self.process_index,
                      step, "protected one" if complete else "older one that can be rebuilt")
         if a.newest is not None:
-            self._committed = list(a.agreed)
+            self.slots.adopt(a.agreed)
             self._last_step = a.newest
             self._tracker.adopt(a.newest)
+            self.store.prefetch(a.newest)  # what a relaunch restores next: its bytes made ready meanwhile
             log.info("process %d adopted steps %s held by store %r from an earlier run (latest %d%s)",
                      self.process_index, list(a.agreed), self.config.store, a.newest,
                      ", restorable from the node agents" if a.newest not in a.agreed else "")
@@ -546,7 +534,7 @@ class CheckpointEngine:
         except Exception as e:  # noqa: BLE001 - closing must not fail because a save did
             log.warning("close: a pending save did not commit: %s", e)
         self._closed = True
-        self._snap.close()
+        self.slots.close()
         self._tracker.close()
         if self.protection is not None:
             self.protection.close()

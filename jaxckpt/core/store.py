@@ -87,6 +87,19 @@ class Store(abc.ABC):
     def open(self, step: int) -> SnapshotView | None:
         """Pin and return a committed snapshot, or None if ``step`` is not committed here."""
 
+    def manifest(self, step: int) -> bytes | None:
+        """The manifest of committed ``step`` (None if it is not committed here), its bytes left unread: what a
+        start-up's adoption reads of every held step (a store that maps snapshots overrides it to map none)."""
+        view = self.open(step)
+        if view is None:
+            return None
+        with view:
+            return bytes(view.manifest)
+
+    def prefetch(self, step: int) -> None:
+        """Start making committed ``step``'s bytes ready to read (a relaunch restores it next) and return at once;
+        a store whose reads cost nothing up front does nothing. Failures are the restore's to report."""
+
     @abc.abstractmethod
     def delete(self, step: int) -> None:
         """Free a committed snapshot (deferred while readers hold it); unknown steps are ignored."""

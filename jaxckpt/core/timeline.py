@@ -1,4 +1,5 @@
-"""A restore's timeline: bytes and seconds per phase, as ``last_restore_report.timeline`` carries them.
+"""A restore's timeline: bytes and seconds per phase, as ``last_restore_report.timeline`` carries them; and a
+start-up's (``Checkpointer()``'s stages, :class:`Stopwatch`).
 
 Phases, in the order a restore meets them (numpy only, no I/O):
 
@@ -19,7 +20,9 @@ first operation's start to its last one's end, ``busy_s`` the operations' durati
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from dataclasses import dataclass, field
 
 PHASES = ("discover", "plan", "local_reads", "collective", "peer_fetches", "rebuild", "persistent_reads",
@@ -124,3 +127,26 @@ class Tally:
         if self.count:
             timeline.add(self.name, self.first, self.last, self.busy_s, self.nbytes, self.count)
         self.first, self.busy_s, self.nbytes, self.count = None, 0.0, 0, 0
+
+
+class Stopwatch:
+    """Wall-clock and CPU seconds of the named stages of one thread's work, in order: a ``Checkpointer()``'s
+    start-up (``CheckpointEngine.startup``). Wall beyond CPU is waiting (a round for the slowest process, an
+    agent's reply, a recovery joined); CPU is work (imports, scans)."""
+
+    def __init__(self) -> None:
+        self.stages: dict[str, dict[str, float]] = {}
+
+    @contextlib.contextmanager
+    def stage(self, name: str):
+        """Time the block as stage ``name`` (added to it if it ran before)."""
+        w, c = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            st = self.stages.setdefault(name, {"seconds": 0.0, "cpu_s": 0.0})
+            st["seconds"] += time.perf_counter() - w
+            st["cpu_s"] += time.thread_time() - c
+
+    def to_dict(self) -> dict[str, dict[str, float]]:
+        return {k: dict(v) for k, v in self.stages.items()}

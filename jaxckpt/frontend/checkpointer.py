@@ -97,10 +97,17 @@ class Checkpointer:
         if config.persistent_dir and self._owns_engine:
             from jaxckpt.persistent import Persister  # imports orbax: only jobs with a persistent tier pay for it
             try:
-                self.persister = Persister(engine, config, build=self._build)
+                with engine.startup.stage("persistent"):  # its import (orbax's) and set-up
+                    self.persister = Persister(engine, config, build=self._build)
             except BaseException:
                 engine.close()
                 raise
+
+    @property
+    def startup(self) -> dict[str, dict[str, float]]:
+        """Where this checkpointer's construction spent its time: wall and CPU seconds per stage (the store and
+        its agent's hello, protection, the adoption's rounds and scans, the persistent tier)."""
+        return self.engine.startup.to_dict()
 
     @property
     def store(self):

@@ -11,6 +11,7 @@ from jaxckpt.core import hostbuf
 from jaxckpt.core.box import Box
 from jaxckpt.core.dtypes import dtype_name, native_order
 from jaxckpt.core.plan import HOST, ArrayLayout, Placement
+from jaxckpt.jax import buffers
 
 
 @functools.lru_cache(maxsize=4096)
@@ -81,8 +82,10 @@ def shard_reads(x: Any, kind: str, devices: frozenset[int], owned: bool = False
         # again per call), so it is read once; a fully replicated array has one buffer worth reading.
         if x.is_fully_replicated:
             local = [x.addressable_data(0)] * len(order)
-        else:
+        elif buffers.private_arrays(x, order):
             local = x._arrays
+        else:  # jax's private per-device arrays are not there: see jax.buffers
+            local = buffers.public(x, order)
         for i, dev in enumerate(order):
             if dev in devices:
                 view = np.asarray(local[i])

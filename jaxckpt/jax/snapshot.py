@@ -40,7 +40,7 @@ from jaxckpt.core.dtypes import native_order
 from jaxckpt.core import manifest as mf
 from jaxckpt.core.engine import ArrayRecord, ShardReads
 from jaxckpt.core.plan import HOST
-from jaxckpt.jax import shards
+from jaxckpt.jax import buffers, shards
 from jaxckpt.jax.tree import Leaf, classify, paths
 
 log = logging.getLogger("jaxckpt.jax.snapshot")
@@ -183,7 +183,8 @@ class Saver:
     def _reads(self, plan: TreeLayout, devices: list[frozenset[int]], leaves: list[Any]
                ) -> tuple[tuple, tuple[int, ...]]:
         """Per array record: ("view", leaf, positions in ``_arrays``, device ids, all positions? or "one": the
-        fully replicated array's one buffer read, viewed through the buffer protocol?) for a CPU jax array,
+        fully replicated array's one buffer read, or "public": read through jax's public API (``jax.buffers``),
+        viewed through the buffer protocol?) for a CPU jax array,
         ("copy", leaf) for numpy, ("same", leaf) for a numpy scalar, ("shards", leaf, devs) otherwise,
         or ("none",) when this process reads nothing of it; and the records an owned state still takes at once
         (numpy leaves are the caller's memory even there)."""
@@ -202,8 +203,12 @@ class Saver:
                 # A fully replicated array read from one device: its first buffer holds the same bytes and is
                 # the one JAX exposes without building a Python array (and a sharding) for every local buffer.
                 whole = plan.shardings[i].is_fully_replicated and len(pos) == 1
-                out.append(("view", i, pos, tuple(order[k] for k in pos),
-                            "one" if whole else pos == tuple(range(len(order))), _buffer_protocol(leaves[i].dtype)))
+                how: Any = pos == tuple(range(len(order)))
+                if whole and buffers.private_whole(leaves[i]):
+                    how = "one"
+                elif whole or not buffers.private_arrays(leaves[i], order):
+                    how = "public"  # jax's private names are not there (or not wanted): see jax.buffers
+                out.append(("view", i, pos, tuple(order[k] for k in pos), how, _buffer_protocol(leaves[i].dtype)))
             else:
                 out.append(("shards", i, devs))
         return tuple(out), tuple(j for j, r in enumerate(out) if r[0] in ("copy", "same"))
@@ -242,10 +247,15 @@ def _pin(reads: tuple, taken: list[Any], leaves: list[Any], plan: TreeLayout,
     for j, r in enumerate(reads):
         what = r[0]
         if what == "view":  # the one per-shard cost of a save (see the module docstring)
-            x = leaves[r[1]]
-            arrs = [x._fully_replicated_shard()] if r[4] == "one" else x._arrays
-            if r[4] is False:
-                arrs = [arrs[p] for p in r[2]]
+            x, how = leaves[r[1]], r[4]
+            if how == "one":
+                arrs = [x._fully_replicated_shard()]
+            elif how == "public":
+                arrs = buffers.public(x, r[3])
+            else:
+                arrs = x._arrays
+                if how is False:
+                    arrs = [arrs[p] for p in r[2]]
             taken[j] = list(map(np.asarray, arrs)) if r[5] else views(arrs)
         elif what == "shards":
             taken[j] = shards.shard_reads(leaves[r[1]], plan.leaves[r[1]].kind, r[2])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -215,11 +216,32 @@ class RebuildHolder(Holder):
         real: dict[int, list[tuple[Holder, HeldEntry]]] = {}
         prot: dict[int, list[tuple[Holder, HeldEntry]]] = {}
         unreadable: dict[int, list[tuple[Holder, HeldEntry]]] = {}  # held, but its manifest does not decode
-        for h in self._agents():
+        failed: dict[tuple, Exception] = {}  # slots whose header could not be read, reported below
+
+        def listing(h: Holder) -> list[HeldEntry] | None:
+            """One agent's listing and the headers of its protection slots not read yet (cached by _header):
+            a start-up's scan waits for the slowest agent's round trips, not for the sum of every agent's."""
             try:
                 entries = h.held()
             except Exception as e:  # noqa: BLE001 - an unreachable agent is a lost node
                 log.info("%s did not list its snapshots: %s", h.name, e)
+                return None
+            for e in entries:
+                if e.process >= PROTECT_BASE:
+                    try:
+                        self._header(h, e.process, e.step, e.crc)
+                    except (ManifestError, ChecksumError, PeerError, StepNotFoundError, OSError) as err:
+                        failed[(h.name, e.process, e.step, e.crc)] = err
+            return entries
+
+        agents = self._agents()
+        if len(agents) > 1:  # each agent's requests stay on one thread, in order, as a sequential scan makes them
+            with ThreadPoolExecutor(min(len(agents), 16), thread_name_prefix="jaxckpt-scan") as ex:
+                listed = list(zip(agents, ex.map(listing, agents)))
+        else:
+            listed = [(h, listing(h)) for h in agents]
+        for h, entries in listed:
+            if entries is None:
                 continue
             for e in entries:
                 if e.process >= PROTECT_BASE:
@@ -233,6 +255,9 @@ class RebuildHolder(Holder):
             plan_bytes, manifests, blocks, writers = None, {}, {}, set()
             for h, e in slots:
                 try:
+                    err = failed.get((h.name, e.process, step, e.crc))
+                    if err is not None:
+                        raise err
                     hdr, pb, man = self._header(h, e.process, step, e.crc)
                 except (ManifestError, ChecksumError, PeerError, StepNotFoundError, OSError) as err:
                     log.warning("step %d: protection slot at %s unusable: %s", step, h.name, err)

@@ -120,6 +120,14 @@ class StoreTests:
         with store.open(1) as view:
             self.assert_snapshot(view, 1)
 
+    def test_manifest_alone_pins_nothing(self, store: Store) -> None:
+        self.write(store, 1)
+        slot = store.reserve(2, N)  # being written: not committed, no manifest yet
+        assert store.manifest(1) == manifest_of(1) and store.manifest(2) is None and store.manifest(7) is None
+        store.abort(slot)
+        store.delete(1)  # as any step (test_agent.py checks the agent holds no pin of it)
+        assert store.steps() == [] and store.manifest(1) is None
+
     def test_view_is_read_only(self, store: Store) -> None:
         self.write(store, 1)
         view = store.open(1)

@@ -9,8 +9,9 @@ memory, where it outlives the process).
 Checkpoint ids. A checkpoint is a store step: ``checkpoint_id`` (given to the constructor or to ``dcp.save`` /
 ``dcp.load``, which pass it to ``reset``) is an int >= 0, or a string ``"12"``, ``"step_12"``, ``"step-12"`` or
 ``"jaxckpt://12"``; anything else raises :class:`jaxckpt.errors.StepError`. Saving needs an id; loading without
-one reads the newest checkpoint the coordinator's store holds. Saving an id again replaces it. Each rank's store
-keeps the ``Config.keep`` highest steps (as for ``Checkpointer``); give DCP checkpoints a ``job_id`` of their
+one reads the newest checkpoint the coordinator's store holds. Saving an id again replaces it (the slot writer's
+``replace``: the old slot is freed when the new one is reserved). Each rank's store keeps the ``Config.keep``
+highest steps and the one just saved (the slot writer's retention, as for ``Checkpointer``); give DCP checkpoints a ``job_id`` of their
 own, a ``Checkpointer`` of the same job and store would see their slots as foreign snapshots. A DCP checkpoint
 lives in the store only: ``Config.protection`` and ``Config.persistent_dir`` are refused (ConfigError).
 
@@ -18,13 +19,21 @@ Save, in DCP's call order (ranks are those of the process group DCP runs on):
 
 0) (all ranks) ``reset(checkpoint_id)``; 1) ``set_up_storage_writer``; 2) ``prepare_local_plan``: unchanged.
 3) (coordinator) ``prepare_global_plan``: stamps every rank's plan with one save id and the rank's index.
-4) (all ranks) ``write_data``: reserves one slot of the exact size at step = checkpoint id in the rank's own
-   store, copies each ``WriteItem`` into it with a crc32c each on the engine's copy workers
-   (``jaxckpt.core.copier``: tensors straight from the live tensor, 64-byte aligned; ``BytesIO`` items as the raw
-   bytes DCP serialised), and commits it; the coordinator keeps its slot uncommitted. Each WriteResult carries a :class:`Locator` (rank, offset, size, crc32c).
+4) (all ranks) ``write_data``: writes the rank's items through the slot path every save of jaxckpt takes
+   (``jaxckpt.core.slots.SlotWriter``, the engine's): one slot of the exact size at step = checkpoint id in the
+   rank's own store, laid out by this rank (each ``WriteItem`` 64-byte aligned: tensors straight from the live
+   tensor, ``BytesIO`` items as the raw bytes DCP serialised), copied with a crc32c each on the copy workers.
+   Then every rank learns whether every rank wrote its slot (``jaxckpt.core.collective.agree``, one round over
+   the process group's store): a failure on any rank (a slot over the store's budget, a tensor the planner
+   cannot resolve) is raised on every rank (the same ``jaxckpt.errors`` class, naming the rank) and every rank
+   frees its slot, so a failed save commits nothing and retention deletes nothing. Otherwise each rank but the
+   coordinator commits its slot and applies retention; the coordinator keeps its slot uncommitted. Each
+   WriteResult carries a :class:`Locator` (rank, offset, size, crc32c).
 5) (coordinator) ``finish(metadata, results)``: encodes DCP's ``Metadata`` with every locator as msgpack
    (``dcp_metadata``: no pickle; what cannot be encoded is refused) and commits its slot with it as the
-   manifest. A checkpoint exists once that commit is done: a save that fails anywhere leaves no metadata.
+   manifest (given at commit, after the copy). A checkpoint exists once that commit is done: a save that fails
+   anywhere leaves no metadata. (A ``finish`` that fails after the other ranks committed leaves their slots,
+   without metadata, and their retention applied.)
 
 Load: ``read_metadata`` (all ranks): group rank 0 reads the metadata from its own store; its error, if any, is
 agreed on, then the metadata is broadcast as bytes. ``read_data`` (all ranks, DCP's planner having assigned each rank its ``ReadItem`` list):
@@ -94,7 +103,8 @@ from jaxckpt.torch.dcp_read import ChunkSet
 from jaxckpt.torch.dtypes import numpy_view
 from jaxckpt.config import Config
 from jaxckpt.core.collective import Channel, Collective, agree
-from jaxckpt.core.copier import CopyTask, Copier
+from jaxckpt.core.copier import CopyTask
+from jaxckpt.core.slots import SlotWriter
 from jaxckpt.registry import get_store_class
 from jaxckpt.core.store import Slot, Store
 from jaxckpt.errors import ConfigError, ManifestError, PlanError, StepError, StepNotFoundError
@@ -154,6 +164,38 @@ def _refuse_tiers(config: Config) -> None:
                           f"FileSystemWriter")
 
 
+class _GroupRounds:
+    """A writer's or reader's rounds over its process group's store (``jaxckpt.core.collective``), made on first
+    use; none for a group of one rank."""
+
+    def __init__(self, group: dist.ProcessGroup | None, config: Config) -> None:
+        self.group, self._config = group, config
+        self._collective: Collective | None = None
+
+    def channel(self) -> Channel | None:
+        """The channel every agreement of this writer or reader is a round of (None: one rank, nothing to agree)."""
+        if self.group is None:
+            return None
+        if self._collective is None:
+            coordinator = TorchStoreCoordinator.from_process_group(self.group)
+            self._collective = Collective.for_job(coordinator, self._config.job_id, self._config.commit_timeout_s)
+        return self._collective.channel("dcp")
+
+    def agree(self, name: str, error: BaseException | None) -> None:
+        """Raise on every rank when any failed (``jaxckpt.core.collective.agree``; one rank: its own error)."""
+        rounds = self.channel()
+        if rounds is not None:
+            agree(rounds, name, error)
+        elif error is not None:
+            raise error
+
+    def close(self) -> None:
+        """End the rounds (bounded by ``Config.peer_timeout_s`` for ranks that do not close)."""
+        if self._collective is not None:
+            self._collective.close(timeout_s=self._config.peer_timeout_s)
+            self._collective = None
+
+
 @dataclass(frozen=True)
 class _SaveTag:
     """``SavePlan.storage_data`` set by the coordinator: one id per save, and the plan's rank."""
@@ -173,12 +215,16 @@ class JaxckptWriter(StorageWriter):
 
     def __init__(self, checkpoint_id: Any = None, *, config: Config | None = None, store: Store | None = None,
                  process_group: dist.ProcessGroup | None = None) -> None:
-        _, self.rank, self.world = _group_of(process_group)
+        group, self.rank, self.world = _group_of(process_group)
         self.config, self.store, self._owns_store = _make_store(config, store, self.rank, self.world)
+        # The one slot path (jaxckpt.core.slots): an id saved again replaces its slot; retention counts what the
+        # store already holds (a node agent's store keeps an earlier writer's checkpoints).
+        self.slots = SlotWriter(self.store, self.config.keep, workers=self.config.workers,
+                                inflight_bytes=self.config.inflight_bytes, replace=True, counted=self.store.steps())
+        self._rounds = _GroupRounds(group, self.config)
         self.checkpoint_id: str | None = None
         self._step: int | None = None
         self._pending: tuple[Slot, dict] | None = None  # the coordinator's slot, committed by finish()
-        self._copier: Copier | None = None  # made on the first write_data
         self._is_coordinator = False
         if checkpoint_id is not None:
             self.reset(checkpoint_id)
@@ -225,32 +271,31 @@ class JaxckptWriter(StorageWriter):
         return [dataclasses.replace(p, storage_data=_SaveTag(save_id, i, len(plans))) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Copy every item of ``plan`` into one slot of this rank's store, with a crc32c each (see docstring)."""
-        tag = plan.storage_data
-        if not isinstance(tag, _SaveTag):
-            raise PlanError(f"step {self._step}: the save plan of rank {self.rank} has storage_data {tag!r}, not "
-                            f"the coordinator's JaxckptWriter stamp: every rank must save with a JaxckptWriter")
-        if tag.rank != self.store.process_index:
-            raise PlanError(f"step {self._step}: DCP planned rank {tag.rank}, but this writer's store is that of "
-                            f"process {self.store.process_index}: give JaxckptWriter the process_group of dcp.save")
-        step = self._step
-        layout, pos = [], 0
-        for item in plan.items:
-            if item.type == WriteItemType.BYTE_IO:
-                data = planner.resolve_data(item)
-                raw = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(bytes(data))
-                layout.append((item, pos, len(raw), raw))
-                pos = align(pos + len(raw))
-            else:
-                td = item.tensor_data
-                n = math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
-                layout.append((item, pos, n, None))
-                pos = align(pos + n)
-        slot = self._reserve(step, pos)
+        """Write every item of ``plan`` into one slot of this rank's store, with a crc32c each; commit it once
+        every rank wrote its own (see the module docstring)."""
+        tag, step = plan.storage_data, self._step
+        slot: Slot | None = None
+        error: Exception | None = None
+        layout: list = []
+        crcs: list[int] = []
         try:
-            crcs = self._copy(slot, layout, planner, step)
+            if not isinstance(tag, _SaveTag):
+                raise PlanError(f"step {step}: the save plan of rank {self.rank} has storage_data {tag!r}, not the "
+                                f"coordinator's JaxckptWriter stamp: every rank must save with a JaxckptWriter")
+            if tag.rank != self.store.process_index:
+                raise PlanError(f"step {step}: DCP planned rank {tag.rank}, but this writer's store is that of "
+                                f"process {self.store.process_index}: give JaxckptWriter the process_group of "
+                                f"dcp.save")
+            layout, nbytes = self._layout(plan, planner)
+            slot = self._reserve(step, nbytes)
+            crcs = self.slots.write(slot, self._tasks(layout, planner, step)).result().crcs
+        except Exception as e:  # noqa: BLE001 - agreed on below: raised on every rank
+            error = e
+        try:
+            self._rounds.agree(f"writing DCP checkpoint step {step}", error)
         except BaseException:
-            self.store.abort(slot)
+            if slot is not None:
+                self.slots.abort(slot)  # a failed write freed its slot already; aborting again is harmless
             raise
         chunks = [[it.index.fqn, off, n, crc] for (it, off, n, _), crc in zip(layout, crcs)]
         body = {"save_id": tag.save_id, "rank": tag.rank, "world": tag.world, "step": step,
@@ -280,36 +325,50 @@ class JaxckptWriter(StorageWriter):
                     locators[wr.index] = wr.storage_data
             body["metadata"] = dcp_metadata.encode(metadata, StorageIndex(body["save_id"], slot.step, body["world"],
                                                                           locators))
-            self._commit(slot, body)
         except BaseException:
-            self.store.abort(slot)
+            self.slots.abort(slot)
             raise
+        self._commit(slot, body)
         log.info("DCP checkpoint %s committed at step %d: %d chunks from %d ranks", self.checkpoint_id, slot.step,
                  len(locators), body["world"])
 
     # ------------------------------------------------------------------------------------------- helpers
+    @staticmethod
+    def _layout(plan: SavePlan, planner: SavePlanner) -> tuple[list, int]:
+        """This rank's slot layout: (item, offset, nbytes, raw bytes of a BytesIO item or None) per item, each
+        64-byte aligned, and the slot's size."""
+        layout, pos = [], 0
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                data = planner.resolve_data(item)
+                raw = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(bytes(data))
+                layout.append((item, pos, len(raw), raw))
+                pos = align(pos + len(raw))
+            else:
+                td = item.tensor_data
+                n = math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
+                layout.append((item, pos, n, None))
+                pos = align(pos + n)
+        return layout, pos
+
     def _reserve(self, step: int, nbytes: int) -> Slot:
-        if step in self.store.steps():
-            self.store.delete(step)  # saving an id again replaces it, as DCP's FileSystemWriter does
         try:
-            return self.store.reserve(step, nbytes)
+            return self.slots.reserve(step, nbytes)  # an id saved again: its slot is freed first (replace)
         except StepError as e:
             raise StepError(f"checkpoint {self.checkpoint_id!r} (step {step}) cannot be written on rank "
                             f"{self.rank}: {e} (a load still reading it, or a save of it still running?)") from None
 
-    def _copy(self, slot: Slot, layout: list, planner: SavePlanner, step: int) -> list[int]:
-        """Copy each item into ``slot`` and checksum it on the engine's copy workers (``jaxckpt.core.copier``:
-        ``Config.workers`` threads, ``Config.inflight_bytes`` in flight; torch copies and crc32c release the
-        GIL); tensors straight from their source, on any device. The crc32c of each item, in order."""
+    def _tasks(self, layout: list, planner: SavePlanner, step: int) -> list[CopyTask]:
+        """The copy of each item at its offset (the slot writer's copy workers: ``Config.workers`` threads,
+        ``Config.inflight_bytes`` in flight; torch copies and crc32c release the GIL); tensors straight from
+        their source, on any device."""
         tasks = []
         for item, off, n, raw in layout:
             if raw is not None:
                 tasks.append(CopyTask(lambda raw=raw: np.frombuffer(raw, np.uint8), off, n))
             else:
                 tasks.append(CopyTask(self._tensor_fetch(item, planner.resolve_data(item), step), off, n))
-        if self._copier is None:
-            self._copier = Copier(max(1, self.config.workers), self.config.inflight_bytes)
-        return self._copier.submit(slot, tasks).result().crcs
+        return tasks
 
     @staticmethod
     def _tensor_fetch(item: WriteItem, t: Any, step: int) -> Callable[[], np.ndarray]:
@@ -321,22 +380,27 @@ class JaxckptWriter(StorageWriter):
         return lambda: numpy_view(t.detach().cpu())
 
     def _commit(self, slot: Slot, body: dict) -> None:
-        self.store.commit(slot, pack_slot_manifest(body))
-        keep = sorted(self.store.steps())[-max(1, self.config.keep):]
-        self.store.retain(set(keep) | {slot.step})
+        """Commit ``slot`` with ``body`` as its manifest and count it (retention)."""
+        try:
+            manifest = pack_slot_manifest(body)
+        except BaseException:
+            self.slots.abort(slot)
+            raise
+        self.slots.commit(slot, manifest)
+        self.slots.count(slot.step)
 
     def _abort_pending(self) -> None:
         if self._pending is not None:
             slot, _ = self._pending
             self._pending = None
-            self.store.abort(slot)
+            self.slots.abort(slot)
 
     def close(self) -> None:
-        """Abort an unfinished save and close the store if this writer made it (a memory store's data goes)."""
+        """Abort an unfinished save, end the rounds and close the store if this writer made it (a memory store's
+        data goes)."""
         self._abort_pending()
-        if self._copier is not None:
-            self._copier.close()
-            self._copier = None
+        self.slots.close()
+        self._rounds.close()
         if self._owns_store:
             self.store.close()
 
@@ -361,7 +425,7 @@ class JaxckptReader(StorageReader):
         self.checkpoint_id: str | None = None
         self._step: int | None = None
         self._index: StorageIndex | None = None
-        self._collective: Collective | None = None  # the group's rounds (error agreement), made on first use
+        self._rounds = _GroupRounds(self._group, self.config)  # the group's error agreement
         self._chunks: dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]] = {}
         if checkpoint_id is not None:
             self.reset(checkpoint_id)
@@ -386,20 +450,10 @@ class JaxckptReader(StorageReader):
                 payload = msgpack.packb(self._local_metadata())
             except Exception as e:  # noqa: BLE001 - agreed on: the other ranks would wait for it otherwise
                 error = e
-        if self._group is None:
-            if error is not None:
-                raise error
-        else:
-            agree(self._rounds(), "reading DCP checkpoint metadata", error)
+        self._rounds.agree("reading DCP checkpoint metadata", error)
+        if self._group is not None:
             payload = xc.broadcast_bytes(self._group, payload)
         return dcp_metadata.decode(msgpack.unpackb(payload), f"metadata of checkpoint {self.checkpoint_id or 'newest'}")
-
-    def _rounds(self) -> Channel:
-        """This reader's channel of rounds over the process group's store (jaxckpt.core.collective)."""
-        if self._collective is None:
-            coordinator = TorchStoreCoordinator.from_process_group(self._group)
-            self._collective = Collective.for_job(coordinator, self.config.job_id, self.config.commit_timeout_s)
-        return self._collective.channel("dcp")
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Index the saved chunks' dtypes and shapes."""
@@ -427,8 +481,7 @@ class JaxckptReader(StorageReader):
         index = self._index
         if index is None:
             raise PlanError("read_data() before set_up_storage_reader()")
-        chunks = ChunkSet(self.store, index, self._group, self.rank, self.world,
-                          self._rounds() if self._group is not None else None)
+        chunks = ChunkSet(self.store, index, self._group, self.rank, self.world, self._rounds.channel())
         try:
             got = chunks.read(plan)
             for req in plan.items:
@@ -484,9 +537,7 @@ class JaxckptReader(StorageReader):
     def close(self) -> None:
         """End this reader's rounds (bounded by ``Config.peer_timeout_s`` for ranks that do not close), and close
         the store if this reader made it."""
-        if self._collective is not None:
-            self._collective.close(timeout_s=self.config.peer_timeout_s)
-            self._collective = None
+        self._rounds.close()
         if self._owns_store:
             self.store.close()
 

@@ -45,6 +45,7 @@ import uuid
 from typing import Any, Callable, Mapping
 
 from jaxckpt.tools.bench import report, runner
+from jaxckpt.tools.bytecode import byte_compile
 from jaxckpt.tools.bench.cluster_report import aggregate, render
 from jaxckpt.tools.bench.save import parse_size
 
@@ -201,6 +202,7 @@ def _measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float,
     os.makedirs(base, mode=0o700)
     layout = dict(nodes=opts["nodes"], procs_per_node=opts["procs_per_node"], devices_per_proc=devices)
     env = {"JAXCKPT_LOG_LEVEL": "WARNING"}
+    bytecode = byte_compile()  # as installing the package does (jaxckpt/tools/bytecode.py says why)
     recoveries: list[dict[str, Any]] = []
     job = None
     t_start = time.perf_counter()
@@ -268,7 +270,7 @@ def _measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float,
                       "recoveries": opts["recoveries"], "persist_interval": opts["persist_interval"],
                       "probe_bytes": opts["probe_size"],
                       "plain_dir": opts["plain_dir"], "plain_fs": report.fs_type(opts["plain_dir"]),
-                      "floors": dict(FLOORS), "wall_seconds": time.perf_counter() - t_start},
+                      "floors": dict(FLOORS), "bytecode": bytecode, "wall_seconds": time.perf_counter() - t_start},
             **out}
 
 

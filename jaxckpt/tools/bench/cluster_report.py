@@ -122,25 +122,64 @@ def _policy_rows(saved: Sequence[Mapping[str, Any]], policies: Sequence[str]) ->
     return rows
 
 
+def _bytecode_line(st: Mapping[str, Any]) -> str:
+    bc = st.get("bytecode")
+    if not bc:
+        return ""
+    if bc["written"]:
+        return (" jaxckpt's modules were byte-compiled before the launches, as an installed package is (every "
+                "relaunched process reads their `.pyc`).")
+    return (" jaxckpt's modules could not be byte-compiled (its directories are not writable): every relaunched "
+            "process compiled them, which an installed package does not.")
+
+
+def _startup(row: Mapping[str, Any]) -> dict[str, Any]:
+    """One relaunched process's ``Checkpointer()`` stage by stage (wall and CPU seconds; ``rest``: what no stage
+    covers, the front end's own imports and set-up), its CPU seconds per recovery stage, and how long its node
+    agent's hello waited for the recovery of the node's share."""
+    su, stamps = row.get("startup") or {}, row["stamps"]
+    create = stamps["created"] - stamps["target"]
+    stages = dict(su.get("stages") or {})
+    stages["rest"] = {"seconds": max(0.0, create - sum(v["seconds"] for v in stages.values())),
+                      "cpu_s": max(0.0, (su.get("cpu_s") or {}).get("create", 0.0) - sum(v["cpu_s"] for v in stages.values()))}
+    return {"process": row["process"], "create_s": create, "stages": stages, "cpu_s": su.get("cpu_s") or {},
+            "recovery_wait_s": su.get("recovery_wait_s"),
+            "agent_recovery": {k: v for k, v in (su.get("agent_recovery") or {}).items()
+                               if k in ("state", "why", "error", "step", "bytes", "received", "seconds")}}
+
+
+def _startups(rows: Sequence[Mapping[str, Any]], lost_node: int) -> dict[str, Any]:
+    """The ``Checkpointer()`` breakdown of the process that finished it last (what the event's ``create_s`` ends
+    with) and of the replacement node's processes (the lost node's, relaunched on empty memory)."""
+    if not all("startup" in r for r in rows):
+        return {}
+    last = max(rows, key=lambda r: r["stamps"]["created"])
+    return {"create_slowest": _startup(last),
+            "create_replacement": [_startup(r) for r in rows if r.get("node") == lost_node]}
+
+
 def _recovery(results: Mapping[str, Any], recoveries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     s = report.summarize
     events = []
     for ev in recoveries:
         rows = results["recovered"][f"{ev['kind']}{ev['cycle']}"]
-        st = {k: max(r["stamps"][k] for r in rows) for k in ("entry", "created", "opened", "restored", "first_step")}
+        st = {k: max(r["stamps"][k] for r in rows) for k in ("entry", "target", "created", "opened", "restored",
+                                                             "first_step")}
         events.append({"kind": ev["kind"], "cycle": ev["cycle"], "lost_node": ev["lost_node"],
                        "killed_at_step": ev["step"], "restored_step": rows[0]["step"],
                        "newest_protected_at_kill": ev["newest_protected"],
                        "newest_persisted_at_kill": ev["newest_persisted"],
                        "steps_lost": ev["step"] - rows[0]["step"], "recovery_s": st["first_step"] - ev["t_kill"],
-                       "relaunch_s": st["entry"] - ev["t_kill"], "create_s": st["created"] - st["entry"],
+                       "relaunch_s": st["entry"] - ev["t_kill"], "target_s": st["target"] - st["entry"],
+                       "create_s": st["created"] - st["target"],
                        "latest_s": st["opened"] - st["created"],
-                       "restore_s": st["restored"] - st["opened"], "first_step_s": st["first_step"] - st["restored"]})
+                       "restore_s": st["restored"] - st["opened"], "first_step_s": st["first_step"] - st["restored"],
+                       **_startups(rows, ev["lost_node"])})
     out: dict[str, Any] = {"events": events}
     for kind in ("peers", "persistent"):
         ev = [e for e in events if e["kind"] == kind]
-        out[kind] = {k: s([e[k] for e in ev]) for k in ("recovery_s", "relaunch_s", "create_s", "latest_s",
-                                                         "restore_s", "first_step_s")}
+        out[kind] = {k: s([e[k] for e in ev]) for k in ("recovery_s", "relaunch_s", "target_s", "create_s",
+                                                         "latest_s", "restore_s", "first_step_s")}
     out["persistent_over_peers"] = out["persistent"]["recovery_s"]["median"] / out["peers"]["recovery_s"]["median"]
     return out
 
@@ -213,7 +252,8 @@ def render(result: Mapping[str, Any]) -> str:
               f"{fs(st['state_bytes'])} in {st['arrays']} float32 arrays, half data-parallel (split over 'model', "
               f"replicated over the {st['nodes']} nodes) and half fully sharded. Each figure: median (min–max) over "
               f"{st['repeats']} repeats (step times: {st['steps']} steps per process, all processes pooled); a job's "
-              f"time for one repeat is its slowest process's. Run took {fn(st['wall_seconds'])} s.", ""]
+              f"time for one repeat is its slowest process's.{_bytecode_line(st)} Run took "
+              f"{fn(st['wall_seconds'])} s.", ""]
     rows = []
     for p in result["policies"]:
         lag = fm(p["protect_lag_s"]) if p.get("protect_lag_s") else "–"
@@ -296,13 +336,16 @@ def render(result: Mapping[str, Any]) -> str:
                         ("persistent", f"restart from the persistent tier (every {st['persist_interval']} steps)")):
         r = rec[kind]
         lost = sorted(e["steps_lost"] for e in rec["events"] if e["kind"] == kind)
-        rows.append([label, fm(r["recovery_s"]), fm(r["relaunch_s"]), fm(r["create_s"]), fm(r["latest_s"]),
-                     fm(r["restore_s"]), fm(r["first_step_s"]), ", ".join(str(x) for x in lost)])
-    parts.append(report.table(["path", "kill → first step ms", "relaunch (start, JAX init) ms", "Checkpointer() ms",
+        rows.append([label, fm(r["recovery_s"]), fm(r["relaunch_s"]), fm(r["target_s"]) if "target_s" in r else "–",
+                     fm(r["create_s"]), fm(r["latest_s"]), fm(r["restore_s"]), fm(r["first_step_s"]),
+                     ", ".join(str(x) for x in lost)])
+    parts.append(report.table(["path", "kill → first step ms", "relaunch (start, JAX init) ms",
+                               "the script's target built ms", "import jaxckpt.jax + Checkpointer() ms",
                                "latest_step() ms", "restore ms", "first step (with compile) ms", "steps lost"], rows))
     events = "; ".join(f"{e['kind']}: node {e['lost_node']} lost at step {e['killed_at_step']} (newest protected "
                        f"{e['newest_protected_at_kill']}, newest persisted {e['newest_persisted_at_kill']}), restored "
                        f"step {e['restored_step']}" for e in rec["events"])
+    parts += _startup_lines(rec)
     parts += ["", f"Recovery from the persistent tier / from peers: {fn(rec['persistent_over_peers'])}x. Steps lost: "
                   f"trained before the kill and not restored (a save every step; protection and persists run behind "
                   f"the training loop and skip steps to keep up). Events: {events}. Ratios are of medians within this "
@@ -412,6 +455,40 @@ def _floor_lines(result: Mapping[str, Any], tcp_gbps: float) -> list[str]:
             report.table(["path", "host transport bytes", "transport floor ms", "bytes per process (most)",
                           "memory copy floor ms", "floor", "restore ms", "restore / floor",
                           "Orbax StandardRestore / floor", "Orbax / restore"], rows)]
+
+
+def _startup_lines(rec: Mapping[str, Any]) -> list[str]:
+    """Where each recovery's ``Checkpointer()`` went, stage by stage, on the process that finished it last and on
+    the replacement node's: wall ms (CPU ms); wall beyond CPU is waiting (a round for the slowest process, an
+    agent's reply, the recovery of the node's share joined by the hello)."""
+    fn = report.fmt_num
+
+    def one(b: Mapping[str, Any]) -> str:
+        st = "; ".join(f"{k} {fn(v['seconds'] * 1e3)} ({fn(v['cpu_s'] * 1e3)})" for k, v in b["stages"].items())
+        cpu = b["cpu_s"]
+        wait = b.get("recovery_wait_s")
+        ar = b.get("agent_recovery") or {}
+        rcv = (f"; its agent's recovery: {ar.get('state', '–')}" +
+               (f" in {fn(ar['seconds'] * 1e3)} ms" if "seconds" in ar else "") +
+               (f", the hello waited {fn(wait * 1e3)} ms for it" if wait is not None else "")) if ar else ""
+        return (f"process {b['process']}: {fn(b['create_s'] * 1e3)} ms ({fn(cpu.get('create', 0) * 1e3)} CPU) = "
+                f"{st}; then latest_step() {fn(cpu.get('latest', 0) * 1e3)}, restore {fn(cpu.get('restore', 0) * 1e3)}"
+                f", first step {fn(cpu.get('first_step', 0) * 1e3)} ms CPU{rcv}")
+
+    lines = []
+    for e in rec["events"]:
+        if "create_slowest" not in e:
+            continue
+        rep = "; replacement " + "; ".join(one(b) for b in e["create_replacement"]) if e["create_replacement"] else ""
+        lines.append(f"- {e['kind']} (node {e['lost_node']} lost): last to finish `Checkpointer()`, "
+                     f"{one(e['create_slowest'])}{rep}.")
+    if not lines:
+        return []
+    return ["", "`Checkpointer()` of each relaunch, stage by stage, wall ms (CPU ms) (`Checkpointer.startup`): store "
+                "(its import; the agent's hello, which joins a recovery of the node's share still running), protection "
+                "(its import and set-up), the adoption's rounds (discover agents, catalog scan: every agent's holdings "
+                "and a round, agree held: a round), persistent (the tier's set-up), rest (the front end's imports); "
+                "wall beyond CPU is waiting, mostly for the slowest process at a round:", "", *lines]
 
 
 def _issue_floors(result: Mapping[str, Any]) -> list[str]:

@@ -220,9 +220,10 @@ def cluster_recovery(results: Results, out: Path) -> Path | None:
     plt = pyplot()
     rec = res["recovery"]
     kinds = [("peers", "jaxckpt:\nrestore from peers"), ("persistent", "restart from the\npersistent tier")]
-    stages = [("relaunch_s", "relaunch (start, JAX init)"), ("create_s", "Checkpointer()"),
-              ("latest_s", "latest_step()"),
+    stages = [("relaunch_s", "relaunch (start, JAX init)"), ("target_s", "the script's target"),
+              ("create_s", "Checkpointer()"), ("latest_s", "latest_step()"),
               ("restore_s", "restore"), ("first_step_s", "first step (compile)")]
+    stages = [(k, label) for k, label in stages if all(k in rec[kind] for kind, _ in kinds)]  # older results
     fig, ax = plt.subplots(figsize=(7, 4.2))
     bottom = [0.0] * len(kinds)
     for k, (key, label) in enumerate(stages):

@@ -10,7 +10,8 @@ Processes: ``--procs`` JAX processes (1 CPU device each, one simulated node, sta
 a fixed share (``--bytes-per-proc``) of 8 float32 arrays sharded over all devices and snapshot them together
 (commit agreed through the coordination service), then restore it, all at once. Per-process save() call,
 snapshot and restore time should stay flat as processes are added; on this 2-core machine processes beyond two share cores, so the aggregate throughput
-is the figure to read there.
+is the figure to read there. The commit-protocol phase (``--commit-steps``) then runs in the same processes, with a
+Checkpointer and job id of its own: one JAX start-up per process for both.
 """
 from __future__ import annotations
 
@@ -112,22 +113,20 @@ def measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float) -
     for r in swept["results"]:
         gbps = r["size_bytes"] / r["snapshot_s"]["median"] / 1e9
         by_size.append(dict(r, snapshot_gbps=gbps, snapshot_vs_memcpy=gbps / mem["median"]))
-    by_procs = []
+    by_procs, commit = [], []
     for n in opts["procs"]:
-        log.info("bench scaling: %d processes", n)
         pspec = {"bytes_per_proc": opts["bytes_per_proc"], "repeats": opts["repeats"], "warmup": opts["warmup"],
                  "job": f"bench-scaling-{os.getpid()}-{n}"}
-        per = expect_ok(launch(procs_phase, nodes=1, procs_per_node=n, devices_per_proc=1, args=(pspec,),
-                               timeout=timeout))
-        by_procs.append(_merge_procs(n, per))
+        cspec = ({"steps": opts["commit_steps"], "job": f"bench-commit-{os.getpid()}-{n}"}
+                 if opts.get("commit_steps", 0) > 0 else None)
+        log.info("bench scaling: %d processes%s", n,
+                 f", then the commit protocol x {opts['commit_steps']} steps" if cspec else "")
+        per = expect_ok(launch(procs_and_commit_phase, nodes=1, procs_per_node=n, devices_per_proc=1,
+                               args=({"procs": pspec, "commit": cspec},), timeout=timeout))
+        by_procs.append(_merge_procs(n, [p["procs"] for p in per]))
+        if cspec is not None:
+            commit.append(merge_commit(n, [p["commit"] for p in per]))
         gc.collect()
-    commit = []
-    for n in opts["procs"] if opts.get("commit_steps", 0) > 0 else ():
-        log.info("bench scaling: commit protocol, %d processes x %d steps", n, opts["commit_steps"])
-        cspec = {"steps": opts["commit_steps"], "job": f"bench-commit-{os.getpid()}-{n}"}
-        per = expect_ok(launch(commit_phase, nodes=1, procs_per_node=n, devices_per_proc=1, args=(cspec,),
-                               timeout=timeout))
-        commit.append(merge_commit(n, per))
     return {"bench": "scaling", "mode": "quick" if quick else "full", "machine": machine, "date": report.now_utc(),
             "ratios": _ratios(by_size, by_procs),
             "command": cmd,
@@ -271,6 +270,17 @@ def procs_phase(spec: dict) -> dict:
     row["bytes"] = local
     row["process"] = jax.process_index()
     return row
+
+
+def procs_and_commit_phase(spec: dict) -> dict:
+    """One process of a process count's job: the process sweep's phase, then (``spec["commit"]`` set) the
+    commit-protocol phase with a Checkpointer and job id of its own. One launch, so one JAX start-up per
+    process, for both: the protocol's key-value operations and latency are its Checkpointer's alone."""
+    out = {"procs": procs_phase(spec["procs"])}
+    gc.collect()
+    if spec["commit"] is not None:
+        out["commit"] = commit_phase(spec["commit"])
+    return out
 
 
 def commit_phase(spec: dict) -> dict:
