@@ -181,7 +181,7 @@ def test_a_fused_save_of_many_shards_sets_off_no_collection_while_its_reads_are_
         ck.wait()
         state = jax.block_until_ready(state)
         expected = {k: np.asarray(v).copy() for k, v in state.items()}
-        copier = ck.engine._snap
+        copier = ck.engine.slots.copier
         run_one, held = copier._run_one, threading.Event()
 
         def hold(*args):
