@@ -600,7 +600,8 @@ def test_a_save_of_a_mixed_layout_is_bit_for_bit_through_either_way_to_the_buffe
     """save() views shards through jax's private per-device arrays where they are there and behave, else through
     the public ``addressable_shards`` (``jaxckpt.jax.buffers``; ``JAXCKPT_JAX_PUBLIC_BUFFERS=1`` forces the public
     way, as a jax without them would): either way the snapshot of a mixed layout (fully sharded, split over one
-    axis, replicated) is the state at the call bit for bit, though the next step donates it."""
+    axis, replicated) is the state at the call bit for bit, though the next step donates it, and so is
+    wrap_step's fused snapshot."""
     import logging
 
     from jaxckpt.jax import buffers
@@ -622,13 +623,19 @@ def test_a_save_of_a_mixed_layout_is_bit_for_bit_through_either_way_to_the_buffe
             handle = ck.save(2, state)
             state = step(state)
             handle.result(timeout=60)
+            # wrap_step's fused save takes its views of the program's host copies the same way
+            fused = ck.wrap_step(lambda s: jax.tree.map(lambda x: x * 2.0 + 1.0, s))
+            fused_expected = {k: np.array(v) for k, v in state.items()}
+            state = fused(state, save_step=3)
+            fused.last_save.result(timeout=60)
         assert (buffers._arrays_ok, buffers._whole_ok) == ((False, False) if public else (True, True))
         said = [r.getMessage() for r in caplog.records if r.name == "jaxckpt.jax.buffers"]
         assert len(said) == (2 if public else 0) and all(buffers.ENV in m for m in said), said
-        out = ck.restore(target, step=2)
-        for k, want in expected.items():
-            np.testing.assert_array_equal(bits(out[k]), bits(want), err_msg=k)
-            assert out[k].sharding == target[k].sharding
+        for at, want_state in ((2, expected), (3, fused_expected)):
+            out = ck.restore(target, step=at)
+            for k, want in want_state.items():
+                np.testing.assert_array_equal(bits(out[k]), bits(want), err_msg=f"step {at} {k}")
+                assert out[k].sharding == target[k].sharding
     finally:
         monkeypatch.delenv(buffers.ENV, raising=False)
         buffers.recheck()

@@ -340,6 +340,8 @@ def _owned_reads(reads: tuple, taken: list[Any], owned: list[Any], plan: TreeLay
                 x = owned[r[1]]
                 if r[4] == "one":
                     got = views([x._fully_replicated_shard()])
+                elif r[4] == "public":  # JAX's private names unavailable (jax/buffers.py)
+                    got = views(buffers.public(x, r[3]))
                 elif r[4]:
                     got = views(x._arrays)
                 else:
