@@ -172,8 +172,7 @@ def _kill_node_one(job, timeout: float) -> None:
         time.sleep(0.01)
     job.kill_node(1)  # SIGKILL node 1's trainers: a step and a save may be in flight
     print("job 1: SIGKILLed node 1's trainers; tearing the job down", flush=True)
-    job.wait(5)  # node 0's trainers block on the next collective
-    job.close()
+    job.close()  # at once, as a scheduler does: node 0's trainers would block on the next collective
 
 
 def _lose_node_memory(node_dir: str) -> None:
