@@ -65,9 +65,13 @@ message ("metadata is None; global metadata read failed: ...").
 runs on DCP's background thread.
 
 Non-tensor values: DCP turns them into ``BytesIO`` with ``torch.save`` and they are stored as those raw bytes.
-Loading them is DCP's business: the default load planner calls ``torch.load(..., weights_only=False)`` on them
-(torch 2.13), which unpickles; jaxckpt's own layer never does. Load checkpoints only from stores you trust, or
-keep non-tensor state out of the DCP state dict.
+DCP's default load planner then calls ``torch.load(..., weights_only=False)`` on them (torch 2.13), a full
+unpickling of bytes another process wrote. The reader first loads each such item with torch's restricted
+unpickler (``weights_only=True``: tensors, numbers, strings, containers, no other globals, no code run) and
+hands it to the planner only if that succeeds: the planner's own unpickling then meets nothing the restricted
+one refused. Anything else raises :class:`jaxckpt.errors.UnsupportedTypeError` naming the item and the step,
+unless the reader is made with ``trust_pickled_values=True`` (for values of your own classes, from stores you
+trust).
 
 The process group must have a CPU backend (gloo, or ``"cpu:gloo,cuda:nccl"``) and be the one DCP runs on; pass
 the same ``process_group`` to the writer/reader and to ``dcp.save``/``dcp.load``.
@@ -107,7 +111,8 @@ from jaxckpt.core.copier import CopyTask
 from jaxckpt.core.slots import SlotWriter
 from jaxckpt.registry import get_store_class
 from jaxckpt.core.store import Slot, Store
-from jaxckpt.errors import ConfigError, ManifestError, PlanError, StepError, StepNotFoundError
+from jaxckpt.errors import (ConfigError, ManifestError, PlanError, StepError, StepNotFoundError,
+                            UnsupportedTypeError)
 
 log = logging.getLogger("jaxckpt.torch.dcp")
 
@@ -415,13 +420,15 @@ class JaxckptReader(StorageReader):
     """A DCP ``StorageReader`` from jaxckpt's store ``config.store`` (see the module docstring).
 
     ``store``: an existing store to read (e.g. ``writer.store`` for ``store="memory"``); otherwise one is made
-    from ``config`` for this rank and closed by :meth:`close`.
+    from ``config`` for this rank and closed by :meth:`close`. ``trust_pickled_values``: hand non-tensor items
+    that torch's restricted unpickler refuses to DCP's planner anyway (see the module docstring).
     """
 
     def __init__(self, checkpoint_id: Any = None, *, config: Config | None = None, store: Store | None = None,
-                 process_group: dist.ProcessGroup | None = None) -> None:
+                 process_group: dist.ProcessGroup | None = None, trust_pickled_values: bool = False) -> None:
         self._group, self.rank, self.world = _group_of(process_group)
         self.config, self.store, self._owns_store = _make_store(config, store, self.rank, self.world)
+        self.trust_pickled_values = trust_pickled_values
         self.checkpoint_id: str | None = None
         self._step: int | None = None
         self._index: StorageIndex | None = None
@@ -521,7 +528,19 @@ class JaxckptReader(StorageReader):
 
     def _deliver(self, req: Any, buf: memoryview, planner: LoadPlanner, step: int) -> None:
         if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, io.BytesIO(bytes(buf)))
+            raw = bytes(buf)
+            if not self.trust_pickled_values:
+                try:
+                    torch.load(io.BytesIO(raw), weights_only=True)
+                except Exception as e:  # noqa: BLE001 - any refusal of the restricted unpickler
+                    why = next((ln.strip() for ln in str(e).splitlines() if "Unsupported global" in ln),
+                               type(e).__name__)
+                    raise UnsupportedTypeError(
+                        f"DCP checkpoint step {step}, item {req.storage_index.fqn!r}: its non-tensor value needs "
+                        f"a full unpickling (torch's restricted loader refused it: {why}); it was written by "
+                        f"another process, so it is not loaded: pass trust_pickled_values=True to JaxckptReader "
+                        f"for a store you trust") from None
+            planner.load_bytes(req, io.BytesIO(raw))
             return
         dtype, sizes = self._chunks[MetadataIndex(req.storage_index.fqn, req.storage_index.offset)]
         src = byte_tensor(buf).view(dtype).view(sizes)
