@@ -41,7 +41,7 @@ def base_dir():
     os.makedirs(BASE, mode=0o700)
     yield BASE
     left = remove_agents(BASE, also=[_dir(job) for job in ("kill", "jax", "akill0", "akill1", "two", "mp", "cli",
-                                                           "early")])
+                                                           "early", "waitterm")])
     assert not left, f"agents did not clean up {left}"
 
 
@@ -336,3 +336,48 @@ def test_cli_agent_logs_to_a_file_and_frees_everything_on_sigterm(tmp_path):
     assert not os.path.exists(d)
     text = log_path.read_text()
     assert f"of job {job} on node n7" in text and "freed 1 segments" in text
+
+
+def _handles_sigterm(pid: int) -> bool:
+    """Whether process ``pid`` has installed a SIGTERM handler (its /proc status' caught-signal mask)."""
+    with open(f"/proc/{pid}/status") as f:
+        caught = next(int(ln.split()[1], 16) for ln in f if ln.startswith("SigCgt:"))
+    return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
+def test_a_waiting_agent_that_gets_sigterm_frees_what_its_holder_left(tmp_path):
+    """``jaxckpt agent --wait`` (a batch script's agent step) waits for the agent holding its directory; the
+    allocation's end SIGTERMs it, and the holder ends a moment later leaving its memory (a trainer's spawned
+    agent whose own step ended first). The waiting agent takes the directory over and decides for that memory
+    (outside SLURM: freed) instead of leaving it with no agent; real processes, a real SIGKILL of the holder."""
+    job = "waitterm"
+    d = _dir(job)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    holder = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d,
+                               "--log", str(tmp_path / "holder.log")], env=env)
+    waiter = None
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(d, proto.SOCKET_NAME)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        store = ShmStore(Config(store="shm", job_id=job, shm_dir=d))
+        slot = store.reserve(4, 100_000)
+        store.commit(slot, manifest_of(4))
+        store.close()
+        waiter = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d, "--wait",
+                                   "--log", str(tmp_path / "waiter.log")], env=env)
+        while not _handles_sigterm(waiter.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)  # from here a SIGTERM is the agent's to handle, not the interpreter's default
+        assert waiter.poll() is None, "the waiting agent ended while the holder served"
+        waiter.send_signal(signal.SIGTERM)
+        holder.kill()  # ends leaving the memory: segments, records, lock file
+        holder.wait()
+        assert waiter.wait(timeout=60) == 0
+    finally:
+        for p in (holder, waiter):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    text = (tmp_path / "waiter.log").read_text()
+    assert not os.path.exists(d), f"the memory the holder left is still there: {os.listdir(d)}\n{text[-3000:]}"
+    assert "SIGTERM while waiting for the holder" in text and "freed 1 segments" in text, text[-3000:]

@@ -262,7 +262,7 @@ def test_node_lost_replaced_by_a_spare_whose_agent_recovers_its_share(cluster, j
 
 
 BATCH = """#!/bin/bash
-srun --overlap --ntasks-per-node=1 {py} -m jaxckpt.cli agent --job {name} --wait &
+srun --overlap --ntasks-per-node=1 bash -c 'exec {py} -m jaxckpt.cli agent --job {name} --wait --log {out}/agent-$SLURMD_NODENAME.log' &
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 {py} {trainer} jax --out {out} --job {name} --steps 2
 echo "trainer exit $?"
 """
@@ -277,7 +277,11 @@ def test_batch_script_end_frees_the_memory(cluster, job_name, tmp_path):
     r = cluster.run(["sbatch", "-N2", "-J", job_name, "-o", str(tmp_path / "job.out"), str(script)])
     job = r.stdout.split()[-1]
     cluster.wait_gone(job, STEP_TIMEOUT_S)
-    took = assert_freed(job_name, job)
+    try:
+        took = assert_freed(job_name, job)
+    except AssertionError as e:  # what each agent decided at the allocation's end, and the controller's view
+        logs = "".join(f"{p.name}:\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("agent-*.log")))
+        raise AssertionError(f"{e}\n{logs}\n{cluster.job_log(job)}") from None
     log = (tmp_path / "job.out").read_text()
     assert "trainer exit 0" in log, log[-3000:]
     got = results(out, "first", 2)

@@ -33,3 +33,35 @@ def test_a_commit_tracker_over_many_steps_stays_bounded_and_still_answers_old_st
         assert tracker.latest() == steps - 1
     finally:
         tracker.close()
+
+
+def test_the_bound_from_the_environment_is_checked_and_covers_every_kept_step():
+    """JAXCKPT_STEPS_KEPT (a short soak's bound): a bad value is a ConfigError naming it; an engine whose
+    Config.keep and pending saves the bound would not cover refuses to start, before it touches a store."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    from jaxckpt.core.trim import DEFAULT_STEPS_KEPT, steps_kept_from_env
+    from jaxckpt.errors import ConfigError
+
+    assert steps_kept_from_env({}) == DEFAULT_STEPS_KEPT and steps_kept_from_env({"JAXCKPT_STEPS_KEPT": "64"}) == 64
+    for bad in ("8", "x", "-1"):
+        with pytest.raises(ConfigError, match=f"JAXCKPT_STEPS_KEPT='{bad}': expected an integer of at least 16"):
+            steps_kept_from_env({"JAXCKPT_STEPS_KEPT": bad})
+    code = ("from jaxckpt.config import Config\n"
+            "from jaxckpt.core.coordination import LocalCoordinator\n"
+            "from jaxckpt.core.engine import CheckpointEngine\n"
+            "from jaxckpt.errors import ConfigError\n"
+            "try:\n"
+            "    CheckpointEngine(Config(store='shm', job_id='trim-bound', keep=8, max_pending_saves=1),\n"
+            "                     LocalCoordinator(), framework='numpy')\n"
+            "except ConfigError as e:\n"
+            "    print('refused:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "JAXCKPT_STEPS_KEPT": "16"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert ("refused: Config.keep=8 with max_pending_saves=1: more steps than the per-step records keep (8 at most; "
+            "JAXCKPT_STEPS_KEPT=16, jaxckpt.core.trim)") in out.stdout, out.stdout + out.stderr[-2000:]

@@ -53,6 +53,10 @@ from jaxckpt.errors import ConfigError
 log = logging.getLogger("jaxckpt.backends.agent.daemon")
 
 EXIT_ALREADY_RUNNING = 3
+# How long a waiting agent that got SIGTERM waits for the holder of its directory to end (Agent._outlast_holder):
+# a holder's own stop and lifetime decision take well under a second, and both must end inside SLURM's KillWait
+# (30 s by default, 5 s on the suite's emulated cluster) together with this agent's squeue.
+TERM_WAIT_S = 2.0
 MAX_INT = 1 << 62
 MAX_PROCESS = 999_999_999  # process indices name files (agent_protocol.SEG_RE)
 TRAINER_OPS = ("reserve", "commit", "abort", "steps", "open", "unpin", "delete", "held", "lend", "pull")
@@ -124,12 +128,20 @@ class Agent:
         self.modules_at_serving: list[str] = []  # _packages() once serving
 
     # ------------------------------------------------------------------------------------------ lifecycle
-    def acquire(self) -> bool:
-        """Take the directory's lock; False if another agent holds it."""
-        ensure_private_dir(self.dir, create=True)
+    def acquire(self, *, create: bool = True) -> bool:
+        """Take the directory's lock; False if another agent holds it, or (``create=False``) if the directory or
+        its lock file is gone: an agent that freed it removed both."""
+        if not create and not os.path.isdir(self.dir):
+            return False
+        ensure_private_dir(self.dir, create=create)
         path = os.path.join(self.dir, LOCK_NAME)
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o600)
+            except FileNotFoundError:
+                if create:
+                    raise
+                return False
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -161,10 +173,19 @@ class Agent:
                 log.info("another agent already serves %s; exiting", self.dir)
                 return EXIT_ALREADY_RUNNING
             if self._stop.wait(0.2):
-                return 0
+                if not term.is_set() or not self._outlast_holder():
+                    return 0
+                break  # the holder left its memory and is gone: this agent decides for it (below)
         free = True
         try:
             self.adoption = self.table.adopt()
+            if term.is_set():  # got here through _outlast_holder: no serving, only the lifetime decision
+                keep, why = lifetime.keep_on_term()
+                free = not keep
+                log.info("agent %s: SIGTERM while waiting for the holder of %s, which left it (%s): %s",
+                         self.generation, self.dir, why,
+                         "freeing the node's memory" if free else "leaving the node's memory to the next agent")
+                return 0
             self._write_pid()
             self._serve_peers()
             self._listen()
@@ -189,6 +210,21 @@ class Agent:
         finally:
             self.shutdown(free=free)
         return 0
+
+    def _outlast_holder(self) -> bool:
+        """SIGTERM came while another agent holds the directory (a waiting ``--wait`` agent): True if that one
+        ends within TERM_WAIT_S leaving its memory, and this agent now holds the lock. Under SLURM the holder may
+        be a trainer's spawned agent whose own step ended a moment before the allocation (its SIGTERM came while
+        the job still ran, so it kept the memory for a next step); without this the allocation's end would find
+        no agent to free it. A holder that freed its memory removed the directory: nothing is left to decide."""
+        deadline = time.monotonic() + TERM_WAIT_S
+        while time.monotonic() < deadline:
+            if self.acquire(create=False):
+                return True
+            if not os.path.isdir(self.dir):
+                return False
+            time.sleep(0.05)
+        return False
 
     def _write_pid(self) -> None:
         path = os.path.join(self.dir, PID_NAME)
@@ -294,6 +330,7 @@ class Agent:
             log.info("agent %s stopped: its memory stays in %s", self.generation, self.dir)
             return
         nsegs, nbytes = self.table.close()
+        remove_file(os.path.join(self.dir, SOCKET_NAME))  # a dead predecessor's, when this agent never listened
         remove_file(os.path.join(self.dir, PID_NAME))
         remove_file(os.path.join(self.dir, LOCK_NAME))  # while still locked: a newer agent re-creates it
         try:

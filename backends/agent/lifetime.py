@@ -21,6 +21,10 @@ frees its memory (:func:`keep_on_term`) within ``KillWait``, with no administrat
 usually leaves a spawned agent serving; when it takes it along (the srun race above), the agent's files stay and
 the relaunched step's agent adopts them: a relaunch restores from memory either way. A SIGTERM while the
 allocation runs (``scancel --signal=TERM``, srun forwarding a Ctrl-C) leaves the memory for the next agent.
+A batch script's ``--wait`` agent that a trainer's spawned agent beat to the directory may get the allocation's
+SIGTERM while it still waits, just as that holder, whose own step ended a moment earlier, leaves the memory
+(its SIGTERM came while the job ran): the waiting agent then waits up to ``daemon.TERM_WAIT_S`` for the holder
+to end, takes the directory over and makes the same decision for it (``Agent._outlast_holder``).
 
 Where ``srun`` is not at hand the trainer spawns the agent inside its own step: it dies with that step (its
 files stay and the next step's agent adopts them) and never hears of the allocation's end. Memory no agent was

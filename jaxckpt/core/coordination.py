@@ -24,7 +24,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, Protocol
 
-from jaxckpt.core.trim import trim
+from jaxckpt.core.trim import STEPS_KEPT, trim
 from jaxckpt.errors import CommitError
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("jaxckpt.core.coordination")
 
-TIMES_KEPT = 1024  # steps whose commit timings a tracker keeps
+TIMES_KEPT = STEPS_KEPT  # steps whose commit timings a tracker keeps
 
 
 class Coordinator(Protocol):

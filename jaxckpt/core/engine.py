@@ -44,6 +44,7 @@ from jaxckpt.node_identity import node_identity
 from jaxckpt.registry import get_part, get_store_class
 from jaxckpt.core.copier import SnapshotResult
 from jaxckpt.core.slots import SlotWriter
+from jaxckpt.core.trim import ENV_STEPS_KEPT, STEPS_KEPT
 # ArrayRecord and ShardReads: the front ends' names for what they hand a save (defined with the chunk table)
 from jaxckpt.core.save_table import ArrayRecord, Prepared, SaveChunks, ShardReads, prepare
 
@@ -115,6 +116,11 @@ class CheckpointEngine:
 
     def __init__(self, config: Config, coordinator: Coordinator, framework: str, *,
                  protection: ProtectionFactory | None = None) -> None:
+        if config.keep + config.max_pending_saves > STEPS_KEPT // 2:
+            # a restorable or pending step's records (its commit outcome, its protection) must never be trimmed
+            raise ConfigError(f"Config.keep={config.keep} with max_pending_saves={config.max_pending_saves}: more "
+                              f"steps than the per-step records keep ({STEPS_KEPT // 2} at most; "
+                              f"{ENV_STEPS_KEPT}={STEPS_KEPT}, jaxckpt.core.trim)")
         self.config = config
         self.framework = framework
         self.coordinator = coordinator

@@ -16,10 +16,12 @@ Needs root (slurmd runs as root; steps run as the caller), the binaries, and the
 from __future__ import annotations
 
 import ctypes
+import glob
 import json
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -274,6 +276,19 @@ class SlurmCluster:
         """Until ``job`` is neither running nor completing."""
         self._wait(lambda: self.job_state(job) in ("GONE", "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT"),
                    timeout, f"end of job {job}")
+
+    def job_log(self, job: str, limit: int = 60) -> str:
+        """The controller's and every slurmd's log lines that name ``job`` (its steps included), for a failed
+        test's message: the order in which SLURM ended the job and signalled its steps."""
+        pat = re.compile(rf"(JobId={job}\b|StepId={job}\.|job[ _]?{job}\b)", re.IGNORECASE)
+        lines = []
+        for path in sorted(glob.glob(os.path.join(self.root, "log", "slurm*.log"))):
+            try:
+                with open(path, errors="replace") as f:
+                    lines += [f"{os.path.basename(path)}: {ln.rstrip()}" for ln in f if pat.search(ln)]
+            except OSError:
+                continue
+        return "\n".join(lines[-limit:])
 
     # -------------------------------------------------------------------------------------------- stop
     def stop(self, timeout: float = 60.0) -> None:
