@@ -29,7 +29,10 @@ def mapped(n):
     during = libc.mallinfo2().hblks
     libc.free(p)
     return during > before
-print(mapped(256 << 10), mapped(256 << 10))
+# 4 MiB, not just over the 128 KiB threshold: a request the heap can serve from a free chunk is never mapped,
+# and what the interpreter and jaxckpt's imports freed (their size varies with the environment's) can leave
+# free chunks of a few hundred KiB
+print(mapped(4 << 20), mapped(4 << 20))
 """
 
 
@@ -53,7 +56,7 @@ def _run(mode: str, **env: str) -> list[str]:
 
 
 def test_glibc_alone_moves_a_freed_big_block_size_into_the_heap():
-    # The behaviour the agent turns off: the second 256 KiB block comes from the heap.
+    # The behaviour the agent turns off: the second 4 MiB block comes from the heap.
     assert _run("plain") == ["None", "True", "False"]
 
 
