@@ -148,6 +148,9 @@ def jax_main(args: argparse.Namespace) -> None:
     doc = {"rank": rank, "processes": n, "restored": restored, "kinds": kinds, "bitwise": same,
            "latest": ckpt.latest_step(),
            "protected": ckpt.engine.protection.protected_steps() if ckpt.engine.protection else [],
+           # what this node's agent said at the hello: its recovery of the node's share (a spare's agent), as the
+           # trainer saw it (that agent may not outlive this step: backends/agent/lifetime.py's srun race)
+           "agent_recovery": getattr(ckpt.engine.store, "agent", {}).get("recovery"),
            **_where(ckpt.config)}
     ckpt.close()
     _write(args.out, rank, "first" if first else "relaunch", doc)

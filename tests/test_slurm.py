@@ -29,6 +29,7 @@ import uuid
 
 import pytest
 
+from jaxckpt.backends.agent import protocol as proto
 from jaxckpt.backends.agent.protocol import kill_agent, read_pid_file
 from jaxckpt.testing import slurm
 from requires import available
@@ -118,6 +119,17 @@ def agent_step(job: str, directory: str) -> str:
         m = re.search(rf"job_{job}/step_(\w+)", f.read())
     assert m, f"agent {info[0]} of {directory} runs in no step of job {job}"
     return m.group(1)
+
+
+def _serving(directory: str, job: str) -> bool:
+    """Whether an agent answers at ``directory`` (a status round trip)."""
+    from jaxckpt.errors import JaxckptError
+
+    try:
+        proto.agent_status(directory, job, timeout_s=5.0)
+        return True
+    except (JaxckptError, OSError):
+        return False
 
 
 def assert_freed(name: str, job: str) -> float:
@@ -215,7 +227,9 @@ def test_node_lost_replaced_by_a_spare_whose_agent_recovers_its_share(cluster, j
     is ``jaxckpt.start_agent()``, which on the spare starts an agent (a step of its own) told the peers: it finds
     the first node's agent and rebuilds the lost node's share into its own memory, receiving at most 1.1x what it
     rebuilt, while the trainer imports JAX; the trainers restore step 3 from their nodes' memory (nothing rebuilt
-    by them) bit for bit and protect again. scancel then frees every node and stops every agent. About 35 s."""
+    by them) bit for bit and protect again. The spare then gets the recipe's agent step too (it waits behind the
+    spawned agent, or adopts what that one left where SLURM cancelled it with the trainer's step: lifetime.py's
+    srun race); scancel then frees every node and stops every agent. About 35 s."""
     out = str(tmp_path)
     job = cluster.salloc(3, job_name)
     ports = dict(zip(cluster.nodes[:3], free_ports(3)))  # the emulated nodes share 127.0.0.1: a port each
@@ -233,24 +247,32 @@ def test_node_lost_replaced_by_a_spare_whose_agent_recovers_its_share(cluster, j
                 "--protection", "hybrid", "--agent-ports", ",".join(f"{n}={p}" for n, p in ports.items())]
         finish(srun(cluster, job, nodes(cluster, 0, 1), args, env=env))
         assert os.path.exists(os.path.join(out, "failed-1"))
-        from jaxckpt.backends.agent import protocol as proto
         lost = f"/dev/shm/jaxckpt-{os.geteuid()}-{job_name}@slurm{job}@{cluster.nodes[1]}"
         assert proto.kill_agent(lost, remove_memory=True) is not None  # the second node is lost with its memory
         subprocess.run(["rm", "-rf", lost], check=True)
         finish(srun(cluster, job, nodes(cluster, 0, 2), args + ["--early-agent", "relaunch"], env=env))
         calls = early_agent_calls(out, "relaunch")
         assert sorted(c["started"] for c in calls) == [False, True], calls  # the spare's; the first node's serves
-        spare = f"/dev/shm/jaxckpt-{os.geteuid()}-{job_name}@slurm{job}@{cluster.nodes[2]}"
-        recovery = proto.agent_status(spare, job_name)["recovery"]
+        got = results(out, "relaunch", 2)
+        # the spare's agent's recovery as its trainer's hello saw it: that agent, a step srun started from the
+        # trainer's step, may be cancelled with that step (backends/agent/lifetime.py's srun race)
+        recovery = got[1]["agent_recovery"]
         assert recovery["state"] == "done" and recovery["step"] == 3 and recovery["processes"] == [1], recovery
         assert recovery["peers"] == [f"{cluster.nodes[0]} at tcp://127.0.0.1:{ports[cluster.nodes[0]]}"], recovery
         assert 0 < recovery["received"] <= 1.1 * recovery["bytes"], recovery
-        got = results(out, "relaunch", 2)
         for r in got:
             assert r["restored"] == 3 and r["bitwise"] and r["latest"] == 5, r
             assert r["kinds"] and "rebuild" not in r["kinds"], r  # the spare's agent had rebuilt it: read locally
         assert [r["node"] for r in got] == [cluster.nodes[0], cluster.nodes[2]]
         assert all(5 in r["protected"] for r in got), got  # protection resumed on the new node set
+        # deploy.md's agent step on the spare, as a batch script runs one on every node: it waits behind the spawned
+        # agent, or adopts the memory that one left if SLURM cancelled it with the trainer's step
+        agents.append(subprocess.Popen(
+            ["srun", f"--jobid={job}", "--overlap", f"--nodelist={cluster.nodes[2]}", "-N1", "--ntasks=1",
+             sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job_name, "--peer-port", str(ports[cluster.nodes[2]]),
+             "--peers", peers, "--wait"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        spare = f"/dev/shm/jaxckpt-{os.geteuid()}-{job_name}@slurm{job}@{cluster.nodes[2]}"
+        wait_for(lambda: _serving(spare, job_name), 60, f"an agent serving {spare}")
         cluster.run(["scancel", job])
         took = assert_freed(job_name, job)
         print(f"allocation end freed the memory in {took:.1f}s")
