@@ -48,7 +48,7 @@ from jaxckpt.backends.agent.protocol import (LOCK_NAME, PID_NAME, SOCKET_NAME, V
                                              send_msg)
 from jaxckpt.backends.agent.table import Limits, Refused, SlotTable
 from jaxckpt.config import Config, peer_uses_curve
-from jaxckpt.errors import ConfigError
+from jaxckpt.errors import ConfigError, StoreUnavailableError
 
 log = logging.getLogger("jaxckpt.backends.agent.daemon")
 
@@ -219,8 +219,11 @@ class Agent:
         no agent to free it. A holder that freed its memory removed the directory: nothing is left to decide."""
         deadline = time.monotonic() + TERM_WAIT_S
         while time.monotonic() < deadline:
-            if self.acquire(create=False):
-                return True
+            try:
+                if self.acquire(create=False):
+                    return True
+            except StoreUnavailableError:  # the holder removed the directory between our checks: it freed it
+                return False
             if not os.path.isdir(self.dir):
                 return False
             time.sleep(0.05)
