@@ -134,3 +134,42 @@ class TestSnapshotPyTreeHandlerV1(checkpointer_test_base.CheckpointerTestBase.Te
         # Registered once, globally: the tests that build their own context from ocp.handlers.local_registry()
         # (custom Foo/Bar checkpointables) then get it too, as a user's code would.
         self.addCleanup(jv1.register())
+
+    def test_skips_when_ongoing_save(self):
+        """Orbax's contract, made deterministic: a save asked for while another is still in progress is skipped
+        (returns False), the one in progress commits, and only it is listed. Orbax's own version relies on save 0
+        still running when save 1 is asked for; a snapshot commits in milliseconds, so under load it had often
+        finished (seen in a fresh-clone run beside a CPU-bound process). Here save 0's jaxckpt handle is held
+        until save 1 has been decided (a real snapshot, only its completion delayed; released after 60 s at the
+        latest, so a broken contract fails instead of hanging)."""
+        import threading
+
+        from orbax.checkpoint.experimental.v1 import training
+
+        gate = threading.Event()
+        real_save = self.ck.save
+
+        def held_save(*args, **kwargs):
+            handle = real_save(*args, **kwargs)
+            result = handle.result
+
+            def wait(*a, **k):
+                gate.wait(60)
+                return result(*a, **k)
+            handle.result = wait
+            return handle
+
+        self.ck.save = held_save
+        try:
+            checkpointer = training.Checkpointer(self.directory)
+            self.enter_context(checkpointer)
+            saved_0 = checkpointer.save_async(0, self.pytree)
+            self.assertIsNotNone(saved_0)
+            saved_1 = checkpointer.save(1, self.pytree)
+            gate.set()
+            self.assertTrue(saved_0.result())
+            self.assertFalse(saved_1)
+            self.assertEqual([c.step for c in checkpointer.checkpoints], [0])
+        finally:
+            gate.set()
+            del self.ck.save
