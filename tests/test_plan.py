@@ -234,9 +234,10 @@ def test_plans_are_frozen():
 
 
 # ------------------------------------------------------------------------------------------- whole replicas
-def test_whole_replicas_one_whole_copy_per_node_by_its_least_loaded_process():
+def test_whole_replicas_one_whole_copy_per_node_shared_by_its_replicas():
     """Config.replicas="whole": 4 processes on 2 nodes; a replicated box is saved whole once per node (not per
-    process), by the least loaded process of the node; a sharded box once; copies of a box are cut alike."""
+    process), its copy shared by the node's replicas like split's 1/R; the copies are cut alike; a sharded box
+    once. With 3 replicas on one node and 1 on the other, both copies stay whole and cut alike (no cut)."""
     nodes = [0, 0, 1, 1]
     rep = replicated("rep", (64, 8), procs=4)
     w = sharded("w", (16, 4), procs=4)
@@ -247,18 +248,28 @@ def test_whole_replicas_one_whole_copy_per_node_by_its_least_loaded_process():
     assert sorted(by_node) == [0, 1]
     for n, got in by_node.items():
         assert covers(Box.full((64, 8)), [b for _, b in got]) and disjoint([b for _, b in got])
-        assert len({p for p, _ in got}) == 1  # one process of the node saves it
-    assert [b for _, b in by_node[0]] == [b for _, b in by_node[1]]
+        share = {p: sum(b.size for q, b in got if q == p) for p in (2 * n, 2 * n + 1)}
+        assert share == {2 * n: 64 * 8 // 2, 2 * n + 1: 64 * 8 // 2}, share  # half of the copy each
+    assert sorted(b for _, b in by_node[0]) == sorted(b for _, b in by_node[1])
     assert_exactly_once([w], plans)
-    # both processes of a node carry the same load (one shard of w) when rep is planned: the lower id saves it
-    assert {p for p, _ in by_node[0]} == {0} and {p for p, _ in by_node[1]} == {2}
+
+    uneven = plan_save([rep], 4, nodes=[0, 0, 0, 1])
+    boxes = {nodes_: sorted(c.box for p, c in saved_by(uneven, "rep") if [0, 0, 0, 1][p] == nodes_)
+             for nodes_ in (0, 1)}
+    assert boxes[0] == boxes[1] == [Box.full((64, 8))]
+
+
+def test_whole_replicas_on_one_node_are_the_split_plan():
+    """One node: whole's one copy per node, shared by the node's replicas, is split's plan exactly."""
+    layouts = [replicated("rep", (64, 8), procs=4), sharded("w", (16, 4), procs=4), replicated("s", (3,), 4)]
+    assert plan_save(layouts, 4, chunk_bytes=1 << 10, nodes=[0] * 4) == plan_save(layouts, 4, chunk_bytes=1 << 10)
 
 
 def test_whole_replica_validation_and_node_count():
     rep = replicated("rep", (8, 4), procs=2)
-    plans = plan_save([rep], 2, nodes=[0, 0])  # one node: one copy
-    assert sum(len(p.chunks) for p in plans) == 1
-    one = tuple(c for p in plans for c in p.chunks)
+    plans = plan_save([rep], 2, nodes=[0, 1])  # two nodes: one copy each
+    assert [len(p.chunks) for p in plans] == [1, 1]
+    one = plans[0].chunks
     twice = [dataclasses.replace(p, chunks=one) for p in plans]  # both processes of node 0 save it
     with pytest.raises(PlanError, match=r"rep: chunk .* is saved twice on node 0"):
         validate_save_plan([rep], twice, [0, 0])

@@ -6,9 +6,11 @@ Save (every process computes the same global plan from the arrays' shardings, so
      its longest axis and each replica saves one piece, the least loaded replica taking the largest piece, so
      every replica saves about 1/R of every replicated array and the total is balanced across arrays
      (``Config.replicas="split"``, REFT). Given the node of every process (``Config.replicas="whole"``), a box
-     is instead saved whole once per node that holds it, by that node's least loaded replica: every node then
-     keeps a full copy of what it holds, so a restore reads its own node's memory, and the copies on the
-     other nodes are its redundancy;
+     is instead saved whole once per node that holds it, cut alike on every such node into as many pieces as
+     the fewest replicas any of them has, each piece saved by one of the node's own replicas (least loaded
+     first): every node then keeps a full copy of what it holds, so a restore reads its own node's memory, the
+     copies on the other nodes are its redundancy (the same chunk boxes on each node), and a node's replicas
+     share its copy's saving as split replicas share the box (on one node, whole and split are the same plan);
   3) pieces larger than ``chunk_bytes`` are cut further so that worker threads share big arrays;
   4) each process lays its chunks out back to back (64-byte aligned) in one buffer.
 Restore: for the boxes a process's new shardings need, pick the saved chunks that cover them.
@@ -82,7 +84,8 @@ def layout_digest(layouts: Sequence[ArrayLayout]) -> str:
 def plan_save(layouts: Sequence[ArrayLayout], process_count: int, chunk_bytes: int = 64 << 20, *,
               nodes: Sequence[int] | None = None) -> list[SavePlan]:
     """The global save plan: one SavePlan per process, every unique box saved exactly once; with ``nodes`` (the
-    node of each process: ``Config.replicas="whole"``) every unique box saved whole once on each node holding it."""
+    node of each process: ``Config.replicas="whole"``) every unique box saved whole once on each node holding it,
+    shared among that node's replicas."""
     if nodes is not None and len(nodes) != process_count:
         raise PlanError(f"a whole-replica plan needs the node of each of the {process_count} processes "
                         f"(got {len(nodes)})")
@@ -96,24 +99,25 @@ def plan_save(layouts: Sequence[ArrayLayout], process_count: int, chunk_bytes: i
             holders.setdefault(p.box, {}).setdefault(p.process, p.device)  # first device of each process
         for box, procs in holders.items():
             replicas = sorted(procs, key=lambda q: (load[q], q))
-            if nodes is not None:  # the least loaded replica of each node saves the whole box
-                first: dict[int, int] = {}
+            # Owner lists, least loaded first: the box's replicas (split), or each node's own replicas (whole).
+            if nodes is None:
+                groups = [replicas]
+            else:
+                local: dict[int, list[int]] = {}
                 for q in replicas:
-                    first.setdefault(nodes[q], q)
-                for owner in first.values():
-                    for chunk in _cut(box, a.itemsize, chunk_bytes):
+                    local.setdefault(nodes[q], []).append(q)
+                groups = list(local.values())
+            # Every node cuts its copy alike (the fewest replicas any node has), so the copies' chunk boxes
+            # match and each is the other's redundancy. Pieces differ by up to a row and split() puts the small
+            # ones first: the biggest goes to the least loaded replica, or one replica would take the small
+            # piece of every array.
+            pieces = sorted(box.split(min(len(g) for g in groups)), key=lambda b: -b.size)
+            for owners in groups:
+                for piece, owner in zip(pieces, owners):
+                    for chunk in _cut(piece, a.itemsize, chunk_bytes):
                         nbytes = chunk.size * a.itemsize
                         per_proc[owner].append((a.path, chunk, box, procs[owner], nbytes))
                         load[owner] += nbytes
-                continue
-            # Pieces differ by up to a row and split() puts the small ones first: the biggest goes to the least
-            # loaded replica, or the same replica would take the small piece of every array.
-            pieces = sorted(box.split(len(replicas)), key=lambda b: -b.size)
-            for piece, owner in zip(pieces, replicas):
-                for chunk in _cut(piece, a.itemsize, chunk_bytes):
-                    nbytes = chunk.size * a.itemsize
-                    per_proc[owner].append((a.path, chunk, box, procs[owner], nbytes))
-                    load[owner] += nbytes
     digest = layout_digest(layouts)
     plans = []
     for proc, items in enumerate(per_proc):
