@@ -16,15 +16,17 @@ that the run continues bit for bit.
    its shared memory and directory removed, so the replacement node starts empty.
 2. Job 2, a fresh launch (new processes, new JAX coordination service, a fresh agent on the replacement node 1),
    builds a Checkpointer on the node directories: every process agrees on the newest step that is fully
-   recoverable, restores it from its own memory, its node's agent, the other node's agent and, for the chunks
-   that died with node 1, a rebuild from the protection data node 0 holds (bytes per source kind are printed),
-   and trains on. Then, in the same processes and with no checkpointer, it trains the same steps from scratch
+   recoverable, restores it from its own memory, its node's agent and the other node's agent (with
+   ``--replicas split``, the chunks that died with node 1 are rebuilt from the protection data node 0 holds;
+   bytes per source kind are printed), and trains on. Then, in the same processes and with no checkpointer, it trains the same steps from scratch
    without checkpointing or failure: the reference. Per-step losses and the final state of every process's shards
    must be bit-identical to jobs 1+2. Exit status 1 otherwise. Agents and memory are removed.
 
 Why ``hybrid``: every array of this GPT (tensor-parallel on ``model`` inside a process, replicated over ``data``)
-has device copies on both nodes, and plan.py saves each replicated box once, cut into pieces over the 4 data
-replicas, so half of every box dies with a node. ``hybrid`` picks ``parity`` (REFT) for a box whose copies span
+has device copies on both nodes. With ``Config.replicas="whole"`` (the default) each node keeps a whole copy of
+it, shared by its 2 processes: the other node's copy is its protection, no parity is needed, and the replacement
+node reads node 0's copy. With ``--replicas split`` plan.py saves each replicated box once, cut into pieces over
+the 4 data replicas, so half of every box dies with a node. ``hybrid`` picks ``parity`` (REFT) for a box whose copies span
 two or more nodes: with 2 nodes each node computes, from its own device copy and with no bytes sent, the other
 node's share, so either node alone can rebuild the step. ``replica`` also survives (each chunk copied to the
 other node through the agents' peer transport) but sends every byte at save time; ``parity`` alone behaves like
@@ -59,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="lose node 1's agent and shared memory too, not only its trainers (default: yes)")
     p.add_argument("--protection", choices=("hybrid", "parity", "replica", "none"), default="hybrid",
                    help="Config.protection (default hybrid; 'none' cannot survive --lose-memory)")
+    p.add_argument("--replicas", choices=("whole", "split"), default="whole",
+                   help="Config.replicas (default whole: each node keeps a whole copy; split: 1/R per replica)")
     p.add_argument("--timeout", type=float, default=600.0, help="time-out of each job in seconds")
     args = p.parse_args(argv)
     if args.lose_memory and args.protection == "none":
@@ -88,7 +92,7 @@ def _config(opts: dict):
     base = opts["base"]
     return jaxckpt.Config(store="shm", job_id=JOB, shm_dir=f"{base}/node{node_info().node}", keep=2,
                           agent_dirs=f"{base}/node*", commit_timeout_s=60.0, peer_timeout_s=30.0,
-                          protection=opts["protection"])
+                          protection=opts["protection"], replicas=opts["replicas"])
 
 
 def _loss(loss) -> str:
@@ -194,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         f"/tmp/jaxckpt-example-{os.getpid()}"
     os.makedirs(base, mode=0o700)
     opts = {k: getattr(args, k) for k in ("steps", "fail_at", "d_model", "layers", "heads", "vocab", "seq_len",
-                                          "batch", "seed", "protection")}
+                                          "batch", "seed", "protection", "replicas")}
     opts["base"] = base
     layout = dict(nodes=2, procs_per_node=2, devices_per_proc=2, env={"JAXCKPT_LOG_LEVEL": "WARNING"})
     try:
@@ -236,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     lost = "trainers, agent and shared memory" if args.lose_memory else "trainers (its agent kept the memory)"
     print("summary")
     print(f"  steps:                      {args.steps} (protection {args.protection!r})")
+    print(f"  replicas:                   {args.replicas}")
     print(f"  lost node 1 at step:        {args.fail_at}: {lost} (job 1 logged losses up to step {max(first)})")
     print(f"  restored step:              {restored} (all 4 processes agree: {yes[agree]}; newest protected step "
           f"process 0 had seen: {protected_at_loss})")

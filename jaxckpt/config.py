@@ -48,13 +48,14 @@ class Config:
     protection_copies: int = 1
     protection_group: int = 4
     protection_bandwidth: int = 0
-    # An array replicated over data-parallel replicas: "split" (REFT) saves 1/R of it on each of its R replicas
-    # (protection then adds parity); "whole" keeps one whole copy on every node that holds it (one process of
-    # the node saves it), so a restore with the agents alive reads only its own node's memory and the other
-    # nodes' copies protect it (no parity). Memory: "whole" holds (nodes holding it) copies where "split"
-    # holds one plus its parity. Split is the default by measurement: whole held 2.5x the memory and save bytes
-    # per node in bench cluster for a restore 6x faster with the agents alive (BENCHMARKS.md, whole replicas).
-    replicas: str = "split"
+    # An array replicated over data-parallel replicas: "whole" keeps one whole copy on every node that holds it
+    # (one process of the node saves it), so a restore with the agents alive reads only its own node's memory and
+    # the other nodes' copies protect it (no parity); "split" (REFT) saves 1/R of it on each of its R replicas
+    # (protection then adds parity). Whole is the default by measurement (BENCHMARKS.md, "Which replicas is the
+    # default"): quiet, 512 MiB bench cluster, its restore was 35x faster with the agents alive and 2.5x after a
+    # node loss, and bench stall's step with a save every step cost the same as split's; it holds (nodes holding
+    # it) copies where split holds one plus its parity. A job short of host memory sets "split".
+    replicas: str = "whole"
     keep: int = 1
     memory_budget_bytes: int = 0
     inflight_bytes: int = 256 << 20

@@ -40,7 +40,8 @@ BENCH_TIMEOUT_S = 900  # the quick run of every benchmark: ~1.5 minutes quiet, 5
 SAVE_LEAF_COUNTS = (8, 16)
 BENCH_SUITE_ARGS = {"save": f"--leaf-counts {','.join(map(str, SAVE_LEAF_COUNTS))}",
                     "stall": "--modes none,jaxckpt,orbax",
-                    "cluster": "--size 8M --repeats 1 --steps 1 --probe-size 32M --restore-collective"}
+                    # split replicas: the collective restore (and the parity it protects them with) serves them
+                    "cluster": "--size 8M --repeats 1 --steps 1 --probe-size 32M --replicas split --restore-collective"}
 
 
 def pytest_collection_modifyitems(items):

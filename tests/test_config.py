@@ -190,7 +190,7 @@ def test_env_unknown_variable_is_an_error():
 
 
 def test_replicas_choice_and_its_message():
-    assert Config().replicas == "split" and Config().with_env({"JAXCKPT_REPLICAS": "whole"}).replicas == "whole"
+    assert Config().replicas == "whole" and Config().with_env({"JAXCKPT_REPLICAS": "split"}).replicas == "split"
     with pytest.raises(ConfigError) as e:
         Config(replicas="copies")
     assert str(e.value).startswith("Config.replicas='copies': expected one of split, whole (split: each replica ")

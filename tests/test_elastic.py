@@ -513,8 +513,11 @@ def test_corrupt_agent_memory_is_routed_around_or_named(saved):
     assert agent.returncode == 0 and not os.path.exists(mirror)
 
 
-def test_same_job_restarts_after_sigkill_from_its_node_agents():
-    with start(kill_job, nodes=2, procs_per_node=2, devices_per_proc=1, args=(BASE, KILL_JOB), env=ENV) as job:
+@pytest.mark.parametrize("replicas", ["whole", "split"])
+def test_same_job_restarts_after_sigkill_from_its_node_agents(replicas):
+    env = {**ENV, "JAXCKPT_REPLICAS": replicas}
+    with start(kill_job, nodes=2, procs_per_node=2, devices_per_proc=1, args=(BASE, f"{KILL_JOB}-{replicas}"),
+               env=env) as job:
         deadline = time.monotonic() + 180
         while not all(os.path.exists(os.path.join(job.launch_dir, f"saving-{i}")) for i in range(4)):
             assert time.monotonic() < deadline and None in job.poll(), "the trainers did not reach step 4"
@@ -525,15 +528,20 @@ def test_same_job_restarts_after_sigkill_from_its_node_agents():
     killed = job.results()
     bad = [r for r in killed if not r.killed or r.reported]
     assert not bad, [(r.process_id, r.returncode, r.error, r.output[-1500:]) for r in bad]
-    values = expect_ok(launch(relaunch_job, nodes=2, procs_per_node=2, devices_per_proc=1, args=(BASE, KILL_JOB),
-                              env=COLLECTIVE_ENV, timeout=180))
+    values = expect_ok(launch(relaunch_job, nodes=2, procs_per_node=2, devices_per_proc=1,
+                              args=(BASE, f"{KILL_JOB}-{replicas}"), env={**COLLECTIVE_ENV, **env}, timeout=180))
     latest = values[0]["latest"]
     assert latest in (3, 4) and all(v["latest"] == latest for v in values)
     for v in values:
         assert v["restored"] and v["continued"] and v["steps"] == [5, 6]
         kinds = v["report"]["bytes_by_kind"]
+        c = v["collective"]
+        if replicas == "whole":  # each node kept a whole copy: its own node's memory only, no collective needed
+            assert kinds.get("local", 0) > 0 and set(kinds) <= {"local", "node"}, kinds
+            assert set(c["bytes_by_kind"]) <= {"local", "node"} and c["transport_bytes"] == 0, c["bytes_by_kind"]
+            assert c["collective_bytes"] == 0 and "collective" not in c["routes"].values(), c["routes"]
+            continue
         assert kinds.get("local", 0) > 0 and kinds.get("node", 0) > 0 and kinds.get("remote", 0) > 0, kinds
         # through the collective the other node's share is not fetched: own and node memory only
-        c = v["collective"]
         assert set(c["bytes_by_kind"]) <= {"local", "node"} and c["transport_bytes"] == 0, c["bytes_by_kind"]
         assert c["collective_bytes"] > 0 and "collective" in c["routes"].values(), c["routes"]

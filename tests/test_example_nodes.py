@@ -1,6 +1,6 @@
 """examples/train_flax_nodes.py end to end: 2 simulated nodes x 2 processes train the GPT, node 1 is lost with
-its agent and shared memory, and the relaunched job restores from node 0's memory (rebuilding node 1's chunks
-from protection) and continues bit for bit. Two real 4-process JAX jobs
+its agent and shared memory, and the relaunched job restores from node 0's memory (its whole copy by default;
+with split replicas, rebuilding node 1's chunks from protection) and continues bit for bit. Two real 4-process JAX jobs
 (the second also trains the uninterrupted reference)."""
 import os
 import re
@@ -41,8 +41,20 @@ def _check_summary(out: str) -> int:
     return restored
 
 
-def test_lost_node_is_rebuilt_from_protection_and_continues_bit_for_bit():
+def test_lost_node_is_read_from_the_other_nodes_whole_copy_and_continues_bit_for_bit():
     proc = _run(*TINY)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert re.search(r"replicas:\s+whole", out), out
+    assert re.search(r"lost node 1 at step:\s+5: trainers, agent and shared memory", out), out
+    _check_summary(out)
+    kinds = _bytes_by_kind(out)
+    # every array is replicated over the nodes: node 0's whole copy is node 1's protection, nothing is rebuilt
+    assert kinds.get("rebuild", 0) == 0 and kinds.get("remote", 0) > 0, kinds
+
+
+def test_lost_node_is_rebuilt_from_protection_and_continues_bit_for_bit():
+    proc = _run(*TINY, "--replicas", "split")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "SIGKILLed node 1's agent" in out and "removed its shared memory" in out, out
@@ -62,7 +74,7 @@ def test_trainers_only_restores_from_every_agent_without_rebuild():
     assert re.search(r"lost node 1 at step:\s+5: trainers \(its agent kept the memory\)", out), out
     _check_summary(out)
     kinds = _bytes_by_kind(out)
-    assert kinds.get("rebuild", 0) == 0 and kinds.get("remote", 0) > 0, kinds
+    assert kinds.get("rebuild", 0) == 0 and kinds.get("remote", 0) == 0, kinds  # whole: each node reads its own
 
 
 def test_rejects_unprotected_memory_loss_and_bad_fail_step():

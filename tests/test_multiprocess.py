@@ -97,7 +97,7 @@ def _holders(x) -> list:
     return [[list(b.start), list(b.stop), sorted(p)] for b, p in sorted(out.items())]
 
 
-def scenario(mesh_shape, job_id):
+def scenario(mesh_shape, job_id, replicas):
     import jax
     from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -111,7 +111,7 @@ def scenario(mesh_shape, job_id):
     state = _state_and_specs(mesh)
     train_step = _train_step_fn(state)
     cfg = jaxckpt.Config(keep=N_STEPS, chunk_bytes=CHUNK_BYTES, job_id=job_id, max_pending_saves=2,
-                         commit_timeout_s=60.0)
+                         commit_timeout_s=60.0, replicas=replicas)
     refs = {}
     with jaxckpt.Checkpointer(cfg) as ck:
         assert ck.engine.peers is not None
@@ -161,6 +161,8 @@ def scenario(mesh_shape, job_id):
             assert sorted(m.process for m in manifests) == list(range(info.process_count))
             for path, meta in merge_chunks(manifests).items():  # the gathered table covers each array once
                 boxes = [c.box for c in meta.chunks]
+                if replicas == "whole":  # a box saved on several nodes: the copies are cut alike
+                    boxes = list(dict.fromkeys(boxes))
                 assert disjoint(boxes) and sum(b.size for b in boxes) == Box.full(meta.shape).size, path
             for m in manifests:  # every chunk of every process, fetched and crc-checked
                 for a in m.arrays:
@@ -177,13 +179,18 @@ def scenario(mesh_shape, job_id):
 
 
 # --------------------------------------------------------------------------------------------- the tests
-def _check_ownership(values):
+def _check_ownership(values, replicas, procs_per_node):
+    """Every box saved exactly once (split) or once per node holding it (whole), by processes holding it, each
+    replica saving about 1/R of a replicated box (whole: 1/R of its node's copy, R its replicas on the node)."""
     n = len(values)
     assert {v["latest"] for v in values} == {N_STEPS - 1}, [v["latest"] for v in values]
     assert all(v["steps"] == list(range(N_STEPS)) for v in values)
     assert all(v["remote_bytes"] for v in values), "every process read chunks from another process"
     holders = values[0]["holders"]
     assert all(v["holders"] == holders for v in values)
+    # the processes that together save one copy: all of them (split), or each node's (whole)
+    groups = [set(range(n))] if replicas == "split" else \
+        [set(range(i, i + procs_per_node)) for i in range(0, n, procs_per_node)]
     tables: dict[str, list] = {}
     for q, v in enumerate(values):
         for path, chunks in v["chunks"].items():
@@ -192,38 +199,39 @@ def _check_ownership(values):
     assert set(holders) <= set(tables)
     replicated_somewhere = False
     for path, boxes in holders.items():
-        chunks = tables[path]
-        every = [b for b, _, _ in chunks]
+        for group in groups:
+            chunks = [c for c in tables[path] if c[2] in group]
+            held = [(Box(tuple(a), tuple(s)), set(procs) & group) for a, s, procs in boxes if set(procs) & group]
+            every = [b for b, _, _ in chunks]
+            # every box the group holds saved exactly once by the group
+            assert disjoint(every), f"{path}: overlapping chunks"
+            assert sum(b.size for b in every) == sum(box.size for box, _ in held), path
+            biggest = max((nb for _, nb, _ in chunks), default=0)
+            for box, procs in held:
+                inside = [(b, nb, p) for b, nb, p in chunks if box.contains(b)]
+                assert sum(b.size for b, _, _ in inside) == box.size, f"{path}: box {box} not saved exactly once"
+                assert {p for _, _, p in inside} <= procs, f"{path}: box {box} saved by a process not holding it"
+                if len(procs) > 1:
+                    replicated_somewhere = True
+                    share = sum(nb for _, nb, _ in inside) / len(procs)
+                    for q in procs:
+                        got = sum(nb for _, nb, p in inside if p == q)
+                        assert abs(got - share) <= biggest, f"{path}: box {box}: process {q} saved {got}, 1/R={share}"
         shape = tuple(values[0]["shapes"][path][0]) if path in values[0]["shapes"] else None
-        full = Box.full(shape) if shape else None
-        # every box of every array saved exactly once, across all processes
-        assert disjoint(every), f"{path}: overlapping chunks"
-        assert sum(b.size for b in every) == sum(Box(tuple(a), tuple(s)).size for a, s, _ in boxes), path
-        if full is not None:
-            assert sum(b.size for b in every) == full.size, path
-        biggest = max(n for _, n, _ in chunks)
-        for start, stop, procs in boxes:
-            box = Box(tuple(start), tuple(stop))
-            inside = [(b, nb, p) for b, nb, p in chunks if box.contains(b)]
-            assert sum(b.size for b, _, _ in inside) == box.size, f"{path}: box {box} not saved exactly once"
-            assert {p for _, _, p in inside} <= set(procs), f"{path}: box {box} saved by a process not holding it"
-            if len(procs) > 1:
-                replicated_somewhere = True
-                share = sum(nb for _, nb, _ in inside) / len(procs)
-                for q in procs:
-                    got = sum(nb for _, nb, p in inside if p == q)
-                    assert abs(got - share) <= biggest, f"{path}: box {box}: process {q} saved {got} bytes, 1/R={share}"
+        if shape and replicas == "split":
+            assert sum(b.size for b, _, _ in tables[path]) == Box.full(shape).size, path
     assert replicated_somewhere
     assert len({v["pid"] for v in values}) == n
 
 
-@pytest.mark.parametrize("nodes,procs_per_node,mesh_shape", [(2, 2, (4, 2)), (1, 4, (2, 4))],
-                         ids=["2nodes-x-2procs", "1node-x-4procs"])
-def test_checkpointer_across_processes(nodes, procs_per_node, mesh_shape):
+@pytest.mark.parametrize("nodes,procs_per_node,mesh_shape,replicas",
+                         [(2, 2, (4, 2), "whole"), (2, 2, (4, 2), "split"), (1, 4, (2, 4), "whole")],
+                         ids=["2nodes-x-2procs", "2nodes-x-2procs-split", "1node-x-4procs"])
+def test_checkpointer_across_processes(nodes, procs_per_node, mesh_shape, replicas):
     results = launch(scenario, nodes=nodes, procs_per_node=procs_per_node, devices_per_proc=2,
-                     args=(list(mesh_shape), f"mp-{nodes}x{procs_per_node}"), timeout=240)
+                     args=(list(mesh_shape), f"mp-{nodes}x{procs_per_node}-{replicas}", replicas), timeout=240)
     values = expect_ok(results)
-    _check_ownership(values)
+    _check_ownership(values, replicas, procs_per_node)
     if mesh_shape == (4, 2):
         # data spans the 4 processes: the replicated and data-replicated arrays are split 4 ways
         assert [len(p) for _, _, p in values[0]["holders"]["params/replicated"]] == [4]

@@ -116,7 +116,7 @@ def _config(base: str, job: str, opts: dict | None = None):
     return jaxckpt.Config(store=kw.pop("store", "shm"), job_id=job, shm_dir=f"{base}/{job}-node{node}{suffix}",
                           keep=kw.pop("keep", 2), chunk_bytes=CHUNK, agent_dirs=f"{base}/{job}-node*",
                           commit_timeout_s=60.0, peer_timeout_s=kw.pop("peer_timeout_s", 20.0), protection="replica",
-                          **kw)
+                          replicas=kw.pop("replicas", "split"), **kw)
 
 
 def host_state(step: int) -> dict:

@@ -43,6 +43,9 @@ def _config(base: str, job: str, policy: str):
     return jaxckpt.Config(**{"store": "shm", "job_id": job, "shm_dir": f"{base}/{job}-node{node}", "keep": 2,
                              "chunk_bytes": CHUNK, "agent_dirs": f"{base}/{job}-node*", "commit_timeout_s": 60.0,
                              "peer_timeout_s": 20.0, "protection": policy,
+                             # REFT's split: what this file's parity and replica cases protect (whole replicas:
+                             # tests/test_whole_replicas.py)
+                             "replicas": "split",
                              **(rendezvous(base, node) if job.startswith("rdv") else {})})
 
 

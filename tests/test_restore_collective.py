@@ -45,6 +45,7 @@ def _config(base: str, job: str, store: str, **kw):
 
     node = node_info().node
     kw.setdefault("restore_collective", True)  # what this file tests (off by default)
+    kw.setdefault("replicas", "split")  # a collective serves split replicas; whole ones read their own node
     return jaxckpt.Config(store=store, job_id=job, shm_dir=f"{base}/{job}-node{node}", keep=1, chunk_bytes=256,
                           agent_dirs=f"{base}/{job}-node*", commit_timeout_s=60.0, peer_timeout_s=20.0, **kw)
 

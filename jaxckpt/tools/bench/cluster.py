@@ -118,6 +118,11 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _default_replicas() -> str:
+    from jaxckpt.config import Config
+    return Config().replicas
+
+
 def command(args: argparse.Namespace) -> str:
     """The command line that repeats this run."""
     line = runner.command_line("cluster", args, tuple((f"--{k.replace('_', '-')}", k) for k in (
@@ -186,7 +191,7 @@ def _measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float,
         "settle_steps": 2 * opts["persist_interval"],
         "cycle": 0, "last": False, "restore_collective": opts["restore_collective"],
         "late_agent": opts.get("late_agent", False),
-        "replicas": opts.get("replicas", "split")}
+        "replicas": opts.get("replicas") or _default_replicas()}
     size = state_bytes(spec)
     # Measured peak about (procs + 12) x state: the replicated half on every process (and a restored copy), the
     # agents' slots and protection, Orbax's local checkpoints on RAM disk (whole state and half), persist copies.

@@ -10,8 +10,8 @@ time, CPU time (the process's user + system), minor page faults (getrusage), and
 Printed: the medians over processes and relaunches per restore index, and the first restore's wall and CPU over
 the median of the later restores of the same Checkpointer (per relaunch and process, then their median: issue
 26's floor is 1.2x). Every restore is checked bit for bit.
-REPLICAS is ``Config.replicas`` (default split; whole: each node keeps the replicated half whole, so a restore
-with the agents alive fetches nothing from the other node).
+REPLICAS is ``Config.replicas`` (default split, the layout issue 26's item 4 measured; whole: each node keeps the
+replicated half whole, so a restore with the agents alive fetches nothing from the other node).
 TOUCH_MIB (default 0: none) adds a control arm: every other relaunch, each process maps that much fresh memory,
 writes it and unmaps it after making its first Checkpointer, before the first restore (not timed). Both arms are
 printed. On a virtual machine whose guest reports free memory to the host (virtio-balloon free page reporting),

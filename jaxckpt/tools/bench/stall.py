@@ -96,7 +96,8 @@ def run_process(spec: dict) -> dict:
             if whole:
                 os.environ["JAXCKPT_NODE_NAME"] = f"stall-node{proc}"
             try:
-                ck = jaxckpt.Checkpointer(jaxckpt.Config(job_id=job_id(spec, mode), keep=1, **shm, **whole))
+                ck = jaxckpt.Checkpointer(jaxckpt.Config(job_id=job_id(spec, mode), keep=1, **shm,
+                                                         **(whole or {"replicas": "split"})))
             finally:
                 if whole and node is None:
                     os.environ.pop("JAXCKPT_NODE_NAME", None)
