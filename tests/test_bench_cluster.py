@@ -127,6 +127,9 @@ def test_restore_paths_and_recovery(run):
         assert math.isclose(sum(v["seconds"] for v in slow["stages"].values()), slow["create_s"], rel_tol=1e-6)
         assert {"create", "latest", "restore", "first_step"} <= set(slow["cpu_s"])
         assert [b["process"] for b in e["create_replacement"]] == [e["lost_node"]]  # 1 process per node
+    # the machine's bound beside the after-node-loss floor: every relaunched process's CPU summed, and the slowest's
+    bound = res["recovery"]["peers"]
+    assert bound["cpu_sum_s"]["median"] >= bound["cpu_max_s"]["median"] > 0, bound
     if not res["setup"].get("late_agent"):  # the replacement's agent recovered the node's share; its hello joined it
         rep = peers["create_replacement"][0]
         assert rep["agent_recovery"]["state"] == "done" and rep["recovery_wait_s"] >= 0, rep
@@ -145,7 +148,7 @@ def test_markdown_and_plots(run, tmp_path):
     for words in ("jaxckpt, via peers", "Orbax StandardRestore", "Orbax emergency", "Parity floor",
                   "Restore timeline", "raw TCP", "between 8 processes", "The floor of each restore path",
                   "memory copy floor ms", "Floors (issue 26; `Config.replicas='split'`)", "- agents alive: restore ",
-                  "- after a node loss: `Checkpointer()` + restore", "- kill → first step: jaxckpt's own share",
+                  "- after a node loss: `Checkpointer()` + restore", "  - where this machine stops it: ", "- kill → first step: jaxckpt's own share",
                   "kill → first step", res["machine"]["loadavg_at_start"]):
         assert words in body, words
     if plots.available():

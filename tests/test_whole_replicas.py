@@ -149,7 +149,7 @@ def test_whole_replicas_restore_from_own_node_and_survive_a_node_loss(saved):
 
 
 def test_split_replicas_read_the_other_replicas_shares(saved):
-    """The default split (1/R per replica): the same restore fetches 3/4 of each replicated array from the other
+    """Split (1/R per replica): the same restore fetches 3/4 of each replicated array from the other
     nodes, and the replicated arrays are protected by parity."""
     out, restored = saved["split"]
     assert out[0]["policies"] == {"rep": ["parity"], "dp": ["parity"], "fsdp": ["xor-group"]}, out[0]

@@ -438,28 +438,34 @@ def _recovered(spec: dict, role: str, persistent: bool) -> tuple[Any, Any, Any, 
     tgt = target(mesh, spec)  # the training script's own work (its model), on either path: not Checkpointer()'s
     t_target = time.time()
     cpu = [time.thread_time()]  # this thread's CPU at each stage's end: work, where the wall clock also waits
+    pcpu = [time.process_time()]  # and every thread's of the process (a restore's readers among them)
     from jaxckpt import Checkpointer  # what jaxckpt.start_agent() did not import yet: the front end, the engine
     t_imported, cpu_imported = time.time(), time.thread_time()
     ck = Checkpointer(config(spec, spec["keep_policy"], info.node, spec["keep_policy"], persistent=True))
     t_created = time.time()
     cpu.append(time.thread_time())
+    pcpu.append(time.process_time())
     step = ck.latest_step()
     t_open = time.time()
     cpu.append(time.thread_time())
+    pcpu.append(time.process_time())
     t0 = time.perf_counter()
     got = jax.block_until_ready(ck.restore(tgt, step=step))
     first = time.perf_counter() - t0
     t_restored = time.time()
     cpu.append(time.thread_time())
+    pcpu.append(time.process_time())
     sources, timeline = _sources(ck), _timeline(ck)
     st = jax.block_until_ready(train_step()(got))
     t_step = time.time()
     cpu.append(time.thread_time())
+    pcpu.append(time.process_time())
     hello = ck.store.agent  # the node agent's hello reply: how long it waited for the node's recovery
     startup = {"stages": {"import": {"seconds": t_imported - t_target, "cpu_s": cpu_imported - cpu[0]}, **ck.startup},
                "recovery_wait_s": hello.get("recovery_wait_s"),
                "agent_recovery": hello.get("recovery") or {},
-               "cpu_s": {k: cpu[i + 1] - cpu[i] for i, k in enumerate(("create", "latest", "restore", "first_step"))}}
+               "cpu_s": {k: cpu[i + 1] - cpu[i] for i, k in enumerate(("create", "latest", "restore", "first_step"))},
+               "process_cpu_s": {k: pcpu[i + 1] - pcpu[i] for i, k in enumerate(("create", "latest", "restore"))}}
     check(st, spec, step + 1, f"{role} restore (checked after one step: x + 1 is exact)")
     before = (lambda: drop_cache(spec["persistent_dir"])) if persistent else None
     later, got = _timed_restores(ck, tgt, spec["repeats"] - 1, step, before)

@@ -158,6 +158,17 @@ def _startups(rows: Sequence[Mapping[str, Any]], lost_node: int) -> dict[str, An
             "create_replacement": [_startup(r) for r in rows if r.get("node") == lost_node]}
 
 
+def _cpu_bound(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The relaunched processes' own CPU (every thread) from the end of their imports to the end of their restore
+    (``Checkpointer()``, ``latest_step()``, restore): summed, what the machine's cores must run before the last
+    restore ends when every process shares them, and the slowest process's, the bound when each node has its own."""
+    per = [((r.get("startup") or {}).get("process_cpu_s") or {}) for r in rows]
+    if not per or not all({"create", "latest", "restore"} <= set(c) for c in per):
+        return {}  # runs before the process CPU was recorded
+    own = [c["create"] + c["latest"] + c["restore"] for c in per]
+    return {"cpu_sum_s": sum(own), "cpu_max_s": max(own)}
+
+
 def _recovery(results: Mapping[str, Any], recoveries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     s = report.summarize
     events = []
@@ -174,12 +185,15 @@ def _recovery(results: Mapping[str, Any], recoveries: Sequence[Mapping[str, Any]
                        "create_s": st["created"] - st["target"],
                        "latest_s": st["opened"] - st["created"],
                        "restore_s": st["restored"] - st["opened"], "first_step_s": st["first_step"] - st["restored"],
-                       **_startups(rows, ev["lost_node"])})
+                       **_startups(rows, ev["lost_node"]), **_cpu_bound(rows)})
     out: dict[str, Any] = {"events": events}
     for kind in ("peers", "persistent"):
         ev = [e for e in events if e["kind"] == kind]
         out[kind] = {k: s([e[k] for e in ev]) for k in ("recovery_s", "relaunch_s", "target_s", "create_s",
                                                          "latest_s", "restore_s", "first_step_s")}
+        for k in ("cpu_sum_s", "cpu_max_s"):
+            if ev and all(k in e for e in ev):
+                out[kind][k] = s([e[k] for e in ev])
     out["persistent_over_peers"] = out["persistent"]["recovery_s"]["median"] / out["peers"]["recovery_s"]["median"]
     return out
 
@@ -512,6 +526,16 @@ def _issue_floors(result: Mapping[str, Any]) -> list[str]:
                    f"({fn(create * 1e3)} + {fn(restore * 1e3)}) = {fn(after / local)}x the agents-alive restore "
                    f"(floor <= 1.3x), Orbax / this {fn(orbax / after)}x (floor >= 1.5x): "
                    f"{'met' if ok else '**not met**'}.")
+        total, own = med(peers.get("cpu_sum_s")), med(peers.get("cpu_max_s"))
+        cores = result["machine"].get("usable_cores") or result["machine"].get("cores")
+        latest = med(peers.get("latest_s")) or 0.0
+        if total is not None and own is not None and cores:
+            out.append(f"  - where this machine stops it: the relaunched processes' own CPU (every thread) for "
+                       f"`Checkpointer()`, `latest_step()` and restore, {fn(total * 1e3)} ms in all, over its {cores} "
+                       f"cores is {fn(total / cores * 1e3)} ms before the last restore can end (the agents' CPU "
+                       f"not counted) against {fn((after + latest) * 1e3)} ms measured; each node on cores of its "
+                       f"own, the bound is the slowest process's own CPU, {fn(own * 1e3)} ms = "
+                       f"{fn(own / local)}x the agents-alive restore.")
     per = rec.get("persistent", {})
     keys = ("create_s", "latest_s", "restore_s")
     if all(med(peers.get(k)) is not None and med(per.get(k)) is not None for k in keys + ("first_step_s",)):
