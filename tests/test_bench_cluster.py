@@ -148,6 +148,7 @@ def test_markdown_and_plots(run, tmp_path):
     for words in ("jaxckpt, via peers", "Orbax StandardRestore", "Orbax emergency", "Parity floor",
                   "Restore timeline", "raw TCP", "between 8 processes", "The floor of each restore path",
                   "memory copy floor ms", "Floors (issue 26; `Config.replicas='split'`)", "- agents alive: restore ",
+                  "  - where this machine stops it: every process's restored bytes (",
                   "- after a node loss: `Checkpointer()` + restore", "  - where this machine stops it: ", "- kill → first step: jaxckpt's own share",
                   "kill → first step", res["machine"]["loadavg_at_start"]):
         assert words in body, words

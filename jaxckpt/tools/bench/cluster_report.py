@@ -517,6 +517,14 @@ def _issue_floors(result: Mapping[str, Any]) -> list[str]:
         ok = orbax / local >= 3 and (copy is None or local <= 1.3 * copy)
         out.append(f"- agents alive: restore {fn(local * 1e3)} ms, Orbax / this {fn(orbax / local)}x (floor >= 3x)" + (f", {fn(local / copy)}x one process's memory copy of the bytes it restores (floor "
                                 f"<= 1.3x)" if copy else "") + f": {'met' if ok else '**not met**'}.")
+        total = sum((rs["local"].get("sources") or {}).values())
+        cores = result["machine"].get("usable_cores") or result["machine"].get("cores")
+        if copy and total and cores:
+            shared = total / (mem * 1e9) / cores
+            out.append(f"  - where this machine stops it: every process's restored bytes ({report.fmt_size(total)}) "
+                       f"copied once at that memcpy rate, over its {cores} cores, take {fn(shared * 1e3)} ms "
+                       f"(restore / that {fn(local / shared)}x); each node on cores of its own, the floor is the one "
+                       f"process's copy above.")
     peers = rec.get("peers", {})
     create, restore = med(peers.get("create_s")), med(peers.get("restore_s"))
     if local and orbax and create is not None and restore is not None:
