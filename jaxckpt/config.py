@@ -49,7 +49,7 @@ class Config:
     protection_group: int = 4
     protection_bandwidth: int = 0
     # An array replicated over data-parallel replicas: "whole" keeps one whole copy on every node that holds it
-    # (one process of the node saves it), so a restore with the agents alive reads only its own node's memory and
+    # (shared by the node's own replicas), so a restore with the agents alive reads only its own node's memory and
     # the other nodes' copies protect it (no parity); "split" (REFT) saves 1/R of it on each of its R replicas
     # (protection then adds parity). Whole is the default by measurement (BENCHMARKS.md, "Which replicas is the
     # default"): quiet, 512 MiB bench cluster, its restore was 35x faster with the agents alive and 2.5x after a
