@@ -240,10 +240,11 @@ LAUNCH_ENV = (ENV_COORDINATOR, ENV_PROCESS_ID, ENV_PROCESS_COUNT, ENV_DEVICES_PE
 
 def _env_not_fields() -> frozenset[str]:
     """Variables in our namespace that configure other things than Config: the CLI's, the launcher's, the JAX
-    front end's way to the buffers it views (``jaxckpt.jax.buffers``), and the bound of the per-step records of
-    every process (``jaxckpt.core.trim``, set by a short soak)."""
+    front end's way to the buffers it views (``jaxckpt.jax.buffers``), the bound of the per-step records of
+    every process (``jaxckpt.core.trim``, set by a short soak), and the devices benchmarks lay their state on
+    (``jaxckpt.tools.bench.state``, set by ``bench device``)."""
     return frozenset({"JAXCKPT_LOG_LEVEL", "JAXCKPT_LAUNCH_SPEC", "JAXCKPT_JAX_PUBLIC_BUFFERS", "JAXCKPT_STEPS_KEPT",
-                      *LAUNCH_ENV})
+                      "JAXCKPT_BENCH_DEVICES", *LAUNCH_ENV})
 
 
 # The design card once listed "peer" as a store; it never was one.

@@ -35,6 +35,8 @@ BENCHES: dict[str, str] = {
     "memory": "host memory per node, per store and protection policy",
     "cluster": "protection, restore paths and node-loss recovery on simulated nodes, vs Orbax",
     "agent": "a fresh node agent's start-up (exec -> serving, wall and CPU), vs a bare interpreter",
+    "device": "save, restore and a snapshot every step on an accelerator (the default backend), vs Orbax, in one "
+              "command",
     "all": "every benchmark, then BENCHMARKS.md sections and plots",
 }
 BENCH_MODULES = {"torch": "torch_dcp", "agent": "agent_start"}

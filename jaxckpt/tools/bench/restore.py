@@ -138,7 +138,9 @@ def measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float) -
         gc.collect()
     return {"bench": "restore", "mode": "quick" if quick else "full", "machine": machine, "date": report.now_utc(),
             "command": cmd,
-            "setup": {"devices": 8, "mesh": "2x4", "arrays": 8, "repeats": opts["repeats"],
+            "setup": {"devices": 8, "mesh": results[0]["mesh"] if results else "2x4", "arrays": 8,
+                      "devices_text": results[0]["devices_text"] if results else "8 CPU devices",
+                      "repeats": opts["repeats"],
                       "restorers": opts["restorers"], "save_repeats": opts["save_repeats"], "warmup": opts["warmup"],
                       "plain_dir": opts["plain_dir"], "plain_fs": report.fs_type(opts["plain_dir"]),
                       "tmpfs_fs": report.fs_type("/dev/shm") if os.path.isdir("/dev/shm") else "none",
@@ -166,15 +168,14 @@ def _row(saved: Mapping[str, Any], restorers: list[Mapping[str, Any]]) -> dict[s
     ratios["shm_save_call_over_memory"] = saved["shm"]["save_call_s"]["median"] / saved["memory"]["save_call_s"][
         "median"]
     return {"size_bytes": saved["size_bytes"], "memory": saved["memory"], "shm_save": saved["shm"],
+            "devices_text": saved["devices_text"], "mesh": saved["mesh"],
             "restore": pooled, "ratios": ratios}
 
 
 # ------------------------------------------------------------------------------------------ launched processes
 def _jax8() -> Any:
-    import jax
-    jax.config.update("jax_num_cpu_devices", 8)
-    if jax.device_count() < 8:
-        raise RuntimeError(f"bench restore needs 8 devices, JAX has {jax.device_count()}")
+    from jaxckpt.tools.bench.state import setup_jax
+    jax = setup_jax("restore")
     logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every save at INFO
     logging.getLogger("jaxckpt.jax.checkpointer").setLevel(logging.WARNING)  # a line per restore
     return jax
@@ -233,7 +234,9 @@ def save_phase(spec: dict) -> dict:
             ckptr.save(os.path.join(where, "ckpt"), state)
             ckptr.wait_until_finished()
     sync_tree(spec["plain"])
-    return {"size_bytes": nbytes, "memory": memory, "shm": shm}
+    from jaxckpt.tools.bench.state import bench_devices, devices_text, mesh_shape
+    return {"size_bytes": nbytes, "memory": memory, "shm": shm, "devices_text": devices_text(),
+            "mesh": "x".join(map(str, mesh_shape(len(bench_devices()))))}
 
 
 def restore_phase(spec: dict) -> dict:
@@ -314,7 +317,7 @@ def render(result: Mapping[str, Any]) -> str:
         f"Command: `{result['command']}`", "",
         report.machine_line(result), "",
         f"State: the state of `jaxckpt bench save` ({st['arrays']} float32 arrays on a {st['mesh']} mesh of "
-        f"{st['devices']} CPU devices), restored onto the same shardings. memory: `store=\"memory\"`, restored in "
+        f"{st.get('devices_text', str(st['devices']) + ' CPU devices')}), restored onto the same shardings. memory: `store=\"memory\"`, restored in "
         f"the process that saved it. shm: `store=\"shm\"`, saved by a process that then exits; each of "
         f"{st['restorers']} fresh processes restores the newest step from the node agent's shared memory. Orbax: "
         f"`StandardSave` once, `StandardRestore` in the same fresh processes, from a directory on tmpfs "

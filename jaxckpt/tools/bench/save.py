@@ -25,8 +25,8 @@ import time
 from typing import Any, Mapping
 
 from jaxckpt.tools.bench import memcpy, report, runner, save_leaves
-from jaxckpt.tools.bench.state import (DEVICES, MESH, N_ARRAYS, SPECS, check_equal, make_state,
-                                       restore_target, spec_text)
+from jaxckpt.tools.bench.state import (N_ARRAYS, SPECS, bench_devices, check_equal, devices_text, make_state,
+                                       mesh_shape, restore_target, setup_jax, spec_text)
 
 log = logging.getLogger("jaxckpt.tools.bench")
 
@@ -136,10 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark in this process (jax must not be initialised yet) and return the result object."""
     opts = options(args)
-    import jax
-    jax.config.update("jax_num_cpu_devices", DEVICES)
-    if jax.device_count() < DEVICES:
-        raise RuntimeError(f"bench save needs {DEVICES} devices, JAX has {jax.device_count()}")
+    setup_jax("save")
     logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every save at INFO
     machine = report.machine_facts()
     log.info("bench save: sizes %s, %d repeats after %d warm-up", [report.fmt_size(s) for s in opts["sizes"]],
@@ -177,7 +174,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "machine": machine,
         "date": report.now_utc(),
         "command": shlex.join(["jaxckpt", "bench", "save", *forwarded(args)]),
-        "setup": {"devices": DEVICES, "mesh": "x".join(map(str, MESH)), "arrays": N_ARRAYS,
+        "setup": {"devices": len(bench_devices()), "devices_text": devices_text(),
+                  "mesh": "x".join(map(str, mesh_shape(len(bench_devices())))), "arrays": N_ARRAYS,
                   "specs": [spec_text(s) for s in SPECS], "repeats": opts["repeats"], "warmup": opts["warmup"],
                   "jaxckpt_warmup_saves": max(opts["warmup"], 2),
                   "jaxckpt_config": "Config() defaults (store=memory, keep=1)", "jaxckpt_path": JAXCKPT_PATH,
@@ -271,7 +269,7 @@ def render(result: Mapping[str, Any]) -> str:
     parts += [
         f"Command: `{result['command']}`", "",
         report.machine_line(result), "",
-        f"State: {s['arrays']} float32 arrays on a {s['mesh']} mesh of {s['devices']} CPU devices "
+        f"State: {s['arrays']} float32 arrays on a {s['mesh']} mesh of {s.get('devices_text', str(s['devices']) + ' CPU devices')} "
         f"(shardings {', '.join(s['specs'])}). jaxckpt: {s['jaxckpt_config']}; level-1 path: {s['jaxckpt_path']}. "
         f"Orbax: {s['orbax']}. Each figure: median (min–max) of {s['repeats']} repeats after {s['warmup']} "
         f"warm-up round(s) (jaxckpt: {s['jaxckpt_warmup_saves']} warm-up saves, so both slots of its double buffer "

@@ -175,7 +175,7 @@ def run_process(spec: dict) -> dict:
     return out
 
 
-def _merge(size: str, procs: int, per_proc: list[dict], memcpy: dict) -> dict:
+def merge_row(size: str, procs: int, per_proc: list[dict], memcpy: dict) -> dict:
     """One result row per size and process count: the slowest process's medians (the step waits for the
     slowest)."""
     def worst(mode: str, key: str) -> float | None:
@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
             log.info("bench stall: size %s on %d processes", size, procs)
             per_proc = expect_ok(launch(run_process, nodes=1, procs_per_node=procs,
                                         devices_per_proc=8 // procs, args=(spec,), timeout=args.timeout))
-            result["results"].append(_merge(size, procs, per_proc, memcpy))
+            result["results"].append(merge_row(size, procs, per_proc, memcpy))
         finally:
             for mode in MODES:
                 if mode.endswith("-shm"):  # the agents the trainers spawned: free their memory before the next size
