@@ -15,7 +15,9 @@ returns for the snapshot to equal the state at the call:
   read from one device is taken through its one buffer (``_fully_replicated_shard``). The collector is
   paused while the views are taken and what it did not examine is handed to its oldest generation unexamined
   (see ``Saver.pins``, ``_skip_young``).
-- jax arrays on an accelerator, PRNG keys: a device-side copy dispatched now (``shards.shard_reads``).
+- jax arrays on an accelerator: one ``device_put`` of all of them to pinned host memory, dispatched now
+  (``shards.pinned_sharding``); where the backend has no pinned host memory, and for PRNG keys, a
+  device-side copy each, then a transfer each (``shards.shard_reads``).
 - numpy arrays: copied now (the caller may write them in place as soon as ``save()`` returns).
 
 Everything per shard after that (the engine's shard reads) is built on the copier's dispatcher thread, and as few
@@ -185,18 +187,22 @@ class Saver:
         """Per array record: ("view", leaf, positions in ``_arrays``, device ids, all positions? or "one": the
         fully replicated array's one buffer read, or "public": read through jax's public API (``jax.buffers``),
         viewed through the buffer protocol?) for a CPU jax array,
-        ("copy", leaf) for numpy, ("same", leaf) for a numpy scalar, ("shards", leaf, devs) otherwise,
+        ("copy", leaf) for numpy, ("same", leaf) for a numpy scalar, ("pinned", leaf, devs, pinned host sharding)
+        for a jax array on an accelerator, ("shards", leaf, devs) otherwise,
         or ("none",) when this process reads nothing of it; and the records an owned state still takes at once
         (numpy leaves are the caller's memory even there)."""
         out = []
         for i, devs in zip(plan.arrays, devices):
             lf = plan.leaves[i]
+            pinned = shards.pinned_sharding(plan.shardings[i]) if lf.kind == "jax" and devs else None
             if not devs:
                 out.append(("none",))
             elif lf.kind == "numpy":
                 out.append(("copy", i))
             elif lf.kind == "numpy_scalar":
                 out.append(("same", i))
+            elif pinned is not None:
+                out.append(("pinned", i, devs, pinned))
             elif lf.kind == "jax" and shards.needs_private_hosts(plan.shardings[i]):
                 order = shards.local_order(plan.shardings[i])
                 pos = tuple(k for k, d in enumerate(order) if d in devs)
@@ -259,8 +265,13 @@ def _pin(reads: tuple, taken: list[Any], leaves: list[Any], plan: TreeLayout,
             taken[j] = list(map(np.asarray, arrs)) if r[5] else views(arrs)
         elif what == "shards":
             taken[j] = shards.shard_reads(leaves[r[1]], plan.leaves[r[1]].kind, r[2])
-        elif what != "none":
+        elif what not in ("none", "pinned"):
             taken[j] = _take(r, leaves)
+    pinned = [j for j, r in enumerate(reads) if r[0] == "pinned"]
+    if pinned:  # one call for every array on an accelerator: the transfers are batched and dispatched at once
+        hosts = jax.device_put([leaves[reads[j][1]] for j in pinned], [reads[j][3] for j in pinned])
+        for j, host in zip(pinned, hosts):
+            taken[j] = shards.host_reads(host, reads[j][2])
 
 
 def _buffer_protocol(dtype: Any) -> bool:
@@ -306,7 +317,7 @@ def _shard_reads(reads: tuple, taken: list[Any], owned: list[Any] | None, plan: 
             out.append({d: (v, None) for v, d in zip(t, r[3])})
         elif what in ("copy", "same"):
             out.append({HOST: (t, None)})
-        elif what == "shards":
+        elif what in ("shards", "pinned"):
             out.append(t)
         else:
             out.append({})
@@ -350,7 +361,7 @@ def _owned_reads(reads: tuple, taken: list[Any], owned: list[Any], plan: TreeLay
                 out.append({d: (v, None) for v, d in zip(got, r[3])})
             elif what in ("copy", "same"):
                 out.append({HOST: (t, None)})  # numpy leaves: taken at the call
-            elif what == "shards":
+            elif what in ("shards", "pinned"):  # the fused path's copies are on the host already
                 out.append(shards.shard_reads(owned[r[1]], plan.leaves[r[1]].kind, r[2], True))
             else:
                 out.append({})

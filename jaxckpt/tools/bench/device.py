@@ -222,12 +222,64 @@ def floors(opts: Mapping[str, Any]) -> dict[str, Any]:
         row = {"size_bytes": nbytes, "d2h_s": report.summarize(d2h), "h2d_s": report.summarize(h2d)}
         if pinned:
             row["d2h_pinned_s"] = report.summarize(pinned)
+            row.update(pinned_reads(state, opts["repeats"]))
         rows.append(row)
         log.info("floors %s: device->host %.1f ms, ->pinned %s, host->device %.1f ms", report.fmt_size(nbytes),
                  row["d2h_s"]["median"] * 1e3,
                  f"{row['d2h_pinned_s']['median'] * 1e3:.1f} ms" if pinned else "-", row["h2d_s"]["median"] * 1e3)
         del state, host
-    return {"facts": facts, "memcpy_gbps": mem, "results": rows}
+    return {"facts": facts, "memcpy_gbps": mem, "results": rows, "donation": donation_check(opts)}
+
+
+def pinned_reads(state: dict[str, Any], repeats: int) -> dict[str, Any]:
+    """What a copy worker pays to read a pinned host copy of ``state``: ``np.asarray`` of every shard, and whether
+    jaxlib hands the pinned memory itself (``did_copy`` False) or copies it into new memory."""
+    import jax
+    import numpy as np
+
+    pin = jax.block_until_ready(jax.device_put(state, {k: v.sharding.with_memory_kind("pinned_host")
+                                                       for k, v in state.items()}))
+    first = next(iter(pin.values())).addressable_data(0)
+    did_copy = first._single_device_array_to_np_array_did_copy()[1] \
+        if hasattr(first, "_single_device_array_to_np_array_did_copy") else None
+    times = []
+    for _ in range(repeats):
+        shards = [s.data for v in pin.values() for s in v.addressable_shards]  # fresh arrays: no cached value
+        t0 = time.perf_counter()
+        for a in shards:
+            np.asarray(a)
+        times.append(time.perf_counter() - t0)
+    return {"pinned_read_s": report.summarize(times), "pinned_read_did_copy": did_copy}
+
+
+def donation_check(opts: Mapping[str, Any], saves: int = 3) -> dict[str, Any]:
+    """Plain ``save()`` then a step that donates the state, ``saves`` times; every restored bit checked against the
+    state each save was given (AssertionError naming the step and array otherwise)."""
+    import jax
+    import numpy as np
+
+    from jaxckpt import Checkpointer, Config
+    from jaxckpt.tools.bench.state import make_state, restore_target
+
+    state = make_state(min(opts["size_list"]))
+    target = restore_target(state)
+    step = jax.jit(lambda st: jax.tree.map(lambda a: a * 3.0 + 1.0, st), donate_argnums=0)
+    expected = {}
+    with Checkpointer(Config(job_id="bench-device-donation", keep=saves)) as ck:
+        for k in range(saves):
+            expected[k] = jax.device_get(state)
+            ck.save(k, state)
+            state = step(state)  # donates the buffers the save is copying
+        jax.block_until_ready(state)
+        ck.wait()
+        for k in range(saves):
+            out = ck.restore(target, step=k)
+            for name, want in expected[k].items():
+                if not np.array_equal(np.asarray(out[name]).view(np.uint8), want.view(np.uint8)):
+                    raise AssertionError(f"donation check: step {k}, {name}: restored bytes differ from the state "
+                                         f"save() was given")
+    log.info("donation check: %d saves each followed by a donating step, restored bit for bit", saves)
+    return {"saves": saves, "bitwise": True}
 
 
 def stall_child(opts: Mapping[str, Any]) -> dict[str, Any]:
@@ -288,12 +340,18 @@ def render(result: Mapping[str, Any]) -> str:
         for r in fl["results"]:
             n = r["size_bytes"]
             pin = r.get("d2h_pinned_s")
+            read = r.get("pinned_read_s")
             rows.append([fs(n), f"{fm(r['d2h_s'])} ({fn(n / r['d2h_s']['median'] / 1e9)} GB/s)",
                          "-" if not pin else f"{fm(pin)} ({fn(n / pin['median'] / 1e9)} GB/s)",
+                         "-" if not read else f"{fm(read)} ({'a copy' if r['pinned_read_did_copy'] else 'no copy'})",
                          f"{fm(r['h2d_s'])} ({fn(n / r['h2d_s']['median'] / 1e9)} GB/s)"])
         lines += ["Floors: the state's arrays (those of `bench save`) moved by JAX alone, median (min–max) ms:", "",
                   report.table(["state", "device -> new host memory (`device_get`)",
-                                "device -> pinned host (`device_put`)", "host -> device (`device_put`)"], rows), ""]
+                                "device -> pinned host (`device_put`)", "reading the pinned copy (`np.asarray`)",
+                                "host -> device (`device_put`)"], rows), ""]
+        if fl.get("donation"):
+            lines += [f"Donation: {fl['donation']['saves']} plain `save()` calls, each followed at once by a step "
+                      f"that donates the state, restored bit for bit.", ""]
         sv = parts.get("save")
         if sv:
             against = []
