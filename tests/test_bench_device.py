@@ -38,6 +38,7 @@ def test_quick_run_every_part_json_and_markdown(tmp_path):
     assert res["parts"]["save"]["setup"]["devices_text"] == "1 CPU device"
     assert res["parts"]["save"]["setup"]["mesh"] == "1x1"
     assert res["parts"]["restore"]["setup"]["devices_text"] == "1 CPU device"
+    assert res["parts"]["torch"]["setup"]["device"] == "cpu"  # no GPU for torch here: the state dict stays put
     stall = res["parts"]["stall"]
     assert [r["size"] for r in stall["results"]] == ["tiny"]
     assert set(stall["results"][0]["processes"][0]["modes"]) == set(device.STALL_MODES)
@@ -49,7 +50,8 @@ def test_quick_run_every_part_json_and_markdown(tmp_path):
     text = md.read_text()
     assert "\nold\n" not in text
     for heading in ("### `jaxckpt bench device`", "#### `jaxckpt bench save`", "#### `jaxckpt bench restore`",
-                    "#### `jaxckpt bench stall`", "| 4 MiB |", "restored bit for bit"):
+                    "#### `jaxckpt bench stall`", "#### `jaxckpt bench torch`", "| 4 MiB |",
+                    "restored bit for bit"):
         assert heading in text, heading
     assert (tmp_path / "docs" / "bench" / "device.json").exists()
     assert _shm() - before == set()

@@ -12,7 +12,10 @@ nothing reserved up front):
 - ``restore``: ``bench restore`` (restore from memory, from the node agent in fresh processes, Orbax from tmpfs
   and from a page-cache-dropped directory) on those devices;
 - ``stall``:   ``bench stall``'s GPT trained on those devices in one process, a snapshot every step: none,
-  save(), ``wrap_step`` (the step's own copy to pinned host), save() to the node agent, Orbax.
+  save(), ``wrap_step`` (the step's own copy to pinned host), save() to the node agent, Orbax;
+- ``torch``:   ``bench torch`` (the torch front end against PyTorch DCP) with the state dict's tensors on the GPU
+  where torch sees one (on the CPU otherwise); left out of the default parts, with a logged note, where torch
+  is not installed.
 
 A part that fails is recorded with its exit status and the end of its log, and the others still run (the run's
 exit status is then 1): a device lease is short, and one part's failure must not cost the others' numbers.
@@ -36,7 +39,7 @@ from jaxckpt.tools.bench import report, runner
 
 log = logging.getLogger("jaxckpt.tools.bench")
 
-PARTS = ("floors", "save", "restore", "stall")
+PARTS = ("floors", "save", "restore", "stall", "torch")
 FULL = {"sizes": "1G,4G", "repeats": 5, "warmup": 2, "restorers": 2, "gpt_sizes": "1G,0.2G-deep", "steps": 20,
         "orbax_steps": 5, "batch": 32, "seq_len": 256, "timeout": 240.0}
 QUICK = {"sizes": "4M", "repeats": 2, "warmup": 1, "restorers": 1, "gpt_sizes": "tiny", "steps": 3,
@@ -49,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``jaxckpt bench device``."""
     def default(key: str) -> str:
         return f"default {FULL[key]}, --quick {QUICK[key]}"
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--parts", default=None, help=f"comma-separated subset of {','.join(PARTS)} (default: all; "
+                                                 f"torch where it is installed)")
     p.add_argument("--sizes", default=None, help=f"state sizes of floors, save and restore ({default('sizes')})")
     p.add_argument("--repeats", type=int, default=None, help=f"timed repeats per size ({default('repeats')})")
     p.add_argument("--warmup", type=int, default=None, help=f"untimed rounds first ({default('warmup')})")
@@ -76,10 +80,17 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     from jaxckpt.tools.bench.stall import SIZES
 
     out = dict(QUICK if args.quick else FULL, quick=args.quick)
-    for key in (*FULL, "parts"):
+    for key in FULL:
         if getattr(args, key, None) is not None:
             out[key] = getattr(args, key)
-    out["parts"] = [p.strip() for p in str(out.get("parts", ",".join(PARTS))).split(",") if p.strip()]
+    asked = getattr(args, "parts", None)
+    if asked is None:
+        import importlib.util
+        out["parts"] = [p for p in PARTS if p != "torch" or importlib.util.find_spec("torch") is not None]
+        if "torch" not in out["parts"]:
+            log.warning("bench device: torch is not installed (pip install 'jaxckpt[torch]'): leaving out its part")
+    else:
+        out["parts"] = [p.strip() for p in str(asked).split(",") if p.strip()]
     unknown = [p for p in out["parts"] if p not in PARTS]
     if unknown or not out["parts"]:
         raise ValueError(f"bench device: --parts {','.join(out['parts'])!r}: a subset of {','.join(PARTS)}")
@@ -113,6 +124,8 @@ def part_command(part: str, opts: Mapping[str, Any], json_path: str) -> list[str
     sizes = ["--sizes", str(opts["sizes"]), "--repeats", str(opts["repeats"]), "--warmup", str(opts["warmup"])]
     if part == "save":
         return [py, "-m", "jaxckpt.tools.bench.save", *sizes, "--leaf-counts", "none", "--json", json_path]
+    if part == "torch":
+        return [py, "-m", "jaxckpt.tools.bench.torch_dcp", *sizes, "--json", json_path]
     if part == "restore":
         return [py, "-m", "jaxckpt.tools.bench.restore", "--sizes", str(opts["sizes"]), "--repeats",
                 str(opts["repeats"]), "--restorers", str(opts["restorers"]), "--timeout", str(opts["timeout"]),
@@ -322,7 +335,7 @@ def _demoted(md: str) -> str:
 
 def render(result: Mapping[str, Any]) -> str:
     """The BENCHMARKS.md section of a ``bench device`` result."""
-    from jaxckpt.tools.bench import restore, save, stall
+    from jaxckpt.tools.bench import restore, save, stall, torch_dcp
 
     fs, fm, fn = report.fmt_size, report.fmt_ms, report.fmt_num
     parts, failed = result["parts"], result["failed"]
@@ -362,7 +375,8 @@ def render(result: Mapping[str, Any]) -> str:
                                f"{fn(r['jaxckpt']['restore_s']['median'] / f_row['h2d_s']['median'])}x the "
                                f"host -> device floor")
             lines += ["jaxckpt against the floors (medians of the same run): " + "; ".join(against) + ".", ""]
-    renderers = {"save": save.render, "restore": restore.render, "stall": stall.render_stall}
+    renderers = {"save": save.render, "restore": restore.render, "stall": stall.render_stall,
+                 "torch": torch_dcp.render_torch}
     for name in PARTS[1:]:
         if name in parts:
             lines += [_demoted(renderers[name](parts[name])), ""]

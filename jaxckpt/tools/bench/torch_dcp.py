@@ -144,7 +144,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                   "repeats": opts["repeats"], "warmup": opts["warmup"],
                   "jaxckpt_warmup_saves": max(opts["warmup"], 2), "jaxckpt": JAXCKPT_SETUP, "dcp": DCP_SETUP,
                   "dcp_jaxckpt": DCP_JAXCKPT_SETUP, "dcp_jaxckpt_warmup_rounds": max(opts["warmup"], 2),
-                  "torch_threads": torch.get_num_threads(), "memcpy_bytes": opts["memcpy_bytes"]},
+                  "torch_threads": torch.get_num_threads(), "memcpy_bytes": opts["memcpy_bytes"],
+                  "device": tensor_device() if tensor_device() == "cpu" else torch.cuda.get_device_name()},
         "memcpy_gbps": mem["median"],
         "memcpy_gbps_stats": mem,
         "results": results,
@@ -191,16 +192,27 @@ DCP_PAIRS = (("save", "save_s"), ("async_call", "async_save_call_s"), ("async_to
              ("load", "load_s"))
 
 
+def tensor_device() -> str:
+    """Where the state's tensors live: the CPU, or with ``JAXCKPT_BENCH_DEVICES=default`` (``bench device``) the
+    GPU where torch sees one."""
+    import torch
+
+    from jaxckpt.tools.bench.state import on_default_backend
+    return "cuda" if on_default_backend() and torch.cuda.is_available() else "cpu"
+
+
 def make_state(size_bytes: int, zeros: bool = False) -> dict[str, Any]:
-    """About ``size_bytes`` of model + optimizer state dict (see ``STATE``); ``zeros``: a target of the same shape."""
+    """About ``size_bytes`` of model + optimizer state dict (see ``STATE``) on ``tensor_device()``; ``zeros``: a
+    target of the same shape."""
     import torch
 
     rows = max(1, size_bytes // (BYTES_PER_PARAM * COLS * LAYERS))
     gen = torch.Generator().manual_seed(0)
+    device = tensor_device()
     model, opt = {}, {}
     for i in range(LAYERS):
         name = f"layers.{i}.weight"
-        w = torch.zeros(rows, COLS) if zeros else torch.randn(rows, COLS, generator=gen)
+        w = (torch.zeros(rows, COLS) if zeros else torch.randn(rows, COLS, generator=gen)).to(device)
         model[name] = w.to(torch.bfloat16)
         opt[name] = {"step": torch.tensor(0.0 if zeros else 10.0 + i), "master": w,
                      "exp_avg": w * 0.1, "exp_avg_sq": w * w}
@@ -391,7 +403,9 @@ def render_torch(result: Mapping[str, Any]) -> str:
         f"Command: `{result['command']}`", "",
         machine_line(result) + f" torch {result['machine']['versions'].get('torch', '?')} "
         f"({s['torch_threads']} intra-op threads).", "",
-        f"State: {s['state']}; its rows are chosen so that the tensors hold about the nominal size (the JSON "
+        f"State: {s['state']}" + ("" if s.get("device", "cpu") == "cpu" else f", its tensors on {s['device']} "
+                                   f"(the scalar `step` tensors on the CPU, as optimizers keep them)")
+        + f"; its rows are chosen so that the tensors hold about the nominal size (the JSON "
         f"has the exact bytes, which the GB/s use). jaxckpt: {s['jaxckpt']}. DCP: {s['dcp']}. Each figure: "
         f"median (min–max) of {s['repeats']} repeats after {s['warmup']} warm-up round(s) (jaxckpt: "
         f"{s['jaxckpt_warmup_saves']} warm-up saves, so both slots of its double buffer are reused); restores "
