@@ -40,7 +40,11 @@ from jaxckpt.tools.bench import report, runner
 log = logging.getLogger("jaxckpt.tools.bench")
 
 PARTS = ("floors", "save", "restore", "stall", "torch")
-FULL = {"sizes": "1G,4G", "repeats": 5, "warmup": 2, "restorers": 2, "gpt_sizes": "1G,0.2G-deep", "steps": 20,
+# The full run is sized to fit one device lease (15 minutes, the machine's start included). On an H200 at 1 GiB
+# (3 repeats, one GPT over 10 steps) the parts took floors 17 s, save 12 s, restore 18 s, stall 45 s; with 4 GiB
+# too, floors 35 s, save 91 s, restore over 200 s (each 4 GiB restorer about 50 s), stall (both GPTs, 20 steps)
+# 198 s (2026-12-04, BENCHMARKS.md): 4 GiB is asked for with --sizes 1G,4G.
+FULL = {"sizes": "1G", "repeats": 5, "warmup": 2, "restorers": 2, "gpt_sizes": "1G,0.2G-deep", "steps": 20,
         "orbax_steps": 5, "batch": 32, "seq_len": 256, "timeout": 240.0}
 QUICK = {"sizes": "4M", "repeats": 2, "warmup": 1, "restorers": 1, "gpt_sizes": "tiny", "steps": 3,
          "orbax_steps": 3, "batch": 8, "seq_len": 32, "timeout": 300.0}
