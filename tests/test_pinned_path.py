@@ -62,3 +62,25 @@ def test_pinned_saves_restore_bit_for_bit_under_donation(pinned_on_cpu):
                 assert np.asarray(out[n]).view(np.uint8).tobytes() == expected[k][n].view(np.uint8).tobytes(), (k, n)
             assert out["step"] == 7
             assert np.array_equal(jax.random.key_data(out["key"]), jax.random.key_data(jax.random.key(3)))
+
+
+
+@pytest.mark.parametrize("path", ["pinned", "cpu views"])
+def test_a_leaf_already_in_pinned_host_memory_saves_and_restores(path, request):
+    # An optimizer state offloaded to host memory, saved and restored onto its own sharding (memory kind included).
+    # On the pinned path the save's device_put to that same memory kind is told not to alias (jax.device_put
+    # hands such an array back as it is otherwise), so the snapshot is a copy of its own.
+    if path == "pinned":
+        request.getfixturevalue("pinned_on_cpu")
+    state = _state()
+    state["m"] = jax.device_put(state["m"], state["m"].sharding.with_memory_kind(shards.PINNED))
+    want = {n: np.asarray(state[n]).copy() for n in ("w", "b", "m")}
+    with jaxckpt.Checkpointer(jaxckpt.Config(keep=2)) as ck:
+        ck.save(0, state)
+        ck.wait()
+        target = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) if n in want else v
+                  for n, v in state.items()}
+        out = ck.restore(target=target)
+    for n in want:
+        assert out[n].sharding == state[n].sharding, n
+        assert np.asarray(out[n]).view(np.uint8).tobytes() == want[n].view(np.uint8).tobytes(), n

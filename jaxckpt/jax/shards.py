@@ -174,9 +174,21 @@ def make_array(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.S
                 hosts[i] = hostbuf.copy(h)
             used.add(id(h))
     # One batched transfer for all local devices instead of a device_put per shard.
-    arrays = jax.device_put(hosts, [dev for dev, _ in local]) if hosts else []
+    arrays = jax.device_put(hosts, list(_put_targets(shape, sharding))) if hosts else []
     # dtype: a sharding none of whose devices are this process's leaves it no shard to take it from
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def _put_targets(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> tuple[Any, ...]:
+    """Where ``make_array`` puts each local piece (in ``_local_boxes`` order): the device, or, for a sharding in
+    another memory of its devices than their default (a state kept in host memory), that memory of the device;
+    the array is assembled from pieces in the sharding's own memory only."""
+    kind = sharding.memory_kind
+    devs = [dev for dev, _ in _local_boxes(shape, sharding)]
+    if kind is None or all(d.default_memory().kind == kind for d in devs):
+        return tuple(devs)
+    return tuple(jax.sharding.SingleDeviceSharding(d, memory_kind=kind) for d in devs)
 
 
 def needed_boxes(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> dict[Box, list[int]]:

@@ -269,7 +269,8 @@ def _pin(reads: tuple, taken: list[Any], leaves: list[Any], plan: TreeLayout,
             taken[j] = _take(r, leaves)
     pinned = [j for j, r in enumerate(reads) if r[0] == "pinned"]
     if pinned:  # one call for every array on an accelerator: the transfers are batched and dispatched at once
-        hosts = jax.device_put([leaves[reads[j][1]] for j in pinned], [reads[j][3] for j in pinned])
+        # may_alias=False: an array the caller already keeps in pinned host memory is copied, not handed back
+        hosts = jax.device_put([leaves[reads[j][1]] for j in pinned], [reads[j][3] for j in pinned], may_alias=False)
         for j, host in zip(pinned, hosts):
             taken[j] = shards.host_reads(host, reads[j][2])
 
