@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 from jaxckpt.tools.bench import device, report
 
@@ -75,6 +76,56 @@ def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path, monkeypat
     assert res["parts"]["floors"]["donation"]["bitwise"] is True
     text = device.render(res)
     assert "Part `save` failed (3, after" in text and "save broke here" in text and "| 4 MiB |" in text
+
+
+PART_THAT_HANGS = """
+import os, subprocess, sys, tempfile, time
+from jaxckpt import Config
+from jaxckpt.backends.agent import protocol as proto
+d = tempfile.mkdtemp(prefix="jaxckpt-bench-devtest-", dir="/dev/shm")
+proto.spawn_agent(Config(job_id="devtest", shm_dir=d), d)
+for _ in range(300):  # its pid file: the agent serves
+    if proto.read_pid_file(d):
+        break
+    time.sleep(0.1)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+with open(sys.argv[1], "w") as f:
+    f.write(f"{d} {child.pid} {proto.read_pid_file(d)[0]}")
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_part_out_of_time_goes_with_its_processes_agents_and_scratch(tmp_path, monkeypatch):
+    # The part starts a real node agent in a scratch directory of its own and a child process, then hangs: at its
+    # time limit the driver kills the part's session, stops the agent (which runs in a session of its own) and
+    # removes the directory, and the next part still runs.
+    real, facts = device.part_command, tmp_path / "facts"
+
+    def command(part, opts, json_path):
+        if part == "save":
+            return [sys.executable, "-c", PART_THAT_HANGS, str(facts)]
+        return real(part, opts, json_path)
+
+    monkeypatch.setattr(device, "part_command", command)
+    opts = {**device.options(device_args(["--quick", "--parts", "save,floors"])), "timeout": 30.0}
+    res = device.measure(opts, "jaxckpt bench device --quick", str(tmp_path / "parts"))
+    assert res["failed"]["save"]["rc"] == "timeout" and "floors" in res["parts"]
+    scratch, child, agent = facts.read_text().split()
+    assert not os.path.exists(scratch)
+    for pid in (int(child), int(agent)):
+        for _ in range(100):  # SIGKILLed: gone once its parent (or init) reaps it
+            if not _alive(pid):
+                break
+            time.sleep(0.05)
+        assert not _alive(pid), pid
 
 
 def device_args(words):

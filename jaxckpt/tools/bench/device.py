@@ -29,6 +29,7 @@ import logging
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -156,12 +157,20 @@ def measure(opts: Mapping[str, Any], cmd: str, out_dir: str | None) -> dict[str,
             argv = part_command(part, opts, path)
             log.info("bench device: part %d of %d, %s: %s", i + 1, len(opts["parts"]), part, shlex.join(argv))
             t0 = time.perf_counter()
+            before = _scratch()
             with open(log_path, "w") as f:
+                # A session of its own: a part that runs out of time goes with every process it started.
+                proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
                 try:
-                    rc = subprocess.run(argv, env=env, stdout=f, stderr=subprocess.STDOUT, check=False,
-                                        timeout=opts["timeout"]).returncode
-                except subprocess.TimeoutExpired:
+                    rc: int | str = proc.wait(timeout=opts["timeout"])
+                except BaseException as e:
                     rc = "timeout"
+                    left = _reap(proc, before)
+                    if not isinstance(e, subprocess.TimeoutExpired):
+                        raise
+                    if left:
+                        log.warning("bench device: %s ran out of time: killed its processes and agents, removed %s",
+                                    part, ", ".join(left))
             wall = time.perf_counter() - t0
             if rc == 0 and os.path.exists(path):
                 result["parts"][part] = report.read_json(path)
@@ -176,6 +185,37 @@ def measure(opts: Mapping[str, Any], cmd: str, out_dir: str | None) -> dict[str,
         if out_dir is None:
             shutil.rmtree(where, ignore_errors=True)
     return result
+
+
+SCRATCH = ("jaxckpt-bench-", "jaxckpt-device-")  # the prefixes of the parts' own scratch directories
+
+
+def _scratch() -> set[str]:
+    """The parts' scratch directories there are now, in /dev/shm and the temporary directory."""
+    out = set()
+    for root in {"/dev/shm", tempfile.gettempdir()}:
+        if os.path.isdir(root):
+            out |= {os.path.join(root, n) for n in os.listdir(root) if n.startswith(SCRATCH)}
+    return out
+
+
+def _reap(proc: subprocess.Popen, before: set[str]) -> list[str]:
+    """After a part ran out of time: SIGKILL its session, stop the node agents it spawned (they run in sessions
+    of their own, holding their memory for a restart that will not come) and remove the scratch directories it
+    made; the directories removed."""
+    from jaxckpt.backends.agent import protocol as proto
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    left = sorted(_scratch() - before)
+    for path in left:
+        for dirpath, _, _ in os.walk(path):
+            proto.kill_agent(dirpath, remove_memory=True)  # a directory without an agent's pid file: nothing
+        shutil.rmtree(path, ignore_errors=True)
+    return left
 
 
 # ---------------------------------------------------------------------------------------- the child processes
