@@ -32,7 +32,10 @@ class Config:
 
     Fields (all optional): ``store`` picks a backend by registry name; ``keep`` committed snapshots are held
     (plus one being written, so keep=1 is double-buffered); ``memory_budget_bytes`` caps the bytes a store
-    holds (0 = unlimited); ``inflight_bytes`` bounds device-to-host bytes in flight; ``workers`` host copy
+    holds (0 = unlimited); ``inflight_bytes`` bounds the device-to-host transfers a save starts in the
+    background (where an accelerator has no pinned host memory: each array's device-side copy, then its transfer;
+    where it has, every transfer is enqueued at ``save()``, as it must be to come before a donating step, and a
+    save holds its share in pinned memory until the workers copy it: docs/deploy.md); ``workers`` host copy
     threads; ``max_pending_saves`` saves may be in flight before ``save()`` waits for the oldest.
     ``persistent_dir``: committed steps that are multiples of ``persistent_interval`` (0 = never) are also written
     there in the standard Orbax format, ``persistent_keep`` newest kept (see ``jaxckpt.persistent``).

@@ -40,7 +40,7 @@ def test_cpu_arrays_take_views_not_pinned_copies():
     assert shards.pinned_sharding(s["b"].sharding) is None
 
 
-def test_pinned_saves_restore_bit_for_bit_under_donation(pinned_on_cpu):
+def test_pinned_saves_restore_bit_for_bit_under_donation(pinned_on_cpu, caplog):
     step = jax.jit(lambda st: {"w": st["w"] * 3 + 1, "b": st["b"] * 2, "m": st["m"] - 5}, donate_argnums=0)
     state, expected = _state(), {}
     with jaxckpt.Checkpointer(jaxckpt.Config(keep=4)) as ck:
@@ -53,6 +53,10 @@ def test_pinned_saves_restore_bit_for_bit_under_donation(pinned_on_cpu):
         reads = ck.frontend.saver._layouts
         kinds = {r[0] for plan in reads.values() for r in plan.reads}
         assert "pinned" in kinds, kinds
+        # said at a layout's first save, not at every save: inflight_bytes does not bound these transfers
+        said = [r.getMessage() for r in caplog.records if r.name == "jaxckpt.jax.snapshot"]
+        told = [m for m in said if "3 arrays move to pinned host memory" in m and "inflight_bytes" in m]
+        assert 1 <= len(told) == len(reads) < 4, said
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                               if isinstance(x, jax.Array) and x.dtype != jax.random.key(0).dtype else x, _state())
         for k in range(4):

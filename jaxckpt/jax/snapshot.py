@@ -226,6 +226,11 @@ class Saver:
         (the fused path), so only numpy leaves are taken now."""
         if plan.reads is None:
             plan.reads, plan.eager = self._reads(plan, devices, leaves)
+            pinned = sum(r[0] == "pinned" for r in plan.reads)
+            if pinned:
+                log.info("%d arrays move to pinned host memory with one device_put at every save() of this layout: "
+                         "their transfers are enqueued at the call, before a donating step can run "
+                         "(Config.inflight_bytes bounds only transfers started later)", pinned)
         reads, views = plan.reads, self._views
         taken: list[Any] = [None] * len(reads)
         if owned:
