@@ -130,16 +130,6 @@ def pinned_sharding(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding | 
     return sharding.with_memory_kind(PINNED)
 
 
-def host_reads(host: jax.Array, devices: frozenset[int]) -> dict[int, tuple[Callable[[], np.ndarray], None]]:
-    """The reads of an array's host copy (a ``device_put`` to ``pinned_sharding`` the caller made): each local
-    shard in ``devices``, as a host array, read (and its copy waited for) on the worker that copies it."""
-    out = {}
-    for i, dev in enumerate(_local_order(host.sharding)[0]):
-        if dev in devices:
-            out[dev] = (lambda i=i: np.asarray(host.addressable_data(i)), None)
-    return out
-
-
 # ``jax.Array.copy`` waits for the array here; a jitted copy is dispatched asynchronously like any step.
 _device_copy = jax.jit(lambda a: jax.numpy.copy(a))
 

@@ -135,6 +135,7 @@ class TreeLayout:
     # Filled on the first save: per array record, how its shards are read (see ``Saver._reads``).
     reads: tuple | None = field(default=None, repr=False)
     eager: tuple[int, ...] = field(default=(), repr=False)
+    pinned: tuple[int, ...] = field(default=(), repr=False)  # the "pinned" reads, moved in one device_put
 
     def records(self, leaves: list[Any]) -> list[ArrayRecord]:
         """The engine's records (layouts and metadata; their shard reads are not used: see ``Saver.pins``)."""
@@ -226,11 +227,11 @@ class Saver:
         (the fused path), so only numpy leaves are taken now."""
         if plan.reads is None:
             plan.reads, plan.eager = self._reads(plan, devices, leaves)
-            pinned = sum(r[0] == "pinned" for r in plan.reads)
-            if pinned:
+            plan.pinned = tuple(j for j, r in enumerate(plan.reads) if r[0] == "pinned")
+            if plan.pinned:
                 log.info("%d arrays move to pinned host memory with one device_put at every save() of this layout: "
                          "their transfers are enqueued at the call, before a donating step can run "
-                         "(Config.inflight_bytes bounds only transfers started later)", pinned)
+                         "(Config.inflight_bytes bounds only transfers started later)", len(plan.pinned))
         reads, views = plan.reads, self._views
         taken: list[Any] = [None] * len(reads)
         if owned:
@@ -272,12 +273,12 @@ def _pin(reads: tuple, taken: list[Any], leaves: list[Any], plan: TreeLayout,
             taken[j] = shards.shard_reads(leaves[r[1]], plan.leaves[r[1]].kind, r[2])
         elif what not in ("none", "pinned"):
             taken[j] = _take(r, leaves)
-    pinned = [j for j, r in enumerate(reads) if r[0] == "pinned"]
-    if pinned:  # one call for every array on an accelerator: the transfers are batched and dispatched at once
+    if plan.pinned:  # one call for every array on an accelerator: the transfers are batched and dispatched at once
         # may_alias=False: an array the caller already keeps in pinned host memory is copied, not handed back
-        hosts = jax.device_put([leaves[reads[j][1]] for j in pinned], [reads[j][3] for j in pinned], may_alias=False)
-        for j, host in zip(pinned, hosts):
-            taken[j] = shards.host_reads(host, reads[j][2])
+        hosts = jax.device_put([leaves[reads[j][1]] for j in plan.pinned], [reads[j][3] for j in plan.pinned],
+                               may_alias=False)
+        for j, host in zip(plan.pinned, hosts):  # jaxckpt's own copies: read lazily, on the workers
+            taken[j] = shards.shard_reads(host, "jax", reads[j][2], owned=True)
 
 
 def _buffer_protocol(dtype: Any) -> bool:
