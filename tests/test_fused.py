@@ -13,13 +13,16 @@ def _state(axis_type=jax.sharding.AxisType.Explicit):
     w = jax.device_put(jnp.arange(64 * 8, dtype=jnp.float32).reshape(64, 8), NamedSharding(mesh, P("data", "model")))
     b = jax.device_put(jnp.ones((8,), jnp.bfloat16), NamedSharding(mesh, P()))
     m = jax.device_put(jnp.arange(16.0).reshape(2, 8), NamedSharding(mesh, P(None, "model")))  # partly replicated
-    return {"w": w, "b": b, "m": m, "step": 0, "key": jax.random.key(1)}
+    # big enough to be copied in pieces on an accelerator (jaxckpt.jax.shards.local_pieces)
+    e = jax.device_put(jnp.arange(1024 * 128, dtype=jnp.float32).reshape(1024, 128), NamedSharding(mesh, P(None, "model")))
+    f = jax.device_put(jnp.arange(2048 * 64, dtype=jnp.int32).reshape(2048, 64), NamedSharding(mesh, P()))
+    return {"w": w, "b": b, "m": m, "e": e, "f": f, "step": 0, "key": jax.random.key(1)}
 
 
 def _train_step(state, lr):
     w = state["w"] * 0.5 + lr
-    return {"w": w, "b": state["b"] + 1, "m": state["m"] * 3, "step": state["step"] + 1,
-            "key": jax.random.split(state["key"])[0]}, w.sum()
+    return {"w": w, "b": state["b"] + 1, "m": state["m"] * 3, "e": state["e"] - lr, "f": state["f"] * 3,
+            "step": state["step"] + 1, "key": jax.random.split(state["key"])[0]}, w.sum()
 
 
 @pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto])
@@ -29,13 +32,18 @@ def test_fused_snapshots_equal_the_incoming_state_under_donation(axis_type):
     with jaxckpt.Checkpointer(jaxckpt.Config(keep=4)) as ck:
         step_fn = ck.wrap_step(_train_step)
         for k in range(4):
-            expected[k] = {"w": np.asarray(state["w"]).copy(), "b": np.asarray(state["b"]).copy(),
-                           "m": np.asarray(state["m"]).copy(),
-                           "key": np.asarray(jax.random.key_data(state["key"])).copy()}
+            expected[k] = {n: np.asarray(state[n]).copy() for n in ("w", "b", "m", "e", "f")}
+            expected[k]["key"] = np.asarray(jax.random.key_data(state["key"])).copy()
             state, _ = step_fn(state, 1.0, save_step=k)  # donates the incoming state
         state, _ = step_fn(state, 1.0)  # plain step, no snapshot
         ck.wait()
         assert ck.all_steps() == [0, 1, 2, 3]
+        # On CPU the copies are not cut into pieces (tests/test_pinned_path.py: an accelerator's are): each box
+        # saved whole, once.
+        with ck.engine.open(3) as (_, manifests, _reader):
+            chunks = {a.path: sorted((c.box.start, c.box.stop) for c in a.chunks) for a in manifests[0].arrays}
+        assert chunks["e"] == [((0, 0), (1024, 64)), ((0, 64), (1024, 128))], chunks["e"]
+        assert chunks["f"] == [((0, 0), (2048, 64))], chunks["f"]
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                               if isinstance(x, jax.Array) else x, _state(axis_type))
         # jit turns the python step counter into an int32 array after the first step; steps saved later hold that.
@@ -43,7 +51,9 @@ def test_fused_snapshots_equal_the_incoming_state_under_donation(axis_type):
         for k in range(4):
             got = ck.restore(target, step=k)
             np.testing.assert_array_equal(np.asarray(got["w"]), expected[k]["w"])
-            np.testing.assert_array_equal(np.asarray(got["m"]), expected[k]["m"])
+            for n in ("m", "e", "f"):
+                np.testing.assert_array_equal(np.asarray(got[n]), expected[k][n])
+                assert got[n].sharding == target[n].sharding
             np.testing.assert_array_equal(np.asarray(got["b"]).view(np.uint16), expected[k]["b"].view(np.uint16))
             assert got["w"].sharding == target["w"].sharding
             assert int(got["step"]) == k
@@ -208,3 +218,4 @@ def test_a_fused_save_of_many_shards_sets_off_no_collection_while_its_reads_are_
         got = ck.restore(target, step=2)
         for k, want in expected.items():
             np.testing.assert_array_equal(np.asarray(got[k]).view(np.uint32), want.view(np.uint32), err_msg=k)
+

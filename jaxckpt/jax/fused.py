@@ -4,7 +4,10 @@ XLA schedules that device-to-host copy inside the program, overlapped with the f
 ordered before the donated update writes the buffers (REFT's "copy while the weights are not being written").
 The host copy belongs to jaxckpt alone, so the save needs no views of live buffers and the workers read it
 lazily: the calling thread pays one flatten and one layout key per save, whatever the number of shards. On
-CPU the copy is plain memcpy on the compute cores; BENCHMARKS.md says which way is faster where.
+CPU the copy is plain memcpy on the compute cores; BENCHMARKS.md says which way is faster where. On an
+accelerator an array replicated over several devices of a process is copied once, in pieces
+(``shards.local_pieces``; the state's layout is planned on them, as save()'s): the pinned copies hold what is
+saved and nothing more.
 
 Exception safety: the program donates the caller's state, so every check that can refuse the save (closed,
 leaf kinds, step order, the store's budget: the slot is reserved first) runs before it; a refusal raises with
@@ -18,6 +21,8 @@ import time
 from typing import Any, Callable, Protocol, Sequence
 
 import jax
+
+from jaxckpt.errors import PlanError
 
 log = logging.getLogger("jaxckpt.jax.fused")
 
@@ -37,16 +42,32 @@ class FusedTarget(Protocol):
     def cancel_save(self, begun: Any, error: BaseException) -> None: ...  # sets begun.failed, the failed handle
 
 
-def _host_sharding(x: Any) -> Any:
-    if isinstance(x, jax.Array) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return x.sharding.with_memory_kind(HOST_KIND)
-    return None  # PRNG keys and python leaves come back as the program's (private) outputs
+def _host_sharding(sharding: Any) -> Any:
+    # The copies' layout names a sharding for the jax arrays that are not PRNG keys (their process's replicas cut
+    # apart: jaxckpt.jax.shards.local_pieces); keys and python leaves come back as the program's private outputs.
+    return None if sharding is None else sharding.with_memory_kind(HOST_KIND)
 
 
 def _to_host(leaves: list[Any], host: list[Any]) -> list[Any]:
     # A device_put inside the program, not pinned_host out_shardings: XLA:CPU (jax 0.10) aliases a donated input
     # returned unchanged to that output and then rejects it ("Memory kind mismatch") on meshes with Auto axes.
-    return [x if s is None else jax.device_put(x, s) for x, s in zip(leaves, host)]
+    # There the device_put keeps the input's spec, so the pieces (a spec of their own) are asked for first.
+    return [x if s is None else jax.device_put(_placed(x, s), s) for x, s in zip(leaves, host)]
+
+
+def _placed(x: Any, s: Any) -> Any:
+    axis_types = getattr(s.mesh, "axis_types", ())
+    if axis_types and all(t == jax.sharding.AxisType.Auto for t in axis_types):
+        return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(s.mesh, s.spec))
+    return x
+
+
+def _misplaced(copies: Any, copy: list[Any], host: list[Any]) -> str | None:
+    """The first copy not where the save's plan reads it (its sharding is not the one asked for), named."""
+    for i, (c, s) in enumerate(zip(copy, host)):
+        if s is not None and not c.sharding.is_equivalent_to(s, c.ndim):
+            return f"{copies.order[i]}: the program placed its copy as {c.sharding}, not as {s}"
+    return None
 
 
 def wrap_step(target: FusedTarget, fn: Callable, *, state_argnum: int = 0,
@@ -57,14 +78,15 @@ def wrap_step(target: FusedTarget, fn: Callable, *, state_argnum: int = 0,
     arguments are intact, the step did not run); see the module docstring.
     """
     plain = jax.jit(fn, donate_argnums=tuple(donate_argnums), **jit_kwargs)
-    fused_by_layout: dict[Any, Callable] = {}
+    fused_by_layout: dict[Any, tuple[Callable, list[Any], list[bool]]] = {}
+    pieces = [True]  # copies in pieces, until a program places them elsewhere than asked
 
-    def fused_for(key: Any, leaves: list[Any]) -> Callable:
+    def fused_for(key: Any, copies: Any) -> tuple[Callable, list[Any], list[bool]]:
         f = fused_by_layout.get(key)
         if f is None:
-            host = [_host_sharding(x) for x in leaves]
-            f = jax.jit(lambda *a: (fn(*a), _to_host(jax.tree_util.tree_leaves(a[state_argnum]), host)),
-                        donate_argnums=tuple(donate_argnums), **jit_kwargs)
+            host = [_host_sharding(s) for s in copies.shardings]
+            f = (jax.jit(lambda *a: (fn(*a), _to_host(jax.tree_util.tree_leaves(a[state_argnum]), host)),
+                         donate_argnums=tuple(donate_argnums), **jit_kwargs), host, [False])
             if len(fused_by_layout) >= MAX_PROGRAMS:
                 fused_by_layout.pop(next(iter(fused_by_layout)))
             fused_by_layout[key] = f
@@ -75,8 +97,9 @@ def wrap_step(target: FusedTarget, fn: Callable, *, state_argnum: int = 0,
             return plain(*args)
         t0 = time.perf_counter()
         layout, leaves = target.frontend.layout(args[state_argnum])
-        begun = target.begin_save(save_step, layout, leaves, t0)  # may refuse: nothing has run yet
-        program = fused_for(layout.key, leaves)
+        copies = layout if pieces[0] else layout.uncut or layout  # what the copies hold, the plan of their save
+        begun = target.begin_save(save_step, copies, leaves, t0)  # may refuse: nothing has run yet
+        program, host, checked = fused_for(copies.key, copies)
         t1 = time.perf_counter()
         try:
             out, copy = program(*args)
@@ -84,6 +107,20 @@ def wrap_step(target: FusedTarget, fn: Callable, *, state_argnum: int = 0,
             target.cancel_save(begun, e)
             raise
         ran = time.perf_counter() - t1
+        if not checked[0]:  # once per program: its copies are where the plan reads them, or nothing is read
+            checked[0] = True
+            wrong = _misplaced(copies, copy, host)
+            if wrong is not None:
+                # Reading by the plan would save wrong bytes. This save fails (wait() raises); the next saves copy
+                # every array as it lies, with programs of their own.
+                pieces[0] = False
+                fused_by_layout.clear()
+                error = PlanError(f"step {save_step}: {wrong}; this snapshot is not taken, later ones copy the "
+                                  f"arrays as they lie")
+                target.cancel_save(begun, error)
+                call.last_save = begun.failed
+                log.error("%s", error)
+                return out
         # jax.Array leaves were donated, so their copies (host, or device) are the only ones left, and ours.
         # Python and numpy leaves come back from jit as device arrays: save the caller's own leaves for those.
         if len(layout.jax_leaves) != len(leaves):

@@ -23,13 +23,15 @@ def placements(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> tuple
     return tuple(sorted(out, key=lambda p: (p.process, p.device)))
 
 
-def array_layout(path: str, x: Any, kind: str) -> ArrayLayout:
-    """The planner's view of a leaf; host (numpy) leaves are owned by process 0."""
+def array_layout(path: str, x: Any, kind: str, sharding: jax.sharding.Sharding | None = None) -> ArrayLayout:
+    """The planner's view of a leaf; host (numpy) leaves are owned by process 0. ``sharding``: where the copy
+    that is saved lives, when it is not where ``x`` lives (the fused path's pieces, ``local_pieces``)."""
     if kind == "prng_key":
         x = jax.random.key_data(x)
     if kind in ("jax", "prng_key"):
         shape = tuple(x.shape)
-        return ArrayLayout(path, shape, dtype_name(x.dtype), x.dtype.itemsize, placements(shape, x.sharding))
+        return ArrayLayout(path, shape, dtype_name(x.dtype), x.dtype.itemsize,
+                           placements(shape, sharding or x.sharding))
     arr = np.asarray(x)
     shape = tuple(arr.shape)
     return ArrayLayout(path, shape, dtype_name(arr.dtype), arr.dtype.itemsize,
@@ -128,6 +130,52 @@ def pinned_sharding(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding | 
     if not all(PINNED in {m.kind for m in d.addressable_memories()} for d in devs):
         return None
     return sharding.with_memory_kind(PINNED)
+
+
+# A local replica's share smaller than this is copied whole: a piece costs the copier and the manifest a chunk each
+# (a few us), about what copying this many bytes costs.
+MIN_PIECE_BYTES = 64 << 10
+
+
+def local_pieces(shape: tuple[int, ...], itemsize: int, sharding: jax.sharding.Sharding
+                 ) -> jax.sharding.Sharding | None:
+    """``sharding`` with the array's replicas inside each process cut apart: each mesh axis the spec leaves
+    replicated, whose devices along it all belong to one process, added to the first dimension it divides
+    evenly; None where nothing would be cut (no such axis, no dimension it divides, pieces too small).
+
+    An accelerator's copies to pinned host memory (save()'s and the fused path's) use it: an array replicated
+    over R devices of a process is copied once, in R pieces, not R times (the plan reads one copy; the others
+    would cost pinned memory and link bandwidth for nothing). The pieces are the planner's placements for that
+    copy, so every process cuts alike and the chunks of a replica on another node match."""
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not shape:
+        return None
+    mesh = sharding.mesh
+    kinds = set(getattr(mesh, "axis_types", ()))
+    if len(kinds) > 1:  # a mixed mesh: no one call places the pieces inside a program (jaxckpt.jax.fused._to_host)
+        return None
+    spec = list(tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec)))
+    used = {a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))}
+    try:
+        procs = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+    except AttributeError:  # an abstract mesh: no devices to ask
+        return None
+    split = [int(np.prod([mesh.shape[a] for a in (e if isinstance(e, tuple) else (e,))])) if e else 1 for e in spec]
+    cut = 1
+    for k, axis in enumerate(mesh.axis_names):
+        n = mesh.shape[axis]
+        if axis in used or n == 1 or not (procs == procs.take([0], axis=k)).all():
+            continue
+        dim = next((i for i, size in enumerate(shape) if size % (split[i] * n) == 0), None)
+        if dim is None:
+            continue
+        entry = spec[dim]
+        spec[dim] = (*(entry if isinstance(entry, tuple) else (entry,) if entry else ()), axis)
+        split[dim] *= n
+        cut *= n
+    if cut == 1 or int(np.prod(shape)) * itemsize // int(np.prod(split)) < MIN_PIECE_BYTES:
+        return None
+    spec = [e[0] if isinstance(e, tuple) and len(e) == 1 else e for e in spec]
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec), memory_kind=sharding.memory_kind)
 
 
 # ``jax.Array.copy`` waits for the array here; a jitted copy is dispatched asynchronously like any step.

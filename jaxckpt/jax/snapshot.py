@@ -106,17 +106,17 @@ def layout_key(leaves: list[Any], treedef: Any) -> LayoutKey:
     return LayoutKey(treedef, parts)
 
 
-def _record(leaf: Leaf) -> ArrayRecord:
+def _record(leaf: Leaf, saved: Any = None) -> ArrayRecord:
     v, kind = leaf.value, leaf.kind
 
     def meta() -> mf.ArrayMeta:
-        lay = shards.array_layout(leaf.path, v, kind)
+        lay = shards.array_layout(leaf.path, v, kind, saved)
         attrs: dict[str, Any] = {}
         if kind == "prng_key":
             attrs = {"impl": str(jax.random.key_impl(v)), "key_dtype": str(v.dtype), "key_shape": list(v.shape)}
         return mf.ArrayMeta(leaf.path, leaf.keypath, lay.shape, lay.dtype, kind, shards.describe_sharding(v), attrs)
 
-    return ArrayRecord(leaf.path, (), lambda: shards.array_layout(leaf.path, v, kind), meta,
+    return ArrayRecord(leaf.path, (), lambda: shards.array_layout(leaf.path, v, kind, saved), meta,
                        lambda devs: shards.shard_reads(v, kind, devs))
 
 
@@ -136,10 +136,16 @@ class TreeLayout:
     reads: tuple | None = field(default=None, repr=False)
     eager: tuple[int, ...] = field(default=(), repr=False)
     pinned: tuple[int, ...] = field(default=(), repr=False)  # the "pinned" reads, moved in one device_put
+    # Copies to an accelerator's pinned host memory cut into pieces (``shards.local_pieces``): per leaf the
+    # sharding its copy has where that is not the leaf's own (None), and the same layout with every copy as its
+    # leaf lies (``uncut``, under a key of its own).
+    cuts: tuple | None = field(default=None, repr=False)
+    uncut: "TreeLayout | None" = field(default=None, repr=False)
 
     def records(self, leaves: list[Any]) -> list[ArrayRecord]:
         """The engine's records (layouts and metadata; their shard reads are not used: see ``Saver.pins``)."""
-        return [_record(Leaf(self.leaves[i].path, self.leaves[i].keypath, leaves[i], self.leaves[i].kind))
+        cuts = self.cuts or (None,) * len(self.leaves)
+        return [_record(Leaf(self.leaves[i].path, self.leaves[i].keypath, leaves[i], self.leaves[i].kind), cuts[i])
                 for i in self.arrays]
 
     def value_metas(self, leaves: list[Any]) -> list[mf.LeafMeta]:
@@ -178,6 +184,15 @@ class Saver:
                        tuple(i for i, lf in enumerate(classified) if lf.kind == "value"),
                        frozenset(i for i, lf in enumerate(classified) if lf.kind in ("jax", "prng_key")),
                        tuple(lf.path for lf in classified))
+        # On an accelerator save() and wrap_step copy the arrays to pinned host memory: replicas inside a process
+        # are copied once, in pieces, and the save planned on the pieces. On CPU the views copy nothing to cut,
+        # and the fused path's copies stay whole: cut, they saved no step time measurably here and made the
+        # restore of their many more chunks slower (BENCHMARKS.md, issue 28).
+        cuts = tuple(shards.local_pieces(tuple(v.shape), v.dtype.itemsize, s)
+                     if s is not None and shards.pinned_sharding(s) is not None else None
+                     for v, s in zip(leaves, got.shardings))
+        if any(cuts):
+            got = _cut(got, cuts)
         if len(self._layouts) >= MAX_LAYOUTS:
             self._layouts.pop(next(iter(self._layouts)))
         self._layouts[key] = got
@@ -251,6 +266,14 @@ class Saver:
                 _skip_young()
                 gc.enable()
         return lambda: _shard_reads(reads, taken, None, plan, views)
+
+
+def _cut(plan: TreeLayout, cuts: tuple) -> TreeLayout:
+    """``plan`` with its copies cut as ``cuts`` says, under its key; ``uncut``: ``plan`` under a key of its own."""
+    uncut = TreeLayout(("as they lie", plan.key), plan.treedef, plan.leaves, plan.shardings, plan.arrays,
+                       plan.values, plan.jax_leaves, plan.order)
+    return TreeLayout(plan.key, plan.treedef, plan.leaves, tuple(c or s for c, s in zip(cuts, plan.shardings)),
+                      plan.arrays, plan.values, plan.jax_leaves, plan.order, cuts=cuts, uncut=uncut)
 
 
 def _pin(reads: tuple, taken: list[Any], leaves: list[Any], plan: TreeLayout,
