@@ -22,8 +22,10 @@ whose snapshot is held, at some holder it can reach, for every process of the sa
 commit records); an ``all_gather`` round ``restorable steps`` shares the lists, and every process takes the
 newest step in every list.
 
-Opening a step (:meth:`Catalog.open`): for each process of the saving job, its holders in cost order; the first
-that opens gives the manifest, the others stand by as fallbacks and are opened only if a read needs them. A
+Opening a step (:meth:`Catalog.open`): what every holder holds, asked anew (the first open after a scan takes the
+agents' answers of that scan, if they list the step: the restore right after ``Checkpointer()`` asks no agent
+twice; should a holder they name fail to open, the open asks anew); then for each process of the saving job, its
+holders in cost order; the first that opens gives the manifest, the others stand by as fallbacks and are opened only if a read needs them. A
 corrupt manifest in this process's own store is routed around the same way (another holder's copy, e.g. the one
 kept with protection; the own bytes are still read first, each chunk checked against that copy).
 
@@ -65,6 +67,7 @@ from jaxckpt.core.store import Store
 log = logging.getLogger("jaxckpt.core.catalog")
 
 HOLDER_ERRORS = (PeerError, StepNotFoundError, StoreUnavailableError, AgentError, ManifestError, OSError)
+AGENT_KINDS = ("node", "remote", "peer")  # holders asked over a socket or the agent's own channel
 
 
 class _PeerHolder(Holder):
@@ -189,6 +192,7 @@ class Catalog:
         self._probe: dict[int, int] = {}  # process -> the lowest agent-of number not read yet
         self._seen: dict[str, Hashable] = {}  # agent directory -> its NodeAgent.stamp() last read
         self._stale = False  # an agent did not answer in the last operation: read the other processes' keys
+        self._scanned: list[tuple[Holder, HeldEntry]] | None = None  # the agents' answers of the last scan, once
 
     @property
     def uses_agents(self) -> bool:
@@ -348,6 +352,7 @@ class Catalog:
     def _rebuild_holders(self, gone: set[str]) -> None:
         """(locked) New holders for the agents now known; live ones are kept as they are (another thread may be
         reading through them), those of replaced agents closed."""
+        self._scanned = None
         if self._holders is None:
             return
         keep: dict[str, Holder] = {}
@@ -379,8 +384,9 @@ class Catalog:
                 h.close()  # e.g. our own restarted agent's old address, known as a remote one until now
         return out
 
-    def index(self) -> list[tuple[Holder, HeldEntry]]:
-        """What every holder holds now; a holder that cannot answer is logged and left out."""
+    def index(self, agents_said: list[tuple[Holder, HeldEntry]] | None = None) -> list[tuple[Holder, HeldEntry]]:
+        """What every holder holds now; a holder that cannot answer is logged and left out. ``agents_said``: the
+        agents' answers to use instead of asking them (the registered holders are asked all the same)."""
         holders = self.holders()
 
         def ask(h: Holder) -> list[tuple[Holder, HeldEntry]]:
@@ -400,32 +406,55 @@ class Catalog:
                 return [x for got in ex.map(ask, hs) for x in got]
         # The agents first: the registered holders (rebuild) ask the same agents again, and then skip one that
         # did not answer instead of waiting for it a second time.
-        agents = [h for h in holders if h.kind in ("node", "remote", "peer")]
-        return ask_all(agents) + ask_all([h for h in holders if h.kind not in ("node", "remote", "peer")])
+        agents = [h for h in holders if h.kind in AGENT_KINDS]
+        said = ask_all(agents) if agents_said is None else agents_said
+        return said + ask_all([h for h in holders if h.kind not in AGENT_KINDS])
 
     def agree_latest(self, channel: Channel) -> int | None:
         """The newest step whose snapshot every process of this job can obtain, agreed by all (a round of
         ``channel``)."""
         self.begin("catalog scan")
-        complete = complete_steps(e for _, e in self.index())
+        listed = self.index()
+        with self._lock:  # the restore that usually follows at once reads the same answers
+            self._scanned = [(h, e) for h, e in listed if h.kind in AGENT_KINDS]
+        complete = complete_steps(e for _, e in listed)
         return newest_common(channel.all_gather("restorable steps", complete))
 
     # ------------------------------------------------------------------------------------------------ open
     @contextlib.contextmanager
     def open(self, step: int) -> Iterator[tuple[list[mf.Manifest], dict[int, list[Source]]]]:
         """The manifests of every process that saved ``step`` and, per process, its sources cheapest first."""
-        self.begin(f"restore of step {step}")
+        self.begin(f"restore of step {step}")  # a restarted agent found here drops the scan's answers
+        with self._lock:
+            scanned, self._scanned = self._scanned, None
+        if scanned is not None and not any(e.step == step for _, e in scanned):
+            scanned = None
         opened: list[Opened] = []
         try:
-            yield self._open(step, opened)
+            try:
+                got = self._open(step, opened, scanned)
+            except HOLDER_ERRORS as e:
+                if scanned is None:
+                    raise
+                log.info("process %d: step %d did not open from the holders of the last scan (%s); asking anew",
+                         self.process_index, step, e)
+                self._close_opened(step, opened)
+                got = self._open(step, opened)
+            yield got
         finally:
-            for o in opened:
-                try:
-                    o.close()
-                except Exception as e:  # noqa: BLE001 - closing one must not keep the others pinned
-                    log.warning("step %d: could not close a source: %s", step, e)
+            self._close_opened(step, opened)
 
-    def _open(self, step: int, opened: list[Opened]) -> tuple[list[mf.Manifest], dict[int, list[Source]]]:
+    @staticmethod
+    def _close_opened(step: int, opened: list[Opened]) -> None:
+        for o in opened:
+            try:
+                o.close()
+            except Exception as e:  # noqa: BLE001 - closing one must not keep the others pinned
+                log.warning("step %d: could not close a source: %s", step, e)
+        opened.clear()
+
+    def _open(self, step: int, opened: list[Opened], scanned: list[tuple[Holder, HeldEntry]] | None = None
+              ) -> tuple[list[mf.Manifest], dict[int, list[Source]]]:
         me = self.process_index
         own_error: StepNotFoundError | None = None
         view = None
@@ -452,7 +481,7 @@ class Catalog:
             version = prefer  # everything is in our own memory: ask no one
         else:
             if self.uses_agents or self._providers:
-                index = [(h, e) for h, e in self.index() if e.step == step]
+                index = [(h, e) for h, e in self.index(scanned) if e.step == step]
             if not self.uses_agents and prefer is not None and self.peers is not None:
                 # a job without agents: the other processes of the same job serve their own stores
                 index += [(_PeerHolder(self.peers, q), HeldEntry(step, q, prefer.process_count, prefer.layout, 0))
@@ -565,6 +594,7 @@ class Catalog:
 
     # ----------------------------------------------------------------------------------------------- close
     def _close_holders(self) -> None:
+        self._scanned = None
         if self._holders:
             for h in self._holders:
                 h.close()

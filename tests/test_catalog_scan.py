@@ -1,0 +1,134 @@
+"""The restore right after ``Checkpointer()`` takes the agents' answers of the start-up scan instead of asking
+every agent again (jaxckpt.core.catalog: a round of requests to every node's agent, 6-180 ms measured on the
+relaunch path of ``bench cluster``); later restores, and a restore whose scanned holders cannot open the step,
+ask anew. Real processes on two simulated nodes, each with its real node agent."""
+import os
+import shutil
+import uuid
+
+import numpy as np
+import pytest
+
+from jaxckpt.testing import expect_ok, launch, node_info, remove_agents
+
+BASE = f"/dev/shm/jaxckpt-scan-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def base_dir():
+    os.makedirs(BASE, mode=0o700)
+    yield BASE
+    remove_agents(BASE)
+    shutil.rmtree(BASE, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- runs in the launched processes
+def _config(base: str, job: str):
+    import jaxckpt
+
+    return jaxckpt.Config(store="shm", job_id=job, shm_dir=f"{base}/{job}-node{node_info().node}", keep=2,
+                          agent_dirs=f"{base}/{job}-node*", commit_timeout_s=60.0, peer_timeout_s=20.0)
+
+
+def _state(step: int):
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 2), ("data", "model"))
+    rng = np.random.default_rng([3, step])
+    host = {"w": rng.standard_normal((16, 8)).astype(np.float32), "r": rng.integers(0, 99, (6, 4)).astype(np.int32)}
+    specs = {"w": P("data", "model"), "r": P()}
+    return host, {k: jax.make_array_from_callback(h.shape, NamedSharding(mesh, specs[k]), lambda i, h=h: h[i])
+                  for k, h in host.items()}
+
+
+def _restored_equal(ck, step: int) -> None:
+    import jax
+
+    host, state = _state(step)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    got = ck.restore(target, step=step)
+    for k, v in got.items():
+        for shard in v.addressable_shards:
+            assert np.asarray(shard.data).tobytes() == host[k][shard.index].tobytes(), (step, k)
+
+
+def _count_asks(ck) -> dict:
+    """Count each agent holder's answers to "what do you hold" (the real call runs)."""
+    asked = {"n": 0}
+    for h in ck.engine.catalog.holders():
+        if h.kind in ("node", "remote"):
+            held = h.held
+
+            def counted(held=held):
+                asked["n"] += 1
+                return held()
+            h.held = counted
+    return asked
+
+
+def save_job(base: str, job: str) -> int:
+    import jaxckpt
+
+    with jaxckpt.Checkpointer(_config(base, job)) as ck:
+        for step in (1, 2):
+            ck.save(step, _state(step)[1])
+        ck.wait()
+        return ck.latest_step()
+
+
+def restart_job(base: str, job: str) -> dict:
+    import jaxckpt
+    from jax.experimental import multihost_utils
+
+    with jaxckpt.Checkpointer(_config(base, job)) as ck:  # its start-up scan asks every agent
+        asked = _count_asks(ck)
+        step = ck.latest_step()
+        _restored_equal(ck, step)
+        first = asked["n"]
+        _restored_equal(ck, step)
+        later = asked["n"] - first
+        multihost_utils.sync_global_devices("restored")  # nobody stops serving while others still read
+    return {"step": step, "first": first, "later": later}
+
+
+def gone_job(base: str, job: str) -> dict:
+    """Every process deletes its snapshot of step 2 after the start-up scan listed it: the restore of step 2 fails
+    at the holders the scan named, asks every agent anew, and says step 2 cannot be restored."""
+    import jaxckpt
+    from jax.experimental import multihost_utils
+    from jaxckpt.errors import StepNotFoundError
+
+    with jaxckpt.Checkpointer(_config(base, job)) as ck:
+        asked = _count_asks(ck)
+        ck.engine.store.delete(2)
+        multihost_utils.sync_global_devices("deleted")
+        try:
+            _restored_equal(ck, 2)
+            error = ""
+        except StepNotFoundError as e:
+            error = f"{type(e).__name__}: {e}"
+        asked_then = asked["n"]
+        _restored_equal(ck, 1)  # what is still held restores
+        multihost_utils.sync_global_devices("tried")
+    return {"error": error, "asked": asked_then}
+
+
+# --------------------------------------------------------------------------------------------- the tests
+def _launch(fn, job):
+    return expect_ok(launch(fn, nodes=2, procs_per_node=1, devices_per_proc=2, args=(BASE, job), timeout=180))
+
+
+def test_the_restore_after_a_restart_takes_the_start_up_scan_and_later_ones_ask_again():
+    assert _launch(save_job, "restart") == [2, 2]
+    for v in _launch(restart_job, "restart"):
+        assert v["step"] == 2
+        assert v["first"] == 0, v  # the scan of Checkpointer() answered it
+        assert v["later"] >= 2, v  # both agents asked again
+
+
+def test_a_restore_the_scanned_holders_cannot_open_asks_anew():
+    assert _launch(save_job, "gone") == [2, 2]
+    for v in _launch(gone_job, "gone"):
+        assert v["error"].startswith("StepNotFoundError: step 2"), v
+        assert v["asked"] >= 2, v  # not the scan's word: every agent asked again
