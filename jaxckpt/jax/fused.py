@@ -107,7 +107,8 @@ def wrap_step(target: FusedTarget, fn: Callable, *, state_argnum: int = 0,
             target.cancel_save(begun, e)
             raise
         ran = time.perf_counter() - t1
-        if not checked[0]:  # once per program: its copies are where the plan reads them, or nothing is read
+        if copies.cuts and not checked[0]:  # once per program with pieces: they are where the plan reads them,
+            # or nothing is read (uncut copies keep each leaf's own spec and are read per device as they come)
             checked[0] = True
             wrong = _misplaced(copies, copy, host)
             if wrong is not None:
