@@ -77,10 +77,13 @@ def save_job(base: str, job: str) -> int:
         return ck.latest_step()
 
 
-def restart_job(base: str, job: str) -> dict:
+def restart_job(base: str, job: str, fresh_s: float | None = None) -> dict:
     import jaxckpt
     from jax.experimental import multihost_utils
+    from jaxckpt.core import catalog
 
+    if fresh_s is not None:
+        catalog.SCAN_FRESH_S = fresh_s
     with jaxckpt.Checkpointer(_config(base, job)) as ck:  # its start-up scan asks every agent
         asked = _count_asks(ck)
         step = ck.latest_step()
@@ -115,8 +118,8 @@ def gone_job(base: str, job: str) -> dict:
 
 
 # --------------------------------------------------------------------------------------------- the tests
-def _launch(fn, job):
-    return expect_ok(launch(fn, nodes=2, procs_per_node=1, devices_per_proc=2, args=(BASE, job), timeout=180))
+def _launch(fn, job, *args):
+    return expect_ok(launch(fn, nodes=2, procs_per_node=1, devices_per_proc=2, args=(BASE, job, *args), timeout=180))
 
 
 def test_the_restore_after_a_restart_takes_the_start_up_scan_and_later_ones_ask_again():
@@ -125,6 +128,8 @@ def test_the_restore_after_a_restart_takes_the_start_up_scan_and_later_ones_ask_
         assert v["step"] == 2
         assert v["first"] == 0, v  # the scan of Checkpointer() answered it
         assert v["later"] >= 2, v  # both agents asked again
+    for v in _launch(restart_job, "restart", 0.0):  # a scan older than SCAN_FRESH_S is not taken
+        assert v["first"] >= 2 and v["later"] >= 2, v
 
 
 def test_a_restore_the_scanned_holders_cannot_open_asks_anew():

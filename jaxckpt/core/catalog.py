@@ -23,8 +23,8 @@ commit records); an ``all_gather`` round ``restorable steps`` shares the lists, 
 newest step in every list.
 
 Opening a step (:meth:`Catalog.open`): what every holder holds, asked anew (the first open after a scan takes the
-agents' answers of that scan, if they list the step: the restore right after ``Checkpointer()`` asks no agent
-twice; should a holder they name fail to open, the open asks anew); then for each process of the saving job, its
+agents' answers of that scan, if they list the step and are under ``SCAN_FRESH_S`` old: the restore right after
+``Checkpointer()`` asks no agent twice; should a holder they name fail to open, the open asks anew); then for each process of the saving job, its
 holders in cost order; the first that opens gives the manifest, the others stand by as fallbacks and are opened only if a read needs them. A
 corrupt manifest in this process's own store is routed around the same way (another holder's copy, e.g. the one
 kept with protection; the own bytes are still read first, each chunk checked against that copy).
@@ -48,6 +48,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Hashable, Iterable, Iterator
 
@@ -68,6 +69,9 @@ log = logging.getLogger("jaxckpt.core.catalog")
 
 HOLDER_ERRORS = (PeerError, StepNotFoundError, StoreUnavailableError, AgentError, ManifestError, OSError)
 AGENT_KINDS = ("node", "remote", "peer")  # holders asked over a socket or the agent's own channel
+# How long a scan's answers stand in for asking again: a relaunched job restores within seconds of its
+# Checkpointer(); a restore asked for much later asks the agents, whose holdings have moved on since.
+SCAN_FRESH_S = 60.0
 
 
 class _PeerHolder(Holder):
@@ -192,7 +196,8 @@ class Catalog:
         self._probe: dict[int, int] = {}  # process -> the lowest agent-of number not read yet
         self._seen: dict[str, Hashable] = {}  # agent directory -> its NodeAgent.stamp() last read
         self._stale = False  # an agent did not answer in the last operation: read the other processes' keys
-        self._scanned: list[tuple[Holder, HeldEntry]] | None = None  # the agents' answers of the last scan, once
+        # the agents' answers of the last scan and when it ended: taken by the next open, within SCAN_FRESH_S
+        self._scanned: tuple[float, list[tuple[Holder, HeldEntry]]] | None = None
 
     @property
     def uses_agents(self) -> bool:
@@ -416,7 +421,7 @@ class Catalog:
         self.begin("catalog scan")
         listed = self.index()
         with self._lock:  # the restore that usually follows at once reads the same answers
-            self._scanned = [(h, e) for h, e in listed if h.kind in AGENT_KINDS]
+            self._scanned = (time.monotonic(), [(h, e) for h, e in listed if h.kind in AGENT_KINDS])
         complete = complete_steps(e for _, e in listed)
         return newest_common(channel.all_gather("restorable steps", complete))
 
@@ -426,7 +431,8 @@ class Catalog:
         """The manifests of every process that saved ``step`` and, per process, its sources cheapest first."""
         self.begin(f"restore of step {step}")  # a restarted agent found here drops the scan's answers
         with self._lock:
-            scanned, self._scanned = self._scanned, None
+            taken, self._scanned = self._scanned, None
+        scanned = taken[1] if taken is not None and time.monotonic() - taken[0] <= SCAN_FRESH_S else None
         if scanned is not None and not any(e.step == step for _, e in scanned):
             scanned = None
         opened: list[Opened] = []
