@@ -16,6 +16,8 @@ skipped one by one below, each with its reason.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 pytest.importorskip("flax", reason="Orbax's test bases import flax (pip install -e '.[bench]')")
@@ -110,12 +112,6 @@ V1_SKIPS = {
     # asynchronous finalize are >= 30 ms apart too. That holds when each save lasts longer than the spacing
     # (Orbax writing files); a snapshot committing in memory within a few ms fails it 2 runs in 3.
     "test_custom_save_decision_policy": "asserts >= 30 ms between asynchronous commit timestamps (wall clock)",
-    # A race, not a behaviour: Orbax creates the step's tmp directory on a background thread (its own PyTreeHandler
-    # awaits that creation in its background part too), and the test asserts the directory exists right after
-    # save_async returns. Orbax's blocking save lasts long enough for that thread to run first; the snapshot's
-    # returns in about 3 ms, and with a CPU-bound process beside the suite the thread had not run yet (seen once
-    # in a fresh-clone run under load). Waiting for the directory in the blocking part would stall every save.
-    "test_close": "asserts Orbax's background thread made the tmp directory before save_async returned (a race)",
 }
 
 
@@ -135,16 +131,11 @@ class TestSnapshotPyTreeHandlerV1(checkpointer_test_base.CheckpointerTestBase.Te
         # (custom Foo/Bar checkpointables) then get it too, as a user's code would.
         self.addCleanup(jv1.register())
 
-    def test_skips_when_ongoing_save(self):
-        """Orbax's contract, made deterministic: a save asked for while another is still in progress is skipped
-        (returns False), the one in progress commits, and only it is listed. Orbax's own version relies on save 0
-        still running when save 1 is asked for; a snapshot commits in milliseconds, so under load it had often
-        finished (seen in a fresh-clone run beside a CPU-bound process). Here save 0's jaxckpt handle is held
-        until save 1 has been decided (a real snapshot, only its completion delayed; released after 60 s at the
-        latest, so a broken contract fails instead of hanging)."""
+    def _hold_saves(self):
+        """From now on each jaxckpt save's completion waits for the returned event (a real snapshot, only its
+        ``result()`` delayed; released at the test's end, and after 60 s at the latest, so a broken contract
+        fails instead of hanging)."""
         import threading
-
-        from orbax.checkpoint.experimental.v1 import training
 
         gate = threading.Event()
         real_save = self.ck.save
@@ -160,16 +151,63 @@ class TestSnapshotPyTreeHandlerV1(checkpointer_test_base.CheckpointerTestBase.Te
             return handle
 
         self.ck.save = held_save
-        try:
-            checkpointer = training.Checkpointer(self.directory)
-            self.enter_context(checkpointer)
-            saved_0 = checkpointer.save_async(0, self.pytree)
-            self.assertIsNotNone(saved_0)
-            saved_1 = checkpointer.save(1, self.pytree)
-            gate.set()
-            self.assertTrue(saved_0.result())
-            self.assertFalse(saved_1)
-            self.assertEqual([c.step for c in checkpointer.checkpoints], [0])
-        finally:
-            gate.set()
-            del self.ck.save
+        self.addCleanup(lambda: vars(self.ck).pop("save", None))  # the Checkpointer's own save again
+        self.addCleanup(gate.set)
+        return gate
+
+    def _wait_for_entries(self, timeout_s: float = 60.0) -> None:
+        """Until Orbax's background thread made the step's tmp directory (bounded)."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while not list(self.directory.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def test_skips_when_ongoing_save(self):
+        """Orbax's contract, made deterministic: a save asked for while another is still in progress is skipped
+        (returns False), the one in progress commits, and only it is listed. Orbax's own version relies on save 0
+        still running when save 1 is asked for; a snapshot commits in milliseconds, so under load it had often
+        finished (seen in a fresh-clone run beside a CPU-bound process). Here save 0's jaxckpt handle is held
+        until save 1 has been decided."""
+        from orbax.checkpoint.experimental.v1 import training
+
+        gate = self._hold_saves()
+        checkpointer = training.Checkpointer(self.directory)
+        self.enter_context(checkpointer)
+        saved_0 = checkpointer.save_async(0, self.pytree)
+        self.assertIsNotNone(saved_0)
+        saved_1 = checkpointer.save(1, self.pytree)
+        gate.set()
+        self.assertTrue(saved_0.result())
+        self.assertFalse(saved_1)
+        self.assertEqual([c.step for c in checkpointer.checkpoints], [0])
+
+    def _check_close(self, with_block: bool) -> None:
+        """Orbax's close contract, made deterministic: ``save_async`` returns before the step is final (its
+        directory is a tmp one), and closing the checkpointer (``close()``, or leaving its ``with`` block) waits
+        for the save and finalizes it. Orbax's versions assert "not finalized yet" and "the tmp directory exists"
+        right after ``save_async`` returns: a snapshot can commit and be finalized before the first (seen once
+        in a fresh-clone run beside a CPU-bound process), and Orbax makes the tmp directory on a background
+        thread that may not have run before the second. Here save 0's jaxckpt handle is held until both are
+        checked, and the tmp directory is waited for (bounded)."""
+        from orbax.checkpoint.experimental.v1 import training
+
+        gate = self._hold_saves()
+        step_path = self.directory / "0"
+        checkpointer = training.Checkpointer(self.directory)
+        with checkpointer if with_block else contextlib.nullcontext():
+            checkpointer.save_async(0, self.pytree)
+            self.assertFalse(step_path.exists())  # held: not finalized
+            self._wait_for_entries()
+            self.assertNotEmpty(list(self.directory.iterdir()))  # its tmp directory
+            self.assertFalse(step_path.exists())
+            gate.set()  # the snapshot may complete now; only closing is waited for below
+            if not with_block:
+                checkpointer.close()
+        self.assertTrue(step_path.exists())
+
+    def test_close(self):
+        self._check_close(with_block=False)
+
+    def test_context_manager_close(self):
+        self._check_close(with_block=True)
