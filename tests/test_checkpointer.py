@@ -594,6 +594,59 @@ def test_a_save_of_fresh_replicated_arrays_exposes_one_buffer_of_each(ckpt, m24)
         np.testing.assert_array_equal(bits(out[k]), bits(want), err_msg=k)
 
 
+def test_jax_builds_the_same_per_buffer_shardings_inside_a_save_window_and_gets_its_function_back():
+    """``buffers.shared_shardings()``: while save() takes its views, JAX's per-buffer SingleDeviceSharding comes
+    from a per-device cache; the arrays it exposes there have the shardings JAX builds outside it (equal, same
+    device, same memory kind), windows of two threads overlap without losing jax's function, and a function
+    someone else put in jax's place after the check is left alone."""
+    import threading
+
+    from jax._src import sharding_impls
+
+    from jaxckpt.jax import buffers
+
+    buffers.recheck()
+    own = sharding_impls.make_single_device_sharding
+    m42 = mesh((4, 2), ("data", "model"))
+    make = jax.jit(lambda x: x + 1.0, out_shardings=NamedSharding(m42, P("data", None)))
+    outside = make(jnp.zeros((8, 4), jnp.float32))._arrays
+    inside_arrays = []
+    entered, leave = threading.Barrier(2), threading.Event()
+
+    def other() -> None:
+        with buffers.shared_shardings():
+            entered.wait(timeout=30)
+            leave.wait(timeout=30)
+
+    t = threading.Thread(target=other)
+    t.start()
+    with buffers.shared_shardings():
+        entered.wait(timeout=30)
+        assert sharding_impls.make_single_device_sharding is buffers._cached
+        for _ in range(2):
+            inside_arrays.append(make(jnp.zeros((8, 4), jnp.float32))._arrays)
+    assert sharding_impls.make_single_device_sharding is buffers._cached  # the other thread's window still open
+    leave.set()
+    t.join(timeout=30)
+    assert sharding_impls.make_single_device_sharding is own
+    for arrays in inside_arrays:
+        assert [a.sharding for a in arrays] == [a.sharding for a in outside]
+        assert all(isinstance(a.sharding, SingleDeviceSharding) for a in arrays)
+        assert [a.sharding.memory_kind for a in arrays] == [a.sharding.memory_kind for a in outside]
+    # one sharding per device, shared by both arrays made in the window
+    assert [a.sharding for a in inside_arrays[0]] == [a.sharding for a in inside_arrays[1]]
+    assert all(x.sharding is y.sharding for x, y in zip(*inside_arrays))
+    theirs = lambda device, *, memory_kind=None: own(device, memory_kind=memory_kind)  # noqa: E731
+    sharding_impls.make_single_device_sharding = theirs
+    try:
+        with buffers.shared_shardings():
+            assert sharding_impls.make_single_device_sharding is theirs
+        assert sharding_impls.make_single_device_sharding is theirs
+    finally:
+        sharding_impls.make_single_device_sharding = own
+        buffers.recheck()
+
+
 @pytest.mark.parametrize("public", [False, True], ids=["private-views", "public-views"])
 def test_a_save_of_a_mixed_layout_is_bit_for_bit_through_either_way_to_the_buffers(ckpt, public, monkeypatch,
                                                                                   caplog):
@@ -628,9 +681,11 @@ def test_a_save_of_a_mixed_layout_is_bit_for_bit_through_either_way_to_the_buffe
             fused_expected = {k: np.array(v) for k, v in state.items()}
             state = fused(state, save_step=3)
             fused.last_save.result(timeout=60)
-        assert (buffers._arrays_ok, buffers._whole_ok) == ((False, False) if public else (True, True))
+        assert (buffers._arrays_ok, buffers._whole_ok, buffers._shardings_ok) == (not public,) * 3
         said = [r.getMessage() for r in caplog.records if r.name == "jaxckpt.jax.buffers"]
-        assert len(said) == (2 if public else 0) and all(buffers.ENV in m for m in said), said
+        assert len(said) == (3 if public else 0) and all(buffers.ENV in m for m in said), said
+        from jax._src import sharding_impls
+        assert sharding_impls.make_single_device_sharding is not buffers._cached  # the saves' windows closed
         for at, want_state in ((2, expected), (3, fused_expected)):
             out = ck.restore(target, step=at)
             for k, want in want_state.items():

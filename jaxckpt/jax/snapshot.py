@@ -260,7 +260,8 @@ class Saver:
         was = gc.isenabled()
         gc.disable()
         try:
-            _pin(reads, taken, leaves, plan, views)
+            with buffers.shared_shardings():
+                _pin(reads, taken, leaves, plan, views)
         finally:
             if was:
                 _skip_young()
@@ -374,33 +375,39 @@ def _owned_reads(reads: tuple, taken: list[Any], owned: list[Any], plan: TreeLay
     was = gc.isenabled()
     gc.disable()
     try:
-        out: list[ShardReads] = []
-        for r, t in zip(reads, taken):
-            what = r[0]
-            if what == "view":
-                x = owned[r[1]]
-                if r[4] == "one":
-                    got = views([x._fully_replicated_shard()])
-                elif r[4] == "public":  # JAX's private names unavailable (jax/buffers.py)
-                    got = views(buffers.public(x, r[3]))
-                elif r[4]:
-                    got = views(x._arrays)
-                else:
-                    arrs = x._arrays
-                    got = views([arrs[p] for p in r[2]])
-                out.append({d: (v, None) for v, d in zip(got, r[3])})
-            elif what in ("copy", "same"):
-                out.append({HOST: (t, None)})  # numpy leaves: taken at the call
-            elif what in ("shards", "pinned"):  # the fused path's copies are on the host already
-                out.append(shards.shard_reads(owned[r[1]], plan.leaves[r[1]].kind, r[2], True))
-            else:
-                out.append({})
-        taken.clear()
-        return out
+        with buffers.shared_shardings():
+            return _owned_views(reads, taken, owned, plan, views)
     finally:
         if was:
             _skip_young()
             gc.enable()
+
+
+def _owned_views(reads: tuple, taken: list[Any], owned: list[Any], plan: TreeLayout,
+                 views: Callable[[list[Any]], list[np.ndarray]]) -> list[ShardReads]:
+    out: list[ShardReads] = []
+    for r, t in zip(reads, taken):
+        what = r[0]
+        if what == "view":
+            x = owned[r[1]]
+            if r[4] == "one":
+                got = views([x._fully_replicated_shard()])
+            elif r[4] == "public":  # JAX's private names unavailable (jax/buffers.py)
+                got = views(buffers.public(x, r[3]))
+            elif r[4]:
+                got = views(x._arrays)
+            else:
+                arrs = x._arrays
+                got = views([arrs[p] for p in r[2]])
+            out.append({d: (v, None) for v, d in zip(got, r[3])})
+        elif what in ("copy", "same"):
+            out.append({HOST: (t, None)})  # numpy leaves: taken at the call
+        elif what in ("shards", "pinned"):  # the fused path's copies are on the host already
+            out.append(shards.shard_reads(owned[r[1]], plan.leaves[r[1]].kind, r[2], True))
+        else:
+            out.append({})
+    taken.clear()
+    return out
 
 
 def _copy_numpy(x: np.ndarray) -> np.ndarray:
