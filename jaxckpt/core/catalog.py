@@ -58,10 +58,10 @@ from jaxckpt.config import Config
 from jaxckpt.core.capabilities import AgentHolders, AgentInfo, NodeAgent
 from jaxckpt.core.collective import Channel, Collective
 from jaxckpt.core.coordination import Coordinator
-from jaxckpt.errors import (AgentError, ManifestError, PeerError, PeerTimeoutError, StepNotFoundError,
-                            StoreUnavailableError)
+from jaxckpt.errors import AgentError, ManifestError, PeerError, StepNotFoundError, StoreUnavailableError
 from jaxckpt.core.fetch import buffer_reader
-from jaxckpt.core.sources import (HeldEntry, Holder, Opened, RestoreReads, Source, Version, check_manifest,
+from jaxckpt.core.holders import Guarded, NotAsked, PeerHolder, lazy_source
+from jaxckpt.core.sources import (HeldEntry, Holder, Opened, Source, Version, check_manifest,
                                   choose_version, complete_steps, missing_processes, newest_common, order_sources)
 from jaxckpt.core.store import Store
 
@@ -72,102 +72,6 @@ AGENT_KINDS = ("node", "remote", "peer")  # holders asked over a socket or the a
 # How long a scan's answers stand in for asking again: a relaunched job restores within seconds of its
 # Checkpointer(); a restore asked for much later asks the agents, whose holdings have moved on since.
 SCAN_FRESH_S = 60.0
-
-
-class _PeerHolder(Holder):
-    """Process ``q`` of this job serving its own store (jobs without node agents)."""
-
-    kind = "peer"
-    node = ""
-
-    def __init__(self, peers, q: int) -> None:
-        self._peers, self._q = peers, q
-        self.name = f"process {q}"
-
-    def held(self) -> list[HeldEntry]:
-        return [HeldEntry.from_wire(v) for v in self._peers.client(self._q).held()]
-
-    def open(self, process: int, step: int) -> Opened:
-        c = self._peers.client(self._q)
-        self.name = f"process {self._q} ({c.address})"
-        return Opened(c.manifest(step), lambda offset, nbytes: c.read(step, offset, nbytes),
-                      lend=lambda: True)  # each read is memory of its own (received frames)
-
-
-class _Lazy:
-    """A fallback source: opened at its holder on the first read, checked to hold the same snapshot."""
-
-    def __init__(self, holder: Holder, process: int, step: int, crc: int, opened: list[Opened]) -> None:
-        self._h, self._q, self._step, self._crc, self._opened = holder, process, step, crc, opened
-        self._o: Opened | None = None
-        self._reads: RestoreReads | None = None
-        self._lock = threading.Lock()
-
-    def bind(self, reads: RestoreReads) -> None:
-        """Source.bind, for when (and if) the holder is opened."""
-        self._reads = reads
-
-    def __call__(self, offset: int, nbytes: int) -> memoryview:
-        with self._lock:
-            if self._o is None:
-                try:
-                    o = self._h.open(self._q, self._step)
-                except (AgentError, ManifestError) as e:
-                    raise StoreUnavailableError(f"{self._h.name}: {e}") from None
-                self._opened.append(o)
-                if crc32c(o.manifest) != self._crc:
-                    raise StepNotFoundError(f"{self._h.name} holds another snapshot of step {self._step} of "
-                                            f"process {self._q} (its manifest differs)")
-                if o.bind is not None and self._reads is not None:
-                    o.bind(self._reads)
-                self._o = o
-        return self._o.read(offset, nbytes)
-
-
-def _lazy_source(h: Holder, process: int, step: int, crc: int, opened: list[Opened]) -> Source:
-    """A fallback Source of ``process``'s snapshot of ``step`` at ``h``, opened on its first read."""
-    lazy = _Lazy(h, process, step, crc, opened)
-    return Source(h.kind, h.name, h.node, lazy, bind=lazy.bind)
-
-
-class _NotAsked(PeerError):
-    """A holder skipped because it did not answer earlier in the same operation."""
-
-
-class _Guarded(Holder):
-    """A remote agent's holder that is not asked again in the current operation (a restore, a scan) once it
-    failed to answer in time: a dead agent's stale address would otherwise cost ``Config.peer_timeout_s`` on
-    every request (each listing, manifest and chunk read) of that operation."""
-
-    def __init__(self, holder: Holder, catalog: "Catalog", info: AgentInfo) -> None:
-        self._h, self._catalog, self.info = holder, catalog, info
-        self.kind, self.name, self.node = holder.kind, holder.name, holder.node
-        self.dead: str | None = None  # the operation in which it did not answer
-
-    def _call(self, fn: Callable, *args):
-        if self.dead is not None:
-            raise _NotAsked(f"{self.name}: not asked, it did not answer earlier in this {self.dead}")
-        try:
-            return fn(*args)
-        except PeerTimeoutError as e:
-            self._catalog._unresponsive(self, e)
-            raise
-
-    def held(self) -> list[HeldEntry]:
-        return self._call(self._h.held)
-
-    def open(self, process: int, step: int) -> Opened:
-        o = self._call(self._h.open, process, step)
-        return Opened(o.manifest, lambda offset, nbytes: self._call(o.read, offset, nbytes), o.close, o.lend, o.bind)
-
-    def peer(self) -> tuple[str, bytes, str] | None:
-        return self._h.peer()
-
-    def rebuild(self, *args) -> memoryview:
-        return self._call(self._h.rebuild, *args)
-
-    def close(self) -> None:
-        self._h.close()
 
 
 class Catalog:
@@ -216,7 +120,7 @@ class Catalog:
             self._operation = operation
             holders = list(self._holders or ())
         for h in holders:
-            if isinstance(h, _Guarded):
+            if isinstance(h, Guarded):
                 h.dead = None
 
     def suspect(self) -> None:
@@ -225,7 +129,7 @@ class Catalog:
         with self._lock:
             self._stale = True
 
-    def _unresponsive(self, h: _Guarded, e: Exception) -> None:
+    def _unresponsive(self, h: Guarded, e: Exception) -> None:
         with self._lock:
             self._stale = True
             if h.dead is not None:
@@ -338,7 +242,7 @@ class Catalog:
         for h in self.holders():
             if own and h.kind == "node":
                 return h, None
-            if isinstance(h, _Guarded) and h.info.generation == gen:
+            if isinstance(h, Guarded) and h.info.generation == gen:
                 return h, h.info
         return None
 
@@ -362,7 +266,7 @@ class Catalog:
             return
         keep: dict[str, Holder] = {}
         for h in self._holders:
-            address = h.info.address if isinstance(h, _Guarded) else None
+            address = h.info.address if isinstance(h, Guarded) else None
             if h.kind == "remote" and address in gone:
                 h.close()
             elif h.kind in ("node", "remote"):
@@ -383,7 +287,7 @@ class Catalog:
                                                                         self._own_node())]
         for a in infos:
             if a is not own:
-                out.append(reuse.get(a.address) or _Guarded(self._readers.remote_holder(a, label[a.address]), self, a))
+                out.append(reuse.get(a.address) or Guarded(self._readers.remote_holder(a, label[a.address]), self._unresponsive, a))
         for address, h in reuse.items():
             if h not in out:
                 h.close()  # e.g. our own restarted agent's old address, known as a remote one until now
@@ -397,7 +301,7 @@ class Catalog:
         def ask(h: Holder) -> list[tuple[Holder, HeldEntry]]:
             try:
                 return [(h, e) for e in h.held()]
-            except _NotAsked as e:
+            except NotAsked as e:
                 log.debug("process %d: %s", self.process_index, e)
                 return []
             except HOLDER_ERRORS as e:
@@ -490,7 +394,7 @@ class Catalog:
                 index = [(h, e) for h, e in self.index(scanned) if e.step == step]
             if not self.uses_agents and prefer is not None and self.peers is not None:
                 # a job without agents: the other processes of the same job serve their own stores
-                index += [(_PeerHolder(self.peers, q), HeldEntry(step, q, prefer.process_count, prefer.layout, 0))
+                index += [(PeerHolder(self.peers, q), HeldEntry(step, q, prefer.process_count, prefer.layout, 0))
                           for q in range(prefer.process_count) if q != me]
             entries = [e for _, e in index] + ([own[1]] if own else [])
             if not entries:
@@ -527,7 +431,7 @@ class Catalog:
             manifests[q] = m
             # the node agent holds the same memory as our own store: no fallback there
             others = [(h, x) for h, x in by_q.get(q, []) if h.kind != "node" and x.crc == e.crc]
-            sources[q] += [_lazy_source(h, q, step, e.crc, opened) for h in order_sources(others)]
+            sources[q] += [lazy_source(h, q, step, e.crc, opened) for h in order_sources(others)]
 
         def first(q: int) -> tuple[int, mf.Manifest, list[Source]]:
             holders = order_sources(by_q.get(q, []))
@@ -549,7 +453,7 @@ class Catalog:
                 alts = [h2 for h2 in holders[i + 1:]
                         if h2.kind == "peer" or any(x.crc == crc for hh, x in by_q[q] if hh is h2)]
                 return q, m, [Source(h.kind, h.name, h.node, o.read, o.lend, o.bind)] + \
-                    [_lazy_source(h2, q, step, crc, opened) for h2 in alts]
+                    [lazy_source(h2, q, step, crc, opened) for h2 in alts]
             if len(failures) == 1:  # the one holder's own error (a refused token, a gone step), unchanged
                 h, e = failures[0]
                 if isinstance(e, (PeerError, StepNotFoundError, ManifestError)):
