@@ -211,8 +211,17 @@ def make_array(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.S
             if not private or id(h) in used:
                 hosts[i] = hostbuf.copy(h)
             used.add(id(h))
+    targets = _put_targets(shape, sharding)
+    if len(hosts) > 1 and not sharding.is_fully_replicated and isinstance(targets[0], jax.Device):
+        # One call that hands every piece to its device: JAX asks for the pieces in the order of
+        # addressable_devices_indices_map, the order of ``local``; 3-4x less of JAX's Python per piece than
+        # a batched device_put and an assembly (bench restore). Devices in their default memory only. A fully
+        # replicated sharding asks for one piece and gives it to every device (one host buffer aliased by
+        # several devices), so it takes the way below.
+        pieces = iter(hosts)
+        return jax.make_array_from_callback(shape, sharding, lambda _index: next(pieces), dtype=dtype)
     # One batched transfer for all local devices instead of a device_put per shard.
-    arrays = jax.device_put(hosts, list(_put_targets(shape, sharding))) if hosts else []
+    arrays = jax.device_put(hosts, list(targets)) if hosts else []
     # dtype: a sharding none of whose devices are this process's leaves it no shard to take it from
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)
 
