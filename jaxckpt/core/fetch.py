@@ -64,7 +64,9 @@ class ChunkReader:
         # must not be handed out for another that happens to sit at the same offset of the same process.
         self._cache: dict[tuple, memoryview] = {}
         self._bad: set[tuple] = set()  # (chunk key, source name) that failed
-        self._inflight: dict[tuple, threading.Event] = {}  # a second reader of a chunk waits
+        # chunks being fetched; a second reader of one makes the event it waits on (most chunks have one reader:
+        # no event for them)
+        self._inflight: dict[tuple, threading.Event | None] = {}
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
         self.report = RestoreReport(step, process)
@@ -107,9 +109,8 @@ class ChunkReader:
                 failed = self._errors.get(key)
                 if failed is not None:  # every source failed for another reader of it: the same error
                     raise failed
-                busy = self._inflight.get(key)
+                busy = self._waiter(key)
                 if busy is None:
-                    done = self._inflight[key] = threading.Event()
                     break
             busy.wait()  # another thread fetches it
         try:
@@ -120,9 +121,20 @@ class ChunkReader:
             raise
         finally:
             with self._lock:
-                del self._inflight[key]
+                done = self._inflight.pop(key)
                 self._rebuilding.discard(key)
-            done.set()
+            if done is not None:
+                done.set()
+
+    def _waiter(self, key: tuple) -> threading.Event | None:
+        """Under the lock: None when this thread is now the one fetching ``key``, else the event it waits on."""
+        if key not in self._inflight:
+            self._inflight[key] = None
+            return None
+        busy = self._inflight[key]
+        if busy is None:
+            busy = self._inflight[key] = threading.Event()
+        return busy
 
     def lookup(self, step: int, path: str, chunk: ChunkMeta) -> memoryview | None:
         """For a source that rebuilds chunks from other chunks (protection): the verified bytes of ``chunk`` as
@@ -142,17 +154,17 @@ class ChunkReader:
                     return got
                 if key not in self._planned or key in self._rebuilding or key in self._errors:
                     return None
-                busy = self._inflight.get(key)
+                busy = self._waiter(key)
                 if busy is None:
-                    done = self._inflight[key] = threading.Event()
                     break
             busy.wait()
         try:
             return self._fetch(path, chunk, key, rebuilds=False)
         finally:
             with self._lock:
-                del self._inflight[key]
-            done.set()
+                done = self._inflight.pop(key)
+            if done is not None:
+                done.set()
 
     def account(self, step: int, kind: str, nbytes: int) -> None:
         """A rebuild read ``nbytes`` on its own from a holder of ``kind``: counted in ``report.rebuild_reads``."""

@@ -11,8 +11,9 @@ returns for the snapshot to equal the state at the call:
   was at the call. The view goes through the buffer protocol where jaxlib gives it (``_buffer_protocol``):
   about 3 us per first view of a buffer here (2 cores, jax 0.10.2), the one per-shard cost left, beside
   JAX's own cost of exposing the buffers of an array a step just made (``_arrays`` builds a Python array
-  and a sharding for every local buffer, about 3.3 us each, unsaved replicas too): a fully replicated array
-  read from one device is taken through its one buffer (``_fully_replicated_shard``). The collector is
+  and a sharding for every local buffer, about 3.3 us each, unsaved replicas too; the sharding, about half
+  of it, comes from a per-device cache while the views are taken: ``buffers.shared_shardings``): a fully
+  replicated array read from one device is taken through its one buffer (``_fully_replicated_shard``). The collector is
   paused while the views are taken and what it did not examine is handed to its oldest generation unexamined
   (see ``Saver.pins``, ``_skip_young``).
 - jax arrays on an accelerator: one ``device_put`` of all of them to pinned host memory, dispatched now
