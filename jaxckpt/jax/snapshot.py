@@ -284,15 +284,7 @@ def _pin(reads: tuple, taken: list[Any], leaves: list[Any], plan: TreeLayout,
     for j, r in enumerate(reads):
         what = r[0]
         if what == "view":  # the one per-shard cost of a save (see the module docstring)
-            x, how = leaves[r[1]], r[4]
-            if how == "one":
-                arrs = [x._fully_replicated_shard()]
-            elif how == "public":
-                arrs = buffers.public(x, r[3])
-            else:
-                arrs = x._arrays
-                if how is False:
-                    arrs = [arrs[p] for p in r[2]]
+            arrs = _local_arrays(leaves[r[1]], r)
             taken[j] = list(map(np.asarray, arrs)) if r[5] else views(arrs)
         elif what == "shards":
             taken[j] = shards.shard_reads(leaves[r[1]], plan.leaves[r[1]].kind, r[2])
@@ -304,6 +296,19 @@ def _pin(reads: tuple, taken: list[Any], leaves: list[Any], plan: TreeLayout,
                                may_alias=False)
         for j, host in zip(plan.pinned, hosts):  # jaxckpt's own copies: read lazily, on the workers
             taken[j] = shards.shard_reads(host, "jax", reads[j][2], owned=True)
+
+
+def _local_arrays(x: Any, r: tuple) -> list[Any]:
+    """The single-device arrays of ``x`` that the "view" read ``r`` takes, the way its plan found to them
+    (``r[4]``): the one buffer of a fully replicated array, jax's public per-shard data (its private names
+    unavailable: jax/buffers.py), or jax's per-device arrays, all of them or those at positions ``r[2]``."""
+    how = r[4]
+    if how == "one":
+        return [x._fully_replicated_shard()]
+    if how == "public":
+        return buffers.public(x, r[3])
+    arrs = x._arrays
+    return arrs if how else [arrs[p] for p in r[2]]
 
 
 def _buffer_protocol(dtype: Any) -> bool:
@@ -390,16 +395,7 @@ def _owned_views(reads: tuple, taken: list[Any], owned: list[Any], plan: TreeLay
     for r, t in zip(reads, taken):
         what = r[0]
         if what == "view":
-            x = owned[r[1]]
-            if r[4] == "one":
-                got = views([x._fully_replicated_shard()])
-            elif r[4] == "public":  # JAX's private names unavailable (jax/buffers.py)
-                got = views(buffers.public(x, r[3]))
-            elif r[4]:
-                got = views(x._arrays)
-            else:
-                arrs = x._arrays
-                got = views([arrs[p] for p in r[2]])
+            got = views(_local_arrays(owned[r[1]], r))
             out.append({d: (v, None) for v, d in zip(got, r[3])})
         elif what in ("copy", "same"):
             out.append({HOST: (t, None)})  # numpy leaves: taken at the call
