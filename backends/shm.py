@@ -32,7 +32,7 @@ from jaxckpt.backends.agent.protocol import (AgentConnection, agent_dir, default
 from jaxckpt.node_identity import local_process_count, node_identity
 from jaxckpt.core.trim import trim
 from jaxckpt.config import Config
-from jaxckpt.errors import ClosedError, StepError, StepNotFoundError, StoreUnavailableError
+from jaxckpt.errors import AgentError, ClosedError, StepError, StepNotFoundError, StoreUnavailableError
 from jaxckpt.core.capabilities import AgentHolders, NodeAgent, ProtectionSlots
 from jaxckpt.core.store import Slot, SnapshotView, Store
 
@@ -213,6 +213,18 @@ class ShmStore(Store):
                 populate(m, read)
         return m
 
+    def _map_handed(self, r: dict, read: int = 0) -> mmap.mmap:
+        """The segment an agent's reply names, mapped; StoreUnavailableError if it is gone: the agent that named
+        it died before we mapped it, and the agent after it unlinked it (it adopts committed slots only, and a
+        node whose memory went with its agent has none)."""
+        try:
+            return self._map(r["seg"], r["size"], read)
+        except AgentError as e:
+            if os.path.lexists(os.path.join(self.directory, r["seg"])):
+                raise
+            self._disconnect()  # the connection was to the dead agent: the next request finds the new one
+            raise StoreUnavailableError(f"{e} (the node agent that named it was lost)") from None
+
     # ------------------------------------------------------------------------------------------- the Store
     def reserve(self, step: int, nbytes: int) -> Slot:
         with self._lock:
@@ -225,7 +237,10 @@ class ShmStore(Store):
                 self.allocations += 1
             for name in set(self._maps) - set(r["segs"]):  # segments the agent unlinked; our views keep theirs
                 del self._maps[name]
-            buf = memoryview(self._map(r["seg"], r["size"]))[:nbytes] if r["seg"] else memoryview(bytearray(0))
+            try:
+                buf = memoryview(self._map_handed(r))[:nbytes] if r["seg"] else memoryview(bytearray(0))
+            except StoreUnavailableError as e:  # the agent was lost mid-save
+                raise self._skip(step, e) from None
             slot = Slot(step, nbytes, buf, token=_SlotToken(r["generation"], self._conn_id, r["seg"]))
             self._writing[step] = slot
             return slot
@@ -297,8 +312,10 @@ class ShmStore(Store):
             r = self._pin(step)
             if r is None:
                 return None
-            buf = (memoryview(self._map(r["seg"], r["size"], r["nbytes"]))[:r["nbytes"]] if r["seg"]
-                   else memoryview(b""))
+            try:
+                buf = memoryview(self._map_handed(r, r["nbytes"]))[:r["nbytes"]] if r["seg"] else memoryview(b"")
+            except StoreUnavailableError as e:
+                raise StepNotFoundError(f"step {step} of process {self.process_index} is gone: {e}") from None
             view = _View(self, step, r["manifest"], buf.toreadonly(), self._conn_id)
             self._views.add(view)
             return view

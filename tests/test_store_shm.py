@@ -216,6 +216,70 @@ class TestShmStore(StoreTests):
         assert resets == [1]
         assert proto.read_pid_file(store.directory)[1] != gen
 
+    def test_an_agent_lost_between_reserve_and_mapping_skips_the_save(self, store: ShmStore, monkeypatch) -> None:
+        # A chaos run found it: the agent answers reserve and is SIGKILLed before the trainer maps the segment;
+        # the agent started after it adopts only committed slots, so it unlinks that segment. Training must go on
+        # (the save is skipped, as for any agent lost mid-save), not die of the missing file.
+        self.write(store, 1)
+        replaced = _replace_the_agent_before_mapping(monkeypatch, store.config)
+        with pytest.raises(StoreUnavailableError, match=r"step 2: save skipped on process 0: cannot open segment "
+                                                        r".*seg-p0-.*: No such file or directory \(the node agent "
+                                                        r"that named it was lost\)"):
+            store.reserve(2, N)
+        assert len(replaced) == 1 and not os.path.exists(os.path.join(store.directory, replaced[0]))
+        assert store.metrics["saves_skipped"] == 1
+        monkeypatch.undo()
+        assert store.steps() == [1]  # the next request goes to the new agent, which adopted step 1
+        self.write(store, 2)
+        assert store.steps() == [1, 2]
+        for step in (1, 2):
+            with store.open(step) as view:
+                self.assert_snapshot(view, step)
+
+    def test_a_node_memory_lost_between_open_and_mapping_is_a_missing_step(self, open_store, configs,
+                                                                           monkeypatch) -> None:
+        # The same window on the read side, where the node's memory went with its agent (a wiped node): the step
+        # is reported missing (a restore then reads it from elsewhere), and the store serves on.
+        writer = open_store()
+        self.write(writer, 1)
+        writer.close()
+        reader = ShmStore(configs[-1])  # a relaunched process: nothing mapped yet
+        try:
+            replaced = _replace_the_agent_before_mapping(monkeypatch, reader.config, wipe=True)
+            with pytest.raises(StepNotFoundError, match=r"step 1 of process 0 is gone: cannot open segment "
+                                                        r".*seg-p0-.*: No such file or directory \(the node agent "
+                                                        r"that named it was lost\)"):
+                reader.open(1)
+            assert len(replaced) == 1
+            monkeypatch.undo()
+            assert reader.steps() == []
+            self.write(reader, 2)
+            with reader.open(2) as view:
+                self.assert_snapshot(view, 2)
+        finally:
+            reader.close()
+
+    def test_a_reader_of_a_node_whose_memory_went_after_naming_the_step_finds_it_missing(
+            self, store: ShmStore, monkeypatch) -> None:
+        # The read side of another process's slots on this node (a restore's NodeAgentHolder): the same window.
+        from jaxckpt.backends.agent.readers import NodeAgentHolder
+
+        self.write(store, 1)
+        holder = NodeAgentHolder(store.directory, store.config.job_id, "node0", timeout_s=20.0)
+        try:
+            assert [(e.process, e.step) for e in holder.held()] == [(0, 1)]
+            replaced = _replace_the_agent_before_mapping(monkeypatch, store.config, wipe=True,
+                                                         module="jaxckpt.backends.agent.readers")
+            with pytest.raises(StepNotFoundError, match=r"step 1 of process 0 is gone from the .*: cannot open "
+                                                        r"segment .*seg-p0-.*: No such file or directory \(the "
+                                                        r"agent that named it was lost\)"):
+                holder.open(0, 1)
+            assert len(replaced) == 1
+            monkeypatch.undo()
+            assert holder.held() == []  # the next request reaches the new agent
+        finally:
+            holder.close()
+
     def test_lost_agent_memory_is_named_on_open(self, store: ShmStore) -> None:
         self.write(store, 1)
         pid, _ = proto.read_pid_file(store.directory)
@@ -347,6 +411,44 @@ class TestShmStore(StoreTests):
 def _raw_call(conn, msg: dict) -> dict:
     proto.send_msg(conn.sock, msg)
     return proto.recv_msg(conn.sock)
+
+
+def _replace_the_agent_before_mapping(monkeypatch, config: Config, *, wipe: bool = False,
+                                      module: str = "jaxckpt.backends.shm") -> list[str]:
+    """Have ``module``'s next mapping of a segment first SIGKILL its agent (``wipe``: and its node's memory) and
+    wait for a new agent to listen (it adopts what is left): the real processes in the window between an agent's
+    reply and the mapping of what it named. The names of the segments it was about to map, once it has."""
+    import importlib
+
+    where = importlib.import_module(module)
+    real, replaced = where.open_segment, []
+
+    def replace_then_map(directory: str, name: str, size: int, **kw):
+        if not replaced:
+            pid, gen = proto.read_pid_file(directory)
+            os.kill(pid, signal.SIGKILL)
+            _wait_dead(pid)
+            for n in os.listdir(directory) if wipe else ():
+                if n.startswith(("seg-", "rec-")):
+                    os.unlink(os.path.join(directory, n))
+            proto.start_agent(config, directory)
+            deadline = time.monotonic() + 60
+            while (proto.read_pid_file(directory) or (0, gen))[1] == gen or not _listens(directory):
+                assert time.monotonic() < deadline, "the new agent did not listen"
+                time.sleep(0.01)
+            replaced.append(name)
+        return real(directory, name, size, **kw)
+
+    monkeypatch.setattr(where, "open_segment", replace_then_map)
+    return replaced
+
+
+def _listens(directory: str) -> bool:
+    try:
+        proto.AgentConnection(directory, timeout_s=5).close()
+        return True
+    except (StoreUnavailableError, AgentError):
+        return False
 
 
 def _wait_dead(pid: int) -> None:

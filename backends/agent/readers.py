@@ -125,7 +125,20 @@ class NodeAgentHolder(Holder):
         try:
             buf = memoryview(b"")
             if r["seg"]:
-                m = open_segment(self.directory, r["seg"], r["size"], writable=False)
+                try:
+                    m = open_segment(self.directory, r["seg"], r["size"], writable=False)
+                except AgentError as e:
+                    if os.path.lexists(os.path.join(self.directory, r["seg"])):
+                        raise
+                    # the agent that named it died since, and its node's memory with it (or the agent after it
+                    # would have adopted the committed slot): the step is missing here, not an error of the job;
+                    # the next request reconnects, to the agent after it
+                    with self._lock:
+                        if self._conn is conn and conn is not None:
+                            conn.close()
+                            self._conn = None
+                    raise StepNotFoundError(f"step {step} of process {process} is gone from the {self.name}: "
+                                            f"{e} (the agent that named it was lost)") from None
                 populate(m, r["nbytes"])
                 buf = memoryview(m)[:r["nbytes"]]
         except BaseException:
