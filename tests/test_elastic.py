@@ -405,6 +405,48 @@ def test_a_remote_agent_opened_for_a_restore_connects_every_client_and_reads_bit
     finally:
         remote.close()
         local.close()
+    # A job keeping replicas whole (Config.replicas, the default) opens every agent for its manifest and mostly
+    # reads none: its holder makes the fetch threads' clients at the first read instead.
+    lazy = RemoteAgentHolder(info, node="node0", timeout_s=20.0, clients=3, connect_at_open=False)
+    near = NodeAgentHolder(d, JOB, "node1", timeout_s=20.0)
+    try:
+        far = lazy.open(entry.process, 3)
+        assert lazy.clients == 1
+        mine = near.open(entry.process, 3)
+        try:
+            assert bytes(far.manifest) == bytes(mine.manifest)
+            n = max(c.offset + c.nbytes for a in decode(mine.manifest).arrays for c in a.chunks)
+            assert bytes(far.read(0, n)) == bytes(mine.read(0, n))
+            assert lazy.clients == 3
+        finally:
+            far.close()
+            mine.close()
+    finally:
+        lazy.close()
+        near.close()
+
+
+def test_only_a_job_with_split_replicas_connects_to_remote_agents_at_the_open(saved):
+    """Split replicas: a restore reads the other nodes' agents, whose clients connect while it plans. Whole: it
+    reads its own node's memory when the agents live, and connects no more than it asks."""
+    import jaxckpt
+    from jaxckpt.backends.agent.handle import AgentHandle
+    from jaxckpt.backends.agent.readers import local_agents
+    from jaxckpt.backends.shm import ShmStore
+
+    (info,) = local_agents(JOB, [node_dir(JOB, 1)])
+    for replicas, early in (("split", True), ("whole", False)):
+        store = ShmStore(jaxckpt.Config(store="shm", job_id=JOB, shm_dir=node_dir(JOB, 0), replicas=replicas))
+        try:
+            holder = AgentHandle(store).remote_holder(info, "node1")
+            try:
+                (entry, *_) = [e for e in holder.held() if e.step == 3]
+                holder.open(entry.process, 3).close()
+                assert holder.clients == (store.config.restore_workers if early else 1), replicas
+            finally:
+                holder.close()
+        finally:
+            store.close()
 
 
 # The fetch path (every process reads what it needs from whichever agent holds it) and the collective path

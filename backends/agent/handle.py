@@ -66,7 +66,9 @@ class AgentHandle(NodeAgent, AgentHolders, ProtectionSlots):
 
     def remote_holder(self, agent: AgentInfo, node: str) -> Holder:
         c = self._store.config
-        return RemoteAgentHolder(agent, node, c.peer_timeout_s, c.restore_workers, transport=c.transport)
+        # A job that keeps replicas whole reads its own node's memory when the agents live: no clients until read
+        return RemoteAgentHolder(agent, node, c.peer_timeout_s, c.restore_workers, transport=c.transport,
+                                 connect_at_open=c.replicas == "split")
 
     # ------------------------------------------------------------------------------------ ProtectionSlots
     def slot_store(self, process: int) -> Store:

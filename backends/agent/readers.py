@@ -164,7 +164,7 @@ class RemoteAgentHolder(Holder):
     kind = "remote"
 
     def __init__(self, info: AgentInfo, node: str, timeout_s: float, clients: int = MAX_CLIENTS, *,
-                 transport: str = "zmq") -> None:
+                 transport: str = "zmq", connect_at_open: bool = True) -> None:
         from jaxckpt.core.transport import get_transport
 
         self.info, self.node = info, node
@@ -175,6 +175,8 @@ class RemoteAgentHolder(Holder):
         self._all: list = []
         self._lock = threading.Lock()
         self._closed = False
+        # Where a restore's fetch threads' clients are made (see _connect_all): at the open, or at the first read
+        self._connect_at_open = connect_at_open
 
     @property
     def clients(self) -> int:
@@ -216,17 +218,31 @@ class RemoteAgentHolder(Holder):
 
     def open(self, process: int, step: int) -> Opened:
         manifest = self._with_client(lambda c: c.manifest(step, process))
-        # A restore reads this agent next, on ``clients`` fetch threads: every client is made now, so that their
-        # connections are set up while the restore plans and reads this node's memory, not on the first request
-        # of each fetch thread (a relaunched process's first restore waited for them).
+        if self._connect_at_open:
+            self._connect_all()
+
+        def read(offset: int, nbytes: int) -> memoryview:
+            self._connect_all()
+            return self._with_client(lambda c: c.read(step, offset, nbytes, process))
+
+        # Each read returns memory of its own (received frames), never rewritten: the restored arrays may keep
+        # it instead of a copy (Source.lend).
+        return Opened(manifest, read, lend=lambda: True)
+
+    def _connect_all(self) -> None:
+        """Every client: a restore that reads this agent reads it on ``clients`` fetch threads at once, and their
+        connections are set up together instead of one per thread's first request. Made at the open (their set-up
+        then overlaps the restore's planning and its reads of this node's memory: a relaunched process's first
+        restore with split replicas, which reads every other node, waited for them) or, with
+        ``connect_at_open=False``, at the first read: with whole replicas and the agents alive a restore opens
+        every agent for its manifest and reads none of them, and each client is a connection and a CURVE
+        handshake on both sides (the first restore of 4 nodes cost 1.24-1.29x a later one with them, 1.02-1.04x
+        without: BENCHMARKS.md)."""
+        if self._made >= self._max:
+            return
         with self._lock:
             while not self._closed and self._made < self._max:
                 self._idle.put(self._connect())
-        # Each read returns memory of its own (received frames), never rewritten: the restored arrays may keep
-        # it instead of a copy (Source.lend).
-        return Opened(manifest, lambda offset, nbytes: self._with_client(lambda c: c.read(step, offset, nbytes,
-                                                                                           process)),
-                      lend=lambda: True)
 
     def peer(self) -> tuple[str, bytes, str]:
         return self.info.address, self.info.token, self.info.server_key
