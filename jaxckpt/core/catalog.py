@@ -298,9 +298,9 @@ class Catalog:
         agents' answers to use instead of asking them (the registered holders are asked all the same)."""
         holders = self.holders()
 
-        def ask(h: Holder) -> list[tuple[Holder, HeldEntry]]:
+        def ask(h: Holder, said: list[tuple[Holder, HeldEntry]] | None) -> list[tuple[Holder, HeldEntry]]:
             try:
-                return [(h, e) for e in h.held()]
+                return [(h, e) for e in (h.held() if said is None else h.held_given(said))]
             except NotAsked as e:
                 log.debug("process %d: %s", self.process_index, e)
                 return []
@@ -308,16 +308,22 @@ class Catalog:
                 log.warning("process %d: %s did not list its snapshots: %s", self.process_index, h.name, e)
                 return []
 
-        def ask_all(hs: list[Holder]) -> list[tuple[Holder, HeldEntry]]:
+        def ask_all(hs: list[Holder], said: list[tuple[Holder, HeldEntry]] | None = None
+                    ) -> list[tuple[Holder, HeldEntry]]:
             if len(hs) <= 1:
-                return [x for h in hs for x in ask(h)]
+                return [x for h in hs for x in ask(h, said)]
             with ThreadPoolExecutor(max_workers=min(len(hs), self.config.restore_workers)) as ex:
-                return [x for got in ex.map(ask, hs) for x in got]
-        # The agents first: the registered holders (rebuild) ask the same agents again, and then skip one that
-        # did not answer instead of waiting for it a second time.
+                return [x for got in ex.map(lambda h: ask(h, said), hs) for x in got]
+        # The agents first: the registered holders (rebuild) list from what they said just now (Holder.held_given)
+        # instead of asking them again, and skip one that did not answer instead of waiting for it a second time.
+        # Answers given (a scan's, up to SCAN_FRESH_S old) are not handed on: protection's own view of the agents
+        # (which steps are protected) is only ever made from fresh answers.
         agents = [h for h in holders if h.kind in AGENT_KINDS]
-        said = ask_all(agents) if agents_said is None else agents_said
-        return said + ask_all([h for h in holders if h.kind not in AGENT_KINDS])
+        registered = [h for h in holders if h.kind not in AGENT_KINDS]
+        if agents_said is not None:
+            return agents_said + ask_all(registered)
+        said = ask_all(agents)
+        return said + ask_all(registered, said)
 
     def agree_latest(self, channel: Channel) -> int | None:
         """The newest step whose snapshot every process of this job can obtain, agreed by all (a round of

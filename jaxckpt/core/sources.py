@@ -157,6 +157,12 @@ class Holder(abc.ABC):
     def held(self) -> list[HeldEntry]:
         """Everything this holder holds now."""
 
+    def held_given(self, agents_said: list[tuple["Holder", HeldEntry]]) -> list[HeldEntry]:
+        """:meth:`held`, where the node agents' holders just said what they hold (``agents_said``: the catalog
+        asked them): a holder that lists from the agents (protection's rebuild) takes that instead of asking
+        them again. The default asks."""
+        return self.held()
+
     @abc.abstractmethod
     def open(self, process: int, step: int) -> Opened:
         """Open process ``process``'s snapshot of ``step``: its manifest and a byte source, pinned until closed."""

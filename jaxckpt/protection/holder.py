@@ -192,6 +192,7 @@ class RebuildHolder(Holder):
         self._meta: dict[tuple, tuple[SlotHeader, bytes, dict[int, bytes]]] = {}
         self._steps: dict[int, _StepInfo] = {}
         self.losses: dict[int, DataLossError] = {}
+        self._crcs: dict[tuple, dict[tuple[int, int], int]] = {}  # _chunk_crcs's, for the steps of the last scan
         self._lock = threading.Lock()
 
     def _header(self, h: Holder, pp: int, step: int, crc: int) -> tuple[SlotHeader, bytes, dict[int, bytes]]:
@@ -211,8 +212,12 @@ class RebuildHolder(Holder):
             got = self._meta[key] = (hdr, plan, man)
         return got
 
-    def scan(self) -> dict[int, _StepInfo]:
-        """Look at every agent again; the steps that can be restored with rebuilding, by step."""
+    def scan(self, agents_said: list[tuple[Holder, HeldEntry]] | None = None) -> dict[int, _StepInfo]:
+        """Look at every agent again; the steps that can be restored with rebuilding, by step. ``agents_said``:
+        what the agents' holders just said they hold (Holder.held_given); an agent not among them is asked."""
+        given: dict[int, list[HeldEntry]] = {}
+        for h, e in agents_said or ():
+            given.setdefault(id(h), []).append(e)
         real: dict[int, list[tuple[Holder, HeldEntry]]] = {}
         prot: dict[int, list[tuple[Holder, HeldEntry]]] = {}
         unreadable: dict[int, list[tuple[Holder, HeldEntry]]] = {}  # held, but its manifest does not decode
@@ -222,7 +227,7 @@ class RebuildHolder(Holder):
             """One agent's listing and the headers of its protection slots not read yet (cached by _header):
             a start-up's scan waits for the slowest agent's round trips, not for the sum of every agent's."""
             try:
-                entries = h.held()
+                entries = given.get(id(h)) or h.held()
             except Exception as e:  # noqa: BLE001 - an unreachable agent is a lost node
                 log.info("%s did not list its snapshots: %s", h.name, e)
                 return None
@@ -309,13 +314,8 @@ class RebuildHolder(Holder):
                 losses[step] = DataLossError(f"step {step}: the manifests of processes {no_manifest[:16]} were lost "
                                              f"with node(s) {list(lost_nodes)}", step=step, lost_nodes=lost_nodes)
                 continue
-            crcs = {}
             try:
-                for q, raw in manifests.items():
-                    m = mf.decode(raw, source=f"step {step} manifest of process {q} (kept with protection)")
-                    for a in m.arrays:
-                        for c in a.chunks:
-                            crcs[(c.process, c.offset)] = c.crc32c
+                crcs = self._chunk_crcs(step, manifests)
             except ManifestError as err:
                 log.warning("%s", err)
                 continue
@@ -324,9 +324,28 @@ class RebuildHolder(Holder):
         with self._lock:
             new = [s for s in losses if s not in self.losses]
             self._steps, self.losses = out, losses
+            for key in [k for k in self._crcs if k[0] not in out]:
+                del self._crcs[key]
         for s in new:
             log.warning("%s", losses[s])
         return out
+
+    def _chunk_crcs(self, step: int, manifests: dict[int, bytes]) -> dict[tuple[int, int], int]:
+        """(saving process, offset) -> crc32c of every chunk of ``step``, from its processes' manifests: decoded
+        once per set of manifests (a scan runs at every restore; a many-leaf manifest takes long to decode)."""
+        key = (step, tuple(sorted((q, crc32c(raw)) for q, raw in manifests.items())))
+        with self._lock:
+            got = self._crcs.get(key)
+        if got is None:
+            got = {}
+            for q, raw in manifests.items():
+                m = mf.decode(raw, source=f"step {step} manifest of process {q} (kept with protection)")
+                for a in m.arrays:
+                    for c in a.chunks:
+                        got[(c.process, c.offset)] = c.crc32c
+            with self._lock:
+                self._crcs[key] = got
+        return got
 
     def protected_steps(self) -> list[int]:
         """The steps of the last :meth:`scan` whose protection is complete (every process wrote its slot, every
@@ -340,8 +359,15 @@ class RebuildHolder(Holder):
             return sorted(self._steps)
 
     def held(self) -> list[HeldEntry]:
+        return self._entries(self.scan())
+
+    def held_given(self, agents_said: list[tuple[Holder, HeldEntry]]) -> list[HeldEntry]:
+        return self._entries(self.scan(agents_said))
+
+    @staticmethod
+    def _entries(steps: dict[int, _StepInfo]) -> list[HeldEntry]:
         out = []
-        for step, info in self.scan().items():
+        for step, info in steps.items():
             n = len(info.plan.nodes)
             for q in range(n):
                 out.append(HeldEntry(step, q, n, info.plan.layout, crc32c(info.manifests[q])))
