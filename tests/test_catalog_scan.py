@@ -138,12 +138,12 @@ def test_the_restore_after_a_restart_takes_the_start_up_scan_and_later_ones_ask_
 
 def test_protection_lists_from_the_agents_answers_of_the_same_restore():
     """With protection, the rebuild holder lists what can be rebuilt from the agents' answers the restore has
-    just had (Holder.held_given), not by asking every agent a second time; it still asks them itself when the
-    agents' answers are the start-up scan's (its view of what is protected comes from fresh answers only)."""
+    (Holder.held_given: the start-up scan's for the first restore, its own listing's for a later one), not by
+    asking every agent a second time."""
     assert all(v["latest"] == 2 and 2 in v["protected"] for v in _launch(save_job, "protected", "replica"))
     for v in _launch(restart_job, "protected", None, "replica"):
         assert v["step"] == 2
-        assert v["first"] == 2, v  # the agents' answers from the scan; the rebuild holder asked each agent
+        assert v["first"] == 0, v  # the scan of Checkpointer() answered the catalog and the rebuild holder
         assert v["later"] == 2, v  # each agent asked once: by the catalog, the rebuild holder listing from that
         assert 2 in v["protected"], v
 

@@ -295,7 +295,7 @@ class Catalog:
 
     def index(self, agents_said: list[tuple[Holder, HeldEntry]] | None = None) -> list[tuple[Holder, HeldEntry]]:
         """What every holder holds now; a holder that cannot answer is logged and left out. ``agents_said``: the
-        agents' answers to use instead of asking them (the registered holders are asked all the same)."""
+        agents' answers to use instead of asking them (the registered holders list from them too)."""
         holders = self.holders()
 
         def ask(h: Holder, said: list[tuple[Holder, HeldEntry]] | None) -> list[tuple[Holder, HeldEntry]]:
@@ -314,16 +314,13 @@ class Catalog:
                 return [x for h in hs for x in ask(h, said)]
             with ThreadPoolExecutor(max_workers=min(len(hs), self.config.restore_workers)) as ex:
                 return [x for got in ex.map(lambda h: ask(h, said), hs) for x in got]
-        # The agents first: the registered holders (rebuild) list from what they said just now (Holder.held_given)
-        # instead of asking them again, and skip one that did not answer instead of waiting for it a second time.
-        # Answers given (a scan's, up to SCAN_FRESH_S old) are not handed on: protection's own view of the agents
-        # (which steps are protected) is only ever made from fresh answers.
+        # The agents first: the registered holders (rebuild) list from what they said (Holder.held_given) instead
+        # of asking them again, and skip one that did not answer instead of waiting for it a second time. Answers
+        # given (the start-up scan's) are the ones the registered holders listed from at that scan: a holder that
+        # then cannot open the step sends the restore back to asking everyone anew (open).
         agents = [h for h in holders if h.kind in AGENT_KINDS]
-        registered = [h for h in holders if h.kind not in AGENT_KINDS]
-        if agents_said is not None:
-            return agents_said + ask_all(registered)
-        said = ask_all(agents)
-        return said + ask_all(registered, said)
+        said = ask_all(agents) if agents_said is None else agents_said
+        return said + ask_all([h for h in holders if h.kind not in AGENT_KINDS], said)
 
     def agree_latest(self, channel: Channel) -> int | None:
         """The newest step whose snapshot every process of this job can obtain, agreed by all (a round of
