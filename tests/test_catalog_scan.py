@@ -43,15 +43,31 @@ def _state(step: int):
                   for k, h in host.items()}
 
 
-def _restored_equal(ck, step: int) -> None:
+def _restored_equal(ck, step: int, resharded: bool = False) -> None:
+    """Restore ``step`` onto the saved shardings (this node's memory holds all of it), or with ``resharded``
+    onto ones that need the other node's bytes; check every local shard bit for bit and what the report says."""
     import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     host, state = _state(step)
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    if resharded:  # w's rows now split over 'model': half of them were saved by the other node's process
+        w = state["w"]
+        target["w"] = jax.ShapeDtypeStruct(w.shape, w.dtype,
+                                           sharding=NamedSharding(w.sharding.mesh, P("model", "data")))
     got = ck.restore(target, step=step)
     for k, v in got.items():
+        assert v.sharding == target[k].sharding, k
         for shard in v.addressable_shards:
             assert np.asarray(shard.data).tobytes() == host[k][shard.index].tobytes(), (step, k)
+    report = ck.last_restore_report
+    if resharded:  # planned from this node's manifest, which did not cover it: opened again, every manifest
+        assert report.widened.startswith("PlanError: w: step "), report.widened
+        assert report.manifests_by_kind == {"local": 1, "remote": 1}, report.manifests_by_kind
+        assert report.bytes_by_kind.get("remote", 0) > 0, report.bytes_by_kind
+    else:  # only its own manifest opened: no other node asked anything
+        assert report.widened == "" and report.manifests_by_kind == {"local": 1}, report
+        assert set(report.bytes_by_kind) == {"local"}, report.bytes_by_kind
 
 
 def _count_asks(ck) -> dict:
@@ -79,7 +95,8 @@ def save_job(base: str, job: str, protection: str = "none") -> dict:
         return {"latest": ck.latest_step(), "protected": prot.protected_steps() if prot is not None else []}
 
 
-def restart_job(base: str, job: str, fresh_s: float | None = None, protection: str = "none") -> dict:
+def restart_job(base: str, job: str, fresh_s: float | None = None, protection: str = "none",
+                resharded: bool = True) -> dict:
     import jaxckpt
     from jax.experimental import multihost_utils
     from jaxckpt.core import catalog
@@ -90,9 +107,9 @@ def restart_job(base: str, job: str, fresh_s: float | None = None, protection: s
         prot = ck.engine.protection
         asked = _count_asks(ck)
         step = ck.latest_step()
-        _restored_equal(ck, step)
+        _restored_equal(ck, step, resharded)
         first = asked["n"]
-        _restored_equal(ck, step)
+        _restored_equal(ck, step, resharded)
         later = asked["n"] - first
         multihost_utils.sync_global_devices("restored")  # nobody stops serving while others still read
         protected = prot.protected_steps() if prot is not None else []
@@ -127,13 +144,25 @@ def _launch(fn, job, *args):
 
 
 def test_the_restore_after_a_restart_takes_the_start_up_scan_and_later_ones_ask_again():
+    """Restores that need the other node's bytes: the first (near, then every manifest) asks no agent, a later
+    one asks its own node's agent (the near open) and then both agents once each."""
     assert [v["latest"] for v in _launch(save_job, "restart")] == [2, 2]
     for v in _launch(restart_job, "restart"):
         assert v["step"] == 2
         assert v["first"] == 0, v  # the scan of Checkpointer() answered it
-        assert v["later"] == 2, v  # both agents asked again, once each
+        assert v["later"] == 3, v  # its own node's agent for the near open, then both agents again, once each
     for v in _launch(restart_job, "restart", 0.0):  # a scan older than SCAN_FRESH_S is not taken
-        assert v["first"] == 2 and v["later"] == 2, v
+        assert v["first"] == 3 and v["later"] == 3, v
+
+
+def test_a_restore_of_the_saved_layout_asks_no_other_node():
+    """Restores onto the shardings the job saved (whole replicas: each node holds all it restores) open only
+    their own snapshot: the scan's answer for this node stands in for asking its agent, within SCAN_FRESH_S."""
+    assert [v["latest"] for v in _launch(save_job, "near")] == [2, 2]
+    for v in _launch(restart_job, "near", None, "none", False):
+        assert v["step"] == 2 and v["first"] == 0 and v["later"] == 0, v
+    for v in _launch(restart_job, "near", 0.0, "none", False):  # asks its own node's agent only, once a restore
+        assert v["first"] == 1 and v["later"] == 1, v
 
 
 def test_protection_lists_from_the_agents_answers_of_the_same_restore():
@@ -144,7 +173,9 @@ def test_protection_lists_from_the_agents_answers_of_the_same_restore():
     for v in _launch(restart_job, "protected", None, "replica"):
         assert v["step"] == 2
         assert v["first"] == 0, v  # the scan of Checkpointer() answered the catalog and the rebuild holder
-        assert v["later"] == 2, v  # each agent asked once: by the catalog, the rebuild holder listing from that
+        # its own node's agent for the near open; then each agent once: by the catalog, the rebuild holder
+        # listing from that
+        assert v["later"] == 3, v
         assert 2 in v["protected"], v
 
 

@@ -487,6 +487,22 @@ def test_restore_4_to_2_processes_through_the_collective(restored_4_to_2):
         assert r["timeline"]["collective"]["nbytes"] == r["collective_bytes"]
 
 
+def test_a_restore_of_the_saved_layout_opens_only_its_own_nodes_snapshots(saved):
+    """2 nodes x 2 processes restore the layout they saved, every agent alive: each process opens its own
+    snapshot and the ones its node's agent holds for the other process of its node (whole replicas: a
+    replicated array is saved once per node), never another node's, and reads every byte from its node."""
+    values = [{**v["fetch"], "node": v["node"]} for v in
+              expect_ok(launch(restore_job, nodes=2, procs_per_node=2, devices_per_proc=2,
+                               args=(BASE, JOB, [4, 2], "save", ["fetch"]), env=ENV, timeout=180))]
+    assert [v["latest"] for v in values] == [3] * 4  # checked bit for bit in every process
+    for v in values:
+        r = v["report"]
+        assert r["widened"] == "" and set(r["manifests_by_kind"]) <= {"local", "node"}, r
+        assert r["manifests_by_kind"]["local"] == 1 and r["transport_bytes"] == 0, r
+        assert set(r["bytes_by_kind"]) <= {"local", "node"}, r["bytes_by_kind"]
+    assert any(v["report"]["manifests_by_kind"].get("node") == 1 for v in values), values  # the other process's
+
+
 def test_restore_4_to_8_processes_on_4_nodes_other_mesh(saved):
     values = [{**v["fetch"], "node": v["node"]} for v in
               expect_ok(launch(restore_job, nodes=4, procs_per_node=2, devices_per_proc=1,

@@ -267,8 +267,10 @@ def coordinator_and_tokens(job_id):
         timed_out = "never-set" in str(e)
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-    x = jax.device_put(jnp.arange(64, dtype=jnp.float32), NamedSharding(mesh, P()))  # split between the two
-    cfg = jaxckpt.Config(job_id=job_id, peer_token=f"token-of-{me}", peer_timeout_s=20.0)
+    x = jax.device_put(jnp.arange(64, dtype=jnp.float32), NamedSharding(mesh, P()))
+    # split replicas: each process saves half of x, so each restore needs the other's snapshot (with whole ones
+    # each process holds all of x and never asks the other)
+    cfg = jaxckpt.Config(job_id=job_id, peer_token=f"token-of-{me}", peer_timeout_s=20.0, replicas="split")
     with jaxckpt.Checkpointer(cfg) as ck:
         ck.save(0, {"x": x})
         ck.wait()

@@ -103,6 +103,23 @@ def lose_node(job: str, node: int) -> None:
     shutil.rmtree(d, ignore_errors=True)
 
 
+def corrupt(node_dir: str, process: int, step: int, path: str) -> None:
+    """Flip one byte of ``path``'s first chunk in ``process``'s snapshot of ``step`` held by the agent of
+    ``node_dir`` (its slot record names the segment and the manifest the chunk's offset)."""
+    import msgpack
+
+    from jaxckpt.core import manifest as mf
+
+    with open(os.path.join(node_dir, f"rec-p{process}-s{step}"), "rb") as f:
+        rec = msgpack.unpackb(f.read(), raw=False)
+    chunk = mf.decode(rec["manifest"]).array(path).chunks[0]
+    with open(os.path.join(node_dir, rec["seg"]), "r+b") as f:
+        f.seek(chunk.offset + 5)
+        byte = f.read(1)[0]
+        f.seek(chunk.offset + 5)
+        f.write(bytes([byte ^ 0x40]))
+
+
 def far_kinds(report: dict) -> set:
     return {k for k, v in report["bytes_by_kind"].items() if v and k not in ("local", "node")}
 
@@ -134,8 +151,25 @@ def test_whole_replicas_restore_from_own_node_and_survive_a_node_loss(saved):
     assert [r["latest"] for r in out] == [2] * NODES, out  # checked bit for bit in every process
     for r in out:
         assert r["report"]["transport_bytes"] == 0 and not far_kinds(r["report"]), r["report"]
+        # its own manifest only: no other node asked anything
+        assert r["report"]["manifests_by_kind"] == {"local": 1} and r["report"]["widened"] == "", r["report"]
 
     lost = 1
+    # One flipped byte of the replicated array in the memory of node 1's agent: process 1's restore from its
+    # node's manifest alone fails that chunk's crc32c, opens every process's manifest and reads the box from
+    # another node's whole copy (protection's rebuild); the other processes still read their node only.
+    corrupt(f"{BASE}/{job}-node{lost}", lost, 2, "rep")
+    out = run(restore_job, job, "whole")
+    assert [r["latest"] for r in out] == [2] * NODES, out  # bit for bit, the corrupt chunk included
+    for i, r in enumerate(out):
+        rep = r["report"]
+        if i == lost:
+            assert rep["widened"].startswith("ChecksumError: rep: step 2 chunk "), rep
+            assert len(rep["fallbacks"]) == 1 and rep["bytes_by_kind"].get("rebuild", 0) > 0, rep
+            assert rep["manifests_by_kind"]["local"] == 1 and sum(rep["manifests_by_kind"].values()) == NODES, rep
+        else:
+            assert rep["manifests_by_kind"] == {"local": 1} and rep["transport_bytes"] == 0, rep
+
     lose_node(job, lost)
     out = run(restore_job, job, "whole")
     assert [r["latest"] for r in out] == [2] * NODES, out
@@ -156,3 +190,6 @@ def test_split_replicas_read_the_other_replicas_shares(saved):
     out = restored
     assert [r["latest"] for r in out] == [1] * NODES, out
     assert all(r["report"]["transport_bytes"] > 0 for r in out), out
+    for r in out:  # its node's manifest does not cover the replicated arrays: every process's opened
+        assert r["report"]["widened"].startswith("PlanError: "), r["report"]
+        assert sum(r["report"]["manifests_by_kind"].values()) == NODES, r["report"]

@@ -509,17 +509,26 @@ class CheckpointEngine:
         return latest
 
     @contextlib.contextmanager
-    def open(self, step: int | None, *, report: bool = True) -> Iterator[tuple[int, list[mf.Manifest], ChunkReader]]:
+    def open(self, step: int | None, *, report: bool = True, near: bool = False
+             ) -> Iterator[tuple[int, list[mf.Manifest], ChunkReader]]:
         """Open ``step`` (default: the newest, :meth:`newest_step`) and yield (step, manifests of every process
         that saved it, a verified chunk reader over the cheapest sources of each: jaxckpt.core.catalog); its
         holders keep the bytes until the block ends. With ``report``, the reader's report (bytes per source kind
-        and node, fallbacks) is logged and kept as ``last_restore_report`` (the persistent tier's reads are not)."""
+        and node, fallbacks) is logged and kept as ``last_restore_report`` (the persistent tier's reads are not).
+
+        ``near``: for a committed step this process holds, only this node's manifests (``Catalog.open``): fewer
+        manifests than the saving job's processes, and the caller opens again without ``near`` if the restore
+        needs more (``jaxckpt.core.restore.restore_step``)."""
         self.check_open()
         t0 = time.perf_counter()
         step = self.resolve_step(step)
-        with self.catalog.open(step) as (manifests, sources):
+        near = near and step in self.slots.counted()
+        with self.catalog.open(step, near=near) as (manifests, sources):
             reader = ChunkReader(sources, step, self.config.verify_on_restore, workers=self.config.restore_workers,
                                  process=self.process_index)
+            for q in sources.values():  # the first source of each saving process is where its manifest came from
+                if q:
+                    reader.report.manifests_by_kind[q[0].kind] = reader.report.manifests_by_kind.get(q[0].kind, 0) + 1
             reader.report.timeline.record("discover", t0, time.perf_counter())
             try:
                 yield step, manifests, reader

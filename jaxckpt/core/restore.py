@@ -145,27 +145,32 @@ def _job(request: ArrayRequest, plans: list[Assembly]) -> _Job:
 
 
 def restore_step(engine: "CheckpointEngine", step: int | None,
-                 fill: Callable[[int, list[Manifest], ChunkReader], Any]) -> Any:
+                 fill: Callable[[int, list[Manifest], ChunkReader], Any], *, near: bool = False) -> Any:
     """Open ``step`` (default: the latest committed) on ``engine`` and return ``fill(step, manifests, reader)``,
     the front end's state built through :func:`restore_leaves`; the engine keeps the report.
 
     With ``step=None`` every process of a job must call this (one round, ``jaxckpt.core.fallback``): when the
     newest step cannot be read bit for bit on some process, every process falls back to the newest older step
-    they all hold, in this same call, and the report's ``skipped`` says why."""
+    they all hold, in this same call, and the report's ``skipped`` says why.
+
+    ``near`` (``fill`` runs no collective round): ``fill`` first gets only this node's manifests
+    (``CheckpointEngine.open``), so a restore that needs nothing but this node's memory asks no other node; when
+    it raises (a box those manifests do not cover, a chunk with no good copy on this node) the step is opened
+    again with every process's manifests and ``fill`` runs once more (the report's ``widened`` says why)."""
     t0 = time.perf_counter()
     skipped: list[str] = []
     passed: list[int] = []
     want, begun = step, None
     while True:
         error: Exception | None = None
-        out, at = None, None
+        out, opened = None, [None]
         try:
-            with engine.open(want) as (at, manifests, reader):
-                out = fill(at, manifests, reader)
+            out = _open_fill(engine, want, fill, near, opened)
         except Exception as e:  # noqa: BLE001 - every process hears of it in the outcome round, then it raises
             if step is not None:
                 raise
             error = e
+        at = opened[0]
         if step is not None:
             break
         tried = at if at is not None else _attempted(engine, want)
@@ -178,11 +183,36 @@ def restore_step(engine: "CheckpointEngine", step: int | None,
         begun = max(b for b in (begun, decided.newest_begun, tried) if b is not None)
     if passed:
         engine.forget_newer(at, passed, begun)
-    if engine.last_restore_report is not None:
-        engine.last_restore_report.skipped = skipped
+    report = engine.last_restore_report
+    if report is not None:
+        report.skipped = skipped
     log.info("restored step %d in %.3fs (bytes by source process: %s)%s", at, time.perf_counter() - t0,
-             reader.bytes_by_process, f"; passed over: {'; '.join(skipped)}" if skipped else "")
+             report.bytes_by_process if report is not None else {},
+             f"; passed over: {'; '.join(skipped)}" if skipped else "")
     return out
+
+
+def _open_fill(engine: "CheckpointEngine", want: int | None, fill: Callable[[int, list[Manifest], ChunkReader], Any],
+               near: bool, opened: list[int | None]) -> Any:
+    """``fill`` over ``want`` opened near first (see :func:`restore_step`), else over every process's manifests;
+    ``opened[0]``: the step opened (what a failed attempt was for)."""
+    why = ""
+    if near:
+        with engine.open(want, near=True) as (at, manifests, reader):
+            opened[0] = at
+            if not manifests or len(manifests) >= manifests[0].process_count:  # nothing left out: no second try
+                return fill(at, manifests, reader)
+            try:
+                return fill(at, manifests, reader)
+            except Exception as e:  # noqa: BLE001 - the same fill runs again below, over every manifest
+                why = f"{type(e).__name__}: {e}"
+        log.debug("process %d: step %d needs more than this node's snapshots (%s); opening every process's",
+                  engine.process_index, at, why)
+        want = at
+    with engine.open(want) as (at, manifests, reader):
+        opened[0] = at
+        reader.report.widened = why
+        return fill(at, manifests, reader)
 
 
 def _attempted(engine: "CheckpointEngine", want: int | None) -> int | None:

@@ -243,6 +243,11 @@ class RestoreReport:
     rebuilt_at: dict[str, int] = field(default_factory=dict)
     # Newer steps a restore of the newest one passed over (jaxckpt.core.fallback): one line each, saying why.
     skipped: list[str] = field(default_factory=list)
+    # The saving processes whose manifests this restore opened, by the kind of holder each came from ("local",
+    # "node", "remote", ...): a restore that reads only this node's memory opens only this node's.
+    manifests_by_kind: dict[str, int] = field(default_factory=dict)
+    # Why a restore that first opened only this node's manifests opened every process's ("" when it did not).
+    widened: str = ""
     # Bytes and seconds per phase (discover, plan, reads by source kind, rebuild, device put, ...).
     timeline: RestoreTimeline = field(default_factory=RestoreTimeline, compare=False, repr=False)
 
@@ -276,6 +281,8 @@ class RestoreReport:
             fb += "; rebuilds read " + ", ".join(f"{k} {v}" for k, v in sorted(self.rebuild_reads.items()))
         if self.rebuilt_at:
             fb += "; rebuilt from parity " + ", ".join(f"at {k} {v}" for k, v in sorted(self.rebuilt_at.items()))
+        if self.widened:
+            fb += f"; this node's manifests did not suffice ({self.widened})"
         if self.skipped:
             fb += f"; passed over {len(self.skipped)} newer step(s): {'; '.join(self.skipped)}"
         if self.routes:
@@ -297,7 +304,8 @@ class RestoreReport:
                 "routes": dict(self.routes), "collective_bytes": self.collective_bytes, "skipped": list(self.skipped),
                 "rebuild_reads": dict(self.rebuild_reads), "rebuilt_at": dict(self.rebuilt_at),
                 "rebuild_received": self.rebuild_received, "rebuilt_bytes": self.rebuilt_bytes,
-                "transport_bytes": self.transport_bytes}
+                "transport_bytes": self.transport_bytes, "manifests_by_kind": dict(self.manifests_by_kind),
+                "widened": self.widened}
 
 
 def plan_fetch(chunks: Iterable[tuple[str, ChunkMeta]], sources: Mapping[int, Sequence[Source]],

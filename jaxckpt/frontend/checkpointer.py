@@ -28,6 +28,8 @@ from jaxckpt.errors import ConfigError
 from jaxckpt.frontend.protocol import Frontend, StateLayout
 
 log = logging.getLogger("jaxckpt.frontend")
+# _build's default collective: the front end's own for the target (what the persistent tier's build uses)
+TARGETS_OWN: Any = object()
 
 __all__ = ["Begun", "Checkpointer", "Restored"]
 
@@ -218,16 +220,23 @@ class Checkpointer:
     def restore_with_extra(self, target: Any = None, step: int | None = None, **options: Any) -> Restored:
         """As :meth:`restore`, with the extra state saved with the step, its step and where its bytes came from;
         ``options`` go to the front end's ``build`` (torch: ``in_place``)."""
+        gather = self.frontend.gather(self.engine, target, self.config)
+
         def fill(at: int, manifests: list[mf.Manifest], reader: Any) -> tuple[Any, Any]:
             own = next((m for m in manifests if m.process == self.engine.process_index), manifests[0])
-            return self._build(target, manifests, reader, at, **options), extra_of(own)
-        state, extra = restore_step(self.engine, step, fill)
+            return self._build(target, manifests, reader, at, gather, **options), extra_of(own)
+        # Without the collective a process's restore is its own: it may plan from its node's manifests first.
+        state, extra = restore_step(self.engine, step, fill, near=gather is None)
         report = self.engine.last_restore_report
         return Restored(state, extra, report.step, _source(report), report)
 
-    def _build(self, target: Any, manifests: list[mf.Manifest], reader: Any, step: int, **options: Any) -> Any:
+    def _build(self, target: Any, manifests: list[mf.Manifest], reader: Any, step: int, gather: Any = TARGETS_OWN,
+               **options: Any) -> Any:
+        """The front end's build of ``target``; ``gather``: the collective (default: the one for ``target``)."""
+        if gather is TARGETS_OWN:
+            gather = self.frontend.gather(self.engine, target, self.config)
         return self.frontend.build(target, manifests, reader, step=step, process=self.engine.process_index,
-                                   gather=self.frontend.gather(self.engine, target, self.config), **options)
+                                   gather=gather, **options)
 
     # ------------------------------------------------------------------------------------------------ close
     def close(self) -> None:
