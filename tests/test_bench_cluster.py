@@ -86,6 +86,11 @@ def test_restore_paths_and_recovery(run):
     assert rs["local"]["timeline"]["transport_bytes"] == 0 and rs["local"]["timeline"]["collective_bytes"] > 0
     assert rs["local"]["timeline"]["phases"]["collective"]["nbytes"] == rs["local"]["timeline"]["collective_bytes"]
     assert rs["peers"]["timeline"]["collective_bytes"] > 0
+    # through the collective (this run's --restore-collective) every process plans from every saving process's
+    # manifest: nothing first opened near, nothing widened
+    n = rs["local"]["processes"]
+    assert sum(rs["local"]["timeline"]["manifests"].values()) == n * n and rs["local"]["timeline"]["widened"] == 0
+    assert "manifests opened by holder kind (all processes)" in run["md"].read_text()
     lb = res["loopback"]
     assert lb["tcp"]["gbps"] > 0 and lb["transport"]["gbps"] > 0
     assert math.isclose(lb["transport_over_tcp"], lb["transport"]["gbps"] / lb["tcp"]["gbps"])

@@ -341,7 +341,8 @@ def _timeline(ck: Any) -> dict[str, Any]:
         routes[r] = routes.get(r, 0) + 1
     return {"phases": rep.timeline.to_dict(), "transport_bytes": rep.transport_bytes,
             "collective_bytes": rep.collective_bytes, "routes": routes, "seconds": rep.seconds,
-            "peer_span": rep.timeline["peer_fetches"].span}  # every process's on one host's monotonic clock
+            "peer_span": rep.timeline["peer_fetches"].span,  # every process's on one host's monotonic clock
+            "manifests": dict(rep.manifests_by_kind), "widened": 1 if rep.widened else 0}
 
 
 def drop_cache(root: str) -> None:

@@ -51,10 +51,17 @@ def _sum_timelines(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     for t in tls:
         for k, v in t.get("routes", {}).items():
             routes[k] = max(routes.get(k, 0), v)
+    manifests: dict[str, int] = {}
+    for t in tls:
+        for k, v in t.get("manifests", {}).items():
+            manifests[k] = manifests.get(k, 0) + v
     peer = phases.get("peer_fetches", {"nbytes": 0, "seconds": 0.0})
     out = {"phases": {name: {k: v for k, v in p.items() if v} for name, p in phases.items() if any(p.values())},
            "transport_bytes": sum(t["transport_bytes"] for t in tls),
            "collective_bytes": sum(t["collective_bytes"] for t in tls), "routes": routes}
+    if manifests:  # results of runs before the restores reported them have none
+        out["manifests"] = manifests
+        out["widened"] = sum(t.get("widened", 0) for t in tls)
     spans = [t["peer_span"] for t in tls if t.get("peer_span")]
     union = max(e for _, e in spans) - min(s for s, _ in spans) if spans else 0.0
     seconds = union if union > 0 and len(spans) == sum(1 for t in tls if t["phases"].get("peer_fetches", {})
@@ -387,13 +394,21 @@ def _timeline_section(result: Mapping[str, Any]) -> list[str]:
             cells.append(f"{fs(nbytes) if nbytes else '–'} / {sec * 1e3:.0f}" if nbytes or sec else "–")
         routed = ", ".join(f"{v} {k}" for k, v in sorted(t.get("routes", {}).items())) or "–"
         rate = f"{fn(t['transport_gbps'])}" if t.get("transport_gbps") else "–"
-        rows.append([key, *cells, fs(t["transport_bytes"]), rate, routed])
+        opened = ", ".join(f"{k} {v}" for k, v in sorted(t.get("manifests", {}).items())) or "–"
+        if t.get("widened"):
+            opened += f" ({t['widened']} widened)"
+        rows.append([key, *cells, fs(t["transport_bytes"]), rate, routed, opened])
     if not rows:
         return []
-    out = ["", "Restore timeline (first restore of each path; bytes over all processes / ms of the slowest process, "
-               "per phase; phases overlap):", "",
+    out = ["", "Restore timeline (one restore of each path: the last of the repeats with the agents alive and "
+               "resharded, the relaunch's first after a node loss; bytes over all processes / ms of the slowest "
+               "process, per phase; phases overlap):", "",
            report.table(["path", *TIMELINE_PHASES, "host transport bytes", "transport GB/s in restore",
-                         "arrays by route (per process)"], rows)]
+                         "arrays by route (per process)", "manifests opened by holder kind (all processes)"], rows),
+           "", "Manifests opened: where each restoring process read the manifests it planned from (its own "
+               "memory, its node's agent, another node's, a rebuild, the persistent tier); a restore first opens "
+               "its node's only and widens to every saving process's when those do not cover its target or a chunk "
+               "has no good copy on the node (counted as widened)."]
     lb = result.get("loopback")
     if lb:
         between, within = lb.get("tcp_processes"), lb.get("tcp_threads")
