@@ -226,7 +226,10 @@ class Checkpointer:
             own = next((m for m in manifests if m.process == self.engine.process_index), manifests[0])
             return self._build(target, manifests, reader, at, gather, **options), extra_of(own)
         # Without the collective a process's restore is its own: it may plan from its node's manifests first.
-        state, extra = restore_step(self.engine, step, fill, near=gather is None)
+        # With split replicas a node holds 1/R of each replicated array: its manifests rarely suffice, and trying
+        # them first cost a split restore on 4 nodes about 5 ms (BENCHMARKS.md), so it opens every one at once.
+        near = gather is None and self.config.replicas == "whole"
+        state, extra = restore_step(self.engine, step, fill, near=near)
         report = self.engine.last_restore_report
         return Restored(state, extra, report.step, _source(report), report)
 
