@@ -2,6 +2,7 @@
 test's base directory, its agent started by the first store opened there."""
 from __future__ import annotations
 
+import os
 import time
 
 from jaxckpt.backends.agent import serve as agent_serve
@@ -22,3 +23,20 @@ def peer_of(base: str, node: str, timeout_s: float = 30.0) -> list:
         assert time.monotonic() < deadline, f"{node}'s agent published no peer address within {timeout_s:g} s"
         time.sleep(0.05)
     return [info["address"], info["token"]]
+
+
+def flip_chunk(node_dir: str, process: int, step: int, path: str) -> None:
+    """One flipped bit in the first chunk of ``path`` of ``step`` of ``process``, in the memory of the agent of
+    ``node_dir`` (its slot record names the segment, its manifest the chunk's offset)."""
+    import msgpack
+
+    from jaxckpt.core import manifest as mf
+
+    with open(os.path.join(node_dir, f"rec-p{process}-s{step}"), "rb") as f:
+        rec = msgpack.unpackb(f.read(), raw=False)
+    chunk = mf.decode(rec["manifest"]).array(path).chunks[0]
+    with open(os.path.join(node_dir, rec["seg"]), "r+b") as f:
+        f.seek(chunk.offset + 3)
+        byte = f.read(1)[0]
+        f.seek(chunk.offset + 3)
+        f.write(bytes([byte ^ 0x10]))

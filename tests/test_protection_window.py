@@ -10,15 +10,14 @@ import os
 import shutil
 import uuid
 
-import msgpack
 import numpy as np
 import pytest
 
 from jaxckpt.backends.agent import protocol as proto
 from jaxckpt.backends.shm import ShmStore
-from jaxckpt.core import manifest as mf
 from jaxckpt.errors import StoreUnavailableError
 from jaxckpt.testing import expect_ok, launch, node_info, remove_agents
+from agent_nodes import flip_chunk
 import sharded_state
 
 BASE = f"/dev/shm/jaxckpt-pwin-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -192,18 +191,6 @@ def test_a_step_restored_by_rebuilding_stays_the_fallback_until_a_newer_step_is_
     assert out[1]["report"]["bytes_by_kind"].get("rebuild", 0) > 0, out[1]["report"]
 
 
-def _flip_chunk(node_dir: str, process: int, step: int, path: str) -> None:
-    """One flipped bit in the first chunk of ``path`` of ``step`` of ``process``, in its node agent's memory."""
-    with open(os.path.join(node_dir, f"rec-p{process}-s{step}"), "rb") as f:
-        rec = msgpack.unpackb(f.read(), raw=False)
-    chunk = mf.decode(rec["manifest"]).array(path).chunks[0]
-    with open(os.path.join(node_dir, rec["seg"]), "r+b") as f:
-        f.seek(chunk.offset + 3)
-        byte = f.read(1)[0]
-        f.seek(chunk.offset + 3)
-        f.write(bytes([byte ^ 0x10]))
-
-
 def test_a_corrupt_newest_step_after_a_node_loss_falls_back_to_the_rebuildable_step_in_the_same_restore(resaved):
     """Node 1 is lost after step 1 (protected); the job restores step 1 by rebuilding node 1's part and commits
     step 3, whose protection fails, so node 1 holds step 3 only. A bit of step 3 then flips in node 1's memory.
@@ -213,7 +200,7 @@ def test_a_corrupt_newest_step_after_a_node_loss_falls_back_to_the_rebuildable_s
     lost = f"{BASE}/{job}-node1"
     out = resaved[job]
     assert [(r["restored"], r["latest"]) for r in out] == [(1, 3), (1, 3)], out
-    _flip_chunk(lost, 1, 3, "fsdp")
+    flip_chunk(lost, 1, 3, "fsdp")
     out = _run(restore_job, job)
     assert [r["latest"] for r in out] == [3, 3], out  # what the engine offered before the restore
     for r in out:

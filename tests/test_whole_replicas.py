@@ -20,6 +20,7 @@ import pytest
 
 from jaxckpt.backends.agent import protocol as proto
 from jaxckpt.testing import expect_ok, launch, node_info, remove_agents
+from agent_nodes import flip_chunk
 import sharded_state
 
 BASE = f"/dev/shm/jaxckpt-whole-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -103,23 +104,6 @@ def lose_node(job: str, node: int) -> None:
     shutil.rmtree(d, ignore_errors=True)
 
 
-def corrupt(node_dir: str, process: int, step: int, path: str) -> None:
-    """Flip one byte of ``path``'s first chunk in ``process``'s snapshot of ``step`` held by the agent of
-    ``node_dir`` (its slot record names the segment and the manifest the chunk's offset)."""
-    import msgpack
-
-    from jaxckpt.core import manifest as mf
-
-    with open(os.path.join(node_dir, f"rec-p{process}-s{step}"), "rb") as f:
-        rec = msgpack.unpackb(f.read(), raw=False)
-    chunk = mf.decode(rec["manifest"]).array(path).chunks[0]
-    with open(os.path.join(node_dir, rec["seg"]), "r+b") as f:
-        f.seek(chunk.offset + 5)
-        byte = f.read(1)[0]
-        f.seek(chunk.offset + 5)
-        f.write(bytes([byte ^ 0x40]))
-
-
 def far_kinds(report: dict) -> set:
     return {k for k, v in report["bytes_by_kind"].items() if v and k not in ("local", "node")}
 
@@ -158,7 +142,7 @@ def test_whole_replicas_restore_from_own_node_and_survive_a_node_loss(saved):
     # One flipped byte of the replicated array in the memory of node 1's agent: process 1's restore from its
     # node's manifest alone fails that chunk's crc32c, opens every process's manifest and reads the box from
     # another node's whole copy (protection's rebuild); the other processes still read their node only.
-    corrupt(f"{BASE}/{job}-node{lost}", lost, 2, "rep")
+    flip_chunk(f"{BASE}/{job}-node{lost}", lost, 2, "rep")
     out = run(restore_job, job, "whole")
     assert [r["latest"] for r in out] == [2] * NODES, out  # bit for bit, the corrupt chunk included
     for i, r in enumerate(out):
