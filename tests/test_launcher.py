@@ -197,7 +197,9 @@ SCRIPT = textwrap.dedent("""
     if "hang" in sys.argv:
         # Written first, before JAX starts: the time-out may well fire while a loaded machine is still in
         # jax.distributed's start-up, and those processes must be reaped too.
-        open(os.path.join(sys.argv[2], f"pid-{os.environ['JAXCKPT_PROCESS_ID']}"), "w").write(str(os.getpid()))
+        pidfile = os.path.join(sys.argv[2], f"pid-{os.environ['JAXCKPT_PROCESS_ID']}")
+        open(pidfile + ".tmp", "w").write(str(os.getpid()))
+        os.replace(pidfile + ".tmp", pidfile)  # whole when it appears: the test reads it as soon as it exists
     import jaxckpt.testing as T
     info = T.init_from_env()
     import jax
@@ -241,7 +243,9 @@ PARENT = textwrap.dedent("""
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def hang(folder):
-        open(os.path.join(folder, f"pid-{node_info().process_id}"), "w").write(str(os.getpid()))
+        pidfile = os.path.join(folder, f"pid-{node_info().process_id}")
+        open(pidfile + ".tmp", "w").write(str(os.getpid()))
+        os.replace(pidfile + ".tmp", pidfile)  # whole when it appears: the test reads it as soon as it exists
         time.sleep(600)
 
     if __name__ == "__main__":
@@ -267,10 +271,11 @@ def test_a_dying_launcher_takes_its_processes_along(tmp_path, sig):
 
 
 DEATHSIG_PARENT = textwrap.dedent("""
-    import subprocess, sys
+    import os, subprocess, sys
     from jaxckpt.tools import deathsig
     child = subprocess.Popen(deathsig.command(["sleep", "600"]), start_new_session=True)
-    open(sys.argv[1], "w").write(str(child.pid))
+    open(sys.argv[1] + ".tmp", "w").write(str(child.pid))
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])  # whole when it appears: the test reads it as soon as it exists
     child.wait()
 """)
 
