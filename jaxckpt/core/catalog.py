@@ -111,7 +111,6 @@ class Catalog:
         # This node's manifests decoded by the last near open, by (crc32c, size): the open that widens it (the
         # restore needed more) decodes them again otherwise (288 ms for a 4,096-leaf state's manifest)
         self._near_decoded: dict[tuple[int, int], tuple[bytes, mf.Manifest]] = {}
-        self._reuse: dict[tuple[int, int], tuple[bytes, mf.Manifest]] = {}  # taken by the open that follows
 
     @property
     def uses_agents(self) -> bool:
@@ -391,8 +390,7 @@ class Catalog:
     def _open(self, step: int, opened: list[Opened], scanned: list[tuple[Holder, HeldEntry]] | None = None,
               near: bool = False) -> tuple[list[mf.Manifest], dict[int, list[Source]]]:
         me = self.process_index
-        self._reuse, self._near_decoded = self._near_decoded, {}
-        keep: dict[tuple[int, int], tuple[bytes, mf.Manifest]] | None = {} if near else None
+        decodes, self._near_decoded = _Decodes(self._near_decoded, keep=near), {}
         own_error: StepNotFoundError | None = None
         view = None
         try:
@@ -404,7 +402,7 @@ class Catalog:
         if view is not None:
             opened.append(Opened(view.manifest, buffer_reader(view.buffer), view.close, view.lend))
             try:
-                m = self._decode(view.manifest, f"step {step} manifest of process {me}", keep)
+                m = decodes.decode(view.manifest, f"step {step} manifest of process {me}")
             except ManifestError as e:  # routed around like a corrupt chunk: another holder's copy, if any
                 own_bad = ManifestError(f"step {step}: the manifest of process {me} held by {self._own_name()} "
                                         f"is corrupt and no other holder has a good copy ({e})")
@@ -417,7 +415,7 @@ class Catalog:
         if near and own is not None and prefer is not None and prefer.process_count > 1:
             mark = len(opened)
             try:
-                return self._open_near(step, prefer, own, opened, scanned, keep)
+                return self._open_near(step, prefer, own, opened, scanned, decodes)
             except HOLDER_ERRORS as e:  # another process's snapshot on this node did not open: ask everyone
                 log.info("process %d: step %d: this node's snapshots did not open (%s); asking every holder",
                          self.process_index, step, e)
@@ -451,20 +449,8 @@ class Catalog:
                                          opened[0].read))
         return manifests, sources
 
-    def _decode(self, data: bytes | memoryview, source: str, keep: dict | None = None) -> mf.Manifest:
-        """``mf.decode``, or the manifest of the same bytes the last near open decoded; kept in ``keep``."""
-        key = (crc32c(data), len(data))
-        got = self._reuse.get(key)
-        if got is not None and got[0] == data:
-            m = got[1]
-        else:
-            m = mf.decode(data, source=source)
-        if keep is not None:
-            keep[key] = (bytes(data), m)  # a copy: the bytes are a view of memory the open pins
-        return m
-
     def _open_near(self, step: int, version: Version, own: tuple[mf.Manifest, HeldEntry], opened: list[Opened],
-                   scanned: list[tuple[Holder, HeldEntry]] | None, keep: dict
+                   scanned: list[tuple[Holder, HeldEntry]] | None, decodes: "_Decodes"
                    ) -> tuple[list[mf.Manifest], dict[int, list[Source]]]:
         """This node's snapshots of ``version``: our own and those of the other processes our node's agent
         holds (from the scan's answers, else asked: one request to our own node's agent)."""
@@ -474,14 +460,16 @@ class Catalog:
             said = [e for h, e in scanned if h is node] if scanned is not None else node.held()
             index = [(node, e) for e in said if e.step == step and e.process != self.process_index
                      and (e.process_count, e.layout) == (version.process_count, version.layout)]
-        got = self._open_sources(step, version, index, own, opened, only={e.process for _, e in index}, keep=keep)
-        self._near_decoded = keep
+        got = self._open_sources(step, version, index, own, opened, only={e.process for _, e in index},
+                                 decodes=decodes)
+        self._near_decoded = decodes.kept
         return got
 
     def _open_sources(self, step: int, version: Version, index: list[tuple[Holder, HeldEntry]],
                       local: tuple[mf.Manifest, HeldEntry] | None, opened: list[Opened],
-                      only: set[int] | None = None, keep: dict | None = None
+                      only: set[int] | None = None, decodes: "_Decodes | None" = None
                       ) -> tuple[list[mf.Manifest], dict[int, list[Source]]]:
+        decodes = decodes or _Decodes({}, keep=False)
         by_q: dict[int, list[tuple[Holder, HeldEntry]]] = {}
         for h, e in index:
             if (e.process_count, e.layout) == (version.process_count, version.layout) or h.kind == "peer":
@@ -509,7 +497,7 @@ class Catalog:
                     continue
                 opened.append(o)
                 try:
-                    m = self._decode(o.manifest, f"step {step} manifest of process {q} from {h.name}", keep)
+                    m = decodes.decode(o.manifest, f"step {step} manifest of process {q} from {h.name}")
                     check_manifest(m, version, q, f"step {step} manifest of process {q} from {h.name}")
                 except ManifestError as e:
                     failures.append((h, e))
@@ -581,3 +569,21 @@ class Catalog:
             self._close_holders()
         if self._own_k:
             self.collective.unpublish_versions(f"agent-of/{self.process_index}")
+
+
+class _Decodes:
+    """The manifests one open decodes: the ones the last near open decoded are taken again when the bytes are the
+    same, and a near open keeps its own (``kept``) for the open that may follow it."""
+
+    def __init__(self, reuse: dict[tuple[int, int], tuple[bytes, mf.Manifest]], keep: bool) -> None:
+        self._reuse = reuse
+        self.kept: dict[tuple[int, int], tuple[bytes, mf.Manifest]] = {}
+        self._keep = keep
+
+    def decode(self, data: bytes | memoryview, source: str) -> mf.Manifest:
+        key = (crc32c(data), len(data))
+        got = self._reuse.get(key)
+        m = got[1] if got is not None and got[0] == data else mf.decode(data, source=source)
+        if self._keep:
+            self.kept[key] = (bytes(data), m)  # a copy: the bytes are a view of memory the open pins
+        return m
