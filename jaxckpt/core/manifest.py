@@ -14,13 +14,13 @@ unsigned int is the same integer to msgpack).
 """
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 import msgpack
 
+from jaxckpt.core import collector
 from jaxckpt.core.box import Box
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.core.dtypes import check_plain, dtype_from_name
@@ -183,17 +183,13 @@ def decode(data: bytes | memoryview, *, source: str = "manifest") -> Manifest:
         raise ManifestError(f"{source}: manifest checksum mismatch (corrupt)")
     # The collector paused: a manifest is a few objects per chunk, made at once and kept together (a 4,096-leaf
     # state's 32,768 chunks set off a young collection every 700 objects, 4x the unpacking itself).
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        return _from_wire(msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=False))
-    except ManifestError:
-        raise
-    except Exception as e:
-        raise ManifestError(f"{source}: malformed manifest body ({type(e).__name__}: {e})") from None
-    finally:
-        if was:
-            gc.enable()
+    with collector.paused():
+        try:
+            return _from_wire(msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=False))
+        except ManifestError:
+            raise
+        except Exception as e:
+            raise ManifestError(f"{source}: malformed manifest body ({type(e).__name__}: {e})") from None
 
 
 def _keypath_to_wire(kp: Iterable[KeyEntry]) -> list:

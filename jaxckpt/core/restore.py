@@ -27,7 +27,6 @@ Numpy only: the front ends' frameworks appear here only behind ``make``.
 from __future__ import annotations
 
 import functools
-import gc
 import logging
 import os
 import threading
@@ -38,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol, Se
 
 import numpy as np
 
-from jaxckpt.core import hostbuf
+from jaxckpt.core import collector, hostbuf
 from jaxckpt.core import plan as _plan
 from jaxckpt.core import routes as _routes
 from jaxckpt.core.box import Box
@@ -237,13 +236,8 @@ def restore_leaves(items: Iterable[ArrayRequest | Any], reader: ChunkReader, *, 
     The collector is paused meanwhile: a restore makes several objects per chunk (plans, reads, host pieces,
     arrays) that live until it returns, and a 4,096-leaf restore spent a fifth of its time in the young
     collections they set off (measured: 1,609 -> 1,242 ms); reference counts still free what dies sooner."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
+    with collector.paused():
         return _restore_leaves(items, reader, step=step, process=process, gather=gather)
-    finally:
-        if was:
-            gc.enable()
 
 
 def _restore_leaves(items: Iterable[ArrayRequest | Any], reader: ChunkReader, *, step: int,

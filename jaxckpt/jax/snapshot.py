@@ -15,7 +15,7 @@ returns for the snapshot to equal the state at the call:
   of it, comes from a per-device cache while the views are taken: ``buffers.shared_shardings``): a fully
   replicated array read from one device is taken through its one buffer (``_fully_replicated_shard``). The collector is
   paused while the views are taken and what it did not examine is handed to its oldest generation unexamined
-  (see ``Saver.pins``, ``_skip_young``).
+  (see ``Saver.pins``, ``jaxckpt.core.collector``).
 - jax arrays on an accelerator: one ``device_put`` of all of them to pinned host memory, dispatched now
   (``shards.pinned_sharding``); where the backend has no pinned host memory, and for PRNG keys, a
   device-side copy each, then a transfer each (``shards.shard_reads``).
@@ -29,7 +29,6 @@ fused path's host copies) needs no pin at all: its views are taken on the dispat
 """
 from __future__ import annotations
 
-import gc
 import logging
 import operator
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jaxckpt.core import hostbuf
+from jaxckpt.core import collector, hostbuf
 from jaxckpt.core.dtypes import native_order
 from jaxckpt.core import manifest as mf
 from jaxckpt.core.engine import ArrayRecord, ShardReads
@@ -258,15 +257,8 @@ class Saver:
         # with the collector running, a many-leaf save sets off a young collection every 700 of them and promotes
         # them all to the oldest generation while the loop runs, which feeds the full collections. Paused, they
         # are looked at once, after the loop, and stay young (they die with the state at the next step).
-        was = gc.isenabled()
-        gc.disable()
-        try:
-            with buffers.shared_shardings():
-                _pin(reads, taken, leaves, plan, views)
-        finally:
-            if was:
-                _skip_young()
-                gc.enable()
+        with collector.paused(), buffers.shared_shardings():
+            _pin(reads, taken, leaves, plan, views)
         return lambda: _shard_reads(reads, taken, None, plan, views)
 
 
@@ -321,23 +313,6 @@ def _buffer_protocol(dtype: Any) -> bool:
     return dt.isbuiltin == 1 and dt.kind in "biufc"
 
 
-def _skip_young() -> None:
-    """Hand what the paused collector did not look at to its oldest generation unexamined, when a young
-    collection is due: JAX's per-buffer arrays and shardings of the state (three tracked objects per local
-    buffer) and the views (two per shard saved), all alive until the next step replaces the state and the
-    copy has run, when reference counts free them. Examined, they cost a young collection at the next
-    allocation (2-3 us per buffer here, a quarter of a many-leaf save) only to be promoted, and those still
-    alive at the next collection of the middle generation count towards a full one. ``freeze`` + ``unfreeze``
-    moves every tracked object to the oldest generation in constant time and counts none of them towards a
-    full collection; the caller's young objects move with them (a cycle among them is freed by the next full
-    collection instead of a young one). Not done when the caller froze objects itself (``unfreeze`` would
-    release them)."""
-    young = gc.get_threshold()[0]
-    if young and gc.get_count()[0] > young and not gc.get_freeze_count():
-        gc.freeze()
-        gc.unfreeze()
-
-
 def _take(r: tuple, leaves: list[Any]) -> np.ndarray:
     return _copy_numpy(leaves[r[1]]) if r[0] == "copy" else np.asarray(leaves[r[1]])
 
@@ -372,21 +347,14 @@ def _owned_reads(reads: tuple, taken: list[Any], owned: list[Any], plan: TreeLay
     700, survive it, and are promoted into the middle generation and then the oldest, where they count
     towards a full collection (a 200-270 ms pause of every thread every ~10 saves with JAX's heap, measured
     on the 879-leaf state). Paused here, and handed to the oldest generation unexamined at the end
-    (``_skip_young``), they are freed by reference counts when the engine drops them and count towards
+    (``jaxckpt.core.collector``), they are freed by reference counts when the engine drops them and count towards
     nothing; the direct view's base holds the buffer, not JAX's per-buffer array, so those die at once. The
     program is waited for first, with the collector on: the outputs of one program are ready together."""
     first = next((r[1] for r in reads if r[0] == "view"), None)
     if first is not None:
         owned[first].block_until_ready()
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        with buffers.shared_shardings():
-            return _owned_views(reads, taken, owned, plan, views)
-    finally:
-        if was:
-            _skip_young()
-            gc.enable()
+    with collector.paused(), buffers.shared_shardings():
+        return _owned_views(reads, taken, owned, plan, views)
 
 
 def _owned_views(reads: tuple, taken: list[Any], owned: list[Any], plan: TreeLayout,
