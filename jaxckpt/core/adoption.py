@@ -23,7 +23,7 @@ numbers its next save after it.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from jaxckpt.core import manifest as mf
@@ -44,13 +44,17 @@ class Adoption:
     newest: int | None  # the step the next save is numbered after (None: nothing adopted)
     holds: tuple[tuple[int, bool], ...]  # (step, protection complete?) kept beyond ``keep``: guard and fallbacks
     delete: tuple[int, ...]  # held steps to delete now
+    # the manifest bytes of ``newest`` this process saved and their decoding (None: not its own): a relaunch restores
+    # that step next, and its restore need not decode them again (a 4,096-leaf state's: 130-170 ms here)
+    newest_manifest: "tuple[bytes, mf.Manifest] | None" = field(default=None, compare=False, repr=False)
 
 
 def decide(engine: "CheckpointEngine") -> Adoption:
     """The adoption of ``engine``'s store at start-up; with several processes, collectively (one round)."""
     watch = engine.startup
     held = engine.store.steps()
-    own = _own_steps(engine, held)
+    decoded = _own_steps(engine, held)
+    own = list(decoded)
     restorable = None
     if engine.catalog.uses_agents:
         main = engine.collective.channel("main")
@@ -80,12 +84,13 @@ def decide(engine: "CheckpointEngine") -> Adoption:
     kept = set(agreed) | {s for s in (restorable, guard, *fallbacks) if s is not None}
     delete = tuple(s for s in held if (s in own and s not in kept) or (restorable is not None and s > restorable))
     holds = tuple((s, complete) for s, complete in ((guard, True), *((f, False) for f in fallbacks)) if s is not None)
-    return Adoption(tuple(held), tuple(agreed), newest, holds, delete)
+    return Adoption(tuple(held), tuple(agreed), newest, holds, delete, decoded.get(newest))
 
 
-def _own_steps(engine: "CheckpointEngine", held: list[int]) -> list[int]:
-    """The held steps this process saved as process ``process_index`` of ``process_count`` processes."""
-    out = []
+def _own_steps(engine: "CheckpointEngine", held: list[int]) -> dict[int, tuple[bytes, mf.Manifest]]:
+    """The held steps this process saved as process ``process_index`` of ``process_count`` processes, in order,
+    each with its manifest's bytes and their decoding."""
+    out: dict[int, tuple[bytes, mf.Manifest]] = {}
     for s in held:
         try:
             raw = engine.store.manifest(s)  # the bytes stay unread: most held steps are deleted next
@@ -99,7 +104,7 @@ def _own_steps(engine: "CheckpointEngine", held: list[int]) -> list[int]:
             log.warning("process %d: held step %d is unreadable (%s); not adopted", engine.process_index, s, e)
             continue
         if (m.process, m.process_count) == (engine.process_index, engine.process_count):
-            out.append(s)
+            out[s] = (raw, m)
     return out
 
 

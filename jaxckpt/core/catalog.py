@@ -108,9 +108,15 @@ class Catalog:
         self._stale = False  # an agent did not answer in the last operation: read the other processes' keys
         # the agents' answers of the last scan and when it ended: taken by the next open, within SCAN_FRESH_S
         self._scanned: tuple[float, list[tuple[Holder, HeldEntry]]] | None = None
-        # This node's manifests decoded by the last near open, by (crc32c, size): the open that widens it (the
-        # restore needed more) decodes them again otherwise (288 ms for a 4,096-leaf state's manifest)
+        # This node's manifests decoded by the last near open (or the adoption: keep_decoded), by (crc32c, size):
+        # the open that widens it (the restore needed more) decodes them again otherwise (288 ms for a 4,096-leaf
+        # state's manifest)
         self._near_decoded: dict[tuple[int, int], tuple[bytes, mf.Manifest]] = {}
+
+    def keep_decoded(self, data: bytes | memoryview, manifest: mf.Manifest) -> None:
+        """Hand the next open ``manifest``, the decoding of ``data``: an open that reads the same bytes takes it
+        instead of decoding them (the adoption's decoding of the step a relaunch restores next)."""
+        self._near_decoded[(crc32c(data), len(data))] = (bytes(data), manifest)
 
     @property
     def uses_agents(self) -> bool:

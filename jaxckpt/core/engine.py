@@ -482,6 +482,8 @@ class CheckpointEngine:
             self._last_step = a.newest
             self._tracker.adopt(a.newest)
             self.store.prefetch(a.newest)  # what a relaunch restores next: its bytes made ready meanwhile
+            if a.newest_manifest is not None:  # and its manifest, decoded above, not decoded again by it
+                self.catalog.keep_decoded(*a.newest_manifest)
             log.info("process %d adopted steps %s held by store %r from an earlier run (latest %d%s)",
                      self.process_index, list(a.agreed), self.config.store, a.newest,
                      ", restorable from the node agents" if a.newest not in a.agreed else "")
