@@ -177,13 +177,14 @@ def test_stall_options_are_checked_before_anything_runs(capsys):
     for bad in ("3", "0", "1,5", ""):
         with pytest.raises(ValueError, match="must divide the 8 CPU devices"):
             stall.procs_list(bad)
-    for argv in (["--procs", "3"], ["--sizes", "0.2G,huge"], ["--orbax-steps", "0"]):
+    for argv in (["--procs", "3"], ["--sizes", "0.2G,huge"], ["--orbax-steps", "0"], ["--rounds", "0"]):
         ns = cli.build_parser().parse_args(["bench", "stall", *argv])
         assert stall.run(ns) == 2, argv
     assert stall.gpt_config("0.2G-deep", 64)["layers"] == 4 * stall.gpt_config("0.2G", 64)["layers"]
     parse = cli.build_parser().parse_args
     assert stall.command(parse(["bench", "stall", "--sizes", "4k-leaves", "--orbax-steps", "2"])).endswith(
         "--procs 2 --orbax-steps 2")
+    assert stall.command(parse(["bench", "stall", "--rounds", "3"])).endswith("--procs 2 --rounds 3")
     assert stall.modes(parse(["bench", "stall"])) == [m for m in stall.MODES if m != "jaxckpt-whole"]
     assert stall.modes(parse(["bench", "stall", "--modes", "orbax, none,jaxckpt-fused"])) == \
         ["none", "jaxckpt-fused", "orbax"]  # in the benchmark's order
@@ -194,6 +195,30 @@ def test_stall_options_are_checked_before_anything_runs(capsys):
         with pytest.raises(ValueError, match=match):
             stall.modes(parse(["bench", "stall", "--modes", bad]))
         assert stall.run(parse(["bench", "stall", "--modes", bad])) == 2, bad
+
+
+@pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("flax", "optax")), reason="trains a Flax GPT")
+def test_stall_rounds_measure_every_mode_in_turn_and_pool_its_steps(tmp_path):
+    """``--rounds 2``: every mode measured twice, in turn, on fresh states (the checkpointers made again); each
+    mode's step, call and snapshot times pooled over both, the idle snapshot and the floor once, the breakdown
+    averaged; the command and the section say so."""
+    from jaxckpt.tools.bench import stall
+
+    out = tmp_path / "stall.json"
+    ns = cli.build_parser().parse_args(["bench", "stall", "--quick", "--procs", "1", "--modes", "none,jaxckpt",
+                                        "--rounds", "2", "--json", str(out)])
+    assert stall.run(ns) == 0
+    r = report.read_json(out)
+    assert r["rounds"] == 2 and r["command"].endswith("--modes none,jaxckpt --rounds 2 --json " + str(out))
+    (row,) = r["results"]
+    (p,) = row["processes"]
+    steps = r["steps"]
+    assert p["modes"]["none"]["step_s"]["n"] == 2 * steps
+    mine = p["modes"]["jaxckpt"]
+    assert mine["step_s"]["n"] == mine["save_call_s"]["n"] == mine["snapshot_s"]["n"] == 2 * steps, mine
+    assert mine["idle_snapshot_s"]["n"] == 2 and mine["bytes_this_process"] > 0  # --quick: 2 idle saves, once
+    assert mine["breakdown"]["cpu_ms"]["copy workers"] > 0 and p["floor"]["copy_crc_s"] > 0
+    assert "2 rounds (every mode once per round, in turn, on a fresh state), pooled" in stall.render_stall(r)
 
 
 def test_markdown_sections_from_json(suite):

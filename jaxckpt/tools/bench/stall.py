@@ -62,13 +62,11 @@ def agent_dir(spec: dict, mode: str) -> str:
 
 
 def run_process(spec: dict) -> dict:
-    """One launched process: every mode for one model size. Returns JSON-ready measurements."""
+    """One launched process: every mode for one model size, ``spec["rounds"]`` times over. Returns JSON-ready
+    measurements (each mode's step, call and snapshot times pooled over the rounds)."""
     import jax
-    import orbax.checkpoint as ocp
 
-    import jaxckpt
     from jaxckpt.tools.bench import gpt
-    from jaxckpt.tools.bench.breakdown import Breakdown, copy_floor
 
     cfg = gpt.GPTConfig(**spec["gpt"])
     mesh = gpt.make_mesh()
@@ -79,100 +77,148 @@ def run_process(spec: dict) -> dict:
     proc = jax.process_index()
     out: dict[str, Any] = {"process": proc, "state_bytes": None, "leaves": None, "modes": {}}
 
-    for mode in spec["modes"]:
-        steps = orbax_steps if mode == "orbax" else spec["steps"]
-        n = spec["warmup"] + steps
-        state = gpt.init_state(cfg, mesh, seed=0)
-        out["state_bytes"] = gpt.state_bytes(state)
-        out["leaves"] = len(jax.tree_util.tree_leaves(state))
-        step_times, call_times, snap_times, nbytes = [], [], [], 0
-        ck = tmp = ckptr = fused = None
-        if mode.startswith("jaxckpt"):
-            shm = {"store": "shm", "shm_dir": agent_dir(spec, mode)} if mode.endswith("-shm") else {}
-            whole = {"replicas": "whole"} if mode == "jaxckpt-whole" else {}
-            # The launcher names the node through JAXCKPT_NODE_NAME, which a Checkpointer's Config.with_env()
-            # applies over any node_name given: each process its own node goes through the same variable.
-            node = os.environ.get("JAXCKPT_NODE_NAME")
-            if whole:
-                os.environ["JAXCKPT_NODE_NAME"] = f"stall-node{proc}"
-            try:
-                ck = jaxckpt.Checkpointer(jaxckpt.Config(job_id=job_id(spec, mode), keep=1, **shm,
-                                                         **(whole or {"replicas": "split"})))
-            finally:
-                if whole and node is None:
-                    os.environ.pop("JAXCKPT_NODE_NAME", None)
-                elif whole:
-                    os.environ["JAXCKPT_NODE_NAME"] = node
-            if mode.startswith("jaxckpt-fused"):
-                fused = ck.wrap_step(step_fn)
-        elif mode == "orbax":
-            tmp = spec["orbax_dir"]
-            ckptr = ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler())
-        handles = []
-        probe = Breakdown(ck)
-        for i, batch in enumerate(data[:n]):
-            if i == spec["warmup"]:
-                probe.start()
-            t0 = time.perf_counter()
-            if fused is not None:
-                state, loss = fused(state, batch, save_step=i)
-                call = time.perf_counter() - t0  # dispatch + save() of the host copy
-            else:
-                state, loss = step_fn(state, batch)
-                # A training loop that logs its loss waits for the step here; saving after that measures what
-                # save() itself costs the training thread (on CPU a view of an unfinished array would wait too).
-                loss.block_until_ready()
-                tc = time.perf_counter()
-                if ck is not None:
-                    handles.append(ck.save(i, state))
-                elif mode == "orbax":
-                    ckptr.save(os.path.join(tmp, f"{mode}-{i}"), args=ocp.args.StandardSave(state))
-                    if proc == 0 and i >= 2:  # keep tmpfs bounded; save i waited for save i-1, so i-2 is final
-                        shutil.rmtree(os.path.join(tmp, f"{mode}-{i - 2}"), ignore_errors=True)
-                call = time.perf_counter() - tc
-            loss.block_until_ready()
-            if i >= spec["warmup"]:
-                step_times.append(time.perf_counter() - t0)
-                call_times.append(call)
-        if ck is not None:
-            ck.wait()  # the last copy's CPU counts in the breakdown
-            breakdown = probe.stop(steps)
-            out.setdefault("floor", copy_floor(ck.engine.last_chunk_sizes()))
-            if fused is None:
-                snap_times = [h.snapshot_seconds for h in handles[spec["warmup"]:]]
-                nbytes = handles[-1].nbytes
-            # Idle throughput: save and wait with nothing else running, slots already warm.
-            idle = []
-            for k in range(spec["idle_repeats"]):
-                h = ck.save(n + k, state)
-                h.result()
-                idle.append(h.snapshot_seconds)
-                nbytes = h.nbytes
-            ck.close()
-            if mode.endswith("-shm"):  # free the agent's memory before the next mode: 1 GB states need it back
-                from jax.experimental import multihost_utils
-
-                from jaxckpt.backends.agent import protocol as proto
-                multihost_utils.sync_global_devices(f"stall {spec['size']} {mode} closed")
-                if proc == 0:
-                    proto.stop_agent(agent_dir(spec, mode), job_id(spec, mode), timeout_s=60)
-            out["modes"][mode] = {"step_s": summarize(step_times), "save_call_s": summarize(call_times),
-                                  "idle_snapshot_s": summarize(idle), "bytes_this_process": nbytes}
-            out["modes"][mode]["breakdown"] = breakdown
-            if snap_times:
-                out["modes"][mode]["snapshot_s"] = summarize(snap_times)
-        else:
-            if ckptr is not None:
-                ckptr.wait_until_finished()
-                ckptr.close()
-            entry = {"step_s": summarize(step_times), "breakdown": probe.stop(steps)}
-            if mode == "orbax":
-                entry["save_call_s"] = summarize(call_times)
-            out["modes"][mode] = entry
-        del state
+    rounds = spec.get("rounds", 1)
+    took: dict[str, dict[str, Any]] = {}
+    # Each round measures every mode once, in order, on a fresh state: over several rounds a drift of the
+    # machine's speed (other work, thermal, memory) falls on every mode alike instead of on the mode that ran then.
+    for r in range(rounds):
+        for mode in spec["modes"]:
+            got = _measure_mode(spec, mode, r, step_fn, data, orbax_steps, idle=r == rounds - 1)
+            out["state_bytes"], out["leaves"] = got.pop("state_bytes"), got.pop("leaves")
+            if "floor" in got:
+                out.setdefault("floor", got.pop("floor"))
+            acc = took.setdefault(mode, {})
+            for key, value in got.items():
+                acc.setdefault(key, []).append(value)
+    for mode, acc in took.items():
+        entry: dict[str, Any] = {}
+        for key in ("step_s", "save_call_s", "idle_snapshot_s", "snapshot_s"):
+            pooled = [x for xs in acc.get(key, []) for x in xs]
+            if pooled:
+                entry[key] = summarize(pooled)
+        if "bytes_this_process" in acc:
+            entry["bytes_this_process"] = acc["bytes_this_process"][-1]
+        entry["breakdown"] = _mean_breakdown(acc["breakdown"])
+        out["modes"][mode] = entry
         log.info("process %d size %s mode %s: median step %.3fs", proc, spec["size"], mode,
-                 float(np.median(step_times)))
+                 entry["step_s"]["median"])
     return out
+
+
+def _measure_mode(spec: dict, mode: str, rnd: int, step_fn: Any, data: list, orbax_steps: int, idle: bool
+                  ) -> dict[str, Any]:
+    """One mode of one round on a fresh state: its raw step, call and snapshot times and its breakdown."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    import jaxckpt
+    from jaxckpt.tools.bench import gpt
+    from jaxckpt.tools.bench.breakdown import Breakdown, copy_floor
+
+    cfg = gpt.GPTConfig(**spec["gpt"])
+    mesh = gpt.make_mesh()
+    proc = jax.process_index()
+    out: dict[str, Any] = {}
+    steps = orbax_steps if mode == "orbax" else spec["steps"]
+    n = spec["warmup"] + steps
+    state = gpt.init_state(cfg, mesh, seed=0)
+    out["state_bytes"] = gpt.state_bytes(state)
+    out["leaves"] = len(jax.tree_util.tree_leaves(state))
+    step_times, call_times, snap_times, idle_times, nbytes = [], [], [], [], 0
+    ck = tmp = ckptr = fused = None
+    if mode.startswith("jaxckpt"):
+        shm = {"store": "shm", "shm_dir": agent_dir(spec, mode)} if mode.endswith("-shm") else {}
+        whole = {"replicas": "whole"} if mode == "jaxckpt-whole" else {}
+        # The launcher names the node through JAXCKPT_NODE_NAME, which a Checkpointer's Config.with_env()
+        # applies over any node_name given: each process its own node goes through the same variable.
+        node = os.environ.get("JAXCKPT_NODE_NAME")
+        if whole:
+            os.environ["JAXCKPT_NODE_NAME"] = f"stall-node{proc}"
+        try:
+            ck = jaxckpt.Checkpointer(jaxckpt.Config(job_id=job_id(spec, mode), keep=1, **shm,
+                                                     **(whole or {"replicas": "split"})))
+        finally:
+            if whole and node is None:
+                os.environ.pop("JAXCKPT_NODE_NAME", None)
+            elif whole:
+                os.environ["JAXCKPT_NODE_NAME"] = node
+        if mode.startswith("jaxckpt-fused"):
+            fused = ck.wrap_step(step_fn)
+    elif mode == "orbax":
+        tmp = spec["orbax_dir"]
+        ckptr = ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler())
+    handles = []
+    probe = Breakdown(ck)
+    for i, batch in enumerate(data[:n]):
+        if i == spec["warmup"]:
+            probe.start()
+        t0 = time.perf_counter()
+        if fused is not None:
+            state, loss = fused(state, batch, save_step=i)
+            call = time.perf_counter() - t0  # dispatch + save() of the host copy
+        else:
+            state, loss = step_fn(state, batch)
+            # A training loop that logs its loss waits for the step here; saving after that measures what
+            # save() itself costs the training thread (on CPU a view of an unfinished array would wait too).
+            loss.block_until_ready()
+            tc = time.perf_counter()
+            if ck is not None:
+                handles.append(ck.save(i, state))
+            elif mode == "orbax":
+                ckptr.save(os.path.join(tmp, f"{mode}-r{rnd}-{i}"), args=ocp.args.StandardSave(state))
+                if proc == 0 and i >= 2:  # keep tmpfs bounded; save i waited for save i-1, so i-2 is final
+                    shutil.rmtree(os.path.join(tmp, f"{mode}-r{rnd}-{i - 2}"), ignore_errors=True)
+            call = time.perf_counter() - tc
+        loss.block_until_ready()
+        if i >= spec["warmup"]:
+            step_times.append(time.perf_counter() - t0)
+            call_times.append(call)
+    if ck is not None:
+        ck.wait()  # the last copy's CPU counts in the breakdown
+        breakdown = probe.stop(steps)
+        if idle:  # once per mode: the last round's
+            out["floor"] = copy_floor(ck.engine.last_chunk_sizes())
+        if fused is None:
+            snap_times = [h.snapshot_seconds for h in handles[spec["warmup"]:]]
+            nbytes = handles[-1].nbytes
+        # Idle throughput: save and wait with nothing else running, slots already warm (the last round's).
+        for k in range(spec["idle_repeats"] if idle else 0):
+            h = ck.save(n + k, state)
+            h.result()
+            idle_times.append(h.snapshot_seconds)
+            nbytes = h.nbytes
+        ck.close()
+        if mode.endswith("-shm"):  # free the agent's memory before the next mode: 1 GB states need it back
+            from jax.experimental import multihost_utils
+
+            from jaxckpt.backends.agent import protocol as proto
+            multihost_utils.sync_global_devices(f"stall {spec['size']} {mode} closed")
+            if proc == 0:
+                proto.stop_agent(agent_dir(spec, mode), job_id(spec, mode), timeout_s=60)
+        out.update(step_s=step_times, save_call_s=call_times, idle_snapshot_s=idle_times, breakdown=breakdown,
+                   snapshot_s=snap_times, **({"bytes_this_process": nbytes} if nbytes else {}))
+    else:
+        if ckptr is not None:
+            ckptr.wait_until_finished()
+            ckptr.close()
+        out.update(step_s=step_times, breakdown=probe.stop(steps))
+        if mode == "orbax":
+            out["save_call_s"] = call_times
+    del state
+    log.debug("process %d size %s mode %s round %d: median step %.3fs", proc, spec["size"], mode, rnd,
+              float(np.median(step_times)))
+    return out
+
+
+def _mean_breakdown(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The per-save breakdowns of a mode's rounds (each of the same number of saves), averaged key by key."""
+    def mean(values: list[Any]) -> Any:
+        if isinstance(values[0], dict):
+            keys = {k for v in values for k in v}
+            return {k: mean([v.get(k, 0.0) for v in values]) for k in sorted(keys)}
+        return round(sum(values) / len(values), 3)
+    return mean(parts)
+
 
 
 def merge_row(size: str, procs: int, per_proc: list[dict], memcpy: dict) -> dict:
@@ -233,6 +279,8 @@ def run(args: argparse.Namespace) -> int:
         modes(args)
         if getattr(args, "orbax_steps", None) is not None and args.orbax_steps < 1:
             raise ValueError(f"--orbax-steps {args.orbax_steps}: at least 1")
+        if getattr(args, "rounds", 1) < 1:
+            raise ValueError(f"--rounds {args.rounds}: at least 1")
         unknown = [z for z in args.sizes.split(",") if z not in SIZES]
         if unknown:
             raise ValueError(f"--sizes: unknown preset(s) {unknown}; the presets are {sorted(SIZES)}")
@@ -250,16 +298,17 @@ def run(args: argparse.Namespace) -> int:
     sizes = ["tiny"] if args.quick else args.sizes.split(",")
     steps, warmup = (3, 1) if args.quick else (args.steps, args.warmup)
     orbax_steps = min(steps, args.orbax_steps) if getattr(args, "orbax_steps", None) else steps
+    rounds = getattr(args, "rounds", 1)
     memcpy = summarize(memcpy_gbps(64 << 20 if args.quick else 256 << 20, 5 if args.quick else 10))
     result: dict[str, Any] = {"bench": "stall", "mode": "quick" if args.quick else "full", "date": now_utc(),
                               "machine": machine_facts(), "command": command(args),
                               "memcpy_gbps": memcpy, "procs": procs_list(args.procs), "steps": steps,
-                              "warmup": warmup, "orbax_steps": orbax_steps, "results": []}
+                              "warmup": warmup, "orbax_steps": orbax_steps, "rounds": rounds, "results": []}
     for size, procs in [(size, n) for size in sizes for n in procs_list(args.procs)]:
         tmp = tempfile.mkdtemp(prefix="jaxckpt-stall-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         spec = {"size": size, "gpt": gpt_config(size, args.seq_len), "batch": args.batch, "steps": steps,
                 "warmup": warmup, "orbax_steps": orbax_steps, "modes": modes(args), "orbax_dir": tmp,
-                "idle_repeats": 2 if args.quick else 5}
+                "idle_repeats": 2 if args.quick else 5, "rounds": rounds}
         try:
             log.info("bench stall: size %s on %d processes", size, procs)
             per_proc = expect_ok(launch(run_process, nodes=1, procs_per_node=procs,
@@ -334,6 +383,8 @@ def command(args: argparse.Namespace) -> str:
         words += ["--modes", ",".join(modes(args))]
     if getattr(args, "orbax_steps", None) and not args.quick:
         words += ["--orbax-steps", str(args.orbax_steps)]
+    if getattr(args, "rounds", 1) != 1:
+        words += ["--rounds", str(args.rounds)]
     for flag, value in (("--json", args.json), ("--update-md", args.update_md)):
         if value:
             words += [flag, value]
@@ -353,7 +404,9 @@ def render_stall(result: dict) -> str:
                   "these numbers show the shape of the table, not the performance.", ""]
     counts = result["procs"] if isinstance(result["procs"], list) else [result["procs"]]
     lines += [f"`{result['command']}` on {' and '.join(map(str, counts))} process(es), {result['date']}; "
-             f"medians over {result['steps']} steps after {result['warmup']} warm-up steps"
+             + (f"{result['rounds']} rounds (every mode once per round, in turn, on a fresh state), pooled: "
+                if result.get("rounds", 1) > 1 else "")
+             + f"medians over {result['steps']} steps after {result['warmup']} warm-up steps"
              + (f" (Orbax over {result['orbax_steps']})" if result.get("orbax_steps", result["steps"])
                 != result["steps"] else "") + ".", "",
              # memcpy_gbps is a summary here (a number in the other benches): its own line below.
@@ -425,6 +478,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--orbax-steps", type=int, default=None, help="time Orbax over this many steps only (at most "
                    "--steps; default --steps): its save of thousands of leaves per step (4k-leaves) outlasts the "
                    "other modes together")
+    p.add_argument("--rounds", type=int, default=1, help="measure every mode this many times, in turn (each "
+                   "round every mode once on a fresh state), pooling each mode's steps: a drift of a shared "
+                   "machine's speed then falls on every mode alike")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--timeout", type=float, default=3600.0)
