@@ -1,6 +1,6 @@
 """Where a relaunched job's first restore spends what later ones do not (issue 26, item 4): a measurement script.
 
-    python -m jaxckpt.tools.bench.first_restore [RELAUNCHES] [MIB] [REPLICAS] [TOUCH_MIB] [LEAVES]
+    python -m jaxckpt.tools.bench.first_restore [RELAUNCHES] [MIB] [REPLICAS] [TOUCH_MIB] [LEAVES] [NODES]
 
 A job of 2 simulated nodes x 1 JAX process (2 CPU devices each, mesh 2x2 'data' x 'model') saves a state of MIB
 MiB (8 float32 arrays, half replicated over 'data', half split over both axes) to its node agents and exits;
@@ -17,7 +17,8 @@ writes it and unmaps it after making its first Checkpointer, before the first re
 printed. LEAVES (default 0: the 8 arrays above) makes the state LEAVES float32 arrays of MIB MiB in all on 4 simulated
 nodes x 1 process (mesh 4x2), their shardings alternating ``P('data','model')``, ``P(None,'model')``,
 ``P('data',None)``, ``P()`` (issue 26's mixed layout: per-leaf costs, not bytes, dominate). Every run also prints
-the first ``Checkpointer()``'s wall and CPU time (the adoption decodes the held manifests). On a virtual machine whose guest reports free memory to the host (virtio-balloon free page reporting),
+the first ``Checkpointer()``'s wall and CPU time (the adoption decodes the held manifests). NODES (default 2, or 4
+with LEAVES) sets the simulated nodes. On a virtual machine whose guest reports free memory to the host (virtio-balloon free page reporting),
 memory a process maps for the first time is backed again by the host page by page, in system CPU; memory freed
 moments ago is not (the guest reports free memory after a delay). The control arm tells that cost (outside the
 restore's code) from the restore's own first-run costs.
@@ -46,7 +47,7 @@ def _setup(base: str, mib: int, replicas: str = "split", leaves: int = 0):
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    mesh = Mesh(np.array(devs).reshape(_nodes(leaves), 2), ("data", "model"))
+    mesh = Mesh(np.array(devs).reshape(len(devs) // 2, 2), ("data", "model"))  # a node: 1 process, 2 devices
     if leaves:
         kinds = (P("data", "model"), P(None, "model"), P("data", None), P())
         shape = (max(8, mib * (1 << 20) // (leaves * LEAF_COLS * 4) // 8 * 8), LEAF_COLS)
@@ -142,7 +143,7 @@ def main() -> None:
     replicas = sys.argv[3] if len(sys.argv) > 3 else "split"
     touch = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     leaves = int(sys.argv[5]) if len(sys.argv) > 5 else 0
-    nodes = _nodes(leaves)
+    nodes = int(sys.argv[6]) if len(sys.argv) > 6 else _nodes(leaves)
     base = f"/dev/shm/jaxckpt-first-restore-{os.getpid()}"
     os.makedirs(base, exist_ok=True)
     env = {"JAXCKPT_LOG_LEVEL": "WARNING"}
