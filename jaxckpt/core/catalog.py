@@ -108,15 +108,15 @@ class Catalog:
         self._stale = False  # an agent did not answer in the last operation: read the other processes' keys
         # the agents' answers of the last scan and when it ended: taken by the next open, within SCAN_FRESH_S
         self._scanned: tuple[float, list[tuple[Holder, HeldEntry]]] | None = None
-        # This node's manifests decoded by the last near open (or the adoption: keep_decoded), by (crc32c, size):
-        # the open that widens it (the restore needed more) decodes them again otherwise (288 ms for a 4,096-leaf
-        # state's manifest)
-        self._near_decoded: dict[tuple[int, int], tuple[bytes, mf.Manifest]] = {}
+        # Manifests decoded before the next open, by (crc32c, size): this node's by the last near open (the open
+        # that widens it, the restore needing more, decodes them again otherwise: 288 ms for a 4,096-leaf state's
+        # manifest) and the adoption's of the step a relaunch restores next (keep_decoded)
+        self._decoded: dict[tuple[int, int], tuple[bytes, mf.Manifest]] = {}
 
     def keep_decoded(self, data: bytes | memoryview, manifest: mf.Manifest) -> None:
         """Hand the next open ``manifest``, the decoding of ``data``: an open that reads the same bytes takes it
         instead of decoding them (the adoption's decoding of the step a relaunch restores next)."""
-        self._near_decoded[(crc32c(data), len(data))] = (bytes(data), manifest)
+        self._decoded[(crc32c(data), len(data))] = (bytes(data), manifest)
 
     @property
     def uses_agents(self) -> bool:
@@ -396,7 +396,7 @@ class Catalog:
     def _open(self, step: int, opened: list[Opened], scanned: list[tuple[Holder, HeldEntry]] | None = None,
               near: bool = False) -> tuple[list[mf.Manifest], dict[int, list[Source]]]:
         me = self.process_index
-        decodes, self._near_decoded = _Decodes(self._near_decoded, keep=near), {}
+        decodes, self._decoded = _Decodes(self._decoded, keep=near), {}
         own_error: StepNotFoundError | None = None
         view = None
         try:
@@ -468,7 +468,7 @@ class Catalog:
                      and (e.process_count, e.layout) == (version.process_count, version.layout)]
         got = self._open_sources(step, version, index, own, opened, only={e.process for _, e in index},
                                  decodes=decodes)
-        self._near_decoded = decodes.kept
+        self._decoded = decodes.kept
         return got
 
     def _open_sources(self, step: int, version: Version, index: list[tuple[Holder, HeldEntry]],

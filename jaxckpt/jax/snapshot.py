@@ -256,7 +256,8 @@ class Saver:
         # JAX builds several collector-tracked objects per buffer it exposes (a Python array, its sharding, tuples);
         # with the collector running, a many-leaf save sets off a young collection every 700 of them and promotes
         # them all to the oldest generation while the loop runs, which feeds the full collections. Paused, they
-        # are looked at once, after the loop, and stay young (they die with the state at the next step).
+        # go to the oldest generation unexamined after the loop and count towards no full collection (reference
+        # counts free them with the state at the next step).
         with collector.paused(), buffers.shared_shardings():
             _pin(reads, taken, leaves, plan, views)
         return lambda: _shard_reads(reads, taken, None, plan, views)

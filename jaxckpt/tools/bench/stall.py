@@ -83,7 +83,7 @@ def run_process(spec: dict) -> dict:
     # machine's speed (other work, thermal, memory) falls on every mode alike instead of on the mode that ran then.
     for r in range(rounds):
         for mode in spec["modes"]:
-            got = _measure_mode(spec, mode, r, step_fn, data, orbax_steps, idle=r == rounds - 1)
+            got = _measure_mode(spec, mode, r, cfg, mesh, step_fn, data, orbax_steps, idle=r == rounds - 1)
             out["state_bytes"], out["leaves"] = got.pop("state_bytes"), got.pop("leaves")
             if "floor" in got:
                 out.setdefault("floor", got.pop("floor"))
@@ -105,8 +105,8 @@ def run_process(spec: dict) -> dict:
     return out
 
 
-def _measure_mode(spec: dict, mode: str, rnd: int, step_fn: Any, data: list, orbax_steps: int, idle: bool
-                  ) -> dict[str, Any]:
+def _measure_mode(spec: dict, mode: str, rnd: int, cfg: Any, mesh: Any, step_fn: Any, data: list,
+                  orbax_steps: int, idle: bool) -> dict[str, Any]:
     """One mode of one round on a fresh state: its raw step, call and snapshot times and its breakdown."""
     import jax
     import orbax.checkpoint as ocp
@@ -115,8 +115,6 @@ def _measure_mode(spec: dict, mode: str, rnd: int, step_fn: Any, data: list, orb
     from jaxckpt.tools.bench import gpt
     from jaxckpt.tools.bench.breakdown import Breakdown, copy_floor
 
-    cfg = gpt.GPTConfig(**spec["gpt"])
-    mesh = gpt.make_mesh()
     proc = jax.process_index()
     out: dict[str, Any] = {}
     steps = orbax_steps if mode == "orbax" else spec["steps"]
