@@ -126,9 +126,10 @@ def test_restore_paths_and_recovery(run):
         # Checkpointer() of the process that finished it last, stage by stage: the stages and the rest add up to it
         slow = e["create_slowest"]
         assert slow["create_s"] >= e["create_s"] - 1e-6  # its own, from its target built (the event's: the last's)
-        assert {"import", "store", "protection", "discover agents", "catalog scan", "agree held", "persistent",
-                "rest"} <= set(
-            slow["stages"]), slow
+        assert {"import", "protection import", "store", "protection", "own steps", "discover agents",
+                "agent clients", "agent listings", "registered listings", "restorable round", "agree held",
+                "apply adoption", "persistent", "rest"} <= set(slow["stages"]), slow
+        assert list(slow["stages"])[:2] == ["import", "protection import"], slow  # in the order they ran
         assert math.isclose(sum(v["seconds"] for v in slow["stages"].values()), slow["create_s"], rel_tol=1e-6)
         assert {"create", "latest", "restore", "first_step"} <= set(slow["cpu_s"])
         assert [b["process"] for b in e["create_replacement"]] == [e["lost_node"]]  # 1 process per node

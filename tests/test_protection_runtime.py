@@ -512,7 +512,9 @@ def test_a_replacement_agent_recovers_its_node_share_and_the_restore_reads_it_lo
             assert r["hello_recovery"] == recovery and r["hello_recovery_wait_s"] >= 0, r
             # where its Checkpointer()'s time went, stage by stage: wall and CPU seconds
             stages = r["created"]
-            assert {"store", "protection", "discover agents", "catalog scan", "agree held"} <= set(stages), stages
+            assert {"protection import", "store", "protection", "own steps", "discover agents", "agent clients",
+                    "agent listings", "registered listings", "restorable round", "agree held",
+                    "apply adoption"} <= set(stages), stages
             assert all(v["seconds"] >= 0 and v["cpu_s"] >= 0 for v in stages.values()), stages
             assert stages["store"]["seconds"] >= r["hello_recovery_wait_s"], (stages, r["hello_recovery_wait_s"])
             assert rep["bytes_by_kind"].get("rebuild", 0) == 0, rep

@@ -2,6 +2,7 @@
 boxes come back bit for bit, every array is planned exactly once, the first bad leaf raises before bytes are
 fetched, and the report's per-phase timeline accounts for every byte read, by where it came from."""
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -302,3 +303,28 @@ def test_arrays_are_made_while_the_last_chunks_are_still_being_fetched():
     same_bits(got[0], want["a"], "a")
     same_bits(got[1], want["b"], "b")
     assert reads == {0: 1, 1: 1}
+
+
+def test_a_stopwatch_times_stages_in_the_order_they_ran_and_adds_work_timed_outside_a_block():
+    """``Checkpointer.startup``'s stages: wall and CPU per stage, repeated stages added; work timed before the
+    watch began (the protection runtime's import) recorded as the first stage, never as negative time."""
+    from jaxckpt.core.timeline import Stopwatch
+
+    w = Stopwatch()
+    with w.stage("scan"):
+        sum(range(200_000))  # CPU: counted in both
+    with w.stage("round"):
+        time.sleep(0.02)  # waiting: wall, hardly any CPU
+    with w.stage("scan"):
+        pass
+    w.record("import", 0.5, 0.25, first=True)
+    w.record("clock step", -1.0, -1.0)
+    d = w.to_dict()
+    assert list(d) == ["import", "scan", "round", "clock step"], d
+    assert d["import"] == {"seconds": 0.5, "cpu_s": 0.25}
+    assert d["clock step"] == {"seconds": 0.0, "cpu_s": 0.0}
+    assert d["scan"]["cpu_s"] > 0 and d["scan"]["seconds"] > 0, d
+    assert d["round"]["seconds"] >= 0.02 and d["round"]["cpu_s"] < d["round"]["seconds"], d
+    w.record("import", 0.5, 0.25, first=True)  # an existing stage keeps its place and adds up
+    assert list(w.to_dict()) == ["import", "scan", "round", "clock step"]
+    assert w.to_dict()["import"] == {"seconds": 1.0, "cpu_s": 0.5}

@@ -52,16 +52,18 @@ class Adoption:
 def decide(engine: "CheckpointEngine") -> Adoption:
     """The adoption of ``engine``'s store at start-up; with several processes, collectively (one round)."""
     watch = engine.startup
-    held = engine.store.steps()
-    decoded = _own_steps(engine, held)
+    with watch.stage("own steps"):  # what the store holds, and whose: the held manifests decoded
+        held = engine.store.steps()
+        decoded = _own_steps(engine, held)
     own = list(decoded)
     restorable = None
     if engine.catalog.uses_agents:
         main = engine.collective.channel("main")
         with watch.stage("discover agents"):
             engine.catalog.discover(main)
-        with watch.stage("catalog scan"):
-            restorable = engine.catalog.agree_latest(main)  # its scan is the one protected_steps() reads
+        # its scan is the one protected_steps() reads; its parts are stages of their own (agent clients, agent
+        # listings, registered listings, restorable round)
+        restorable = engine.catalog.agree_latest(main, watch)
     with watch.stage("agree held"):
         holder = engine.protection.holder if engine.protection is not None else None
         protected = holder.protected_steps() if holder is not None else []

@@ -70,6 +70,7 @@ from jaxckpt.core.holders import Guarded, NotAsked, PeerHolder, lazy_source
 from jaxckpt.core.sources import (HeldEntry, Holder, Opened, Source, Version, check_manifest,
                                   choose_version, complete_steps, missing_processes, newest_common, order_sources)
 from jaxckpt.core.store import Store
+from jaxckpt.core.timeline import Stopwatch
 
 log = logging.getLogger("jaxckpt.core.catalog")
 
@@ -308,10 +309,14 @@ class Catalog:
                 h.close()  # e.g. our own restarted agent's old address, known as a remote one until now
         return out
 
-    def index(self, agents_said: list[tuple[Holder, HeldEntry]] | None = None) -> list[tuple[Holder, HeldEntry]]:
+    def index(self, agents_said: list[tuple[Holder, HeldEntry]] | None = None, watch: Stopwatch | None = None
+              ) -> list[tuple[Holder, HeldEntry]]:
         """What every holder holds now; a holder that cannot answer is logged and left out. ``agents_said``: the
-        agents' answers to use instead of asking them (the registered holders list from them too)."""
-        holders = self.holders()
+        agents' answers to use instead of asking them (the registered holders list from them too). ``watch``
+        times its parts as stages (a start-up's: ``CheckpointEngine.startup``)."""
+        watch = watch or Stopwatch()
+        with watch.stage("agent clients"):  # made once per discovery: the transport's import, a client per agent
+            holders = self.holders()
 
         def ask(h: Holder, said: list[tuple[Holder, HeldEntry]] | None) -> list[tuple[Holder, HeldEntry]]:
             try:
@@ -334,18 +339,22 @@ class Catalog:
         # given (the start-up scan's) are the ones the registered holders listed from at that scan: a holder that
         # then cannot open the step sends the restore back to asking everyone anew (open).
         agents = [h for h in holders if h.kind in AGENT_KINDS]
-        said = ask_all(agents) if agents_said is None else agents_said
-        return said + ask_all([h for h in holders if h.kind not in AGENT_KINDS], said)
+        with watch.stage("agent listings"):
+            said = ask_all(agents) if agents_said is None else agents_said
+        with watch.stage("registered listings"):  # protection's: its slots' headers, read from every agent
+            return said + ask_all([h for h in holders if h.kind not in AGENT_KINDS], said)
 
-    def agree_latest(self, channel: Channel) -> int | None:
+    def agree_latest(self, channel: Channel, watch: Stopwatch | None = None) -> int | None:
         """The newest step whose snapshot every process of this job can obtain, agreed by all (a round of
-        ``channel``)."""
+        ``channel``). ``watch`` times its parts as stages (the scan's, and the round's)."""
+        watch = watch or Stopwatch()
         self.begin("catalog scan")
-        listed = self.index()
+        listed = self.index(watch=watch)
         with self._lock:  # the restore that usually follows at once reads the same answers
             self._scanned = (time.monotonic(), [(h, e) for h, e in listed if h.kind in AGENT_KINDS])
         complete = complete_steps(e for _, e in listed)
-        return newest_common(channel.all_gather("restorable steps", complete))
+        with watch.stage("restorable round"):
+            return newest_common(channel.all_gather("restorable steps", complete))
 
     # ------------------------------------------------------------------------------------------------ open
     @contextlib.contextmanager

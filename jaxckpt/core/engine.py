@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxckpt.core import manifest as mf
 from jaxckpt.config import Config
-from jaxckpt.core.adoption import decide
+from jaxckpt.core.adoption import Adoption, decide
 from jaxckpt.core.advise import IntervalAdvice, SaveCosts
 from jaxckpt.core.collective import Collective
 from jaxckpt.core.coordination import CommitTracker, Coordinator
@@ -470,6 +470,10 @@ class CheckpointEngine:
         """Adopt the steps a store that survives the process (a node agent) kept from an earlier run of it: what
         ``jaxckpt.core.adoption.decide`` decides (see there), applied here."""
         a = decide(self)
+        with self.startup.stage("apply adoption"):  # deletes, pins, and the newest step's bytes made ready
+            self._apply(a)
+
+    def _apply(self, a: Adoption) -> None:
         for s in a.delete:
             self.store.delete(s)
         for step, complete in a.holds:

@@ -144,9 +144,16 @@ class Stopwatch:
         try:
             yield
         finally:
-            st = self.stages.setdefault(name, {"seconds": 0.0, "cpu_s": 0.0})
-            st["seconds"] += time.perf_counter() - w
-            st["cpu_s"] += time.thread_time() - c
+            self.record(name, time.perf_counter() - w, time.thread_time() - c)
+
+    def record(self, name: str, seconds: float, cpu_s: float, first: bool = False) -> None:
+        """Add ``seconds`` of wall and ``cpu_s`` of CPU time to stage ``name`` (work timed outside a block);
+        ``first``: a new stage goes before the others (work done before the watch began)."""
+        if first and name not in self.stages:
+            self.stages = {name: {"seconds": 0.0, "cpu_s": 0.0}, **self.stages}
+        st = self.stages.setdefault(name, {"seconds": 0.0, "cpu_s": 0.0})
+        st["seconds"] += max(0.0, seconds)
+        st["cpu_s"] += max(0.0, cpu_s)
 
     def to_dict(self) -> dict[str, dict[str, float]]:
         return {k: dict(v) for k, v in self.stages.items()}

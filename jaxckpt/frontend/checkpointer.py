@@ -85,12 +85,15 @@ class Checkpointer:
             raise ConfigError(f"Config.persistent_dir={config.persistent_dir!r}: the {frontend.framework} front end "
                               f"has no persistent tier (it writes Orbax's format, for JAX state); unset it")
         if engine is None:
-            protection = None
+            protection, imported = None, None
             if config.protection != "none":
+                w, c = time.perf_counter(), time.thread_time()
                 from jaxckpt.protection.runtime import Protector
-                protection = Protector
+                protection, imported = Protector, (time.perf_counter() - w, time.thread_time() - c)
             engine = CheckpointEngine(config, coordinator or frontend.coordinator(), frontend.framework,
                                       protection=protection)
+            if imported is not None:  # before the engine and its watch: a stage of its start-up all the same
+                engine.startup.record("protection import", *imported, first=True)
             self._owns_engine = True
         else:
             self._owns_engine = False

@@ -513,10 +513,15 @@ def _startup_lines(rec: Mapping[str, Any]) -> list[str]:
                      f"{one(e['create_slowest'])}{rep}.")
     if not lines:
         return []
-    return ["", "`Checkpointer()` of each relaunch, stage by stage, wall ms (CPU ms) (`Checkpointer.startup`): store "
-                "(its import; the agent's hello, which joins a recovery of the node's share still running), protection "
-                "(its import and set-up), the adoption's rounds (discover agents, catalog scan: every agent's holdings "
-                "and a round, agree held: a round), persistent (the tier's set-up), rest (the front end's imports); "
+    return ["", "`Checkpointer()` of each relaunch, stage by stage, wall ms (CPU ms) (`Checkpointer.startup`): import "
+                "(the front end's and the engine's modules), protection import, store (its import; the agent's hello, "
+                "which joins a recovery of the node's share still running), protection (its set-up), the adoption: "
+                "own steps (the store's held steps and their manifests), its rounds and scan (discover agents: a "
+                "round; agent clients: the "
+                "transport's import and a client per agent; agent listings: every agent's holdings; registered "
+                "listings: protection's, its slots' headers read from every agent; restorable round: a round; agree "
+                "held: a round), apply adoption (deletes, pins, the newest step's bytes made ready), persistent (the "
+                "tier's set-up), rest (what no stage covers); "
                 "wall beyond CPU is waiting, mostly for the slowest process at a round:", "", *lines]
 
 
