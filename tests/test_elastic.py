@@ -389,6 +389,11 @@ def test_a_remote_agent_opened_for_a_restore_connects_every_client_and_reads_bit
         assert remote.clients == 0
         (entry, *_) = [e for e in remote.held() if e.step == 3]
         assert remote.clients == 1
+        # the manifest alone (protection's start-up scan): one request on the one client, none made for reads
+        assert remote.manifest(entry.process, 3) == local.manifest(entry.process, 3)
+        assert remote.clients == 1
+        with pytest.raises(StepNotFoundError, match=r"step 99"):
+            remote.manifest(entry.process, 99)
         far, near = remote.open(entry.process, 3), local.open(entry.process, 3)
         assert remote.clients == 3
         try:

@@ -280,6 +280,38 @@ class TestShmStore(StoreTests):
         finally:
             holder.close()
 
+    def test_a_reader_reads_a_manifest_alone_without_pinning_or_mapping_the_snapshot(self, store: ShmStore,
+                                                                                     monkeypatch) -> None:
+        # What protection's start-up scan reads of a surviving process's step: the manifest only. An open pins the
+        # step and maps and faults in its whole segment (a relaunched process paid 50 ms of CPU for 320 MiB).
+        from jaxckpt.backends.agent import readers
+        from jaxckpt.backends.agent.readers import NodeAgentHolder
+
+        self.write(store, 1)
+        holder = NodeAgentHolder(store.directory, store.config.job_id, "node0", timeout_s=20.0)
+        mapped: list[str] = []  # the segments the reader mapped (the real function runs; the calls are counted)
+        real = readers.open_segment
+        monkeypatch.setattr(readers, "open_segment", lambda d, name, *a, **k: mapped.append(name) or
+                            real(d, name, *a, **k))
+
+        def pins() -> list[int]:
+            return [s["pins"] for s in proto.agent_status(store.directory)["slots"] if s["step"] == 1]
+        try:
+            assert holder.manifest(0, 1) == manifest_of(1)
+            assert mapped == [] and pins() == [0]
+            o = holder.open(0, 1)  # the control: an open does map and pin it
+            try:
+                assert bytes(o.manifest) == manifest_of(1)
+                assert len(mapped) == 1 and mapped[0].startswith("seg-p0-") and pins() == [1], mapped
+            finally:
+                o.close()
+            with pytest.raises(StepNotFoundError, match=r"step 2 of process 0 is not held by the node agent at "):
+                holder.manifest(0, 2)
+            with pytest.raises(StepNotFoundError, match=r"step 1 of process 3 is not held by the node agent at "):
+                holder.manifest(3, 1)
+        finally:
+            holder.close()
+
     def test_lost_agent_memory_is_named_on_open(self, store: ShmStore) -> None:
         self.write(store, 1)
         pid, _ = proto.read_pid_file(store.directory)

@@ -21,7 +21,7 @@ import queue
 import threading
 from typing import Any, Mapping
 
-from jaxckpt.backends.agent.protocol import AgentConnection, open_segment, populate
+from jaxckpt.backends.agent.protocol import PROTECT_BASE, AgentConnection, open_segment, populate
 from jaxckpt.backends.agent.serve import read_peer_info
 from jaxckpt.errors import AgentError, PeerError, StepNotFoundError, StoreUnavailableError
 from jaxckpt.core.capabilities import AgentInfo
@@ -139,12 +139,20 @@ class NodeAgentHolder(Holder):
                             self._conn = None
                     raise StepNotFoundError(f"step {step} of process {process} is gone from the {self.name}: "
                                             f"{e} (the agent that named it was lost)") from None
-                populate(m, r["nbytes"])
+                if process < PROTECT_BASE:  # a snapshot's reads follow at once; a protection slot's header and
+                    populate(m, r["nbytes"])  # metadata are read at every start-up scan, its blocks only to rebuild
                 buf = memoryview(m)[:r["nbytes"]]
         except BaseException:
             unpin()
             raise
         return Opened(r["manifest"], buffer_reader(buf.toreadonly()), unpin)
+
+    def manifest(self, process: int, step: int) -> bytes:
+        # one request, no pin: the segment is neither mapped nor populated (an open populates all of it)
+        r = self._call("manifest", process=process, step=step)
+        if not r.get("found"):
+            raise StepNotFoundError(f"step {step} of process {process} is not held by the {self.name}")
+        return bytes(r["manifest"])
 
     def peer(self) -> tuple[str, bytes, str] | None:
         """Where other nodes read this agent (the peer files it published), None if it serves no peers."""
@@ -222,12 +230,16 @@ class RemoteAgentHolder(Holder):
             self._connect_all()
 
         def read(offset: int, nbytes: int) -> memoryview:
-            self._connect_all()
+            if process < PROTECT_BASE:  # a restore's, on its fetch threads at once; not a protection slot's
+                self._connect_all()     # (a start-up scan reads its header's metadata: one client does)
             return self._with_client(lambda c: c.read(step, offset, nbytes, process))
 
         # Each read returns memory of its own (received frames), never rewritten: the restored arrays may keep
         # it instead of a copy (Source.lend).
         return Opened(manifest, read, lend=lambda: True)
+
+    def manifest(self, process: int, step: int) -> bytes:
+        return self._with_client(lambda c: c.manifest(step, process))  # one client: no restore reads follow
 
     def _connect_all(self) -> None:
         """Every client: a restore that reads this agent reads it on ``clients`` fetch threads at once, and their

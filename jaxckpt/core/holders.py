@@ -101,6 +101,9 @@ class Guarded(Holder):
         o = self._call(self._h.open, process, step)
         return Opened(o.manifest, lambda offset, nbytes: self._call(o.read, offset, nbytes), o.close, o.lend, o.bind)
 
+    def manifest(self, process: int, step: int) -> bytes:
+        return self._call(self._h.manifest, process, step)
+
     def peer(self) -> tuple[str, bytes, str] | None:
         return self._h.peer()
 

@@ -167,6 +167,16 @@ class Holder(abc.ABC):
     def open(self, process: int, step: int) -> Opened:
         """Open process ``process``'s snapshot of ``step``: its manifest and a byte source, pinned until closed."""
 
+    def manifest(self, process: int, step: int) -> bytes:
+        """The manifest alone of process ``process``'s snapshot of ``step`` (StepNotFoundError where it is not
+        held). The default opens and closes it; a holder whose open maps memory or connects every client reads
+        the manifest alone."""
+        o = self.open(process, step)
+        try:
+            return bytes(o.manifest)
+        finally:
+            o.close()
+
     def peer(self) -> tuple[str, bytes, str] | None:
         """(address, token, CURVE key) where other nodes read this holder's memory over the peer transport; None
         where they cannot (the default)."""

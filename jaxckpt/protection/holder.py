@@ -294,10 +294,8 @@ class RebuildHolder(Holder):
                 if e.process_count == n_proc and (not plan.layout or e.layout == plan.layout):
                     held.setdefault(e.process, []).append(h)
                     if e.process not in manifests:
-                        try:
-                            o = h.open(e.process, step)
-                            manifests[e.process] = bytes(o.manifest)
-                            o.close()
+                        try:  # the manifest alone: an open of the node's agent maps and faults in the snapshot
+                            manifests[e.process] = h.manifest(e.process, step)
                         except Exception as err:  # noqa: BLE001
                             log.info("step %d: manifest of process %d at %s: %s", step, e.process, h.name, err)
             lost_p = [q for q in range(n_proc) if q not in held]
