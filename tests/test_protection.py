@@ -236,6 +236,35 @@ def test_whole_replica_lost_with_every_copy_is_named():
     assert e.value.missing == {"rep": (Box.full((8, 4)),)}
 
 
+def test_a_whole_replica_is_rebuilt_from_the_first_good_copy_each_copy_read_once():
+    """A lost whole replica comes from another node's copy as it is; a corrupt copy (its crc32c fails) is passed
+    over for the next, and is not read a second time; every copy corrupt: DataLossError names each."""
+    rep = ArrayLayout("rep", (64, 4), "u4", 4, tuple(Placement(Box.full((64, 4)), p, 0) for p in (0, 1, 2)))
+    j = Job([rep], [0, 1, 2], "hybrid", whole=True)
+    plan = rc.plan_rebuild(j.prot, {0}, step=STEP)
+    (lost,) = [c for c in j.prot.chunks if c.node == 0]
+    first, second = [j.prot.chunks[src.chunk] for src in plan.rebuilds[0].parts[0].sources]
+    given = []
+
+    class Kept(IO):
+        def chunk(self, c):
+            given.append(super().chunk(c))
+            return given[-1]
+    io = Kept(j, {0})
+    got = rc.Rebuilder(plan, io, j.crcs).chunk(*lost.key)
+    np.testing.assert_array_equal(got, j.saved(lost))
+    assert io.reads == [("chunk", first.key)]
+    assert np.shares_memory(got, given[0])  # handed over as read: not copied into a buffer of its own
+    io = IO(j, {0}, corrupt_chunks=[first.key])
+    np.testing.assert_array_equal(rc.Rebuilder(plan, io, j.crcs).chunk(*lost.key), j.saved(lost))
+    assert io.reads == [("chunk", first.key), ("chunk", second.key)]
+    io = IO(j, {0}, corrupt_chunks=[first.key, second.key])
+    with pytest.raises(DataLossError, match=r"step 42: .*rep \[0, 0\]..\[64, 4\].*sources failed: .*corrupt.*corrupt"):
+        rc.Rebuilder(plan, io, j.crcs).chunk(*lost.key)
+    # once in each of the rebuild's two passes (byte ranges, then whole verified chunks), never twice in one
+    assert sorted(io.reads) == sorted([("chunk", first.key), ("chunk", second.key)] * 2)
+
+
 @SETTINGS
 @given(job=jobs(min_nodes=3), policy=st.sampled_from(PROTECTING))
 def test_two_node_losses_rebuild_or_name_exactly_what_is_missing(job, policy):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import logging
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -358,10 +359,29 @@ class Rebuilder:
                  cache: dict[int, np.ndarray] | None) -> np.ndarray:
         """Chunk ``c`` from its parts' sources; ``cache`` holds the whole verified chunks read (None: ranges)."""
         prot = self.plan.protection
+        whole = r.parts[0].sources if len(r.parts) == 1 and (r.parts[0].lo, r.parts[0].hi) == (0, c.nbytes) else ()
+        failed: dict[int, str] = {}  # id of a source that failed here -> why (not asked again below)
+        for src in itertools.takewhile(lambda x: isinstance(x, FromTwin), whole):  # the cheapest sources, in order
+            # A whole copy (a replica of the chunk on another node, say): its bytes are the chunk, verified once,
+            # and handed over as they are, without copying them into a buffer of their own to verify them again.
+            # Its readers copy what they keep (the restore's chunk reader owns no rebuilt bytes; the recovery
+            # writes them into its slot).
+            twin = prot.chunks[src.chunk]
+            try:
+                data = parity.as_bytes(self._io.chunk(twin))  # checked there against the copy's own crc32c
+                if crc is not None and self._crcs.get(twin.key) != crc:
+                    parity.check(data, crc, f"{what}, its copy on node {twin.node}")
+                return data
+            except _UNAVAILABLE as e:  # the next copy, then the part's other sources below
+                log.warning("%s: source %s failed, trying the next: %s", what, src, e)
+                failed[id(src)] = f"{src}: {e}"
         out = np.empty(c.nbytes, dtype=np.uint8)
         for part in r.parts:
             errors = []
             for src in part.sources:
+                if id(src) in failed:
+                    errors.append(failed[id(src)])
+                    continue
                 try:
                     if isinstance(src, FromTwin):  # verified against its own crc32c, then against ours
                         data = parity.as_bytes(self._io.chunk(prot.chunks[src.chunk]))
