@@ -97,6 +97,33 @@ def test_persisted_steps_are_standard_orbax(tmp_path):
     mngr.close()
 
 
+def test_the_persist_thread_starts_with_the_first_persist_not_in_the_checkpointers_start_up(tmp_path):
+    """Checkpointer() of a relaunched trainer starts no persist thread (a start waits for the new thread to run:
+    tens of ms on busy cores); the first step the tier persists starts it, and close() stops it."""
+    import threading
+
+    def persist_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "jaxckpt-persist"]
+
+    assert persist_threads() == []
+    mesh = _mesh((8,), ("data",))
+    d = tmp_path / "persist"
+    cfg = jaxckpt.Config(persistent_dir=str(d), persistent_interval=2, job_id="persist-lazy")
+    with jaxckpt.Checkpointer(cfg) as ck:
+        assert persist_threads() == []
+        _saved(ck, mesh, [1])  # not a multiple of persistent_interval
+        assert persist_threads() == [] and ck.persister.persisted == []
+        _saved(ck, mesh, [2, 3, 4])
+        assert len(persist_threads()) == 1 and ck.persister.persisted == [2, 4]
+        thread = persist_threads()[0]
+    assert not thread.is_alive() and persist_threads() == []
+    assert persisted_steps(d) == [2, 4]
+    cfg = jaxckpt.Config(persistent_dir=str(d), persistent_interval=0, job_id="persist-lazy-read")
+    with jaxckpt.Checkpointer(cfg) as ck:  # reads only: never a persist thread
+        _assert_state(ck.restore(_target(mesh), step=4), 4, _target(mesh))
+        assert persist_threads() == []
+
+
 def test_restore_reads_persisted_steps(tmp_path):
     mesh = _mesh((8,), ("data",))
     mesh2 = _mesh((2, 4), ("data", "model"))

@@ -108,8 +108,6 @@ class Persister:
             if self._pi == 0:
                 remove_temporaries(self.directory)
             engine.add_commit_hook(self._on_commit)
-            self._thread = threading.Thread(target=self._run, name="jaxckpt-persist", daemon=True)
-            self._thread.start()
 
     # ------------------------------------------------------------------------------------------ listing
     def steps(self) -> list[int]:
@@ -157,6 +155,12 @@ class Persister:
         with self._cv:
             self._queue.append((step, note))
             self._cv.notify_all()
+            if self._thread is None:
+                # Started with the first persist, on the commit thread, not in Checkpointer(): a thread's
+                # start waits until the new thread runs, 30-120 ms of a relaunched trainer's start-up on a
+                # machine whose cores its peers' restores fill (BENCHMARKS.md, stop 43).
+                self._thread = threading.Thread(target=self._run, name="jaxckpt-persist", daemon=True)
+                self._thread.start()
 
     def _decide(self, step: int, mine: bool) -> bool:
         """Process 0's decision for ``step``, the same on every process (a ``broadcast`` round of the engine's
@@ -313,8 +317,9 @@ class Persister:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
         if self._mngr is not None:
             self._mngr.close()
         for e in self._errors:
