@@ -321,10 +321,14 @@ def test_kill_during_persist_leaves_no_visible_step(tmp_path):
     target = {f"layer{i}": np.zeros((512, 256), np.float32) for i in range(48)}
     newest = steps[-1]
     with jaxckpt.Checkpointer(jaxckpt.Config(persistent_dir=str(d), persistent_interval=2)) as ck:
-        assert not any(TMP_SUFFIX in p for p in os.listdir(d))  # the next run cleans it up
         out = ck.restore(target, step=newest)
-    want = np.random.default_rng(0).standard_normal((512, 256)).astype(np.float32) + newest
-    np.testing.assert_array_equal(out["layer0"], want)
+        want = np.random.default_rng(0).standard_normal((512, 256)).astype(np.float32) + newest
+        np.testing.assert_array_equal(out["layer0"], want)
+        ck.save(newest + 2, out)  # the next run's first persist cleans up (its start-up reads no disk)
+        ck.wait()
+        ck.persister.wait()
+        assert not any(TMP_SUFFIX in p for p in os.listdir(d)), os.listdir(d)
+        assert persisted_steps(d)[-1] == newest + 2
 
 
 def test_simulated_leftover_temporary_is_ignored_and_cleaned(tmp_path):
@@ -340,8 +344,11 @@ def test_simulated_leftover_temporary_is_ignored_and_cleaned(tmp_path):
     with jaxckpt.Checkpointer(jaxckpt.Config(persistent_dir=str(d), job_id="persist-read")) as reader:
         assert reader.latest_step() == 2  # a reader (no interval) leaves the directory alone
         assert half.exists()
-    with jaxckpt.Checkpointer(cfg.replace(job_id="persist-tmp2")):
-        assert not half.exists() and persisted_steps(d) == [2]
+    with jaxckpt.Checkpointer(cfg.replace(job_id="persist-tmp2")) as ck:
+        assert half.exists()  # a writer's start-up reads nothing from the disk: its first persist cleans up
+        assert persisted_steps(d) == [2] and ck.latest_step() == 2
+        _saved(ck, mesh, [6])
+        assert not half.exists() and persisted_steps(d) == [2, 6]
 
 
 # ------------------------------------------------------------------------------------------ multi-process
