@@ -150,8 +150,8 @@ _madvise: Any = None  # libc's madvise through ctypes, made at the first populat
 
 def populate(m: mmap.mmap, nbytes: int) -> None:
     """Map the first ``nbytes`` of shared mapping ``m`` now, in one call (no-op where the kernel cannot), without
-    holding the GIL: ``mmap.madvise`` holds it for the whole call (10 ms for 320 MiB on an idle core, ~100 ms on a
-    relaunch's busy ones), which stalled the training thread behind a start-up's prefetch."""
+    holding the GIL: ``mmap.madvise`` holds it for the whole call (10 ms for 320 MiB on an idle core, longer on a
+    relaunch's busy ones), and the training thread stalled behind a start-up's prefetch."""
     global _madvise
     n = min(round_to_pages(nbytes), len(m))
     if not n:
@@ -159,9 +159,15 @@ def populate(m: mmap.mmap, nbytes: int) -> None:
     import ctypes  # trainers have both loaded (numpy, JAX); the agent never comes here
     import numpy as np
     if _madvise is None:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+        except (OSError, AttributeError, TypeError):  # no C library to call: the pages fault in as read
+            _madvise = False
+            return
         fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
         _madvise = fn
+    if _madvise is False:
+        return
     view = np.frombuffer(m, dtype=np.uint8, count=n)  # the mapping's address; holds it mapped during the call
     try:
         _madvise(view.ctypes.data, n, MADV_POPULATE_READ)  # a ctypes call drops the GIL; before Linux 5.14 it
