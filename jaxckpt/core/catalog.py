@@ -64,6 +64,7 @@ from jaxckpt.config import Config
 from jaxckpt.core.capabilities import AgentHolders, AgentInfo, NodeAgent
 from jaxckpt.core.collective import Channel, Collective
 from jaxckpt.core.coordination import Coordinator
+from jaxckpt.core.decodes import Decodes, Kept, key
 from jaxckpt.errors import AgentError, ManifestError, PeerError, StepNotFoundError, StoreUnavailableError
 from jaxckpt.core.fetch import buffer_reader
 from jaxckpt.core.holders import Guarded, NotAsked, PeerHolder, lazy_source
@@ -112,12 +113,12 @@ class Catalog:
         # Manifests decoded before the next open, by (crc32c, size): this node's by the last near open (the open
         # that widens it, the restore needing more, decodes them again otherwise: 288 ms for a 4,096-leaf state's
         # manifest) and the adoption's of the step a relaunch restores next (keep_decoded)
-        self._decoded: dict[tuple[int, int], tuple[bytes, mf.Manifest]] = {}
+        self._decoded: Kept = {}
 
     def keep_decoded(self, data: bytes | memoryview, manifest: mf.Manifest) -> None:
         """Hand the next open ``manifest``, the decoding of ``data``: an open that reads the same bytes takes it
         instead of decoding them (the adoption's decoding of the step a relaunch restores next)."""
-        self._decoded[(crc32c(data), len(data))] = (bytes(data), manifest)
+        self._decoded[key(data)] = (bytes(data), manifest)
 
     @property
     def uses_agents(self) -> bool:
@@ -405,7 +406,7 @@ class Catalog:
     def _open(self, step: int, opened: list[Opened], scanned: list[tuple[Holder, HeldEntry]] | None = None,
               near: bool = False) -> tuple[list[mf.Manifest], dict[int, list[Source]]]:
         me = self.process_index
-        decodes, self._decoded = _Decodes(self._decoded, keep=near), {}
+        decodes, self._decoded = Decodes(self._decoded, keep=near), {}
         own_error: StepNotFoundError | None = None
         view = None
         try:
@@ -465,7 +466,7 @@ class Catalog:
         return manifests, sources
 
     def _open_near(self, step: int, version: Version, own: tuple[mf.Manifest, HeldEntry], opened: list[Opened],
-                   scanned: list[tuple[Holder, HeldEntry]] | None, decodes: "_Decodes"
+                   scanned: list[tuple[Holder, HeldEntry]] | None, decodes: Decodes
                    ) -> tuple[list[mf.Manifest], dict[int, list[Source]]]:
         """This node's snapshots of ``version``: our own and those of the other processes our node's agent
         holds (from the scan's answers, else asked: one request to our own node's agent)."""
@@ -482,9 +483,9 @@ class Catalog:
 
     def _open_sources(self, step: int, version: Version, index: list[tuple[Holder, HeldEntry]],
                       local: tuple[mf.Manifest, HeldEntry] | None, opened: list[Opened],
-                      only: set[int] | None = None, decodes: "_Decodes | None" = None
+                      only: set[int] | None = None, decodes: Decodes | None = None
                       ) -> tuple[list[mf.Manifest], dict[int, list[Source]]]:
-        decodes = decodes or _Decodes({}, keep=False)
+        decodes = decodes or Decodes({}, keep=False)
         by_q: dict[int, list[tuple[Holder, HeldEntry]]] = {}
         for h, e in index:
             if (e.process_count, e.layout) == (version.process_count, version.layout) or h.kind == "peer":
@@ -585,20 +586,3 @@ class Catalog:
         if self._own_k:
             self.collective.unpublish_versions(f"agent-of/{self.process_index}")
 
-
-class _Decodes:
-    """The manifests one open decodes: the ones the last near open decoded are taken again when the bytes are the
-    same, and a near open keeps its own (``kept``) for the open that may follow it."""
-
-    def __init__(self, reuse: dict[tuple[int, int], tuple[bytes, mf.Manifest]], keep: bool) -> None:
-        self._reuse = reuse
-        self.kept: dict[tuple[int, int], tuple[bytes, mf.Manifest]] = {}
-        self._keep = keep
-
-    def decode(self, data: bytes | memoryview, source: str) -> mf.Manifest:
-        key = (crc32c(data), len(data))
-        got = self._reuse.get(key)
-        m = got[1] if got is not None and got[0] == data else mf.decode(data, source=source)
-        if self._keep:
-            self.kept[key] = (bytes(data), m)  # a copy: the bytes are a view of memory the open pins
-        return m
