@@ -190,7 +190,7 @@ def test_stall_options_are_checked_before_anything_runs(capsys):
         ["none", "jaxckpt-fused", "orbax"]  # in the benchmark's order
     assert stall.modes(parse(["bench", "stall", "--replicas", "split,whole", "--modes", "none,jaxckpt-whole"])) == \
         ["none", "jaxckpt-whole"]
-    for bad, match in (("jaxckpt,orbax", "that includes none"), ("none,nope", "subset of none, jaxckpt,"),
+    for bad, match in (("jaxckpt,orbax", "that includes none"), ("none,nope", "subset of none, copy-floor, jaxckpt,"),
                        ("none,jaxckpt-whole", "jaxckpt-whole needs --replicas split,whole")):
         with pytest.raises(ValueError, match=match):
             stall.modes(parse(["bench", "stall", "--modes", bad]))
@@ -201,15 +201,16 @@ def test_stall_options_are_checked_before_anything_runs(capsys):
 def test_stall_rounds_measure_every_mode_in_turn_and_pool_its_steps(tmp_path):
     """``--rounds 2``: every mode measured twice, in turn, on fresh states (the checkpointers made again); each
     mode's step, call and snapshot times pooled over both, the idle snapshot and the floor once, the breakdown
-    averaged; the command and the section say so."""
+    averaged; the command and the section say so. ``copy-floor`` moved the bytes of a save at every step, on its
+    own thread, counted with the copy workers."""
     from jaxckpt.tools.bench import stall
 
     out = tmp_path / "stall.json"
-    ns = cli.build_parser().parse_args(["bench", "stall", "--quick", "--procs", "1", "--modes", "none,jaxckpt",
-                                        "--rounds", "2", "--json", str(out)])
+    ns = cli.build_parser().parse_args(["bench", "stall", "--quick", "--procs", "1", "--modes",
+                                        "none,jaxckpt,copy-floor", "--rounds", "2", "--json", str(out)])
     assert stall.run(ns) == 0
     r = report.read_json(out)
-    assert r["rounds"] == 2 and r["command"].endswith("--modes none,jaxckpt --rounds 2 --json " + str(out))
+    assert r["rounds"] == 2 and r["command"].endswith("--modes none,copy-floor,jaxckpt --rounds 2 --json " + str(out))
     (row,) = r["results"]
     (p,) = row["processes"]
     steps = r["steps"]
@@ -218,7 +219,15 @@ def test_stall_rounds_measure_every_mode_in_turn_and_pool_its_steps(tmp_path):
     assert mine["step_s"]["n"] == mine["save_call_s"]["n"] == mine["snapshot_s"]["n"] == 2 * steps, mine
     assert mine["idle_snapshot_s"]["n"] == 2 and mine["bytes_this_process"] > 0  # --quick: 2 idle saves, once
     assert mine["breakdown"]["cpu_ms"]["copy workers"] > 0 and p["floor"]["copy_crc_s"] > 0
-    assert "2 rounds (every mode once per round, in turn, on a fresh state), pooled" in stall.render_stall(r)
+    floor = p["modes"]["copy-floor"]
+    assert floor["step_s"]["n"] == 2 * steps and floor["floor_passes"] == 2 * (r["warmup"] + steps), floor
+    assert floor["bytes_this_process"] == p["floor"]["bytes"] and floor["breakdown"]["cpu_ms"]["copy workers"] > 0
+    s_ = row["summary"]
+    assert math.isclose(s_["beyond_copy_floor_pts_jaxckpt"],
+                        s_["overhead_pct_jaxckpt"] - s_["overhead_pct_copy-floor"])
+    text = stall.render_stall(r)
+    assert "2 rounds (every mode once per round, in turn, on a fresh state), pooled" in text
+    assert "| copy-floor |" in text and "points beyond the copy floor's" in text
 
 
 def test_markdown_sections_from_json(suite):

@@ -5,6 +5,9 @@ project's launcher. In one run, for each state size, every process measures thes
 a fresh state with the same compiled step:
 
 - ``none``:          no checkpointing (the baseline step time);
+- ``copy-floor``:    no checkpointing; where the others save, one thread copies the bytes a jaxckpt save moves,
+  in its pieces, each with its crc32c, into a buffer of its own (``breakdown.FloorCopy``): what moving the
+  bytes once costs the step on this machine, the physical floor of a snapshot that copies on the host;
 - ``jaxckpt``:       ``ckpt.save(step, state)`` after every step (views + background copy; the default);
 - ``jaxckpt-fused``: ``ckpt.wrap_step``: the step program itself copies its incoming state to pinned host;
 - ``jaxckpt-shm``, ``jaxckpt-fused-shm``: the same two with ``store="shm"`` (the slots are the node agent's
@@ -38,7 +41,7 @@ from jaxckpt.tools.bench.report import machine_facts, now_utc, summarize
 
 log = logging.getLogger("jaxckpt.tools.bench")
 
-MODES = ("none", "jaxckpt", "jaxckpt-fused", "jaxckpt-shm", "jaxckpt-fused-shm", "jaxckpt-whole", "orbax")
+MODES = ("none", "copy-floor", "jaxckpt", "jaxckpt-fused", "jaxckpt-shm", "jaxckpt-fused-shm", "jaxckpt-whole", "orbax")
 OPTIONAL = {"jaxckpt-whole": "whole"}  # modes run only when --replicas names them
 # Presets: (d_model, layers). State bytes ~ 12 bytes/param (param + 2 AdamW moments, float32). "0.2G-deep" has
 # the bytes of "0.2G" in 4x the layers: 879 leaves instead of 231 (the leaf count of an LLM-like state, issue 13).
@@ -98,6 +101,8 @@ def run_process(spec: dict) -> dict:
                 entry[key] = summarize(pooled)
         if "bytes_this_process" in acc:
             entry["bytes_this_process"] = acc["bytes_this_process"][-1]
+        if "floor_passes" in acc:
+            entry["floor_passes"] = sum(acc["floor_passes"])
         entry["breakdown"] = _mean_breakdown(acc["breakdown"])
         out["modes"][mode] = entry
         log.info("process %d size %s mode %s: median step %.3fs", proc, spec["size"], mode,
@@ -113,7 +118,7 @@ def _measure_mode(spec: dict, mode: str, rnd: int, cfg: Any, mesh: Any, step_fn:
 
     import jaxckpt
     from jaxckpt.tools.bench import gpt
-    from jaxckpt.tools.bench.breakdown import Breakdown, copy_floor
+    from jaxckpt.tools.bench.breakdown import Breakdown, FloorCopy, copy_floor
 
     proc = jax.process_index()
     out: dict[str, Any] = {}
@@ -123,7 +128,9 @@ def _measure_mode(spec: dict, mode: str, rnd: int, cfg: Any, mesh: Any, step_fn:
     out["state_bytes"] = gpt.state_bytes(state)
     out["leaves"] = len(jax.tree_util.tree_leaves(state))
     step_times, call_times, snap_times, idle_times, nbytes = [], [], [], [], 0
-    ck = tmp = ckptr = fused = None
+    ck = tmp = ckptr = fused = floor = None
+    if mode == "copy-floor":
+        floor = FloorCopy(_chunk_sizes(spec, state))
     if mode.startswith("jaxckpt"):
         shm = {"store": "shm", "shm_dir": agent_dir(spec, mode)} if mode.endswith("-shm") else {}
         whole = {"replicas": "whole"} if mode == "jaxckpt-whole" else {}
@@ -162,6 +169,8 @@ def _measure_mode(spec: dict, mode: str, rnd: int, cfg: Any, mesh: Any, step_fn:
             tc = time.perf_counter()
             if ck is not None:
                 handles.append(ck.save(i, state))
+            elif floor is not None:
+                floor.start()
             elif mode == "orbax":
                 ckptr.save(os.path.join(tmp, f"{mode}-r{rnd}-{i}"), args=ocp.args.StandardSave(state))
                 if proc == 0 and i >= 2:  # keep tmpfs bounded; save i waited for save i-1, so i-2 is final
@@ -199,13 +208,31 @@ def _measure_mode(spec: dict, mode: str, rnd: int, cfg: Any, mesh: Any, step_fn:
         if ckptr is not None:
             ckptr.wait_until_finished()
             ckptr.close()
+        if floor is not None:
+            floor.wait()  # the last pass's CPU counts in the breakdown, as a save's does
         out.update(step_s=step_times, breakdown=probe.stop(steps))
+        if floor is not None:
+            floor.close()
+            out.update(bytes_this_process=floor.bytes, floor_passes=floor.passes)
         if mode == "orbax":
             out["save_call_s"] = call_times
     del state
     log.debug("process %d size %s mode %s round %d: median step %.3fs", proc, spec["size"], mode, rnd,
               float(np.median(step_times)))
     return out
+
+
+def _chunk_sizes(spec: dict, state: Any) -> list[int]:
+    """The pieces a jaxckpt save of ``state`` moves on this process, in order: one save to the memory store, of
+    a job of its own, waited for (every process calls it: the save is collective)."""
+    import jaxckpt
+
+    ck = jaxckpt.Checkpointer(jaxckpt.Config(job_id=job_id(spec, "copy-floor"), keep=1))
+    try:
+        ck.save(0, state).result()
+        return list(ck.engine.last_chunk_sizes())
+    finally:
+        ck.close()
 
 
 def _mean_breakdown(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -249,6 +276,11 @@ def merge_row(size: str, procs: int, per_proc: list[dict], memcpy: dict) -> dict
         for mode in MODES[1:]:
             if f"step_s_{mode}" in summary:
                 summary[f"cost_vs_floor_{mode}"] = (summary[f"step_s_{mode}"] - base) / floor
+    if "copy-floor" in per_proc[0]["modes"]:  # what a snapshot costs the step beyond moving its bytes once
+        for mode in MODES[2:]:
+            if f"overhead_pct_{mode}" in summary:
+                summary[f"beyond_copy_floor_pts_{mode}"] = (summary[f"overhead_pct_{mode}"]
+                                                            - summary["overhead_pct_copy-floor"])
     if "orbax" in per_proc[0]["modes"] and "jaxckpt" in per_proc[0]["modes"]:
         summary["save_call_ratio_orbax_over_jaxckpt"] = summary["save_call_s_orbax"] / summary["save_call_s_jaxckpt"]
     if "orbax" in per_proc[0]["modes"]:
@@ -428,6 +460,12 @@ def render_stall(result: dict) -> str:
                          "-" if gbps is None else f"{gbps:.2f} ({100 * s[f'idle_snapshot_vs_memcpy_{mode}']:.0f}%)"])
     lines.append(table(["size", "processes", "leaves", "state GB", "mode", "step ms", "overhead",
                         "overhead / Orbax's", "save() call ms", "idle snapshot GB/s per process (vs memcpy)"], rows))
+    if any("step_s_copy-floor" in row["summary"] for row in result["results"]):
+        lines += ["", "`copy-floor` checkpoints nothing: where the other modes save, one thread copies the bytes a "
+                      "jaxckpt save moves, in the same pieces, each with its crc32c, into a buffer of its own. Its "
+                      "overhead is what moving those bytes once costs the step on this machine, beside XLA's "
+                      "threads: no snapshot copied on the host costs less. Each mode's \"beyond the copy floor\" "
+                      "below is its overhead less that one, in points of step time."]
     lines += ["", "Where a snapshot's time goes (process 0; per step, against `none` in the same run; the floor is "
                   "copy + crc32c of the same bytes in the same pieces on one thread; CPU figures need a quiet "
                   "machine to compare across runs):", ""]
@@ -453,8 +491,11 @@ def _breakdown_lines(row: dict) -> list[str]:
             continue
         added = {k: v - base["cpu_ms"].get(k, 0.0) for k, v in b["cpu_ms"].items()}
         cost = s.get(f"cost_vs_floor_{mode}")
+        beyond = s.get(f"beyond_copy_floor_pts_{mode}")
         head = f"- {row['size']} on {row.get('procs', 1)}, `{mode}`: " + \
             ("" if cost is None else f"step time added {cost:.1f}x the floor; ") + \
+            ("" if beyond is None else f"{beyond:+.1f} points beyond the copy floor's "
+                                       f"{s['overhead_pct_copy-floor']:+.1f}%; ") + \
             "CPU added per step " + ", ".join(f"{k} {v:+.2f} ms" for k, v in sorted(added.items()))
         out.append(head)
         out += ["  " + line for line in describe(b, p0.get("floor") if mode == "jaxckpt" else None).splitlines()]
