@@ -202,15 +202,15 @@ def test_stall_rounds_measure_every_mode_in_turn_and_pool_its_steps(tmp_path):
     """``--rounds 2``: every mode measured twice, in turn, on fresh states (the checkpointers made again); each
     mode's step, call and snapshot times pooled over both, the idle snapshot and the floor once, the breakdown
     averaged; the command and the section say so. ``copy-floor`` moved the bytes of a save at every step, on its
-    own thread, counted with the copy workers."""
+    own thread, counted with the copy workers; ``jaxckpt-wait``'s save() calls returned committed."""
     from jaxckpt.tools.bench import stall
 
     out = tmp_path / "stall.json"
     ns = cli.build_parser().parse_args(["bench", "stall", "--quick", "--procs", "1", "--modes",
-                                        "none,jaxckpt,copy-floor", "--rounds", "2", "--json", str(out)])
+                                        "none,jaxckpt,copy-floor,jaxckpt-wait", "--rounds", "2", "--json", str(out)])
     assert stall.run(ns) == 0
     r = report.read_json(out)
-    assert r["rounds"] == 2 and r["command"].endswith("--modes none,copy-floor,jaxckpt --rounds 2 --json " + str(out))
+    assert r["rounds"] == 2 and r["command"].endswith("--modes none,copy-floor,jaxckpt,jaxckpt-wait --rounds 2 --json " + str(out))
     (row,) = r["results"]
     (p,) = row["processes"]
     steps = r["steps"]
@@ -219,6 +219,9 @@ def test_stall_rounds_measure_every_mode_in_turn_and_pool_its_steps(tmp_path):
     assert mine["step_s"]["n"] == mine["save_call_s"]["n"] == mine["snapshot_s"]["n"] == 2 * steps, mine
     assert mine["idle_snapshot_s"]["n"] == 2 and mine["bytes_this_process"] > 0  # --quick: 2 idle saves, once
     assert mine["breakdown"]["cpu_ms"]["copy workers"] > 0 and p["floor"]["copy_crc_s"] > 0
+    waited = p["modes"]["jaxckpt-wait"]  # each call returned once its snapshot was committed
+    assert waited["save_call_s"]["n"] == waited["snapshot_s"]["n"] == 2 * steps
+    assert waited["save_call_s"]["median"] >= waited["snapshot_s"]["median"], waited
     floor = p["modes"]["copy-floor"]
     assert floor["step_s"]["n"] == 2 * steps and floor["floor_passes"] == 2 * (r["warmup"] + steps), floor
     assert floor["bytes_this_process"] == p["floor"]["bytes"] and floor["breakdown"]["cpu_ms"]["copy workers"] > 0

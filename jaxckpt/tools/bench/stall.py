@@ -9,6 +9,8 @@ a fresh state with the same compiled step:
   in its pieces, each with its crc32c, into a buffer of its own (``breakdown.FloorCopy``): what moving the
   bytes once costs the step on this machine, the physical floor of a snapshot that copies on the host;
 - ``jaxckpt``:       ``ckpt.save(step, state)`` after every step (views + background copy; the default);
+- ``jaxckpt-wait``:  ``ckpt.save(step, state).result()``: the same save, waited for before the next step (no
+  copy beside the step, the next step's donation never held back: on a few shared cores it can cost less);
 - ``jaxckpt-fused``: ``ckpt.wrap_step``: the step program itself copies its incoming state to pinned host;
 - ``jaxckpt-shm``, ``jaxckpt-fused-shm``: the same two with ``store="shm"`` (the slots are the node agent's
   shared memory, issue 4);
@@ -41,7 +43,8 @@ from jaxckpt.tools.bench.report import machine_facts, now_utc, summarize
 
 log = logging.getLogger("jaxckpt.tools.bench")
 
-MODES = ("none", "copy-floor", "jaxckpt", "jaxckpt-fused", "jaxckpt-shm", "jaxckpt-fused-shm", "jaxckpt-whole", "orbax")
+MODES = ("none", "copy-floor", "jaxckpt", "jaxckpt-wait", "jaxckpt-fused", "jaxckpt-shm", "jaxckpt-fused-shm",
+         "jaxckpt-whole", "orbax")
 OPTIONAL = {"jaxckpt-whole": "whole"}  # modes run only when --replicas names them
 # Presets: (d_model, layers). State bytes ~ 12 bytes/param (param + 2 AdamW moments, float32). "0.2G-deep" has
 # the bytes of "0.2G" in 4x the layers: 879 leaves instead of 231 (the leaf count of an LLM-like state, issue 13).
@@ -169,6 +172,8 @@ def _measure_mode(spec: dict, mode: str, rnd: int, cfg: Any, mesh: Any, step_fn:
             tc = time.perf_counter()
             if ck is not None:
                 handles.append(ck.save(i, state))
+                if mode == "jaxckpt-wait":
+                    handles[-1].result()
             elif floor is not None:
                 floor.start()
             elif mode == "orbax":
