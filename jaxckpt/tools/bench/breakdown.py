@@ -143,7 +143,7 @@ class FloorCopy:
     ``bench stall``'s ``copy-floor`` mode starts one pass where the other modes save: its step-time overhead is
     what moving the same bytes once, in native calls that release the GIL, costs the loop on this machine (the
     copy's memory traffic and core time beside XLA's), with none of jaxckpt's per-shard work, round trips or
-    donation held back. No snapshot can cost the step less while it copies on the host."""
+    donation held back: the bytes' own share of a snapshot's cost."""
 
     def __init__(self, sizes: Sequence[int]) -> None:
         total = int(sum(sizes))

@@ -7,7 +7,7 @@ a fresh state with the same compiled step:
 - ``none``:          no checkpointing (the baseline step time);
 - ``copy-floor``:    no checkpointing; where the others save, one thread copies the bytes a jaxckpt save moves,
   in its pieces, each with its crc32c, into a buffer of its own (``breakdown.FloorCopy``): what moving the
-  bytes once costs the step on this machine, the physical floor of a snapshot that copies on the host;
+  bytes once costs the step on this machine (the bytes' own share of a snapshot's cost);
 - ``jaxckpt``:       ``ckpt.save(step, state)`` after every step (views + background copy; the default);
 - ``jaxckpt-wait``:  ``ckpt.save(step, state).result()``: the same save, waited for before the next step (no
   copy beside the step, the next step's donation never held back: on a few shared cores it can cost less);
@@ -469,8 +469,11 @@ def render_stall(result: dict) -> str:
         lines += ["", "`copy-floor` checkpoints nothing: where the other modes save, one thread copies the bytes a "
                       "jaxckpt save moves, in the same pieces, each with its crc32c, into a buffer of its own. Its "
                       "overhead is what moving those bytes once costs the step on this machine, beside XLA's "
-                      "threads: no snapshot copied on the host costs less. Each mode's \"beyond the copy floor\" "
+                      "threads: the bytes' own share of a snapshot's cost. Each mode's \"beyond the copy floor\" "
                       "below is its overhead less that one, in points of step time."]
+    if any("step_s_jaxckpt-wait" in row["summary"] for row in result["results"]):
+        lines += ["", "`jaxckpt-wait` waits for each save before the next step: its save() call column is the call "
+                      "and that wait."]
     lines += ["", "Where a snapshot's time goes (process 0; per step, against `none` in the same run; the floor is "
                   "copy + crc32c of the same bytes in the same pieces on one thread; CPU figures need a quiet "
                   "machine to compare across runs):", ""]
