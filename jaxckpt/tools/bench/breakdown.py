@@ -109,17 +109,23 @@ class Breakdown:
         return out
 
 
+def _pieces(sizes: Sequence[int]) -> tuple[int, list[tuple[np.ndarray, np.ndarray]]]:
+    """Total bytes, and per piece (source, destination) slices of two buffers of those bytes: random source bytes,
+    the destination's pages faulted in (a store's slot is reused, its memory already mapped)."""
+    total = int(sum(sizes))
+    src = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
+    dst = np.empty(total, np.uint8)
+    dst[:] = 1
+    bounds = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))]).tolist()
+    return total, [(src[a:b], dst[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
 def copy_floor(sizes: Sequence[int], repeats: int = 5) -> dict[str, float]:
     """Medians, in seconds, of copying ``sizes`` pieces (the chunks of a save, in order) into one buffer on one
     thread, alone (``copy_s``) and each followed by its crc32c (``copy_crc_s``), the way the copy workers do."""
     from jaxckpt.core.checksum import crc32c
 
-    total = int(sum(sizes))
-    src = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
-    dst = np.empty(total, np.uint8)
-    dst[:] = 1  # fault the pages in: a store's slot is reused, its memory already mapped
-    bounds = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))]).tolist()
-    pieces = [(src[a:b], dst[a:b]) for a, b in zip(bounds, bounds[1:])]
+    total, pieces = _pieces(sizes)
     copy, both = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -138,7 +144,7 @@ def copy_floor(sizes: Sequence[int], repeats: int = 5) -> dict[str, float]:
 class FloorCopy:
     """The floor as a snapshot a training loop can take: one thread of its own copies ``sizes`` pieces (a save's
     chunks, in order) from one buffer into another, each piece followed by its crc32c, once per :meth:`start`,
-    while the caller goes on. Both buffers are allocated and faulted in here, once (a store's slots are reused).
+    while the caller goes on. Both buffers are made once, as ``copy_floor``'s (``_pieces``).
 
     ``bench stall``'s ``copy-floor`` mode starts one pass where the other modes save: its step-time overhead is
     what moving the same bytes once, in native calls that release the GIL, costs the loop on this machine (the
@@ -146,12 +152,7 @@ class FloorCopy:
     donation held back: the bytes' own share of a snapshot's cost."""
 
     def __init__(self, sizes: Sequence[int]) -> None:
-        total = int(sum(sizes))
-        self._src = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
-        self._dst = np.empty(total, np.uint8)
-        self._dst[:] = 1
-        bounds = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))]).tolist()
-        self._pieces = [(self._src[a:b], self._dst[a:b]) for a, b in zip(bounds, bounds[1:])]
+        total, self._pieces = _pieces(sizes)
         self.bytes, self.passes = total, 0
         self._todo: queue.Queue = queue.Queue()
         self._idle = threading.Event()
