@@ -703,7 +703,7 @@ def test_a_save_of_a_mixed_layout_is_bit_for_bit_through_either_way_to_the_buffe
             state = step(state)
             handle.result(timeout=60)
             # wrap_step's fused save takes its views of the program's host copies the same way
-            fused = ck.wrap_step(lambda s: jax.tree.map(lambda x: x * 2.0 + 1.0, s))
+            fused = ck.wrap_step(lambda s: jax.tree.map(lambda x: x * 2.0 + 1.0, s), copy="in_program")
             fused_expected = {k: np.array(v) for k, v in state.items()}
             state = fused(state, save_step=3)
             fused.last_save.result(timeout=60)

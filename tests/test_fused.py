@@ -1,4 +1,5 @@
-"""The fused snapshot path: the compiled step returns a pinned-host copy of its incoming state."""
+"""``wrap_step``: the compiled step returns a pinned-host copy of its incoming state (``copy="in_program"``), or
+a save() is waited for before the plain program (``"before_step"``, what ``"auto"`` takes on CPU devices)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,16 +26,21 @@ def _train_step(state, lr):
             "step": state["step"] + 1, "key": jax.random.split(state["key"])[0]}, w.sum()
 
 
+@pytest.mark.parametrize("copy", ["in_program", "before_step"])
 @pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto])
-def test_fused_snapshots_equal_the_incoming_state_under_donation(axis_type):
+def test_fused_snapshots_equal_the_incoming_state_under_donation(axis_type, copy):
     state = _state(axis_type)
     expected = {}
     with jaxckpt.Checkpointer(jaxckpt.Config(keep=4)) as ck:
-        step_fn = ck.wrap_step(_train_step)
+        step_fn = ck.wrap_step(_train_step, copy=copy)
         for k in range(4):
             expected[k] = {n: np.asarray(state[n]).copy() for n in ("w", "b", "m", "e", "f")}
             expected[k]["key"] = np.asarray(jax.random.key_data(state["key"])).copy()
+            incoming = state
             state, _ = step_fn(state, 1.0, save_step=k)  # donates the incoming state
+            if k:  # the first call's state came from outside jit: its python step counter is no array
+                kept = [n for n, v in incoming.items() if isinstance(v, jax.Array) and not v.is_deleted()]
+                assert not kept, f"step {k}: the snapshot held back the donation of {kept}"
         state, _ = step_fn(state, 1.0)  # plain step, no snapshot
         ck.wait()
         assert ck.all_steps() == [0, 1, 2, 3]
@@ -74,7 +80,7 @@ import jaxckpt
 from jaxckpt import errors
 
 
-def run(route):
+def run(route, copy):
     mesh = jax.make_mesh((4,), ("d",))
 
     def make():
@@ -102,7 +108,7 @@ def run(route):
             nbytes = probe.save(1, make()).nbytes
         config = jaxckpt.Config(keep=1, memory_budget_bytes=nbytes * 3 // 2)
     ck = jaxckpt.Checkpointer(config)
-    fused = ck.wrap_step(raw)
+    fused = ck.wrap_step(raw, copy=copy)
     s = step(make())  # one warm donating step
     expected, save_step = {"step": errors.StepError, "closed": errors.ClosedError,
                            "leaf": errors.UnsupportedLeafError, "budget": errors.BudgetExceededError}[route], 1
@@ -138,10 +144,11 @@ def run(route):
         ck.close()  # the next route's Checkpointer is its own
 
 
-for route in sys.argv[1:]:
-    print("route:", route, flush=True)
-    run(route)
-    print("OK", route, flush=True)
+for copy in ("in_program", "before_step"):
+    for route in sys.argv[1:]:
+        print("route:", route, copy, flush=True)
+        run(route, copy)
+        print("OK", route, copy, flush=True)
 '''
 
 
@@ -162,10 +169,11 @@ def refusals() -> dict:
             "routes": {p.split("\n", 1)[0]: p for p in parts[1:]}}
 
 
+@pytest.mark.parametrize("copy", ["in_program", "before_step"])
 @pytest.mark.parametrize("route,error", list(REFUSALS.items()))
-def test_refused_fused_save_leaves_the_caller_a_usable_state(route, error, refusals):
-    out = refusals["routes"].get(route, "")
-    assert out.rstrip().endswith(f"OK {route}"), \
+def test_refused_fused_save_leaves_the_caller_a_usable_state(route, error, copy, refusals):
+    out = refusals["routes"].get(f"{route} {copy}", "")
+    assert out.rstrip().endswith(f"OK {route} {copy}"), \
         f"child exited {refusals['returncode']} (-11: segfault)\n{refusals['stdout']}\n{refusals['stderr'][-3000:]}"
     assert f"refused: {error}" in out, out
     assert refusals["returncode"] == 0, f"child exited {refusals['returncode']}\n{refusals['stderr'][-3000:]}"
@@ -186,7 +194,7 @@ def test_a_fused_save_of_many_shards_sets_off_no_collection_while_its_reads_are_
     state = {f"p{i:03d}": jax.device_put(jnp.full((8, 4), float(i), jnp.float32), NamedSharding(mesh, P("data", "model")))
              for i in range(128)}  # 1,024 shards
     with jaxckpt.Checkpointer(jaxckpt.Config(keep=2)) as ck:
-        step_fn = ck.wrap_step(lambda s: (jax.tree.map(lambda x: x * 2.0 + 1.0, s), 0.0))
+        step_fn = ck.wrap_step(lambda s: (jax.tree.map(lambda x: x * 2.0 + 1.0, s), 0.0), copy="in_program")
         state, _ = step_fn(state, save_step=1)  # compiles, plans: the next save of this layout is the steady one
         ck.wait()
         state = jax.block_until_ready(state)
@@ -219,3 +227,29 @@ def test_a_fused_save_of_many_shards_sets_off_no_collection_while_its_reads_are_
         for k, want in expected.items():
             np.testing.assert_array_equal(np.asarray(got[k]).view(np.uint32), want.view(np.uint32), err_msg=k)
 
+
+
+def test_auto_waits_for_a_save_before_the_step_on_cpu_devices(caplog):
+    """On CPU devices a save() reads the buffers in place: ``copy="auto"`` saves, waits until this process's bytes
+    are in host memory, then runs the plain program, which donates the state (nothing holds it back). The
+    snapshot is the incoming state, and the wrong way named raises ConfigError with the value."""
+    import logging
+
+    with pytest.raises(jaxckpt.errors.ConfigError, match="copy='pinned'.*auto, in_program, before_step"):
+        jaxckpt.Checkpointer.wrap_step(None, _train_step, copy="pinned")
+    state = _state()
+    with jaxckpt.Checkpointer(jaxckpt.Config(keep=2)) as ck, caplog.at_level(logging.INFO, "jaxckpt.jax.fused"):
+        step_fn = ck.wrap_step(_train_step)
+        state, _ = step_fn(state, 1.0, save_step=0)
+        expected = {n: np.asarray(state[n]).copy() for n in ("w", "e", "f")}
+        incoming = state
+        state, loss = step_fn(state, 1.0, save_step=1)
+        assert step_fn.last_save.local_done()  # the call returned once the copy was taken
+        kept = [n for n, v in incoming.items() if isinstance(v, jax.Array) and not v.is_deleted()]
+        assert not kept, f"the waited save held back the donation of {kept}"
+        ck.wait()
+        said = [r.getMessage() for r in caplog.records if r.name == "jaxckpt.jax.fused"]
+        assert said == ["wrap_step: snapshots taken before step"], said
+        got = ck.restore(step=1)
+        for n, want in expected.items():
+            np.testing.assert_array_equal(got[n].view(np.uint8), want.view(np.uint8), err_msg=n)

@@ -88,22 +88,34 @@ def check_bitwise(got: dict, step: int) -> None:
     sharded_state.check_bitwise(got, host_state(step), step)
 
 
-def save_job(base: str, job: str, policy: str, steps: list, drop_protection: list | None = None):
+def save_job(base: str, job: str, policy: str, steps: list, drop_protection: list | None = None,
+             wrapped: bool = False):
     """Save ``steps`` protected; ``drop_protection`` = [node, step]: that node then drops its protection of
-    that step (as if it had never completed there)."""
+    that step (as if it had never completed there). ``wrapped``: each step's state goes through a donating
+    ``wrap_step`` with ``save_step`` (on these CPU devices a save waited for before the step, parity included);
+    the result then names the leaves whose donation the snapshot held back."""
+    import jax
     import jaxckpt
 
     mesh = _mesh()
+    held = []
     with jaxckpt.Checkpointer(_config(base, job, policy)) as ck:
+        fused = ck.wrap_step(lambda s: jax.tree.map(lambda x: x + x, s)) if wrapped else None
         for step in steps:
-            ck.save(step, device_state(mesh, step))
+            if fused is None:
+                ck.save(step, device_state(mesh, step))
+                continue
+            state = device_state(mesh, step)
+            jax.block_until_ready(fused(state, save_step=step))
+            held += [f"{k}@{step}" for k, v in state.items() if isinstance(v, jax.Array) and not v.is_deleted()]
         ck.wait()
         protected = ck.engine.protection.protected_steps()
         if drop_protection and node_info().node == drop_protection[0]:
             ck.engine.protection._store.delete(drop_protection[1])
         policies = next(iter(ck.engine.protection.plans().values())).policies()
     failed = {s: repr(e) for s, e in ck.engine.protection.failures().items()}
-    return {"protected": protected, "policies": {k: list(v) for k, v in policies.items()}, "failed": failed}
+    return {"protected": protected, "policies": {k: list(v) for k, v in policies.items()}, "failed": failed,
+            "held": held}
 
 
 def save_jobs(base: str, specs: list) -> dict:
@@ -264,7 +276,7 @@ def rebuilt_bytes(results) -> int:
 SAVED = {"turn-parity": ["parity", [1, 2], None], "turn-replica": ["replica", [1, 2], None],
          "two-bad-replica": ["replica", [1, 2], None], "older": ["parity", [1, 2], [2, 2]],
          "corrupt": ["parity", [1, 2], None], "token": ["replica", [1], None],
-         "holder-fallback": ["hybrid", [1, 2], None]}
+         "holder-fallback": ["hybrid", [1, 2], None], "wrapped": ["parity", [1, 2], None, True]}
 
 
 @pytest.fixture(scope="module")
@@ -293,6 +305,20 @@ def test_lose_two_nodes_in_turn(policy, saved):
     lose_node(job, 3)
     out = run(restore_job, job, policy)
     assert [r["latest"] for r in out] == [3] * NODES * PROCS, out
+    assert rebuilt_bytes(out) > 0
+
+
+def test_wrap_step_before_the_step_is_protected_and_rebuilt_after_a_loss(saved):
+    """``wrap_step`` as a CPU user gets it on a protected job: each save waited for before the plain program, so
+    every step's donation went through; both steps protected; a lost node's share of the newest one rebuilt
+    from their parity, bit for bit (``restore_job`` checks every shard)."""
+    out = saved["wrapped"]
+    assert all(r["held"] == [] for r in out), [r["held"] for r in out]
+    assert all(r["protected"] == [1, 2] for r in out), out
+    assert out[0]["policies"]["rep"] == ["parity"], out[0]["policies"]
+    lose_node("wrapped", 2)
+    out = run(restore_job, "wrapped", "parity")
+    assert [r["latest"] for r in out] == [2] * NODES * PROCS, out
     assert rebuilt_bytes(out) > 0
 
 

@@ -41,13 +41,16 @@ class Checkpointer(Face):
         super().__init__(JaxFrontend(config), config, coordinator=coordinator)
 
     def wrap_step(self, fn: Callable, *, state_argnum: int = 0, donate_argnums: Sequence[int] = (0,),
-                  **jit_kwargs: Any) -> Callable:
-        """Jit ``fn`` so that ``f(*args, save_step=k)`` also snapshots ``args[state_argnum]`` as step ``k`` from
-        inside the compiled program (see ``jaxckpt.jax.fused``); without ``save_step`` it is the plain step.
+                  copy: str = "auto", **jit_kwargs: Any) -> Callable:
+        """Jit ``fn`` so that ``f(*args, save_step=k)`` also snapshots ``args[state_argnum]`` as step ``k``;
+        without ``save_step`` it is the plain step. ``copy``: ``"in_program"``, the compiled program copies the
+        state to pinned host memory; ``"before_step"``, a save() waited for until its copy is taken, then the
+        program; ``"auto"``, the first on an accelerator, the second on CPU devices (``jaxckpt.jax.fused``).
 
         A save that is refused (StepError, ClosedError, UnsupportedLeafError, BudgetExceededError) raises
         before the program runs: nothing was donated, the arguments are intact and the step did not run, so the
         caller can run it again without ``save_step``. A failure after the program ran (reading the copies)
         returns the step's output; the save's handle holds the error and ``wait()`` raises it. The wrapped
         function's ``last_save`` attribute is the SaveHandle of its latest call with ``save_step``."""
-        return wrap_step(self, fn, state_argnum=state_argnum, donate_argnums=donate_argnums, **jit_kwargs)
+        return wrap_step(self, fn, state_argnum=state_argnum, donate_argnums=donate_argnums, copy=copy,
+                         **jit_kwargs)

@@ -1,4 +1,6 @@
-"""The fused way in: a jitted step that also returns its incoming state, copied to pinned host memory by XLA.
+"""The fused way in: a jitted step that also snapshots its incoming state, in one of two ways (``copy``).
+
+``in_program``: the program also returns its incoming state, copied to pinned host memory by XLA.
 
 XLA schedules that device-to-host copy inside the program, overlapped with the forward and backward pass and
 ordered before the donated update writes the buffers (REFT's "copy while the weights are not being written").
@@ -9,6 +11,13 @@ accelerator an array replicated over several devices of a process is copied once
 (``shards.local_pieces``; the state's layout is planned on them, as save()'s): the pinned copies hold what is
 saved and nothing more.
 
+``before_step``: ``save()`` of the incoming state, waited for until this process's bytes are in host memory, then
+the plain program. Where save() reads the live buffers in place (CPU devices: their memory is host memory, so
+``shards.pinned_sharding`` answers None), the program's copy would be a second copy of every byte on the cores
+the step computes on, and a save() overlapped with the step holds back its donation; waiting for the one copy
+costs the step less there (BENCHMARKS.md, the stall section). ``auto`` (the default) takes ``before_step`` there
+and ``in_program`` on an accelerator. Either way the snapshot is the state at the call, bit for bit.
+
 Exception safety: the program donates the caller's state, so every check that can refuse the save (closed,
 leaf kinds, step order, the store's budget: the slot is reserved first) runs before it; a refusal raises with
 the caller's arguments untouched. What can only fail after the program ran is recorded on the save's handle
@@ -18,16 +27,19 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent import futures
 from typing import Any, Callable, Protocol, Sequence
 
 import jax
 
-from jaxckpt.errors import PlanError
+from jaxckpt.errors import ConfigError, PlanError
+from jaxckpt.jax import shards
 
 log = logging.getLogger("jaxckpt.jax.fused")
 
 HOST_KIND = "pinned_host"
 MAX_PROGRAMS = 16  # fused programs kept, one per state layout
+COPY_WAYS = ("auto", "in_program", "before_step")
 
 
 class FusedTarget(Protocol):
@@ -40,6 +52,8 @@ class FusedTarget(Protocol):
     def start_save(self, begun: Any, leaves: list[Any], owned: bool, exclude_s: float = 0.0) -> Any: ...
 
     def cancel_save(self, begun: Any, error: BaseException) -> None: ...  # sets begun.failed, the failed handle
+
+    def save(self, step: int, state: Any) -> Any: ...  # the SaveHandle
 
 
 def _host_sharding(sharding: Any) -> Any:
@@ -70,14 +84,27 @@ def _misplaced(copies: Any, copy: list[Any], host: list[Any]) -> str | None:
     return None
 
 
+def _reads_in_place(state: Any) -> bool:
+    """Whether save() reads ``state``'s buffers where they lie (no pinned host copy: CPU devices), judged by its
+    first jax array; a state without one has nothing for a program to copy."""
+    for x in jax.tree_util.tree_leaves(state):
+        if isinstance(x, jax.Array):
+            return shards.pinned_sharding(x.sharding) is None
+    return True
+
+
 def wrap_step(target: FusedTarget, fn: Callable, *, state_argnum: int = 0,
-              donate_argnums: Sequence[int] = (0,), **jit_kwargs: Any) -> Callable:
-    """``fused(*args, save_step=None)``: ``fn(*args)`` jitted with ``donate_argnums``; with ``save_step=k`` the same
-    program also copies ``args[state_argnum]`` to host and ``target`` snapshots it, exactly as
-    ``ckpt.save(k, state)`` right before the call would. A refused save raises before the program runs (the
-    arguments are intact, the step did not run); see the module docstring.
+              donate_argnums: Sequence[int] = (0,), copy: str = "auto", **jit_kwargs: Any) -> Callable:
+    """``fused(*args, save_step=None)``: ``fn(*args)`` jitted with ``donate_argnums``; with ``save_step=k``
+    ``target`` also snapshots ``args[state_argnum]``, exactly as ``ckpt.save(k, state)`` right before the call
+    would: copied by the same program (``copy="in_program"``) or saved and waited for before it runs
+    (``"before_step"``); ``"auto"`` picks per the module docstring. A refused save raises before the program runs
+    (the arguments are intact, the step did not run); see the module docstring.
     """
+    if copy not in COPY_WAYS:
+        raise ConfigError(f"wrap_step(copy={copy!r}): one of {', '.join(COPY_WAYS)}")
     plain = jax.jit(fn, donate_argnums=tuple(donate_argnums), **jit_kwargs)
+    way = [None if copy == "auto" else copy]  # auto: decided by the first state saved
     fused_by_layout: dict[Any, tuple[Callable, list[Any], list[bool]]] = {}
     pieces = [True]  # copies in pieces, until a program places them elsewhere than asked
 
@@ -94,6 +121,20 @@ def wrap_step(target: FusedTarget, fn: Callable, *, state_argnum: int = 0,
 
     def call(*args: Any, save_step: int | None = None) -> Any:
         if save_step is None:
+            return plain(*args)
+        if way[0] is None:
+            way[0] = "before_step" if _reads_in_place(args[state_argnum]) else "in_program"
+            log.info("wrap_step: snapshots taken %s", way[0].replace("_", " "))
+        if way[0] == "before_step":
+            # Refusals raise in save(), before anything ran. Once this process's bytes are copied (and its parity
+            # stripes, which read the views too, are made) the views are dropped, so the program donates the
+            # buffers; a copy that failed is on the handle (wait() raises it).
+            t0 = time.perf_counter()
+            handle = call.last_save = target.save(save_step, args[state_argnum])
+            handle.wait_local()
+            if handle.parity is not None:
+                futures.wait([handle.parity])
+            handle.save_call_seconds = time.perf_counter() - t0  # the calling thread's time in the save
             return plain(*args)
         t0 = time.perf_counter()
         layout, leaves = target.frontend.layout(args[state_argnum])

@@ -3,7 +3,8 @@
 For each leaf count (a dict of float32 arrays, same total bytes, shardings rotating over ``save.SPECS`` on the
 2x4 mesh of 8 CPU devices) it measures, in one run: jaxckpt's plain ``save()`` call; ``wrap_step``: the wrapped
 step's call with and without ``save_step`` and the part of the call spent in the save (``last_save``'s
-``save_call_seconds``: the calling thread's time outside the compiled program); Orbax ``AsyncCheckpointer``'s save
+``save_call_seconds``: the calling thread's time outside the compiled program; ``copy="in_program"``, the way
+an accelerator takes, on these CPU devices too); Orbax ``AsyncCheckpointer``'s save
 call (StandardSave to tmpfs); and the cost of one zero-copy host view of a device buffer (what a plain save must
 take per shard read before it returns, so that a donating next step leaves the buffer alone); and restore time
 onto the saved shardings, jaxckpt from memory against Orbax ``StandardRestore`` from tmpfs.
@@ -147,7 +148,7 @@ def bench_wrap_step(state: dict[str, Any], repeats: int, warmup: int) -> dict[st
     state = jax.tree.map(jnp.copy, state)  # donated below: the caller's state stays
     plain, fused, save = [], [], []
     with Checkpointer(Config()) as ck:
-        step = ck.wrap_step(_step)
+        step = ck.wrap_step(_step, copy="in_program")  # the program's copy, as on an accelerator
         for i in range(max(warmup, 2) + repeats):
             t0 = time.perf_counter()
             state = step(state)
@@ -320,7 +321,7 @@ def render(sweep: Mapping[str, Any]) -> str:
                       "us per shard view"] + (["jaxckpt restore ms", "Orbax restore ms", "restore Orbax/jaxckpt"]
                                               if restores else []), rows), "",
         "wrap_step save: the calling thread's time in the save during a call with `save_step` (the compiled "
-        "program excluded); step / step with save_step: the wrapped donating step's call without and with it. "
+        "program excluded; `copy=\"in_program\"`, the way an accelerator takes); step / step with save_step: the wrapped donating step's call without and with it. "
         "A plain save() must take one zero-copy view of each shard it reads before it returns (so that a "
         "donating next step leaves the buffer alone): the column \"us per shard view\" is that cost, measured in "
         "the same run." + (" Restore: onto the saved shardings in the same process, jaxckpt from memory "

@@ -11,9 +11,12 @@ a fresh state with the same compiled step:
 - ``jaxckpt``:       ``ckpt.save(step, state)`` after every step (views + background copy; the default);
 - ``jaxckpt-wait``:  ``ckpt.save(step, state).result()``: the same save, waited for before the next step (no
   copy beside the step, the next step's donation never held back: on a few shared cores it can cost less);
-- ``jaxckpt-fused``: ``ckpt.wrap_step``: the step program itself copies its incoming state to pinned host;
-- ``jaxckpt-shm``, ``jaxckpt-fused-shm``: the same two with ``store="shm"`` (the slots are the node agent's
-  shared memory, issue 4);
+- ``jaxckpt-fused``: ``ckpt.wrap_step`` as a user gets it (``copy="auto"``: on CPU devices a save() waited for
+  before the plain program, on an accelerator the program's own copy to pinned host);
+- ``jaxckpt-fused-program``: ``wrap_step(copy="in_program")``: the step program itself copies its incoming state
+  to pinned host, on CPU devices too;
+- ``jaxckpt-shm``, ``jaxckpt-fused-shm``, ``jaxckpt-fused-program-shm``: the same with ``store="shm"`` (the slots
+  are the node agent's shared memory, issue 4);
 - ``jaxckpt-whole`` (with ``--replicas split,whole``): ``jaxckpt`` with ``Config.replicas="whole"``, each
   process named a node of its own (``Config.node_name``), so every process saves a whole copy of the
   replicated arrays it holds: the save cost of whole replicas on one process per node;
@@ -43,8 +46,8 @@ from jaxckpt.tools.bench.report import machine_facts, now_utc, summarize
 
 log = logging.getLogger("jaxckpt.tools.bench")
 
-MODES = ("none", "copy-floor", "jaxckpt", "jaxckpt-wait", "jaxckpt-fused", "jaxckpt-shm", "jaxckpt-fused-shm",
-         "jaxckpt-whole", "orbax")
+MODES = ("none", "copy-floor", "jaxckpt", "jaxckpt-wait", "jaxckpt-fused", "jaxckpt-fused-program", "jaxckpt-shm",
+         "jaxckpt-fused-shm", "jaxckpt-fused-program-shm", "jaxckpt-whole", "orbax")
 OPTIONAL = {"jaxckpt-whole": "whole"}  # modes run only when --replicas names them
 # Presets: (d_model, layers). State bytes ~ 12 bytes/param (param + 2 AdamW moments, float32). "0.2G-deep" has
 # the bytes of "0.2G" in 4x the layers: 879 leaves instead of 231 (the leaf count of an LLM-like state, issue 13).
@@ -151,7 +154,7 @@ def _measure_mode(spec: dict, mode: str, rnd: int, cfg: Any, mesh: Any, step_fn:
             elif whole:
                 os.environ["JAXCKPT_NODE_NAME"] = node
         if mode.startswith("jaxckpt-fused"):
-            fused = ck.wrap_step(step_fn)
+            fused = ck.wrap_step(step_fn, copy="in_program" if "-program" in mode else "auto")
     elif mode == "orbax":
         tmp = spec["orbax_dir"]
         ckptr = ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler())
@@ -474,6 +477,11 @@ def render_stall(result: dict) -> str:
     if any("step_s_jaxckpt-wait" in row["summary"] for row in result["results"]):
         lines += ["", "`jaxckpt-wait` waits for each save before the next step: its save() call column is the call "
                       "and that wait."]
+    if any("step_s_jaxckpt-fused-program" in row["summary"] or "step_s_jaxckpt-fused-program-shm" in row["summary"]
+           for row in result["results"]):
+        lines += ["", "`jaxckpt-fused` is `wrap_step` as a user gets it (`copy=\"auto\"`: on CPU devices a save() "
+                      "waited for before the plain program); `jaxckpt-fused-program` is `copy=\"in_program\"`, the "
+                      "program's own copy to pinned host that an accelerator takes, here on CPU devices too."]
     lines += ["", "Where a snapshot's time goes (process 0; per step, against `none` in the same run; the floor is "
                   "copy + crc32c of the same bytes in the same pieces on one thread; CPU figures need a quiet "
                   "machine to compare across runs):", ""]
