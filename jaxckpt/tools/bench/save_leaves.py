@@ -321,7 +321,8 @@ def render(sweep: Mapping[str, Any]) -> str:
                       "us per shard view"] + (["jaxckpt restore ms", "Orbax restore ms", "restore Orbax/jaxckpt"]
                                               if restores else []), rows), "",
         "wrap_step save: the calling thread's time in the save during a call with `save_step` (the compiled "
-        "program excluded; `copy=\"in_program\"`, the way an accelerator takes); step / step with save_step: the wrapped donating step's call without and with it. "
+        "program excluded; `copy=\"in_program\"`, the way an accelerator takes); step / step with save_step: "
+        "the wrapped donating step's call without and with it. "
         "A plain save() must take one zero-copy view of each shard it reads before it returns (so that a "
         "donating next step leaves the buffer alone): the column \"us per shard view\" is that cost, measured in "
         "the same run." + (" Restore: onto the saved shardings in the same process, jaxckpt from memory "
