@@ -233,6 +233,31 @@ def test_stall_rounds_measure_every_mode_in_turn_and_pool_its_steps(tmp_path):
     assert "| copy-floor |" in text and "points beyond the copy floor's" in text
 
 
+@pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("flax", "optax")), reason="trains a Flax GPT")
+def test_stall_records_wrap_steps_save_time_apart_from_the_programs_dispatch(tmp_path):
+    """The ``wrap_step`` modes' save() call column is the calling thread's time in the save (``save_call_seconds``
+    of each step's handle), as for save(), not the wrapped call with the program's dispatch in it; the JSON says
+    which (``fused_call``), so that a result recorded before renders with the meaning its numbers have."""
+    from jaxckpt.tools.bench import stall
+
+    out = tmp_path / "stall.json"
+    ns = cli.build_parser().parse_args(["bench", "stall", "--quick", "--procs", "1", "--modes",
+                                        "none,jaxckpt-fused,jaxckpt-fused-program", "--json", str(out)])
+    assert stall.run(ns) == 0
+    r = report.read_json(out)
+    assert r["fused_call"] == "save"
+    (row,) = r["results"]
+    (p,) = row["processes"]
+    for mode in ("jaxckpt-fused", "jaxckpt-fused-program"):
+        calls = p["modes"][mode]["save_call_s"]
+        assert calls["n"] == r["steps"] and 0 < calls["min"] <= calls["median"], (mode, calls)
+    text = stall.render_stall(r)
+    assert "is the calling thread's time in the save (before the step, its wait for the copy too), the " \
+           "program's dispatch excluded" in text
+    older = {k: v for k, v in r.items() if k != "fused_call"}
+    assert "is the whole wrapped call: the save and the program's dispatch." in stall.render_stall(older)
+
+
 def test_markdown_sections_from_json(suite):
     text = suite["md"].read_text()
     assert text.startswith("# Benchmarks\n\nprose before\n\n<!-- bench:save:begin -->\n")
