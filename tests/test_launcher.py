@@ -50,6 +50,26 @@ def where_am_i(tag):
             "node_dir": os.path.isdir(info.node_dir), "sum": int(np.sum(total))}
 
 
+def one_plain_process():
+    """A one-process job saves and restores as a user's own single process would: no distributed runtime."""
+    import jax
+    import numpy as np
+    from jax._src import distributed
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxckpt import Checkpointer, Config
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+    host = np.arange(48, dtype=np.float32).reshape(12, 4)
+    x = jax.device_put(host, NamedSharding(mesh, P("d")))
+    with Checkpointer(Config()) as ck:
+        ck.save(1, {"x": x})
+        ck.wait()
+        got = np.asarray(ck.restore({"x": x}, step=1)["x"])
+    return {"client": distributed.global_state.client is not None, "count": jax.process_count(),
+            "local": jax.local_device_count(), "equal": got.tobytes() == host.tobytes()}
+
+
 def fail_on_one(msg):
     if node_info().process_id == 1:
         raise ValueError(msg)
@@ -112,6 +132,13 @@ def test_results_by_process_and_node():
     for i, v in enumerate(values):
         assert v == {"tag": "t", "process": i, "count": 4, "local": 2, "global": 8, "node": i // 2, "nodes": 2,
                      "rank": i % 2, "node_dir": True, "sum": 10}
+
+
+def test_a_one_process_job_runs_without_a_distributed_runtime():
+    # Under jax.distributed XLA runs even one process's collectives through gloo (a step up to several times
+    # slower): a launched single process must be the plain process a user runs, and checkpoint as one.
+    (v,) = expect_ok(launch(one_plain_process, nodes=1, procs_per_node=1, devices_per_proc=4, timeout=120))
+    assert v == {"client": False, "count": 1, "local": 4, "equal": True}
 
 
 def test_tracebacks_and_bad_return_values():

@@ -9,7 +9,7 @@ reaped before the launcher returns.
 Call order for ``launch(fn, ...)``:
   0) (launcher) writes a JSON spec, picks a free loopback port, starts ``python -m jaxckpt.tools.worker``
      once per process with the variables of :mod:`jaxckpt.tools.node` set;
-  1) (every worker) ``init_from_env()`` (CPU devices, gloo, ``jax.distributed.initialize``), imports ``fn``,
+  1) (every worker) ``init_from_env()`` (CPU devices; with 2+ processes gloo and ``jax.distributed``), imports ``fn``,
      calls it, writes its JSON result (or traceback) to a file, shuts JAX down and exits;
   2) (launcher) waits; if a process fails, the others get ``fail_fast_grace`` seconds before they are killed
      (they would otherwise block on the dead process until JAX's own time-outs); on time-out everything is

@@ -91,13 +91,20 @@ def node_info() -> NodeInfo:
 def init_from_env(*, initialization_timeout: int = 120) -> NodeInfo:
     """Start this process's JAX runtime as the launcher described it; call before any JAX computation.
 
-    Sets ``jax_num_cpu_devices`` and gloo CPU collectives, then ``jax.distributed.initialize`` with the
-    coordination service bound to loopback.
+    Sets ``jax_num_cpu_devices``; with more than one process, gloo CPU collectives and
+    ``jax.distributed.initialize`` with the coordination service bound to loopback. A job of one process
+    runs as a plain process does: under ``jax.distributed`` XLA's CPU client runs even one process's
+    collectives through gloo, which makes a training step up to several times slower than the user's own
+    single-process run that a launched benchmark stands for.
     """
     info = node_info()
     import jax
 
     jax.config.update("jax_num_cpu_devices", info.devices_per_proc)
+    if info.process_count == 1:
+        log.info("single process (node %d) with %d devices: no distributed runtime", info.node,
+                 jax.local_device_count())
+        return info
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     port = info.coordinator.rsplit(":", 1)[1]
     jax.distributed.initialize(info.coordinator, info.process_count, info.process_id,

@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
         # No JAX shutdown: its barrier would wait for processes that may be blocked on this one.
         os._exit(1)
     _write(result, payload)
-    if spec["distributed"]:
+    if spec["distributed"] and info.process_count > 1:  # init_from_env starts no runtime for one process
         try:
             import jax
             jax.distributed.shutdown()

@@ -308,7 +308,7 @@ def commit_phase(spec: dict) -> dict:
         after = ck.engine.collective.stats()
         times = {s: t for s, t in ck.engine.commit_times().items() if s >= first}
         live = None
-        if jax.process_index() == 0:
+        if jax.process_index() == 0 and jax.process_count() > 1:  # one process coordinates in memory
             live = len(distributed.global_state.client.key_value_dir_get_bytes(f"jaxckpt/{spec['job']}/"))
     ops = {k: after.get(k, 0) - before.get(k, 0) for k in ("sets", "gets", "try_gets", "deletes", "rounds")}
     return {"process": jax.process_index(), "steps": spec["steps"], "ops": ops,
