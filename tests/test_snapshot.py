@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxckpt.core.checksum import crc32c
-from jaxckpt.core.copier import BLOCK_BYTES, CopyTask, Copier, copy_and_checksum
+from jaxckpt.core.copier import BLOCK_BYTES, SMALL_BYTES, CopyTask, Copier, copy_and_checksum
 from jaxckpt.core.store import Slot
 
 
@@ -17,6 +17,8 @@ from jaxckpt.core.store import Slot
     np.array(7, dtype=np.int8),  # 0-d
     np.zeros((0, 4), np.float32),
     np.arange(24, dtype=np.float32).reshape(4, 6) - 0.5,  # small and contiguous: the buffer protocol's copy
+    np.arange(SMALL_BYTES // 4, dtype=np.float32) * 0.25,  # the largest chunk copied under the GIL
+    np.arange(SMALL_BYTES // 4 + 1, dtype=np.float32) * 0.25,  # the smallest one both calls release it for
     np.array([True, False, True]),
     np.arange(5, dtype=">i4"),  # bytes as they are, whatever the byte order
     np.full((3, 5), -2.0, dtype=ml_dtypes.bfloat16),  # small, of a dtype numpy exports no buffer of

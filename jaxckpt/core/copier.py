@@ -99,12 +99,17 @@ class SnapshotResult:
 # from cache instead of from memory (measured here: 12 GB/s against 9 GB/s for copy-then-checksum of 256 MB).
 BLOCK_BYTES = 512 << 10
 BATCH_BYTES, BATCH_TASKS = 1 << 20, 256  # chunks smaller than this are handed to a worker together
+# Chunks up to this size are copied under the GIL and checksummed without releasing it (the crc32c library lets
+# it go from 32 KiB on). Above it, the copy must release the GIL too: a worker copying under the GIL while another
+# comes back from its checksum made that one wait for it, chunk after chunk, and two workers took an idle 879-leaf
+# snapshot (218 MiB in 1,314 chunks) in 68 ms where they take 40 once both calls release it (BENCHMARKS.md).
+SMALL_BYTES = 32 << 10
 
 
 def copy_and_checksum(out: np.ndarray, src: np.ndarray) -> int:
     """Copy ``src`` into the uint8 buffer ``out`` (exactly its size) and return the crc32c of the bytes written."""
     contiguous = src.flags.c_contiguous
-    if contiguous and src.dtype.isbuiltin == 1 and 0 < src.nbytes <= BLOCK_BYTES:
+    if contiguous and src.dtype.isbuiltin == 1 and 0 < src.nbytes <= SMALL_BYTES:
         # A small chunk (a state of thousands of leaves): the buffer protocol's copy costs two thirds of numpy's
         # view, reshape and copyto (1.1 against 1.6 us of CPU per 1 KiB chunk, measured here). numpy exports no
         # buffer of a dtype it does not define (isbuiltin 2: bfloat16); those, and byte-swapped or structured
