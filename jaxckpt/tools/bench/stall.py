@@ -1,7 +1,8 @@
 """``jaxckpt bench stall``: what a snapshot every step costs a real training loop, jaxckpt vs Orbax.
 
 A Flax GPT (AdamW, donated state, data x model mesh) trains in ``--procs`` JAX processes started by the
-project's launcher. In one run, for each state size, every process measures these modes one after another on
+project's launcher (one process runs as a plain one, without ``jax.distributed``: ``tools.node.init_from_env``).
+In one run, for each state size, every process measures these modes one after another on
 a fresh state with the same compiled step:
 
 - ``none``:          no checkpointing (the baseline step time);
