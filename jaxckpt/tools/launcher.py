@@ -221,10 +221,15 @@ class Job:
                         self._failed_at = now
                         self._failed = bad[0]
                 elif now - self._failed_at >= self.fail_fast_grace:
-                    for i, c in enumerate(codes):
-                        if c is None:
-                            self.kill_process(i, reason=f"killed {self.fail_fast_grace:g}s after process "
-                                                        f"{self._failed} failed")
+                    alive = [i for i, c in enumerate(codes) if c is None]
+                    # Stopped first, all of them, then killed: a process killed before another is SIGKILLed
+                    # closes its sockets, and the other, still running, would report that (a loaded machine
+                    # can put milliseconds between two kills) instead of dying for the failure it stops for.
+                    for i in alive:
+                        self._signal(i, signal.SIGSTOP)
+                    for i in alive:
+                        self.kill_process(i, reason=f"killed {self.fail_fast_grace:g}s after process "
+                                                    f"{self._failed} failed")
             if deadline is not None and now >= deadline:
                 return False
             time.sleep(0.02)
