@@ -190,7 +190,7 @@ def test_stall_options_are_checked_before_anything_runs(capsys):
         ["none", "jaxckpt-fused", "orbax"]  # in the benchmark's order
     assert stall.modes(parse(["bench", "stall", "--replicas", "split,whole", "--modes", "none,jaxckpt-whole"])) == \
         ["none", "jaxckpt-whole"]
-    for bad, match in (("jaxckpt,orbax", "that includes none"), ("none,nope", "subset of none, copy-floor, jaxckpt,"),
+    for bad, match in (("jaxckpt,orbax", "that includes none"), ("none,nope", "subset of none, copy-floor, view-floor, jaxckpt,"),
                        ("none,jaxckpt-whole", "jaxckpt-whole needs --replicas split,whole")):
         with pytest.raises(ValueError, match=match):
             stall.modes(parse(["bench", "stall", "--modes", bad]))
@@ -202,15 +202,18 @@ def test_stall_rounds_measure_every_mode_in_turn_and_pool_its_steps(tmp_path):
     """``--rounds 2``: every mode measured twice, in turn, on fresh states (the checkpointers made again); each
     mode's step, call and snapshot times pooled over both, the idle snapshot and the floor once, the breakdown
     averaged; the command and the section say so. ``copy-floor`` moved the bytes of a save at every step, on its
-    own thread, counted with the copy workers; ``jaxckpt-wait``'s save() calls returned committed."""
+    own thread, counted with the copy workers, and ``view-floor`` the same after taking a save's views (its call
+    time); ``jaxckpt-wait``'s save() calls returned committed."""
     from jaxckpt.tools.bench import stall
 
     out = tmp_path / "stall.json"
     ns = cli.build_parser().parse_args(["bench", "stall", "--quick", "--procs", "1", "--modes",
-                                        "none,jaxckpt,copy-floor,jaxckpt-wait", "--rounds", "2", "--json", str(out)])
+                                        "none,jaxckpt,copy-floor,view-floor,jaxckpt-wait", "--rounds", "2", "--json",
+                                        str(out)])
     assert stall.run(ns) == 0
     r = report.read_json(out)
-    assert r["rounds"] == 2 and r["command"].endswith("--modes none,copy-floor,jaxckpt,jaxckpt-wait --rounds 2 --json " + str(out))
+    assert r["rounds"] == 2 and r["command"].endswith("--modes none,copy-floor,view-floor,jaxckpt,jaxckpt-wait --rounds 2 --json "
+                                                    + str(out))
     (row,) = r["results"]
     (p,) = row["processes"]
     steps = r["steps"]
@@ -225,12 +228,22 @@ def test_stall_rounds_measure_every_mode_in_turn_and_pool_its_steps(tmp_path):
     floor = p["modes"]["copy-floor"]
     assert floor["step_s"]["n"] == 2 * steps and floor["floor_passes"] == 2 * (r["warmup"] + steps), floor
     assert floor["bytes_this_process"] == p["floor"]["bytes"] and floor["breakdown"]["cpu_ms"]["copy workers"] > 0
+    views = p["modes"]["view-floor"]
+    assert views["step_s"]["n"] == views["save_call_s"]["n"] == 2 * steps and views["save_call_s"]["median"] > 0
+    assert views["floor_passes"] == floor["floor_passes"] and views["bytes_this_process"] == p["floor"]["bytes"]
+    assert views["breakdown"]["cpu_ms"]["copy workers"] > 0
     s_ = row["summary"]
     assert math.isclose(s_["beyond_copy_floor_pts_jaxckpt"],
                         s_["overhead_pct_jaxckpt"] - s_["overhead_pct_copy-floor"])
+    assert math.isclose(s_["beyond_view_floor_pts_jaxckpt"],
+                        s_["overhead_pct_jaxckpt"] - s_["overhead_pct_view-floor"])
+    # the views' share of a step; beyond the view floor only where save() returns before its copy, as its views
+    assert math.isclose(s_["views_pts"], 100 * s_["save_call_s_view-floor"] / s_["step_s_none"])
+    assert "beyond_view_floor_pts_jaxckpt-wait" not in s_ and "beyond_view_floor_pts_view-floor" not in s_
     text = stall.render_stall(r)
     assert "2 rounds (every mode once per round, in turn, on a fresh state), pooled" in text
     assert "| copy-floor |" in text and "points beyond the copy floor's" in text
+    assert "| view-floor |" in text and "beyond the view floor's" in text
 
 
 @pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("flax", "optax")), reason="trains a Flax GPT")

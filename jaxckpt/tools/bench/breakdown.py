@@ -149,7 +149,8 @@ class FloorCopy:
     ``bench stall``'s ``copy-floor`` mode starts one pass where the other modes save: its step-time overhead is
     what moving the same bytes once, in native calls that release the GIL, costs the loop on this machine (the
     copy's memory traffic and core time beside XLA's), with none of jaxckpt's per-shard work, round trips or
-    donation held back: the bytes' own share of a snapshot's cost."""
+    donation held back: the bytes' own share of a snapshot's cost. ``view-floor`` hands each pass the views
+    ``take_views`` took of the state (``start(hold)``): they live until the pass ends, as a save's do."""
 
     def __init__(self, sizes: Sequence[int]) -> None:
         total, self._pieces = _pieces(sizes)
@@ -164,18 +165,25 @@ class FloorCopy:
     def _run(self) -> None:
         from jaxckpt.core.checksum import crc32c
 
-        while self._todo.get() is not None:
+        while True:
+            hold = self._todo.get()
+            if hold is None:
+                return
             for s, d in self._pieces:
                 np.copyto(d, s)
                 crc32c(d)
+            # Dropped here, on this thread, as a save's views are dropped on its workers: a donating step that
+            # starts before now finds its buffers still viewed and leaves them alone.
+            hold = None
             self.passes += 1
             self._idle.set()
 
-    def start(self) -> None:
-        """One pass, after the previous one ended (as a save waits for a free slot)."""
+    def start(self, hold: Any = True) -> None:
+        """One pass, after the previous one ended (as a save waits for a free slot); ``hold`` (views of the
+        state) is kept until the pass ends."""
         self._idle.wait()
         self._idle.clear()
-        self._todo.put(True)
+        self._todo.put(True if hold is None else hold)
 
     def wait(self) -> None:
         """Until the latest pass ended."""
@@ -186,6 +194,41 @@ class FloorCopy:
         self.wait()
         self._todo.put(None)
         self._thread.join()
+
+
+ViewPlan = list[tuple[int, Any, tuple[int, ...], tuple[int, ...], bool]]
+
+
+def saved_views(ck: Any) -> ViewPlan:
+    """The buffers the latest state layout saved through ``ck`` reads through zero-copy views (JAX arrays on CPU
+    devices): per such array, (leaf index, how its plan reaches them, positions in ``_arrays``, device ids,
+    viewed through the buffer protocol?), as ``jaxckpt.jax.snapshot.Saver`` planned them."""
+    plan = next(reversed(ck.frontend.saver._layouts.values()))
+    return [(r[1], r[4], r[2], r[3], r[5]) for r in plan.reads if r[0] == "view"]
+
+
+def take_views(leaves: list[Any], plan: ViewPlan) -> list[Any]:
+    """Zero-copy views of the buffers ``plan`` (``saved_views``) names, of ``leaves`` a step just made: the part
+    of a snapshot JAX decides (exposing the local buffers of each array, then a view of each buffer read), taken
+    the cheapest way this JAX gives, as save() takes them, and nothing else (no plan, no record, no copy)."""
+    from jaxckpt.core import collector
+    from jaxckpt.jax import buffers
+    from jaxckpt.jax.snapshot import fast_view
+
+    out, direct = [], fast_view()  # jaxlib's own view, for dtypes numpy's buffer protocol does not carry
+    with collector.paused(), buffers.shared_shardings():
+        for i, how, pos, devices, protocol in plan:
+            x = leaves[i]
+            if how == "one":
+                arrs = [x._fully_replicated_shard()]
+            elif how == "public":
+                arrs = buffers.public(x, devices)
+            else:
+                arrs = x._arrays
+                if how is not True:
+                    arrs = [arrs[p] for p in pos]
+            out.append(list(map(np.asarray, arrs)) if protocol else direct(arrs))
+    return out
 
 
 def describe(per_save: dict[str, Any], floor: dict[str, float] | None = None) -> str:

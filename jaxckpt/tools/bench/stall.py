@@ -9,6 +9,10 @@ a fresh state with the same compiled step:
 - ``copy-floor``:    no checkpointing; where the others save, one thread copies the bytes a jaxckpt save moves,
   in its pieces, each with its crc32c, into a buffer of its own (``breakdown.FloorCopy``): what moving the
   bytes once costs the step on this machine (the bytes' own share of a snapshot's cost);
+- ``view-floor``:    ``copy-floor``, and before each pass the training thread takes zero-copy views of every
+  buffer a jaxckpt save views (``breakdown.take_views``: JAX exposing each array's local buffers, then a view of
+  each one read), held until the pass ends: what the part of a snapshot JAX decides costs the step beside the
+  bytes' (with no view the next donating step is free to reuse the buffers: a save cannot skip them);
 - ``jaxckpt``:       ``ckpt.save(step, state)`` after every step (views + background copy; the default);
 - ``jaxckpt-wait``:  ``ckpt.save(step, state).result()``: the same save, waited for before the next step (no
   copy beside the step, the next step's donation never held back: on a few shared cores it can cost less);
@@ -47,8 +51,10 @@ from jaxckpt.tools.bench.report import machine_facts, now_utc, summarize
 
 log = logging.getLogger("jaxckpt.tools.bench")
 
-MODES = ("none", "copy-floor", "jaxckpt", "jaxckpt-wait", "jaxckpt-fused", "jaxckpt-fused-program", "jaxckpt-shm",
+MODES = ("none", "copy-floor", "view-floor", "jaxckpt", "jaxckpt-wait", "jaxckpt-fused", "jaxckpt-fused-program", "jaxckpt-shm",
          "jaxckpt-fused-shm", "jaxckpt-fused-program-shm", "jaxckpt-whole", "orbax")
+# save() returning before its copy: the views held while the next step runs, as view-floor's are
+OVERLAPPED = ("jaxckpt", "jaxckpt-shm", "jaxckpt-whole")
 OPTIONAL = {"jaxckpt-whole": "whole"}  # modes run only when --replicas names them
 # Presets: (d_model, layers). State bytes ~ 12 bytes/param (param + 2 AdamW moments, float32). "0.2G-deep" has
 # the bytes of "0.2G" in 4x the layers: 879 leaves instead of 231 (the leaf count of an LLM-like state, issue 13).
@@ -125,7 +131,7 @@ def _measure_mode(spec: dict, mode: str, rnd: int, cfg: Any, mesh: Any, step_fn:
 
     import jaxckpt
     from jaxckpt.tools.bench import gpt
-    from jaxckpt.tools.bench.breakdown import Breakdown, FloorCopy, copy_floor
+    from jaxckpt.tools.bench.breakdown import Breakdown, FloorCopy, copy_floor, take_views
 
     proc = jax.process_index()
     out: dict[str, Any] = {}
@@ -135,9 +141,11 @@ def _measure_mode(spec: dict, mode: str, rnd: int, cfg: Any, mesh: Any, step_fn:
     out["state_bytes"] = gpt.state_bytes(state)
     out["leaves"] = len(jax.tree_util.tree_leaves(state))
     step_times, call_times, snap_times, idle_times, nbytes = [], [], [], [], 0
-    ck = tmp = ckptr = fused = floor = None
-    if mode == "copy-floor":
-        floor = FloorCopy(_chunk_sizes(spec, state))
+    ck = tmp = ckptr = fused = floor = views = None
+    if mode in ("copy-floor", "view-floor"):
+        sizes, plan = _saved(spec, state)
+        floor = FloorCopy(sizes)
+        views = plan if mode == "view-floor" else None
     if mode.startswith("jaxckpt"):
         shm = {"store": "shm", "shm_dir": agent_dir(spec, mode)} if mode.endswith("-shm") else {}
         whole = {"replicas": "whole"} if mode == "jaxckpt-whole" else {}
@@ -181,7 +189,7 @@ def _measure_mode(spec: dict, mode: str, rnd: int, cfg: Any, mesh: Any, step_fn:
                 if mode == "jaxckpt-wait":
                     handles[-1].result()
             elif floor is not None:
-                floor.start()
+                floor.start(None if views is None else take_views(jax.tree_util.tree_leaves(state), views))
             elif mode == "orbax":
                 ckptr.save(os.path.join(tmp, f"{mode}-r{rnd}-{i}"), args=ocp.args.StandardSave(state))
                 if proc == 0 and i >= 2:  # keep tmpfs bounded; save i waited for save i-1, so i-2 is final
@@ -225,7 +233,7 @@ def _measure_mode(spec: dict, mode: str, rnd: int, cfg: Any, mesh: Any, step_fn:
         if floor is not None:
             floor.close()
             out.update(bytes_this_process=floor.bytes, floor_passes=floor.passes)
-        if mode == "orbax":
+        if mode in ("orbax", "view-floor"):  # view-floor's call: taking the views
             out["save_call_s"] = call_times
     del state
     log.debug("process %d size %s mode %s round %d: median step %.3fs", proc, spec["size"], mode, rnd,
@@ -233,15 +241,17 @@ def _measure_mode(spec: dict, mode: str, rnd: int, cfg: Any, mesh: Any, step_fn:
     return out
 
 
-def _chunk_sizes(spec: dict, state: Any) -> list[int]:
-    """The pieces a jaxckpt save of ``state`` moves on this process, in order: one save to the memory store, of
-    a job of its own, waited for (every process calls it: the save is collective)."""
+def _saved(spec: dict, state: Any) -> tuple[list[int], Any]:
+    """The pieces a jaxckpt save of ``state`` moves on this process, in order, and the buffers it views
+    (``breakdown.saved_views``): one save to the memory store, of a job of its own, waited for (every process
+    calls it: the save is collective)."""
     import jaxckpt
+    from jaxckpt.tools.bench.breakdown import saved_views
 
-    ck = jaxckpt.Checkpointer(jaxckpt.Config(job_id=job_id(spec, "copy-floor"), keep=1))
+    ck = jaxckpt.Checkpointer(jaxckpt.Config(job_id=job_id(spec, "copy-floor"), keep=1, replicas="split"))
     try:
         ck.save(0, state).result()
-        return list(ck.engine.last_chunk_sizes())
+        return list(ck.engine.last_chunk_sizes()), saved_views(ck)
     finally:
         ck.close()
 
@@ -292,6 +302,13 @@ def merge_row(size: str, procs: int, per_proc: list[dict], memcpy: dict) -> dict
             if f"overhead_pct_{mode}" in summary:
                 summary[f"beyond_copy_floor_pts_{mode}"] = (summary[f"overhead_pct_{mode}"]
                                                             - summary["overhead_pct_copy-floor"])
+    if "view-floor" in per_proc[0]["modes"]:
+        # Taking the views alone, in points of step time: every mode takes them on the training thread.
+        summary["views_pts"] = 100.0 * summary["save_call_s_view-floor"] / base
+        for mode in OVERLAPPED:  # ... and beyond what JAX's part and the bytes cost a save that returns at once
+            if f"overhead_pct_{mode}" in summary:
+                summary[f"beyond_view_floor_pts_{mode}"] = (summary[f"overhead_pct_{mode}"]
+                                                            - summary["overhead_pct_view-floor"])
     if "orbax" in per_proc[0]["modes"] and "jaxckpt" in per_proc[0]["modes"]:
         summary["save_call_ratio_orbax_over_jaxckpt"] = summary["save_call_s_orbax"] / summary["save_call_s_jaxckpt"]
     if "orbax" in per_proc[0]["modes"]:
@@ -478,6 +495,16 @@ def render_stall(result: dict) -> str:
                       "overhead is what moving those bytes once costs the step on this machine, beside XLA's "
                       "threads: the bytes' own share of a snapshot's cost. Each mode's \"beyond the copy floor\" "
                       "below is its overhead less that one, in points of step time."]
+    if any("step_s_view-floor" in row["summary"] for row in result["results"]):
+        lines += ["", "`view-floor` is `copy-floor` with, before each pass, zero-copy views of every buffer a "
+                      "jaxckpt save views, taken on the training thread the way save() takes them (JAX exposing "
+                      "each array's local buffers, then a view of each one read) and held until the pass ends, as "
+                      "a save's are: what the part of a snapshot JAX decides costs the step, beside the bytes' "
+                      "(its save() call column: taking the views, a share of the step every mode pays on the "
+                      "training thread). \"Beyond the view floor\", for the modes whose save() returns before "
+                      "its copy (`jaxckpt`, `jaxckpt-shm`, `jaxckpt-whole`), is a mode's overhead less that one; "
+                      "`wrap_step` on CPU devices waits for its copy and lets the views go before the step (the "
+                      "donation not held back), so its floor is the views' share plus the copy's wait."]
     if any("step_s_jaxckpt-wait" in row["summary"] for row in result["results"]):
         lines += ["", "`jaxckpt-wait` waits for each save before the next step: its save() call column is the call "
                       "and that wait."]
@@ -517,11 +544,13 @@ def _breakdown_lines(row: dict) -> list[str]:
             continue
         added = {k: v - base["cpu_ms"].get(k, 0.0) for k, v in b["cpu_ms"].items()}
         cost = s.get(f"cost_vs_floor_{mode}")
-        beyond = s.get(f"beyond_copy_floor_pts_{mode}")
+        beyond, past = s.get(f"beyond_copy_floor_pts_{mode}"), s.get(f"beyond_view_floor_pts_{mode}")
         head = f"- {row['size']} on {row.get('procs', 1)}, `{mode}`: " + \
             ("" if cost is None else f"step time added {cost:.1f}x the floor; ") + \
             ("" if beyond is None else f"{beyond:+.1f} points beyond the copy floor's "
                                        f"{s['overhead_pct_copy-floor']:+.1f}%; ") + \
+            ("" if past is None else f"{past:+.1f} beyond the view floor's {s['overhead_pct_view-floor']:+.1f}%; ") + \
+            ("" if "views_pts" not in s else f"the views alone {s['views_pts']:.1f} points; ") + \
             "CPU added per step " + ", ".join(f"{k} {v:+.2f} ms" for k, v in sorted(added.items()))
         out.append(head)
         out += ["  " + line for line in describe(b, p0.get("floor") if mode == "jaxckpt" else None).splitlines()]
