@@ -44,6 +44,9 @@ def test_schema_and_every_figure(run):
     assert res["setup"]["probe_bytes"] == 32 << 20 and res["loopback"]["tcp_threads"]["bytes"] >= 32 << 20
     assert " --size 8M --steps 1 --repeats 1 " in res["command"] and " --probe-size 32M " in res["command"]
     assert all(res["restore"][k]["process_bytes"] > 0 for k in ("local", "peers", "resharded", "persistent"))
+    # the agents-alive restore's machine floor, measured beside it: every process copying its bytes at once
+    together = res["restore"]["local"]["copy_at_once_s"]
+    assert together["n"] == res["setup"]["repeats"] and together["median"] > 0, together
     _check_stats(res, "cluster")
     _check_numbers(res, "cluster")
     assert not run["left"], f"left in /dev/shm: {run['left']}"
@@ -154,7 +157,7 @@ def test_markdown_and_plots(run, tmp_path):
     for words in ("jaxckpt, via peers", "Orbax StandardRestore", "Orbax emergency", "Parity floor",
                   "Restore timeline", "raw TCP", "between 8 processes", "The floor of each restore path",
                   "memory copy floor ms", "Floors (issue 26; `Config.replicas='split'`)", "- agents alive: restore ",
-                  "  - where this machine stops it: every process's restored bytes (",
+                  "  - where this machine stops it: every process copying the bytes it restores at once (",
                   "- after a node loss: `Checkpointer()` + restore", "  - where this machine stops it: ", "- kill → first step: jaxckpt's own share",
                   "kill → first step", res["machine"]["loadavg_at_start"]):
         assert words in body, words

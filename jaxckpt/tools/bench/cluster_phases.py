@@ -345,6 +345,26 @@ def _timeline(ck: Any) -> dict[str, Any]:
             "manifests": dict(rep.manifests_by_kind), "widened": 1 if rep.widened else 0}
 
 
+def _copies_at_once(nbytes: int, n: int) -> list[float]:
+    """Seconds of ``n`` copies of ``nbytes`` (what this process restored) between two buffers of its own, its
+    pages faulted in first, every process of the job copying at once (a barrier before each): the memory copy
+    the restores of all the job's processes need together on this machine's cores, measured beside them."""
+    import numpy as np
+
+    if nbytes <= 0:
+        return []
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    out = []
+    for k in range(n):
+        barrier(f"cluster-copies-at-once-{k}")
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def drop_cache(root: str) -> None:
     from jaxckpt.tools.bench.restore import drop_cache as drop, sync_tree
     sync_tree(root)
@@ -395,10 +415,11 @@ def local_phase(spec: dict) -> dict:
         std_times.append(time.perf_counter() - t0)
     check(got, spec, spec["orbax_std_step"], "Orbax StandardRestore")
     del got
+    copies = _copies_at_once(sum(sources.values()), spec["repeats"])
     barrier("cluster-local-restored")
     write_result(spec, f"local-p{info.process_id}", {
         "process": info.process_id, "step": step, "restore_s": times, "sources": sources, "timeline": timeline,
-        "orbax_standard_restore_s": std_times})
+        "orbax_standard_restore_s": std_times, "copy_at_once_s": copies})
     train_until_killed(spec, ck, st, step, "local", info)
     return {}
 

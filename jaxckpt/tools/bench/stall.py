@@ -545,13 +545,15 @@ def _breakdown_lines(row: dict) -> list[str]:
         added = {k: v - base["cpu_ms"].get(k, 0.0) for k, v in b["cpu_ms"].items()}
         cost = s.get(f"cost_vs_floor_{mode}")
         beyond, past = s.get(f"beyond_copy_floor_pts_{mode}"), s.get(f"beyond_view_floor_pts_{mode}")
-        head = f"- {row['size']} on {row.get('procs', 1)}, `{mode}`: " + \
-            ("" if cost is None else f"step time added {cost:.1f}x the floor; ") + \
-            ("" if beyond is None else f"{beyond:+.1f} points beyond the copy floor's "
-                                       f"{s['overhead_pct_copy-floor']:+.1f}%; ") + \
-            ("" if past is None else f"{past:+.1f} beyond the view floor's {s['overhead_pct_view-floor']:+.1f}%; ") + \
-            ("" if "views_pts" not in s else f"the views alone {s['views_pts']:.1f} points; ") + \
-            "CPU added per step " + ", ".join(f"{k} {v:+.2f} ms" for k, v in sorted(added.items()))
+        views = s.get("views_pts") if mode != "copy-floor" else None
+        head = "".join([f"- {row['size']} on {row.get('procs', 1)}, `{mode}`: ",
+                        "" if cost is None else f"step time added {cost:.1f}x the floor; ",
+                        "" if beyond is None else f"{beyond:+.1f} points beyond the copy floor's "
+                                                  f"{s['overhead_pct_copy-floor']:+.1f}%; ",
+                        "" if past is None else f"{past:+.1f} beyond the view floor's "
+                                                f"{s['overhead_pct_view-floor']:+.1f}%; ",
+                        "" if views is None else f"the views alone {views:.1f} points; ",
+                        "CPU added per step ", ", ".join(f"{k} {v:+.2f} ms" for k, v in sorted(added.items()))])
         out.append(head)
         out += ["  " + line for line in describe(b, p0.get("floor") if mode == "jaxckpt" else None).splitlines()]
     return out
