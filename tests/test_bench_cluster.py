@@ -6,6 +6,7 @@ No timing thresholds: the JSON's shape, that every figure is finite and positive
 (rebuilt the lost node's chunks, restored the newest protected or persisted step, planned parity at 1/(R-1)), the
 markdown section and plots rendered from it, and that nothing is left behind in /dev/shm.
 """
+import copy
 import math
 import os
 
@@ -166,6 +167,17 @@ def test_markdown_and_plots(run, tmp_path):
         files = [p for _, p in made["cluster"]]
         assert sorted(p.name for p in files) == ["cluster_recovery.png", "cluster_restore.png"]
         assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in files)
+
+
+def test_a_result_without_the_measured_copies_states_the_computed_floor(run):
+    """A result recorded before the local phase measured every process's copy at once renders the computed
+    machine floor (the restored bytes at one thread's memcpy rate over the cores) instead."""
+    res = copy.deepcopy(run["result"])
+    del res["restore"]["local"]["copy_at_once_s"]
+    body = cluster_report.render(res)
+    assert "  - where this machine stops it: every process's restored bytes (" in body
+    assert "copying the bytes it restores at once" not in body
+    assert "copying the bytes it restores at once" in cluster_report.render(run["result"])
 
 
 def test_options_are_checked():
