@@ -198,6 +198,10 @@ class Saver:
         self._layouts[key] = got
         return got
 
+    def latest(self) -> TreeLayout | None:
+        """The layout planned last (None before any save): its ``reads`` say which buffers its saves view."""
+        return next(reversed(self._layouts.values()), None)
+
     def _reads(self, plan: TreeLayout, devices: list[frozenset[int]], leaves: list[Any]
                ) -> tuple[tuple, tuple[int, ...]]:
         """Per array record: ("view", leaf, positions in ``_arrays``, device ids, all positions? or "one": the

@@ -203,8 +203,8 @@ def saved_views(ck: Any) -> ViewPlan:
     """The buffers the latest state layout saved through ``ck`` reads through zero-copy views (JAX arrays on CPU
     devices): per such array, (leaf index, how its plan reaches them, positions in ``_arrays``, device ids,
     viewed through the buffer protocol?), as ``jaxckpt.jax.snapshot.Saver`` planned them."""
-    plan = next(reversed(ck.frontend.saver._layouts.values()))
-    return [(r[1], r[4], r[2], r[3], r[5]) for r in plan.reads if r[0] == "view"]
+    plan = ck.frontend.saver.latest()
+    return [(r[1], r[4], r[2], r[3], r[5]) for r in plan.reads or () if r[0] == "view"] if plan else []
 
 
 def take_views(leaves: list[Any], plan: ViewPlan) -> list[Any]:
