@@ -8,10 +8,12 @@ import weakref
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxckpt
 from jaxckpt.tools.bench.breakdown import FloorCopy, saved_views, take_views
+from jaxckpt.tools.bench.memcpy import memcpy_seconds
 
 
 def _state():
@@ -99,3 +101,12 @@ def test_floor_copy_copies_every_piece_and_drops_what_it_held_on_its_own_thread(
     finally:
         go.set()  # never leave the pass waiting at the gate
         floor.close()
+
+
+def test_memcpy_runs_its_hook_ahead_of_each_timed_copy_and_checks_its_sizes():
+    """``bench cluster``'s copies at once: the hook (a barrier there) runs before each timed copy, in order."""
+    called: list[int] = []
+    times = memcpy_seconds(1 << 20, 3, before=called.append)
+    assert called == [0, 1, 2] and len(times) == 3 and all(t > 0 for t in times)
+    with pytest.raises(ValueError, match="nbytes=0"):
+        memcpy_seconds(0, 3)

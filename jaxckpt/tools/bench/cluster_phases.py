@@ -349,20 +349,11 @@ def _copies_at_once(nbytes: int, n: int) -> list[float]:
     """Seconds of ``n`` copies of ``nbytes`` (what this process restored) between two buffers of its own, its
     pages faulted in first, every process of the job copying at once (a barrier before each): the memory copy
     the restores of all the job's processes need together on this machine's cores, measured beside them."""
-    import numpy as np
+    from jaxckpt.tools.bench.memcpy import memcpy_seconds
 
     if nbytes <= 0:
         return []
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    out = []
-    for k in range(n):
-        barrier(f"cluster-copies-at-once-{k}")
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        out.append(time.perf_counter() - t0)
-    return out
+    return memcpy_seconds(nbytes, n, before=lambda k: barrier(f"cluster-copies-at-once-{k}"))
 
 
 def drop_cache(root: str) -> None:

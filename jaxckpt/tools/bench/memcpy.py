@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import numpy as np
 
 log = logging.getLogger("jaxckpt.tools.bench")
 
 
-def memcpy_seconds(nbytes: int, repeats: int) -> list[float]:
-    """Seconds per copy of ``nbytes`` between two preallocated, pre-faulted numpy buffers (one thread)."""
+def memcpy_seconds(nbytes: int, repeats: int, before: Callable[[int], None] | None = None) -> list[float]:
+    """Seconds per copy of ``nbytes`` between two preallocated, pre-faulted numpy buffers (one thread);
+    ``before(k)`` runs ahead of the ``k``-th timed copy, untimed (a barrier, so that processes copy at once)."""
     if nbytes < 1 or repeats < 1:
         raise ValueError(f"memcpy_seconds: nbytes={nbytes} and repeats={repeats} must be positive")
     src = np.ones(nbytes, dtype=np.uint8)
@@ -19,7 +21,9 @@ def memcpy_seconds(nbytes: int, repeats: int) -> list[float]:
     dst.fill(0)
     np.copyto(dst, src)
     out = []
-    for _ in range(repeats):
+    for k in range(repeats):
+        if before is not None:
+            before(k)
         t0 = time.perf_counter()
         np.copyto(dst, src)
         out.append(time.perf_counter() - t0)
