@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxckpt.protection import plan as pr
+from jaxckpt.protection import plan_wire as wire
 from jaxckpt.protection import rebuild as rc
 from jaxckpt.core.box import Box, covers
 from jaxckpt.core.checksum import crc32c
@@ -217,7 +218,7 @@ def test_whole_replicas_need_no_parity_and_every_single_node_loss_is_rebuilt(job
     read = {g.chunk for s in j.prot.stripes for u in s.units for g in u.ranges} | \
         {i for b in j.prot.copy_blocks for i in b.chunks}
     assert not any(j.prot.chunks[i].policy == "whole" for i in read)
-    assert pr.decode_plan(pr.encode_plan(j.prot)) == j.prot
+    assert wire.decode_plan(wire.encode_plan(j.prot)) == j.prot
     for node in sorted(set(nodes)):
         plan = check_rebuild(j, {node})
         for r in plan.rebuilds:
@@ -307,7 +308,7 @@ def test_plan_invariants_and_wire_round_trip(job, policy):
     kw.pop("seed"), kw.pop("chunk_bytes")
     plans = plan_save(layouts, len(nodes), 64)
     p = pr.plan_protection(layouts, plans, nodes, policy, **kw)
-    assert pr.decode_plan(pr.encode_plan(p)) == p
+    assert wire.decode_plan(wire.encode_plan(p)) == p
     node_ids = sorted(set(nodes))
     for c in p.chunks:
         rep_nodes = {nodes[q] for q in c.replicas}
@@ -579,19 +580,48 @@ def test_planner_errors():
 def test_decode_refuses_damaged_plans():
     nodes = [0, 1, 2]
     layouts = dp_layouts(nodes, rows=(64,), sharded=1)
-    data = pr.encode_plan(pr.plan_protection(layouts, plan_save(layouts, 3), nodes, "hybrid"))
+    data = wire.encode_plan(pr.plan_protection(layouts, plan_save(layouts, 3), nodes, "hybrid"))
     with pytest.raises(ManifestError, match="peer 2: protection plan checksum mismatch"):
-        pr.decode_plan(data[:-3] + bytes([data[-3] ^ 1]) + data[-2:], source="peer 2")
+        wire.decode_plan(data[:-3] + bytes([data[-3] ^ 1]) + data[-2:], source="peer 2")
     with pytest.raises(ManifestError, match="malformed protection plan|not a jaxckpt protection plan"):
-        pr.decode_plan(data[:20])
+        wire.decode_plan(data[:20])
     import msgpack
     env = msgpack.unpackb(data)
     body = msgpack.unpackb(env[3], strict_map_key=False)
     body["stripes"][0][1] = body["stripes"][0][3][0][0]  # parity on a node whose unit it protects
     bad = msgpack.packb(body, use_bin_type=True)
     with pytest.raises(ManifestError, match="malformed protection plan .*stripe 0: parity on node"):
-        pr.decode_plan(msgpack.packb([env[0], env[1], crc32c(bad), bad], use_bin_type=True))
+        wire.decode_plan(msgpack.packb([env[0], env[1], crc32c(bad), bad], use_bin_type=True))
 
+
+
+def test_decoded_plans_are_kept_by_their_bytes_a_few_at_a_time():
+    # An agent decodes the plan at every step's pull, a restore once per step it scans: the same bytes each time.
+    plans = [pr.plan_protection(ls, plan_save(ls, 3), [0, 1, 2], "hybrid")
+             for ls in (dp_layouts([0, 1, 2], rows=(64 * (k + 1),), sharded=1) for k in range(wire.KEEP_DECODED + 1))]
+    data = [wire.encode_plan(p) for p in plans]
+    first = wire.decode_plan(data[0])
+    assert first == plans[0] and wire.decode_plan(bytearray(data[0])) is first  # equal bytes: no second decode
+    with pytest.raises(ManifestError, match="step 7 plan: protection plan checksum mismatch"):
+        wire.decode_plan(data[0][:-3] + bytes([data[0][-3] ^ 1]) + data[0][-2:], source="step 7 plan")
+    for d, p in zip(data[1:], plans[1:]):
+        assert wire.decode_plan(d) == p
+    again = wire.decode_plan(data[0])  # pushed out by KEEP_DECODED newer plans: decoded anew, equal
+    assert again == plans[0] and again is not first
+    assert wire.decode_plan(wire.encode_plan(plans[1])) is plans[1]  # the process that made a plan never decodes it
+
+
+def test_decode_refuses_a_box_bound_that_is_not_a_non_negative_int():
+    import msgpack
+    nodes = [0, 1]
+    layouts = dp_layouts(nodes, rows=(64,))
+    env = msgpack.unpackb(wire.encode_plan(pr.plan_protection(layouts, plan_save(layouts, 2), nodes, "hybrid")))
+    for bad_bound in (64.5, -1, True):
+        body = msgpack.unpackb(env[3], strict_map_key=False)
+        body["chunks"][0][4][1][0] = bad_bound  # the stop of the first chunk's box, axis 0
+        raw = msgpack.packb(body, use_bin_type=True)
+        with pytest.raises(ManifestError, match=f"peer 1: malformed protection plan .*got {bad_bound!r}"):
+            wire.decode_plan(msgpack.packb([env[0], env[1], crc32c(raw), raw], use_bin_type=True), source="peer 1")
 
 @settings(max_examples=200, deadline=None)
 @given(shape=st.lists(st.integers(1, 5), min_size=0, max_size=3), itemsize=st.sampled_from([1, 4]), data=st.data())

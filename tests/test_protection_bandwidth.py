@@ -18,7 +18,8 @@ from jaxckpt.backends.shm import ShmStore
 from jaxckpt.core import manifest as mf
 from jaxckpt.core.box import Box
 from jaxckpt.core.checksum import crc32c
-from jaxckpt.protection.plan import CopyBlock, ProtectionPlan, SavedChunk, encode_plan, validate_protection
+from jaxckpt.protection.plan import CopyBlock, ProtectionPlan, SavedChunk, validate_protection
+from jaxckpt.protection.plan_wire import encode_plan
 from jaxckpt.protection.slot import PROTECT_BASE
 from jaxckpt.testing import remove_agents
 

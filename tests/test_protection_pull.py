@@ -20,7 +20,8 @@ from jaxckpt.core import manifest as mf
 from jaxckpt.core.box import Box
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.errors import AgentError
-from jaxckpt.protection.plan import ChunkRange, ProtectionPlan, SavedChunk, Stripe, Unit, encode_plan
+from jaxckpt.protection.plan import ChunkRange, ProtectionPlan, SavedChunk, Stripe, Unit
+from jaxckpt.protection.plan_wire import encode_plan
 from jaxckpt.protection.slot import PROTECT_BASE
 from jaxckpt.testing import remove_agents
 

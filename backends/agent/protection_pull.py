@@ -4,7 +4,7 @@ A trainer's protection worker (``jaxckpt.protection.runtime``) decides, coordina
 here, in the agent, after the local commit: the trainer reserves its protection slot, writes the meta and the
 parity stripes it computed from its own device copies, and sends ``pull`` on that slot with
 
-  plan      the encoded protection plan of the step (``jaxckpt.protection.plan.encode_plan``);
+  plan      the encoded protection plan of the step (``jaxckpt.protection.plan_wire.encode_plan``);
   tasks     ``[[kind, id, offset], ...]``: the ``xor-group`` stripes and ``replica`` copy blocks this process
             builds, and where each goes in the slot;
   sources   ``{process: [address, token] | [address, token, CURVE key] | None}``: where each saving process's
@@ -37,7 +37,8 @@ from jaxckpt.core import manifest as mf
 from jaxckpt.protection import parity
 from jaxckpt.core.checksum import crc32c, span_crc
 from jaxckpt.errors import ChecksumError, PeerError
-from jaxckpt.protection.plan import SavedChunk, copy_block, decode_plan, stripe_parity
+from jaxckpt.protection.plan import SavedChunk, copy_block, stripe_parity
+from jaxckpt.protection.plan_wire import decode_plan
 
 log = logging.getLogger("jaxckpt.backends.agent.protection_pull")
 

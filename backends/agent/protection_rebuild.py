@@ -30,7 +30,8 @@ from jaxckpt.core import manifest as mf
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.errors import ChecksumError, PeerError, StepNotFoundError
 from jaxckpt.protection import PROTECT_BASE, parity
-from jaxckpt.protection.plan import ProtectionPlan, decode_plan
+from jaxckpt.protection.plan import ProtectionPlan
+from jaxckpt.protection.plan_wire import decode_plan
 from jaxckpt.protection.slot import BlockRef, decode_header, decode_meta
 
 log = logging.getLogger("jaxckpt.backends.agent.protection_rebuild")

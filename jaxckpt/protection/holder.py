@@ -23,7 +23,8 @@ from jaxckpt.core import manifest as mf
 from jaxckpt.protection import parity
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.errors import ChecksumError, DataLossError, ManifestError, PeerError, StepNotFoundError
-from jaxckpt.protection.plan import CopyBlock, ProtectionPlan, SavedChunk, Stripe, decode_plan
+from jaxckpt.protection.plan import CopyBlock, ProtectionPlan, SavedChunk, Stripe
+from jaxckpt.protection.plan_wire import decode_plan
 from jaxckpt.protection.rebuild import Rebuilder, data_loss, plan_rebuild
 from jaxckpt.protection.slot import PROTECT_BASE, BlockRef, SlotHeader, decode_header, decode_meta
 from jaxckpt.core.manifest import ChunkMeta

@@ -48,7 +48,8 @@ partial round is cut into equal units at 64-byte boundaries (aligned uint64 XOR)
   (replica processes)  compute the ``parity`` stripes of :meth:`ProtectionPlan.parity_tasks` from device copies;
   (node agents)        send the units of :meth:`xor_sends` and the blocks of :meth:`copy_sends`; hold what
                        :meth:`held_by` lists; the step is protected when every holder has its blocks.
-The rebuild after a set of nodes is lost is planned by :mod:`jaxckpt.protection.rebuild`.
+The rebuild after a set of nodes is lost is planned by :mod:`jaxckpt.protection.rebuild`; the plan's bytes, which
+the agents keep with each step, are :mod:`jaxckpt.protection.plan_wire`'s.
 """
 from __future__ import annotations
 
@@ -56,15 +57,13 @@ import bisect
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
-import msgpack
 import numpy as np
 
 from jaxckpt.protection import parity
 from jaxckpt.core.box import Box
-from jaxckpt.core.checksum import crc32c
-from jaxckpt.errors import ManifestError, PlanError
+from jaxckpt.errors import PlanError
 from jaxckpt.core.plan import ArrayLayout, SavePlan
 
 if TYPE_CHECKING:
@@ -491,80 +490,3 @@ def range_from_copy(chunk: SavedChunk, lo: int, hi: int, shard: np.ndarray, shar
     part = np.ascontiguousarray(shard[shard_box.relative(chunk.box)])
     return parity.as_bytes(part)[lo:hi]
 
-
-# ------------------------------------------------------------------------------------------------------ wire
-# A restarted job cannot recompute the plan of a layout it no longer has: agents keep the encoded plan with the step.
-WIRE_FORMAT = "jaxckpt-protection"
-WIRE_VERSION = 1
-
-
-def encode_plan(plan: ProtectionPlan) -> bytes:
-    """The msgpack envelope ``[FORMAT, VERSION, crc32c(body), body]`` of a plan (ids and positions implied)."""
-    # Paths and replica sets go in tables: a box replicated over thousands of processes is listed once.
-    paths = {p: i for i, p in enumerate(dict.fromkeys(c.path for c in plan.chunks))}
-    reps = {r: i for i, r in enumerate(dict.fromkeys(c.replicas for c in plan.chunks))}
-    body = msgpack.packb({
-        "policy": plan.policy, "copies": plan.copies, "group_size": plan.group_size, "unit_bytes": plan.unit_bytes,
-        "nodes": list(plan.nodes), "groups": [list(g) for g in plan.groups], "layout": plan.layout,
-        "paths": list(paths), "replica_sets": [list(r) for r in reps],
-        "chunks": [[c.process, c.offset, c.nbytes, paths[c.path], c.box.to_wire(), c.source.to_wire(),
-                    reps[c.replicas], c.policy] for c in plan.chunks],
-        "stripes": [[s.kind, s.node, s.process, [[u.node, [[g.chunk, g.lo, g.hi] for g in u.ranges]]
-                                                 for u in s.units]] for s in plan.stripes],
-        "copy_blocks": [[b.node, b.source_node, b.process, list(b.chunks)] for b in plan.copy_blocks],
-        **({"agents": list(plan.agents)} if plan.agents else {}),
-    }, use_bin_type=True)
-    return msgpack.packb([WIRE_FORMAT, WIRE_VERSION, crc32c(body), body], use_bin_type=True)
-
-
-def decode_plan(data: bytes | memoryview, *, source: str = "protection plan") -> ProtectionPlan:
-    """Decode and validate an encoded plan; any defect raises ManifestError naming ``source``."""
-    try:
-        env = msgpack.unpackb(bytes(data), raw=False)
-        if not (isinstance(env, list) and len(env) == 4 and env[0] == WIRE_FORMAT):
-            raise ManifestError(f"{source}: not a jaxckpt protection plan")
-        if env[1] != WIRE_VERSION:
-            raise ManifestError(f"{source}: protection plan version {env[1]!r} is not supported ({WIRE_VERSION})")
-        if not isinstance(env[3], bytes) or crc32c(env[3]) != env[2]:
-            raise ManifestError(f"{source}: protection plan checksum mismatch (corrupt)")
-        d = msgpack.unpackb(env[3], raw=False, strict_map_key=False)
-        nodes = tuple(_i(n) for n in d["nodes"])
-        paths = [str(p) for p in d["paths"]]
-        rsets = [tuple(_i(r) for r in rs) for rs in d["replica_sets"]]
-        chunks = tuple(SavedChunk(_i(p), nodes[_i(p)], _i(off), _i(nb), paths[_i(path)], Box.from_wire(box),
-                                  Box.from_wire(src), rsets[_i(reps)], _kind(kind))
-                       for p, off, nb, path, box, src, reps, kind in d["chunks"])
-        stripes = tuple(Stripe(i, _kind(kind), _i(node), int(proc),
-                               tuple(Unit(_i(un), tuple(ChunkRange(_i(c), _i(lo), _i(hi)) for c, lo, hi in segs))
-                                     for un, segs in units))
-                        for i, (kind, node, proc, units) in enumerate(d["stripes"]))
-        blocks = []
-        for i, (node, src, proc, idx) in enumerate(d["copy_blocks"]):
-            positions, pos = [], 0
-            for c in idx:
-                positions.append(pos)
-                pos += -(-chunks[_i(c)].nbytes // ALIGN) * ALIGN
-            blocks.append(CopyBlock(i, _i(node), _i(src), _i(proc), tuple(_i(c) for c in idx), tuple(positions), pos))
-        plan = ProtectionPlan(str(d["policy"]), _i(d["copies"]), _i(d["group_size"]), _i(d["unit_bytes"]), nodes,
-                              tuple(tuple(_i(n) for n in g) for g in d["groups"]), chunks, stripes, tuple(blocks),
-                              str(d["layout"]), tuple(_i(a) for a in d.get("agents", ())))
-        if plan.agents and len(plan.agents) != len(nodes):
-            raise ValueError(f"{len(plan.agents)} agents for {len(nodes)} processes")
-        validate_protection(plan)
-        return plan
-    except ManifestError:
-        raise
-    except Exception as e:  # msgpack, unpacking, index and plan errors alike mean a malformed plan
-        raise ManifestError(f"{source}: malformed protection plan ({type(e).__name__}: {e})") from None
-
-
-def _i(v: Any) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise ValueError(f"expected a non-negative int, got {v!r}")
-    return v
-
-
-def _kind(v: Any) -> str:
-    if v not in KINDS:
-        raise ValueError(f"unknown protection kind {v!r}")
-    return v

@@ -56,8 +56,8 @@ from jaxckpt.errors import AgentError, CommitError, PeerError
 from jaxckpt.node_identity import node_identity
 from jaxckpt.core.plan import ArrayLayout, SavePlan
 from jaxckpt.core.protect import ProtectionHost
-from jaxckpt.protection.plan import (ProtectionPlan, SavedChunk, encode_plan, plan_for_config,
-                                range_from_copy, stripe_parity)
+from jaxckpt.protection.plan import ProtectionPlan, SavedChunk, plan_for_config, range_from_copy, stripe_parity
+from jaxckpt.protection.plan_wire import encode_plan
 from jaxckpt.protection.holder import RebuildHolder
 from jaxckpt.protection.slot import encode_meta, slot_header, slot_layout
 

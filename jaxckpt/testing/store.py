@@ -517,7 +517,8 @@ class StoreTests:
                 h.close()
 
     def test_protection_slots_are_apart_and_the_agent_pull_fills_one(self, store: Store) -> None:
-        from jaxckpt.protection.plan import CopyBlock, ProtectionPlan, SavedChunk, encode_plan
+        from jaxckpt.protection.plan import CopyBlock, ProtectionPlan, SavedChunk
+        from jaxckpt.protection.plan_wire import encode_plan
         from jaxckpt.protection.slot import PROTECT_BASE
 
         slots = self.declared(store, cap.ProtectionSlots)
