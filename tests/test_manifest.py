@@ -168,6 +168,26 @@ BAD_BODIES = {
 }
 
 
+def test_chunk_crcs_are_decodes_crcs_and_their_integers_are_checked():
+    m = sample()
+    assert mf.chunk_crcs(VALID) == {(c.process, c.offset): c.crc32c for a in m.arrays for c in a.chunks}
+    assert mf.chunk_crcs(memoryview(VALID)) == {(0, 0): 0xDEADBEEF, (1, 64): 7, (0, 128): 1, (0, 192): 2}
+    for name in ("chunk too short", "chunk offset negative", "crc not int", "arrays not a list"):
+        path, value = BAD_BODIES[name]
+        d = wire()
+        _set(d, path, value)
+        with pytest.raises(ManifestError, match="step 4 manifest of process 1: "):
+            mf.chunk_crcs(envelope(d), source="step 4 manifest of process 1")
+    d = wire()
+    _set(d, ("arrays", 0, "chunks", 1, 4), True)  # a bool is not a process index
+    with pytest.raises(ManifestError, match=r"params/dense/kernel.process' has type bool"):
+        mf.chunk_crcs(envelope(d))
+    body = msgpack.packb(wire(), use_bin_type=True)
+    with pytest.raises(ManifestError, match="peer 3: manifest checksum mismatch"):
+        mf.chunk_crcs(msgpack.packb([mf.FORMAT, mf.VERSION, crc32c(body) ^ 1, body], use_bin_type=True),
+                      source="peer 3")
+
+
 @pytest.mark.parametrize("name", sorted(BAD_BODIES))
 def test_schema_defects_with_a_valid_checksum_are_refused(name):
     path, value = BAD_BODIES[name]
@@ -195,12 +215,14 @@ def test_merge_chunks_joins_processes_and_checks_agreement():
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def _decode_refused(data: bytes) -> None:
-    try:
-        mf.decode(data)
-    except ManifestError:
-        return
-    raise AssertionError(f"decode accepted a damaged manifest: {data[:64]!r}")
+def _decode_refused(data: bytes, crcs_too: bool = True) -> None:
+    """Damage ``decode`` refuses; with ``crcs_too`` (damage to the envelope or its bytes) ``chunk_crcs`` too."""
+    for f in (mf.decode, mf.chunk_crcs) if crcs_too else (mf.decode,):
+        try:
+            f(data)
+        except ManifestError:
+            continue
+        raise AssertionError(f"{f.__name__} accepted a damaged manifest: {data[:64]!r}")
 
 
 @FUZZ
@@ -253,7 +275,11 @@ msgpack_values = st.recursive(
 @FUZZ
 @given(msgpack_values)
 def test_random_bodies_with_a_valid_checksum_raise_manifest_error(body):
-    _decode_refused(envelope(body))
+    _decode_refused(envelope(body), crcs_too=False)
+    try:  # it checks the chunks' integers only: anything else it reads must be refused, never another exception
+        mf.chunk_crcs(envelope(body))
+    except ManifestError:
+        pass
 
 
 @FUZZ

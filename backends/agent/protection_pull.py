@@ -114,11 +114,9 @@ class ChunkSpans:
         self._decode(q, bytes(view.manifest))
 
     def _decode(self, q: int, raw: bytes) -> None:
-        m = mf.decode(raw, source=f"step {self.step} manifest of process {q}")
+        crcs = mf.chunk_crcs(raw, source=f"step {self.step} manifest of process {q}")
         with self._lock:
-            for a in m.arrays:
-                for c in a.chunks:
-                    self._crcs[(c.process, c.offset)] = c.crc32c
+            self._crcs.update(crcs)
             self._known.add(q)
 
     def _crc(self, c: SavedChunk, q: int) -> int:

@@ -70,9 +70,7 @@ def _slot(view: Any, process: int, step: int) -> _Slot:
     got = _Slot(decode_plan(plan_bytes, source=f"the plan of {where}"),
                 {b.id: b for b in hdr.blocks if b.kind == "stripe"})
     for q, m in manifests.items():  # the manifests kept with protection: those processes' crc32c need no request
-        for a in mf.decode(m, source=f"manifest of process {q} kept in {where}").arrays:
-            for c in a.chunks:
-                got.crcs[(c.process, c.offset)] = c.crc32c
+        got.crcs.update(mf.chunk_crcs(m, source=f"manifest of process {q} kept in {where}"))
         got.known.add(q)
     with _lock:
         _slots[key] = got

@@ -166,6 +166,44 @@ class Template:
 
 def decode(data: bytes | memoryview, *, source: str = "manifest") -> Manifest:
     """Decode and validate an envelope; any defect raises ManifestError naming ``source``."""
+    body = _body(data, source)
+    # The collector paused: a manifest is a few objects per chunk, made at once and kept together (a 4,096-leaf
+    # state's 32,768 chunks set off a young collection every 700 objects, 4x the unpacking itself).
+    with collector.paused():
+        try:
+            return _from_wire(msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=False))
+        except ManifestError:
+            raise
+        except Exception as e:
+            raise ManifestError(f"{source}: malformed manifest body ({type(e).__name__}: {e})") from None
+
+
+def chunk_crcs(data: bytes | memoryview, *, source: str = "manifest") -> dict[tuple[int, int], int]:
+    """(saving process, offset) -> crc32c of every chunk an envelope lists, which is all that checking bytes
+    against their manifest needs: the envelope is checked as :func:`decode` checks it and every chunk's four
+    integers are, but no record is built (a tenth of the time of :func:`decode` on a many-leaf state, which a
+    node agent would otherwise pay for every source at every step it protects)."""
+    body = _body(data, source)
+    out: dict[tuple[int, int], int] = {}
+    try:
+        d = _expect(msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=False), dict, "manifest")
+        for a in _expect(d["arrays"], list, "arrays"):
+            for c in _expect(_expect(a, dict, "array")["chunks"], list, "chunks"):
+                _, off, nb, crc, proc = _expect(c, list, "chunk")
+                if not (type(off) is int and type(nb) is int and type(crc) is int and type(proc) is int
+                        and off >= 0 and nb >= 0 and crc >= 0 and proc >= 0):
+                    for v, what in ((off, "offset"), (nb, "nbytes"), (crc, "crc32c"), (proc, "process")):
+                        _int(v, f"{a.get('path')}.{what}")
+                out[(proc, off)] = crc
+    except ManifestError as e:
+        raise ManifestError(f"{source}: {e}") from None
+    except Exception as e:
+        raise ManifestError(f"{source}: malformed manifest body ({type(e).__name__}: {e})") from None
+    return out
+
+
+def _body(data: bytes | memoryview, source: str) -> bytes:
+    """The body of an envelope whose size, format, version and crc32c are right (ManifestError otherwise)."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{source}: {len(data)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit")
     try:
@@ -181,15 +219,7 @@ def decode(data: bytes | memoryview, *, source: str = "manifest") -> Manifest:
         raise ManifestError(f"{source}: malformed manifest envelope")
     if crc32c(body) != crc:
         raise ManifestError(f"{source}: manifest checksum mismatch (corrupt)")
-    # The collector paused: a manifest is a few objects per chunk, made at once and kept together (a 4,096-leaf
-    # state's 32,768 chunks set off a young collection every 700 objects, 4x the unpacking itself).
-    with collector.paused():
-        try:
-            return _from_wire(msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=False))
-        except ManifestError:
-            raise
-        except Exception as e:
-            raise ManifestError(f"{source}: malformed manifest body ({type(e).__name__}: {e})") from None
+    return body
 
 
 def _keypath_to_wire(kp: Iterable[KeyEntry]) -> list:

@@ -11,6 +11,7 @@ lost nodes, missing boxes) is kept in ``losses``.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -38,12 +39,19 @@ class _StepInfo:
     step: int
     plan: ProtectionPlan
     manifests: dict[int, bytes]
-    crcs: dict[tuple[int, int], int]
+    # The crc32c of every chunk, from decoding every process's manifest: a rebuild needs them, a scan does not, and a
+    # 4,096-leaf manifest takes a tenth of a second to decode, so they are decoded when a rebuild first asks.
+    crcs_of: Callable[[], dict[tuple[int, int], int]]
     held: dict[int, list[Holder]]  # saving process -> agent holders that hold its snapshot
     blocks: dict[tuple[str, int], list[tuple[Holder, int, BlockRef]]]  # block -> (holder, pseudo process, ref)
     lost_nodes: tuple[int, ...]
     bad_blocks: tuple[tuple[str, int], ...]
     complete: bool = False  # every saving process's slot and every block are there, and no node is lost
+
+    @functools.cached_property
+    def crcs(self) -> dict[tuple[int, int], int]:
+        """(saving process, offset) -> crc32c of every chunk of the step (ManifestError if a manifest is bad)."""
+        return self.crcs_of()
 
 
 class _IO:
@@ -313,13 +321,9 @@ class RebuildHolder(Holder):
                 losses[step] = DataLossError(f"step {step}: the manifests of processes {no_manifest[:16]} were lost "
                                              f"with node(s) {list(lost_nodes)}", step=step, lost_nodes=lost_nodes)
                 continue
-            try:
-                crcs = self._chunk_crcs(step, manifests)
-            except ManifestError as err:
-                log.warning("%s", err)
-                continue
             complete = not lost_nodes and not bad and writers >= set(range(n_proc))
-            out[step] = _StepInfo(step, plan, manifests, crcs, held, blocks, lost_nodes, bad, complete)
+            out[step] = _StepInfo(step, plan, manifests, functools.partial(self._chunk_crcs, step, manifests), held,
+                                  blocks, lost_nodes, bad, complete)
         with self._lock:
             new = [s for s in losses if s not in self.losses]
             self._steps, self.losses = out, losses
@@ -338,10 +342,7 @@ class RebuildHolder(Holder):
         if got is None:
             got = {}
             for q, raw in manifests.items():
-                m = mf.decode(raw, source=f"step {step} manifest of process {q} (kept with protection)")
-                for a in m.arrays:
-                    for c in a.chunks:
-                        got[(c.process, c.offset)] = c.crc32c
+                got.update(mf.chunk_crcs(raw, source=f"step {step} manifest of process {q} (kept with protection)"))
             with self._lock:
                 self._crcs[key] = got
         return got
