@@ -193,6 +193,11 @@ def test_options_are_checked():
     with pytest.raises(ValueError, match="bad size 'lots'"):
         cluster.options(ns)
     assert cli.main(["bench", "cluster", "--quick", "--nodes", "1"]) == 2
+    ns = cli.build_parser().parse_args(["bench", "cluster", "--quick", "--arrays", "0"])
+    with pytest.raises(ValueError, match="--arrays must be at least 1"):
+        cluster.options(ns)
+    ns = cli.build_parser().parse_args(["bench", "cluster", "--quick", "--arrays", "1024"])
+    assert cluster.options(ns)["arrays"] == 1024 and "--arrays 1024" in cluster.command(ns)
 
 
 def test_the_srun_section_is_rendered_from_its_recorded_run():

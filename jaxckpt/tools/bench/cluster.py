@@ -66,6 +66,8 @@ LAUNCHERS = ("own", "srun", "both")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``jaxckpt bench cluster``."""
     for flag, key, what in (("--size", "size", "total state size, K/M/G binary"),
+                            ("--arrays", "arrays", "float32 arrays the state is cut into, half data-parallel and "
+                                                   "half fully sharded (at least 8 rows each)"),
                             ("--nodes", "nodes", "simulated nodes"),
                             ("--procs-per-node", "procs_per_node", "JAX processes per node"),
                             ("--steps", "steps", "timed steps with and without saves, per policy"),
@@ -97,7 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def options(args: argparse.Namespace) -> dict[str, Any]:
     """Effective settings: explicit flags over the --quick or full defaults; ValueError for impossible ones."""
     out = dict(QUICK if args.quick else FULL)
-    for k in ("size", "nodes", "procs_per_node", "steps", "repeats", "recoveries", "persist_interval", "probe_size"):
+    for k in ("size", "arrays", "nodes", "procs_per_node", "steps", "repeats", "recoveries", "persist_interval",
+              "probe_size"):
         if getattr(args, k, None) is not None:
             out[k] = getattr(args, k)
     out["size"] = parse_size(str(out["size"]))
@@ -110,7 +113,7 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     out["launcher"] = getattr(args, "launcher", None) or "own"
     if out["nodes"] < 2 or out["procs_per_node"] < 1:
         raise ValueError(f"bench cluster needs at least 2 nodes (got {out['nodes']}) and 1 process per node")
-    for k in ("steps", "repeats", "recoveries", "persist_interval"):
+    for k in ("arrays", "steps", "repeats", "recoveries", "persist_interval"):
         if out[k] < 1:
             raise ValueError(f"bench cluster: --{k.replace('_', '-')} must be at least 1 (got {out[k]})")
     if not os.path.isdir(out["plain_dir"]):
@@ -126,8 +129,8 @@ def _default_replicas() -> str:
 def command(args: argparse.Namespace) -> str:
     """The command line that repeats this run."""
     line = runner.command_line("cluster", args, tuple((f"--{k.replace('_', '-')}", k) for k in (
-        "size", "nodes", "procs_per_node", "steps", "repeats", "recoveries", "persist_interval", "probe_size",
-        "launcher", "plain_dir")))
+        "size", "arrays", "nodes", "procs_per_node", "steps", "repeats", "recoveries", "persist_interval",
+        "probe_size", "launcher", "plain_dir")))
     if getattr(args, "replicas", None):
         line += f" --replicas {args.replicas}"
     if getattr(args, "late_agent", False):
