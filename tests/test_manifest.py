@@ -188,6 +188,19 @@ def test_chunk_crcs_are_decodes_crcs_and_their_integers_are_checked():
                       source="peer 3")
 
 
+def test_owner_reads_whose_a_manifest_is_and_checks_the_envelope():
+    assert mf.owner(VALID) == (0, 2) and mf.owner(memoryview(VALID)) == (0, 2)
+    for field, value, says in (("process", -1, "negative"), ("process_count", True, "type bool"),
+                               ("process", KeyError, "KeyError")):
+        d = wire()
+        _set(d, (field,), value)
+        with pytest.raises(ManifestError, match=f"step 9 manifest of process 0: .*{says}"):
+            mf.owner(envelope(d), source="step 9 manifest of process 0")
+    for damaged in (VALID[:-1], VALID[:10], bytes([VALID[0] ^ 4]) + VALID[1:], envelope(wire(), version=2)):
+        with pytest.raises(ManifestError):
+            mf.owner(damaged)
+
+
 @pytest.mark.parametrize("name", sorted(BAD_BODIES))
 def test_schema_defects_with_a_valid_checksum_are_refused(name):
     path, value = BAD_BODIES[name]
@@ -216,8 +229,9 @@ FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCh
 
 
 def _decode_refused(data: bytes, crcs_too: bool = True) -> None:
-    """Damage ``decode`` refuses; with ``crcs_too`` (damage to the envelope or its bytes) ``chunk_crcs`` too."""
-    for f in (mf.decode, mf.chunk_crcs) if crcs_too else (mf.decode,):
+    """Damage ``decode`` refuses; with ``crcs_too`` (damage to the envelope or its bytes) ``chunk_crcs`` and ``owner``
+    too."""
+    for f in (mf.decode, mf.chunk_crcs, mf.owner) if crcs_too else (mf.decode,):
         try:
             f(data)
         except ManifestError:

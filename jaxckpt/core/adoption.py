@@ -86,28 +86,35 @@ def decide(engine: "CheckpointEngine") -> Adoption:
     kept = set(agreed) | {s for s in (restorable, guard, *fallbacks) if s is not None}
     delete = tuple(s for s in held if (s in own and s not in kept) or (restorable is not None and s > restorable))
     holds = tuple((s, complete) for s, complete in ((guard, True), *((f, False) for f in fallbacks)) if s is not None)
-    return Adoption(tuple(held), tuple(agreed), newest, holds, delete, decoded.get(newest))
+    mine = decoded.get(newest)
+    return Adoption(tuple(held), tuple(agreed), newest, holds, delete, mine if mine and mine[1] else None)
 
 
-def _own_steps(engine: "CheckpointEngine", held: list[int]) -> dict[int, tuple[bytes, mf.Manifest]]:
+def _own_steps(engine: "CheckpointEngine", held: list[int]) -> dict[int, tuple[bytes, mf.Manifest | None]]:
     """The held steps this process saved as process ``process_index`` of ``process_count`` processes, in order,
-    each with its manifest's bytes and their decoding."""
-    out: dict[int, tuple[bytes, mf.Manifest]] = {}
-    for s in held:
+    each with its manifest's bytes; the newest readable one's decoded too (the step a relaunch restores, checked
+    whole before it is adopted), the others only as far as whose they are (most are deleted next, and a 4,096-leaf
+    manifest takes a tenth of a second to decode: a restore of an older one decodes it, and falls back if it must)."""
+    out: dict[int, tuple[bytes, mf.Manifest | None]] = {}
+    newest = True
+    for s in sorted(held, reverse=True):
         try:
             raw = engine.store.manifest(s)  # the bytes stay unread: most held steps are deleted next
         except StepNotFoundError:
             continue
         if raw is None:
             continue
+        source = f"step {s} manifest of process {engine.process_index}"
         try:
-            m = mf.decode(raw, source=f"step {s} manifest of process {engine.process_index}")
+            m = mf.decode(raw, source=source) if newest else None
+            whose = (m.process, m.process_count) if m is not None else mf.owner(raw, source=source)
         except mf.ManifestError as e:
             log.warning("process %d: held step %d is unreadable (%s); not adopted", engine.process_index, s, e)
             continue
-        if (m.process, m.process_count) == (engine.process_index, engine.process_count):
+        if whose == (engine.process_index, engine.process_count):
             out[s] = (raw, m)
-    return out
+            newest = False
+    return dict(sorted(out.items()))
 
 
 def _agree_held(engine: "CheckpointEngine", held: list[int], protected: list[int], rebuildable: list[int]
