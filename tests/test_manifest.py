@@ -206,8 +206,8 @@ def test_schema_defects_with_a_valid_checksum_are_refused(name):
     path, value = BAD_BODIES[name]
     d = wire()
     _set(d, path, value)
-    with pytest.raises(ManifestError):
-        mf.decode(envelope(d))
+    with pytest.raises(ManifestError, match="^step 5 manifest of process 1: "):  # every defect names its source
+        mf.decode(envelope(d), source="step 5 manifest of process 1")
 
 
 def test_merge_chunks_joins_processes_and_checks_agreement():

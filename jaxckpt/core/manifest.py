@@ -14,9 +14,10 @@ unsigned int is the same integer to msgpack).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import msgpack
 
@@ -169,13 +170,8 @@ def decode(data: bytes | memoryview, *, source: str = "manifest") -> Manifest:
     body = _body(data, source)
     # The collector paused: a manifest is a few objects per chunk, made at once and kept together (a 4,096-leaf
     # state's 32,768 chunks set off a young collection every 700 objects, 4x the unpacking itself).
-    with collector.paused():
-        try:
-            return _from_wire(msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=False))
-        except ManifestError:
-            raise
-        except Exception as e:
-            raise ManifestError(f"{source}: malformed manifest body ({type(e).__name__}: {e})") from None
+    with collector.paused(), _reading(source):
+        return _from_wire(msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=False))
 
 
 def chunk_crcs(data: bytes | memoryview, *, source: str = "manifest") -> dict[tuple[int, int], int]:
@@ -185,7 +181,7 @@ def chunk_crcs(data: bytes | memoryview, *, source: str = "manifest") -> dict[tu
     manifest here, which a node agent would otherwise pay for every source at every step it protects)."""
     body = _body(data, source)
     out: dict[tuple[int, int], int] = {}
-    try:
+    with _reading(source):
         with collector.paused():  # as decode(): the unpacked lists are a few objects per chunk, made at once
             d = _expect(msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=False), dict, "manifest")
         for a in _expect(d["arrays"], list, "arrays"):
@@ -196,10 +192,6 @@ def chunk_crcs(data: bytes | memoryview, *, source: str = "manifest") -> dict[tu
                     for v, what in ((off, "offset"), (nb, "nbytes"), (crc, "crc32c"), (proc, "process")):
                         _int(v, f"{a.get('path')}.{what}")
                 out[(proc, off)] = crc
-    except ManifestError as e:
-        raise ManifestError(f"{source}: {e}") from None
-    except Exception as e:
-        raise ManifestError(f"{source}: malformed manifest body ({type(e).__name__}: {e})") from None
     return out
 
 
@@ -207,7 +199,7 @@ def owner(data: bytes | memoryview, *, source: str = "manifest") -> tuple[int, i
     """(process, process_count) of the snapshot an envelope describes: the envelope checked as :func:`decode`
     checks it, those two fields only (whose a held step is, without building a record of each of its chunks)."""
     body = _body(data, source)
-    try:
+    with _reading(source):
         u = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(body))
         u.feed(body)
         got: dict[str, Any] = {}
@@ -218,6 +210,14 @@ def owner(data: bytes | memoryview, *, source: str = "manifest") -> tuple[int, i
             else:
                 u.skip()
         return _int(got["process"], "process"), _int(got["process_count"], "process_count")
+
+
+@contextlib.contextmanager
+def _reading(source: str) -> Iterator[None]:
+    """Any defect met while reading a checked envelope's body as a ManifestError that names ``source`` (msgpack,
+    index and type errors alike: a body that is not what this build writes)."""
+    try:
+        yield
     except ManifestError as e:
         raise ManifestError(f"{source}: {e}") from None
     except Exception as e:
