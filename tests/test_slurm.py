@@ -235,6 +235,37 @@ def test_next_agent_sweeps_what_a_killed_agent_left(cluster, job_name):
         agent.wait(60)
 
 
+def test_agent_decides_within_kill_wait_when_the_controller_does_not_answer(cluster, job_name, tmp_path):
+    """An agent step in a running allocation learns SLURM's KillWait (5 s here) as it starts. The controller is then
+    stopped (SIGSTOP: it answers nothing, as one swamped by job ends) and the agent gets SIGTERM, as a step's
+    cancel sends it: it asks SLURM within half of KillWait, gets no answer, frees the node's memory and exits by
+    itself, where an agent that waited longer would be SIGKILLed by slurmd and leave the memory to no one. About
+    10 s."""
+    job = cluster.salloc(1, job_name)
+    log_path = tmp_path / "agent.log"
+    agent = subprocess.Popen(["srun", f"--jobid={job}", "--overlap", sys.executable, "-m", "jaxckpt.cli", "agent",
+                              "--job", job_name, "--log", str(log_path)], env=cluster.env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: "KillWait is 5 s" in (log_path.read_text() if log_path.exists() else ""), 60,
+                 "the agent serving, KillWait learnt")
+        (directory,) = job_dirs(job_name, job)
+        pid = read_pid_file(f"/dev/shm/{directory}")[0]
+        with cluster.controller_stopped():
+            os.kill(pid, signal.SIGTERM)
+            wait_for(lambda: not proto.pid_alive(pid), 60, "the agent's own exit")
+        text = log_path.read_text()
+        budget = re.search(r"SIGTERM \d+ ms ago; deciding within ([\d.]+) s \(KillWait 5 s\)", text)
+        assert budget and float(budget.group(1)) <= 2.5, text  # half of KillWait, less the time since the signal
+        assert re.search(rf"SIGTERM \(the state of SLURM job {job} is unknown, asked in \d+ ms\): freeing the "
+                         rf"node's memory", text), text
+        assert not job_dirs(job_name, job) and "stopped: freed" in text, text
+    finally:
+        cluster.run(["scancel", job])
+        agent.wait(60)
+        cluster.wait_gone(job)
+
+
 def free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
     try:

@@ -124,6 +124,7 @@ class Agent:
                                   f"peer token on every node (Config.peer_token, {TOKEN_ENV}); a token made here "
                                   f"would match no other node's")
         self.recovery = None
+        self.term = lifetime.TermDecision(self.generation)  # what a SIGTERM does to the node's memory
         self.startup: dict[str, float] = {}  # startup_cost() once serving
         self.modules_at_serving: list[str] = []  # _packages() once serving
 
@@ -160,10 +161,8 @@ class Agent:
         """Serve until SIGTERM/SIGINT or a shutdown request; free everything; the exit code. With ``wait``, an
         agent already serving the directory is waited out (then this one adopts what it leaves) instead of
         making this one exit: an agent run as its own SLURM step that a trainer's own agent beat to the lock."""
-        term = threading.Event()
-
         def on_term(*_: Any) -> None:
-            term.set()
+            self.term.signalled()
             self._stop.set()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -172,19 +171,16 @@ class Agent:
             if not wait:
                 log.info("another agent already serves %s; exiting", self.dir)
                 return EXIT_ALREADY_RUNNING
+            self.term.learn_kill_wait()
             if self._stop.wait(0.2):
-                if not term.is_set() or not self._outlast_holder():
+                if not self.term.received or not self._outlast_holder():
                     return 0
                 break  # the holder left its memory and is gone: this agent decides for it (below)
         free = True
         try:
             self.adoption = self.table.adopt()
-            if term.is_set():  # got here through _outlast_holder: no serving, only the lifetime decision
-                keep, why = lifetime.keep_on_term()
-                free = not keep
-                log.info("agent %s: SIGTERM while waiting for the holder of %s, which left it (%s): %s",
-                         self.generation, self.dir, why,
-                         "freeing the node's memory" if free else "leaving the node's memory to the next agent")
+            if self.term.received:  # got here through _outlast_holder: no serving, only the lifetime decision
+                free = self.term.free(f"while waiting for the holder of {self.dir}, which left it")
                 return 0
             self._write_pid()
             self._serve_peers()
@@ -201,12 +197,10 @@ class Agent:
             log.info("agent %s (pid %d) of job %s on node %s serving %s, %.0f ms after exec (%.0f ms CPU)",
                      self.generation, os.getpid(), self.job, self.node, self.dir, 1e3 * self.startup["serving_s"],
                      1e3 * self.startup["cpu_s"])
+            self.term.learn_kill_wait()
             self._accept_loop()
-            if term.is_set():  # a step's end under SLURM leaves the memory to the next step (agent/lifetime.py)
-                keep, why = lifetime.keep_on_term()
-                free = not keep
-                log.info("agent %s: SIGTERM (%s): %s", self.generation, why,
-                         "freeing the node's memory" if free else "leaving the node's memory to the next agent")
+            if self.term.received:  # a step's end under SLURM leaves the memory to the next step (agent/lifetime.py)
+                free = self.term.free()
         finally:
             self.shutdown(free=free)
         return 0

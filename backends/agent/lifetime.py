@@ -17,7 +17,9 @@ So the agent runs as a step of its own: a trainer that spawns it under SLURM sta
 batch script may start it itself (``srun --overlap --ntasks-per-node=1 jaxckpt agent --job J --wait &``: that
 srun lives outside every step, so the agent's step lives until the allocation ends, whatever the trainers' steps
 do). Either way the agent is a task: it gets the SIGTERM at the allocation's end, sees the job COMPLETING and
-frees its memory (:func:`keep_on_term`) within ``KillWait``, with no administrator's epilog. A step's failure
+frees its memory (:func:`keep_on_term`) within ``KillWait``, with no administrator's epilog: it asks within half of
+``KillWait`` (:class:`TermDecision`, which learns it as the agent starts), and an answer that does not come in
+that time frees the memory, where waiting on would end in slurmd's SIGKILL with the memory left to no one. A step's failure
 usually leaves a spawned agent serving; when it takes it along (the srun race above), the agent's files stay and
 the relaunched step's agent adopts them: a relaunch restores from memory either way. A SIGTERM while the
 allocation runs (``scancel --signal=TERM``, srun forwarding a Ctrl-C) leaves the memory for the next agent.
@@ -40,9 +42,12 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import re
 import shutil
 import stat
 import subprocess
+import threading
+import time
 from typing import Mapping
 
 from jaxckpt.backends.agent.protocol import LOCK_NAME
@@ -50,7 +55,12 @@ from jaxckpt.node_identity import ENV_SLURM_JOB, ENV_SLURM_NODE, allocation, par
 
 log = logging.getLogger("jaxckpt.backends.agent.lifetime")
 
-QUERY_TIMEOUT_S = 5.0  # well inside slurmd's KillWait (30 s by default) between SIGTERM and SIGKILL
+QUERY_TIMEOUT_S = 5.0  # how long a question to SLURM may take when its KillWait is not known
+# After a SIGTERM the agent has KillWait seconds before slurmd's SIGKILL: this share of it may go to the question
+# (a controller busy ending many jobs answers late), the rest to unlinking the memory and exiting.
+DECIDE_SHARE = 0.5
+MIN_QUERY_S = 0.5  # a question given less than this is not worth asking: SLURM rarely answers faster under load
+_KILL_WAIT_RE = re.compile(r"^KillWait\s*=\s*(\d+)\s*sec", re.MULTILINE)
 # The states of a job whose allocation still runs: a step that ends now is not the allocation's end.
 RUNNING = frozenset({"RUNNING", "SUSPENDED", "STOPPED", "CONFIGURING", "RESIZING", "SIGNALING", "STAGE_OUT"})
 # States in which a job holds no allocation any more (a requeued one is a new allocation of the same id).
@@ -81,6 +91,30 @@ def slurm_job_state(job: str, timeout_s: float = QUERY_TIMEOUT_S) -> str | None:
     return None
 
 
+def kill_wait_s(timeout_s: float = QUERY_TIMEOUT_S) -> float | None:
+    """SLURM's KillWait (the seconds between a step's SIGTERM and its SIGKILL) as ``scontrol show config`` reports
+    it, or None if it cannot be asked or does not say."""
+    try:
+        r = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=timeout_s,
+                           stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.warning("cannot ask SLURM for its KillWait: %s", e)
+        return None
+    m = _KILL_WAIT_RE.search(r.stdout) if r.returncode == 0 else None
+    if m is None:
+        log.warning("cannot read SLURM's KillWait from scontrol show config (exit %d): %s", r.returncode,
+                    r.stderr.strip()[-300:])
+        return None
+    return float(m.group(1))
+
+
+def term_query_timeout_s(kill_wait: float | None, since_term_s: float) -> float:
+    """How long the question of :func:`keep_on_term` may take, ``since_term_s`` after the SIGTERM: its share of
+    ``kill_wait`` (QUERY_TIMEOUT_S where KillWait is unknown) less what has passed, at least MIN_QUERY_S."""
+    budget = QUERY_TIMEOUT_S if kill_wait is None else DECIDE_SHARE * kill_wait
+    return max(MIN_QUERY_S, budget - since_term_s)
+
+
 def step_launch(environ: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str]] | None:
     """The ``srun`` words, and their environment, that start a command as a step of its own in this SLURM
     allocation, on this node (one task, sharing the allocation's resources), or None outside an allocation or
@@ -98,17 +132,68 @@ def step_launch(environ: Mapping[str, str] | None = None) -> tuple[list[str], di
             "--error=/dev/null", "--job-name=jaxckpt-agent", "--quiet"], env
 
 
-def keep_on_term(environ: Mapping[str, str] | None = None) -> tuple[bool, str]:
+def keep_on_term(environ: Mapping[str, str] | None = None, *, timeout_s: float = QUERY_TIMEOUT_S
+                 ) -> tuple[bool, str]:
     """Whether an agent that got SIGTERM keeps its node's memory for the next step's agent, and why: only under
-    SLURM while the allocation runs (a step's end, not the allocation's). Anything else frees it."""
+    SLURM while the allocation runs (a step's end, not the allocation's), as SLURM answers within ``timeout_s``.
+    Anything else frees it: an answer that comes after slurmd's SIGKILL would leave the memory to no one."""
     env = os.environ if environ is None else environ
     if not allocation(env):
         return False, "not under SLURM"
     job = env[ENV_SLURM_JOB]
-    state = slurm_job_state(job)
+    state = slurm_job_state(job, timeout_s)
     if state is None:
         return False, f"the state of SLURM job {job} is unknown"
     return state in RUNNING, f"SLURM job {job} is {state}"
+
+
+class TermDecision:
+    """An agent's decision, after SIGTERM, whether to free its node's memory (:func:`keep_on_term`), taken within
+    its share of SLURM's KillWait, which it learns on a thread of its own while it serves (or waits)."""
+
+    def __init__(self, agent: str) -> None:
+        self.agent = agent  # the agent's generation, for the log
+        self.kill_wait_s: float | None = None  # SLURM's KillWait, once learnt
+        self.term_at: float | None = None  # when the first SIGTERM/SIGINT came (time.monotonic)
+        self._asked = False
+
+    @property
+    def received(self) -> bool:
+        """Whether a SIGTERM/SIGINT came."""
+        return self.term_at is not None
+
+    def signalled(self) -> None:
+        """Note the signal's arrival (called from the signal handler: nothing that may block)."""
+        if self.term_at is None:
+            self.term_at = time.monotonic()
+
+    def learn_kill_wait(self) -> None:
+        """Under SLURM, ask once, on a daemon thread, for KillWait; elsewhere nothing."""
+        if self._asked or not allocation():
+            return
+        self._asked = True
+
+        def ask() -> None:
+            self.kill_wait_s = kill_wait_s()
+            if self.kill_wait_s is not None:
+                log.info("agent %s: SLURM's KillWait is %g s: a SIGTERM's decision takes at most %.1f s",
+                         self.agent, self.kill_wait_s, term_query_timeout_s(self.kill_wait_s, 0.0))
+
+        threading.Thread(target=ask, name="agent-kill-wait", daemon=True).start()
+
+    def free(self, context: str = "") -> bool:
+        """Whether to free the node's memory now. The signal's arrival is logged before SLURM is asked, so that an
+        agent SIGKILLed while it asks still says what it was doing; the decision after, with how long it took."""
+        since = time.monotonic() - (self.term_at or time.monotonic())
+        timeout = term_query_timeout_s(self.kill_wait_s, since)
+        where = f" {context}" if context else ""
+        log.info("agent %s: SIGTERM%s %.0f ms ago; deciding within %.1f s (KillWait %s)", self.agent, where,
+                 1e3 * since, timeout, "unknown" if self.kill_wait_s is None else f"{self.kill_wait_s:g} s")
+        t0 = time.monotonic()
+        keep, why = keep_on_term(timeout_s=timeout)
+        log.info("agent %s: SIGTERM (%s, asked in %.0f ms): %s", self.agent, why, 1e3 * (time.monotonic() - t0),
+                 "leaving the node's memory to the next agent" if keep else "freeing the node's memory")
+        return not keep
 
 
 def sweep_ended(base: str, environ: Mapping[str, str] | None = None) -> list[str]:

@@ -15,6 +15,7 @@ Needs root (slurmd runs as root; steps run as the caller), the binaries, and the
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import json
@@ -28,7 +29,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from jaxckpt.errors import LaunchError
 from jaxckpt.node_identity import parse_agent_dir_name
@@ -289,6 +290,19 @@ class SlurmCluster:
             except OSError:
                 continue
         return "\n".join(lines[-limit:])
+
+    @contextlib.contextmanager
+    def controller_stopped(self) -> Iterator[None]:
+        """slurmctld stopped (SIGSTOP) inside the block, resumed (SIGCONT) after it: a controller that answers
+        nothing, as one swamped by a storm of job ends; the slurmds and the running steps go on."""
+        ctld = self._procs.get("slurmctld")
+        if ctld is None or ctld.poll() is not None:
+            raise LaunchError("slurmctld is not running")
+        os.kill(ctld.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(ctld.pid, signal.SIGCONT)
 
     # -------------------------------------------------------------------------------------------- stop
     def stop(self, timeout: float = 60.0) -> None:
