@@ -366,7 +366,9 @@ def test_batch_script_end_frees_the_memory(cluster, job_name, tmp_path):
         took = assert_freed(cluster, job_name, job)
     except AssertionError as e:  # what each agent decided at the allocation's end, and the controller's view
         logs = "".join(f"{p.name}:\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("agent-*.log")))
-        raise AssertionError(f"{e}\n{logs}\n{cluster.job_log(job)}") from None
+        out_file = tmp_path / "job.out"  # the agents' own stderr (a traceback) comes through their srun to here
+        raise AssertionError(f"{e}\n{logs}\njob.out:\n{out_file.read_text()[-2000:] if out_file.exists() else ''}\n"
+                             f"{cluster.job_log(job)}") from None
     log = (tmp_path / "job.out").read_text()
     assert "trainer exit 0" in log, log[-3000:]
     got = results(out, "first", 2)

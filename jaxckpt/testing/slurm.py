@@ -281,7 +281,10 @@ class SlurmCluster:
     def job_log(self, job: str, limit: int = 60) -> str:
         """The controller's and every slurmd's log lines that name ``job`` (its steps included), for a failed
         test's message: the order in which SLURM ended the job and signalled its steps."""
-        pat = re.compile(rf"(JobId={job}\b|StepId={job}\.|job[ _]?{job}\b)", re.IGNORECASE)
+        # slurmstepd's own lines ("[5.0] task 0 (123) exited. Killed by signal 9.", "*** STEP 5.0 ... CANCELLED")
+        # say how each step's processes ended, which the others do not
+        pat = re.compile(rf"(JobId={job}\b|StepId={job}\.|job[ _]?{job}\b|\[{job}\.\w+\] (task|\*\*\*|Sent|error)|"
+                         rf"STEP {job}\.)", re.IGNORECASE)
         lines = []
         for path in sorted(glob.glob(os.path.join(self.root, "log", "slurm*.log"))):
             try:
