@@ -163,7 +163,10 @@ class Agent:
         making this one exit: an agent run as its own SLURM step that a trainer's own agent beat to the lock."""
         def on_term(*_: Any) -> None:
             self.term.signalled()
-            self._stop.set()
+            if self._listener is not None:  # serving: wake the accept loop now, not at its time-out (KillWait runs)
+                self._request_stop()
+            else:
+                self._stop.set()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, on_term)
