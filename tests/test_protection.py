@@ -105,6 +105,19 @@ class IO:
             data[0] ^= 1
         return data
 
+    def spans(self, process, ranges):
+        self._node(self.job.nodes[process])
+        self.reads.append(("spans", process, len(ranges)))
+        sizes = {c.key: c.nbytes for c in self.job.prot.chunks}
+        out = []
+        for off, n in ranges:
+            data = self.job.bufs[process][off:off + n].copy()
+            self.nbytes += n
+            if n and any(q == process and o < off + n and off < o + sizes[(q, o)] for q, o in self.corrupt):
+                data[0] ^= 1
+            out.append(data)
+        return out
+
     def parity(self, s, lo, hi):
         self._node(s.node)
         self.reads.append(("stripe", s.id))
@@ -154,7 +167,21 @@ def check_rebuild(job, lost, **kw):
     assert {job.prot.chunks[r.chunk].key for r in plan.rebuilds} == want
     for c in lost_chunks(job, lost):
         np.testing.assert_array_equal(rb.chunk(c.process, c.offset), job.saved(c))
+    check_bulk(job, lost, plan, **kw)
     return plan
+
+
+def check_bulk(job, lost, plan, **kw):
+    """Every lost process's share rebuilt at once (Rebuilder.read_into), compared with the saved bytes; the IO."""
+    io = IO(job, lost, **kw)
+    rb = rc.Rebuilder(plan, io, job.crcs)
+    for p in plan.lost_processes:
+        chunks = [c for c in lost_chunks(job, lost) if c.process == p]
+        out = np.full(job.bufs[p].size, 0xEE, np.uint8)
+        rb.read_into(p, memoryview(out), [(c.offset, c.nbytes) for c in chunks])
+        for c in chunks:
+            np.testing.assert_array_equal(out[c.offset:c.offset + c.nbytes], job.saved(c))
+    return io
 
 
 # ------------------------------------------------------------------------------------------------- random layouts
@@ -558,6 +585,34 @@ def test_a_lost_range_is_rebuilt_where_its_parity_lives_and_received_once():
         held.reads  # no parity block nor other unit came here
     copied = sum(c.nbytes for c in lost_chunks(j, {1}) if c.policy == "replica")
     assert held.nbytes == plan.nbytes - copied < here.nbytes, (held.nbytes, plan.nbytes, here.nbytes)
+
+
+def test_a_lost_share_is_rebuilt_in_bulk_in_a_few_requests(caplog):
+    """Rebuilder.read_into (a replacement's recovery): a share of many small chunks comes back bit for bit in far
+    fewer requests than chunks (a stripe's lost unit rebuilt at its holder in one, the twins' ranges in one
+    flight), receiving the same bytes as chunk by chunk; a chunk whose bulk bytes fail its crc32c, or whose
+    stripe's holder cannot rebuild, is rebuilt alone from its next source, and the log says which."""
+    nodes = [0, 1, 2, 3]
+    layouts = dp_layouts(nodes, rows=(8,) * 64, sharded=32)
+    j = Job(layouts, nodes, "hybrid", whole=True, chunk_bytes=8192, unit_bytes=1 << 20)
+    plan = rc.plan_rebuild(j.prot, {1}, step=STEP)
+    lost = lost_chunks(j, {1})
+    kinds = {j.prot.chunks[r.chunk].policy for r in plan.rebuilds}
+    assert "whole" in kinds and kinds & {"parity", "xor-group"} and len(lost) >= 64, (kinds, len(lost))
+    each, bulk = IO(j, {1}, at_holder=True), check_bulk(j, {1}, plan, at_holder=True)
+    rb = rc.Rebuilder(plan, each, j.crcs)
+    for c in lost:
+        rb.chunk(c.process, c.offset)
+    assert len(bulk.reads) * 8 <= len(lost) <= len(each.reads), (len(bulk.reads), len(lost), len(each.reads))
+    assert bulk.nbytes == each.nbytes == plan.nbytes, (bulk.nbytes, each.nbytes, plan.nbytes)
+    assert {r[0] for r in bulk.reads} == {"rebuilt", "spans"}, bulk.reads
+    # No holder rebuilds (the parity and the other units read here) and a twin corrupt: each such chunk alone.
+    twin = next(j.prot.chunks[s.chunk] for r in plan.rebuilds for s in r.parts[0].sources
+                if isinstance(s, rc.FromTwin))
+    with caplog.at_level("WARNING", logger="jaxckpt.protection.rebuild"):
+        io = check_bulk(j, {1}, plan, corrupt_chunks=[twin.key])
+    assert any(r[0] == "stripe" for r in io.reads) and any(r[0] == "chunk" for r in io.reads), io.reads
+    assert f"step {STEP}: chunk at " in caplog.text and "failed its crc32c rebuilt in bulk; again alone" in caplog.text
 
 
 def test_planner_errors():

@@ -19,7 +19,7 @@ import logging
 import os
 import queue
 import threading
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from jaxckpt.backends.agent.protocol import PROTECT_BASE, AgentConnection, open_segment, populate
 from jaxckpt.backends.agent.serve import read_peer_info
@@ -234,9 +234,15 @@ class RemoteAgentHolder(Holder):
                 self._connect_all()     # (a start-up scan reads its header's metadata: one client does)
             return self._with_client(lambda c: c.read(step, offset, nbytes, process))
 
+        def read_spans(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, memoryview]]:
+            from jaxckpt.core.transport import Span
+
+            spans = [Span(o, n) for o, n in ranges]
+            return self._with_client(lambda c: [(i, b) for i, b, _ in c.read_spans(step, spans, process)])
+
         # Each read returns memory of its own (received frames), never rewritten: the restored arrays may keep
         # it instead of a copy (Source.lend).
-        return Opened(manifest, read, lend=lambda: True)
+        return Opened(manifest, read, lend=lambda: True, read_spans=read_spans)
 
     def manifest(self, process: int, step: int) -> bytes:
         return self._with_client(lambda c: c.manifest(step, process))  # one client: no restore reads follow

@@ -99,8 +99,10 @@ class Recovery:
             return {"state": "skipped", "why": f"no peer agent serves from {where}"}
         holders = [RemoteAgentHolder(i, i.node, self.timeout, transport=a.transport) for i in peers]
         try:
+            t0 = time.monotonic()
             rebuild = RebuildHolder(lambda: holders)
             steps = rebuild.scan()
+            scan_s = time.monotonic() - t0
             lost = {s: info for s, info in steps.items() if info.lost_nodes}
             if not lost:
                 return {"state": "skipped", "why": "no step misses a node"}
@@ -120,7 +122,7 @@ class Recovery:
                 finally:
                     opened.close()
             return {"state": "done", "step": step, "processes": processes, "bytes": written,
-                    "received": counts.received, "rebuilt_at": counts.rebuilt_at,
+                    "received": counts.received, "rebuilt_at": counts.rebuilt_at, "scan_seconds": scan_s,
                     "peers": sorted(f"{i.node} at {i.address}" for i in peers)}
         finally:
             for h in holders:
@@ -144,6 +146,22 @@ class Recovery:
                       if i.generation not in known]
         return peers
 
+    @staticmethod
+    def _each(opened: Any, buf: Any, chunks: list) -> None:
+        """Chunk by chunk, several in flight: one at a time, each a round trip to a peer waited out in turn, moved
+        0.37 GB/s over a 1.4 GB/s loopback (BENCHMARKS.md)."""
+        import numpy as np
+
+        def put(c: Any) -> None:
+            buf[c.offset:c.offset + c.nbytes] = np.frombuffer(opened.read(c.offset, c.nbytes), np.uint8)
+        with ThreadPoolExecutor(min(WORKERS, max(1, len(chunks))), thread_name_prefix="agent-recovery-read") as ex:
+            try:
+                for _ in ex.map(put, chunks):
+                    pass
+            except BaseException:  # the first failure: no chunk more is started, and the pool's exit waits for
+                ex.shutdown(cancel_futures=True)  # those under way (the mapping lives until then)
+                raise
+
     def _write(self, q: int, step: int, opened: Any, m: Any) -> int:
         """Process ``q``'s snapshot of ``step``, chunk by chunk from ``opened``, as a committed slot here; the bytes of
         its chunks."""
@@ -157,20 +175,13 @@ class Recovery:
                 mapping = open_segment(self.agent.dir, entry.seg.name, entry.seg.size)
                 try:
                     buf = np.frombuffer(mapping, np.uint8)
-
-                    def put(c: Any) -> None:
-                        buf[c.offset:c.offset + c.nbytes] = np.frombuffer(opened.read(c.offset, c.nbytes), np.uint8)
                     chunks = sorted((c for arr in m.arrays for c in arr.chunks if c.nbytes), key=lambda c: -c.nbytes)
-                    # Several chunks in flight: one at a time, each a round trip to a peer (or a rebuild where its
-                    # parity lives) waited out in turn, moved 0.37 GB/s over a 1.4 GB/s loopback (BENCHMARKS.md)
-                    with ThreadPoolExecutor(min(WORKERS, max(1, len(chunks))),
-                                            thread_name_prefix="agent-recovery-read") as ex:
-                        try:
-                            for _ in ex.map(put, chunks):
-                                pass
-                        except BaseException:  # the first failure: no chunk more is started, and the pool's
-                            ex.shutdown(cancel_futures=True)  # exit waits for those under way (the mapping lives)
-                            raise
+                    if opened.read_into is not None:
+                        # In bulk: a stripe's lost unit rebuilt at its holder in one request, a surviving twin's
+                        # ranges in one flight; a round trip per chunk made a 1,024-array share take seconds
+                        opened.read_into(memoryview(buf), [(c.offset, c.nbytes) for c in chunks])
+                    else:
+                        self._each(opened, buf, chunks)
                     del buf
                 finally:
                     try:

@@ -140,6 +140,14 @@ class Opened:
     close: Callable[[], None] = lambda: None
     lend: Callable[[], bool] | None = None  # see Source.lend
     bind: Callable[[RestoreReads], None] | None = None  # see Source.bind
+    # Several (offset, nbytes) ranges in one flight, yielded (index, bytes) as they come: a holder across a network
+    # offers it (a round trip per range, one after another, was what moved a many-array share slowly); None where
+    # ``read`` per range is as good.
+    read_spans: Callable[[Sequence[tuple[int, int]]], Iterable[tuple[int, memoryview]]] | None = None
+    # Every chunk (offset, nbytes) of the buffer written into ``out`` (a writable buffer of its size) in as few
+    # requests as the holder can, each chunk checked against its crc32c: a rebuilt process's whole share at once
+    # (protection.rebuild.Rebuilder.read_into); None where the caller reads chunk by chunk.
+    read_into: Callable[[memoryview, Sequence[tuple[int, int]]], None] | None = None
 
 
 class Holder(abc.ABC):

@@ -16,7 +16,7 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -120,6 +120,28 @@ class _IO:
                 errors.append(str(e))
         raise PeerError(f"step {self.info.step}: bytes {lo}..{hi} of chunk {c.box} of {c.path} (process "
                         f"{c.process}) cannot be read: {'; '.join(errors) or 'no holder'}")
+
+    def spans(self, process: int, ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
+        """RebuildIO.spans: the (offset, nbytes) ranges of surviving ``process``'s buffer, in one flight where its
+        holder reads several at once, unverified."""
+        errors = []
+        for h in self.info.held.get(process, ()):
+            try:
+                o = self._open(h, process)
+                if o.read_spans is None:
+                    out = [np.frombuffer(o.read(off, n), np.uint8) for off, n in ranges]
+                else:
+                    out = [np.empty(0, np.uint8)] * len(ranges)
+                    for i, data in o.read_spans(ranges):
+                        out[i] = np.frombuffer(data, np.uint8)
+                    if any(x.size != n for x, (_, n) in zip(out, ranges)):
+                        raise PeerError(f"{h.name}: a range of process {process} came back short or not at all")
+                self._count(h, sum(n for _, n in ranges))
+                return out
+            except (PeerError, StepNotFoundError, OSError) as e:
+                errors.append(str(e))
+        raise PeerError(f"step {self.info.step}: {len(ranges)} range(s) of process {process} cannot be read: "
+                        f"{'; '.join(errors) or 'no holder'}")
 
     def _block(self, kind: str, bid: int, lo: int, hi: int, what: str) -> np.ndarray:
         errors = []
@@ -390,7 +412,8 @@ class RebuildHolder(Holder):
                            io, info.crcs, workers=self._workers)
             log.warning("step %d: process %d was lost with node(s) %s; its chunks are rebuilt from protection "
                         "%r", step, process, list(info.lost_nodes), info.plan.policy)
-            return Opened(info.manifests[process], rb.reader(process), io.close, bind=io.bind)
+            return Opened(info.manifests[process], rb.reader(process), io.close, bind=io.bind,
+                          read_into=functools.partial(rb.read_into, process))
 
         def read(offset: int, nbytes: int) -> memoryview:
             # a surviving process's chunk failed at its holders: rebuild it as if it were lost

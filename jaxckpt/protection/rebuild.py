@@ -22,17 +22,20 @@ chunks as if it were still there.
 from __future__ import annotations
 
 import bisect
+import collections
 import functools
 import itertools
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Protocol, Union
+from typing import Iterable, Mapping, Protocol, Sequence, Union
 
 import numpy as np
 
 from jaxckpt.protection import parity
 from jaxckpt.core.box import Box
+from jaxckpt.core.checksum import crc32c
 from jaxckpt.errors import ChecksumError, DataLossError, PeerError, PlanError, StepNotFoundError
 from jaxckpt.core.fetch import ByteReader
 from jaxckpt.protection.plan import CopyBlock, ProtectionPlan, SavedChunk, Stripe, Unit
@@ -296,6 +299,27 @@ def _flat_boxes(start: tuple[int, ...], shape: tuple[int, ...], lo: int, hi: int
 
 
 # ------------------------------------------------------------------------------------------------------- rebuild
+READERS = 4  # requests of a bulk rebuild (Rebuilder.read_into) in flight at once
+RUN_BYTES = 8 << 20  # at most this many bytes in one bulk request: several in flight, none holding a share whole
+
+
+def _runs(parts: list[tuple[int, int, int, "ChunkRebuild"]], touching: bool = True
+          ) -> list[list[tuple[int, int, int, "ChunkRebuild"]]]:
+    """``parts`` ((source lo, source hi, ...)) in runs of at most RUN_BYTES each, of touching source ranges (one
+    request for a run) or, not ``touching``, of any (one flight of ranges)."""
+    out: list[list] = []
+    size = 0
+    for p in sorted(parts, key=lambda x: x[0]):
+        n = p[1] - p[0]
+        if out and (not touching or out[-1][-1][1] == p[0]) and size + n <= RUN_BYTES:
+            out[-1].append(p)
+            size += n
+        else:
+            out.append([p])
+            size = n
+    return out
+
+
 class RebuildIO(Protocol):
     """Where a rebuild reads from; each method raises PeerError/StepNotFoundError when unreachable."""
 
@@ -305,6 +329,10 @@ class RebuildIO(Protocol):
     def chunk_range(self, chunk: SavedChunk, lo: int, hi: int) -> parity.Buffer:
         """Bytes [lo, hi) of saved ``chunk`` from its (surviving) process, unverified (the rebuilt chunk's
         crc32c checks them)."""
+
+    def spans(self, process: int, ranges: Sequence[tuple[int, int]]) -> list[parity.Buffer]:
+        """The (offset, nbytes) ranges of surviving ``process``'s buffer, in order, unverified (the rebuilt chunks'
+        crc32cs check them): many at once, where one round trip each would be the cost."""
 
     def parity(self, stripe: Stripe, lo: int, hi: int) -> parity.Buffer:
         """Bytes [lo, hi) of ``stripe``'s parity block from ``stripe.node`` (verified by its holder)."""
@@ -444,6 +472,96 @@ class Rebuilder:
                 out.append(cache[g.chunk][g.lo + x - pos:g.lo + y - pos])
             pos += g.nbytes
         return out
+
+    def read_into(self, process: int, out: memoryview, chunks: Sequence[tuple[int, int]], *,
+                  readers: int = READERS) -> None:
+        """Rebuild lost ``process``'s ``chunks`` ((offset, nbytes) of its buffer) into ``out``, its buffer, each
+        checked against its crc32c. In bulk: each part's first source, ranges of one stripe's unit, one copy block
+        or one surviving process merged where they touch, so that a share of many small chunks is a few
+        requests (a rebuild at a stripe's holder, a flight of ranges) instead of one round trip per chunk. A
+        chunk whose bulk request fails, or whose bytes fail their crc32c, is rebuilt alone (:meth:`chunk`, with
+        every fallback); a chunk no plan covers raises there as it does."""
+        buf = np.frombuffer(out, np.uint8)
+        prot = self.plan.protection
+        # source key -> [(source lo, source hi, where in out, rebuild)] of the parts it serves first
+        groups: dict[tuple, list[tuple[int, int, int, ChunkRebuild]]] = collections.defaultdict(list)
+        alone: list[tuple[int, int]] = []
+        for offset, nbytes in chunks:
+            r = self._by_key.get((process, offset))
+            if r is None or any(not p.sources for p in r.parts) or prot.chunks[r.chunk].nbytes != nbytes:
+                alone.append((offset, nbytes))
+                continue
+            for p in r.parts:
+                src, n = p.sources[0], p.hi - p.lo
+                if isinstance(src, FromStripe):
+                    groups[("stripe", src.stripe, src.unit)].append((src.unit_lo, src.unit_lo + n, offset + p.lo, r))
+                elif isinstance(src, FromCopy):
+                    lo = src.position + p.lo
+                    groups[("copy", src.block)].append((lo, lo + n, offset + p.lo, r))
+                else:
+                    twin = prot.chunks[src.chunk]
+                    groups[("twin", twin.process)].append((twin.offset + p.lo, twin.offset + p.hi, offset + p.lo, r))
+        runs = [(key, run) for key, parts in groups.items() for run in _runs(parts, touching=key[0] != "twin")]
+        runs.sort(key=lambda kr: kr[1][0][0] - kr[1][-1][1])  # the biggest first, as chunk by chunk did
+        done = {id(r): r for parts in groups.values() for *_, r in parts}
+        parts_left = collections.Counter(id(r) for parts in groups.values() for *_, r in parts)
+        failed: set[int] = set()  # ids of the ChunkRebuilds to rebuild alone
+        lock = threading.Lock()
+
+        def settle(run: list[tuple[int, int, int, ChunkRebuild]], ok: bool) -> None:
+            """Count ``run``'s parts in; a chunk whose last part came is checked here, on the reading thread, while
+            other reads are under way."""
+            complete = []
+            with lock:
+                for *_, r in run:
+                    if not ok:
+                        failed.add(id(r))
+                    parts_left[id(r)] -= 1
+                    if not parts_left[id(r)] and id(r) not in failed:
+                        complete.append(r)
+            for r in complete:
+                c = prot.chunks[r.chunk]
+                crc = self._crcs.get(c.key)
+                if crc is not None and crc32c(buf[c.offset:c.offset + c.nbytes]) != crc:
+                    log.warning("step %d: chunk at %d of process %d failed its crc32c rebuilt in bulk; again alone",
+                                self.plan.step, c.offset, process)
+                    with lock:
+                        failed.add(id(r))
+
+        def fetch(key: tuple, run: list[tuple[int, int, int, ChunkRebuild]]) -> None:
+            a, b = run[0][0], run[-1][1]
+            try:
+                if key[0] == "twin":
+                    for (lo, hi, at, _), data in zip(run, self._io.spans(key[1], [(x[0], x[1] - x[0]) for x in run])):
+                        buf[at:at + hi - lo] = parity.as_bytes(data)
+                    return settle(run, True)
+                if key[0] == "stripe":
+                    got = self._io.rebuilt(prot.stripes[key[1]], key[2], a, b)
+                else:
+                    got = self._io.copy(prot.copy_blocks[key[1]], a, b)
+            except (*_UNAVAILABLE, OSError) as e:
+                log.warning("step %d: %d bytes of %s for process %d: %s; their chunks are rebuilt one by one",
+                            self.plan.step, b - a, key, process, e)
+                got = None
+            if got is None:  # no holder rebuilds there: each chunk alone reads the parity and XORs here
+                return settle(run, False)
+            got = parity.as_bytes(got)
+            for lo, hi, at, _ in run:
+                buf[at:at + hi - lo] = got[lo - a:hi - a]
+            settle(run, True)
+
+        with ThreadPoolExecutor(max(1, min(readers, len(runs))), thread_name_prefix="jaxckpt-rebuild-bulk") as ex:
+            for f in [ex.submit(fetch, key, run) for key, run in runs]:
+                f.result()
+        alone += [(prot.chunks[r.chunk].offset, prot.chunks[r.chunk].nbytes) for rid, r in done.items()
+                  if rid in failed]
+
+        def one(offset: int, nbytes: int) -> None:
+            buf[offset:offset + nbytes] = self.reader(process)(offset, nbytes)
+
+        with ThreadPoolExecutor(max(1, min(readers, len(alone))), thread_name_prefix="jaxckpt-rebuild-one") as ex:
+            for f in [ex.submit(one, o, n) for o, n in alone]:
+                f.result()
 
     def reader(self, process: int) -> ByteReader:
         """A ByteReader for lost ``process``: reads of whole chunks come back rebuilt (for ChunkReader)."""

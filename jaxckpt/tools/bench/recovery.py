@@ -1,9 +1,9 @@
 """How fast a replacement node's agent brings its node's share back (issue 26, item 2): a measurement script.
 
-    python -m jaxckpt.tools.bench.recovery [MIB] [ROUNDS]
+    python -m jaxckpt.tools.bench.recovery [MIB] [ROUNDS] [ARRAYS]
 
 A job of 4 simulated nodes x 1 JAX process (2 CPU devices each, mesh 4x2 'data' x 'model') saves a state of MIB
-MiB (default 512: 8 float32 arrays, half replicated over 'data', half split over both axes; whole replicas,
+MiB (default 512: ARRAYS float32 arrays, default 8, half replicated over 'data', half split over both axes; whole replicas,
 ``hybrid`` protection) to its node agents, waits until its newest step is protected, and exits; the agents stay.
 Then ROUNDS times (default 3): node 1's agent is SIGKILLed and its memory removed, and a fresh agent is started
 there as a launcher starts a replacement's (``jaxckpt agent --agent-dirs``); its recovery of the node's share runs
@@ -31,7 +31,7 @@ JOB = "recovery"
 COLS = 1024
 
 
-def _save(base: str, mib: int) -> dict:
+def _save(base: str, mib: int, arrays: int = 8) -> dict:
     """In each launched process: save steps 1-3 and wait until step 3 is protected."""
     import jax
     import jaxckpt
@@ -39,11 +39,11 @@ def _save(base: str, mib: int) -> dict:
 
     devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     mesh = Mesh(np.array(devs).reshape(len(devs) // 2, 2), ("data", "model"))
-    rows = max(8, mib * (1 << 20) // (8 * COLS * 4) // 8 * 8)
+    rows = max(8, mib * (1 << 20) // (arrays * COLS * 4) // 8 * 8)
     cfg = jaxckpt.Config(store="shm", job_id=JOB, shm_dir=f"{base}/node{node_info().node}",
                          agent_dirs=f"{base}/node*", protection="hybrid", keep=2, replicas="whole")
     state = {}
-    for i in range(8):
+    for i in range(arrays):
         spec = P("data", "model") if i % 2 else P(None, "model")
         host = np.full((rows, COLS), i, np.float32)
         state[f"a{i}"] = jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda idx, h=host: h[idx])
@@ -90,24 +90,25 @@ def main(argv: list[str]) -> None:
 
     mib = int(argv[0]) if argv else 512
     rounds = int(argv[1]) if len(argv) > 1 else 3
+    arrays = int(argv[2]) if len(argv) > 2 else 8
     base = f"/dev/shm/jaxckpt-bench-recovery-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     os.makedirs(base, mode=0o700)
     try:
-        expect_ok(launch(_save, nodes=4, procs_per_node=1, devices_per_proc=2, args=(base, mib), timeout=300))
+        expect_ok(launch(_save, nodes=4, procs_per_node=1, devices_per_proc=2, args=(base, mib, arrays), timeout=300))
         reports = []
         for rnd in range(rounds):
             rec = _recover(base, rnd)
             if rec.get("state") != "done":
                 raise RuntimeError(f"round {rnd}: the recovery did not rebuild the node's share: {rec}")
             reports.append(rec)
-            print(json.dumps({k: rec.get(k) for k in ("state", "step", "bytes", "received", "rebuilt_at", "seconds")}),
+            print(json.dumps({k: rec.get(k) for k in ("state", "step", "bytes", "received", "rebuilt_at", "scan_seconds", "seconds")}),
                   flush=True)
     finally:
         remove_agents(base)
     net = probe()
     secs = statistics.median(r["seconds"] for r in reports)
     nbytes = reports[0]["bytes"]
-    print(f"recovery of {nbytes / 2**20:.0f} MiB (received {reports[0]['received'] / 2**20:.0f} MiB): median "
+    print(f"recovery of {nbytes / 2**20:.0f} MiB in {arrays} arrays (received {reports[0]['received'] / 2**20:.0f} MiB): median "
           f"{secs * 1e3:.0f} ms over {rounds} rounds ({min(r['seconds'] for r in reports) * 1e3:.0f}-"
           f"{max(r['seconds'] for r in reports) * 1e3:.0f}), {nbytes / secs / 1e9:.2f} GB/s; loopback raw TCP "
           f"{net['tcp']['gbps']:.2f} GB/s, the peer transport {net['transport']['gbps']:.2f} GB/s: the recovery "
