@@ -6,8 +6,9 @@ agents publish their peer files; across machines ``--peers``, ``Config.agent_pee
 serves, for what a lost node took: it reads the other agents' protection slots (``jaxckpt.protection.holder``'s
 ``RebuildHolder`` over their peer transport), takes the newest step that every process can still be read or
 rebuilt for, and, when exactly one node is missing from it (the node this one replaces: the relaunched job
-keeps its process indices), rebuilds that node's processes' snapshots chunk by chunk (each range where its
-parity lives, ``protection_rebuild.py``, or from a copy; every chunk checked against its manifest's crc32c)
+keeps its process indices), rebuilds that node's processes' snapshots in bulk (``Rebuilder.read_into``: each
+stripe's lost ranges where its parity lives, ``protection_rebuild.py``, a few requests per stripe, the copies'
+ranges in one flight each; every chunk checked against its manifest's crc32c)
 into ordinary committed slots of this agent. Meanwhile the trainers start (import JAX, build the model); a
 trainer's ``hello`` waits for the recovery in flight (it joins it instead of fetching the same bytes again), so
 its adoption and restore find the step in its node's memory and read it there, zero-copy.
@@ -163,7 +164,7 @@ class Recovery:
                 raise
 
     def _write(self, q: int, step: int, opened: Any, m: Any) -> int:
-        """Process ``q``'s snapshot of ``step``, chunk by chunk from ``opened``, as a committed slot here; the bytes of
+        """Process ``q``'s snapshot of ``step``, from ``opened`` (in bulk where it can), as a committed slot here; the bytes of
         its chunks."""
         import numpy as np
 
