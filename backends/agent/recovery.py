@@ -164,8 +164,8 @@ class Recovery:
                 raise
 
     def _write(self, q: int, step: int, opened: Any, m: Any) -> int:
-        """Process ``q``'s snapshot of ``step``, from ``opened`` (in bulk where it can), as a committed slot here; the bytes of
-        its chunks."""
+        """Process ``q``'s snapshot of ``step``, from ``opened`` (in bulk where it can), as a committed slot here;
+        the bytes of its chunks."""
         import numpy as np
 
         t = self.agent.table
