@@ -1,6 +1,18 @@
 """Exceptions raised by jaxckpt. Every message names the array path, step, peer or key concerned."""
 from __future__ import annotations
 
+import reprlib
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlevel, _BRIEF.maxdict, _BRIEF.maxlist, _BRIEF.maxtuple = 2, 2, 3, 3
+_BRIEF.maxstring, _BRIEF.maxother = 40, 60
+
+
+def brief(value: object) -> str:
+    """``value`` for an error message, bounded: its type and a shortened repr (a whole state passed where a step
+    was expected must not print every leaf)."""
+    return f"{type(value).__name__} {_BRIEF.repr(value)}"
+
 
 class JaxckptError(Exception):
     """Base class of every error jaxckpt raises on purpose."""

@@ -379,6 +379,11 @@ def test_step_must_grow(ckpt):
             ck.save(bad, {"x": jnp.ones(2)})
     ck.save(np.int64(6), {"x": jnp.ones(2)}).result()
     assert ck.latest_step() == 6
+    # restore(step, target) for restore(target, step): the message names the type and stays short, every leaf unsaid
+    big = {f"layer{i}": jnp.zeros((64, 64)) for i in range(500)}
+    with pytest.raises(StepError, match=r"step must be a non-negative int, got dict \{'layer0': ") as e:
+        ck.restore(6, big)
+    assert len(str(e.value)) < 400, len(str(e.value))
 
 
 def test_budget_exceeded_keeps_the_newest_committed_step(ckpt, m8):

@@ -33,7 +33,7 @@ from jaxckpt.core.advise import IntervalAdvice, SaveCosts
 from jaxckpt.core.collective import Collective
 from jaxckpt.core.coordination import CommitTracker, Coordinator
 from jaxckpt.errors import (ClosedError, CommitError, ConfigError, NoCheckpointError, StepError,
-                            StepOutOfRangeError, StoreUnavailableError)
+                            StepOutOfRangeError, StoreUnavailableError, brief)
 from jaxckpt.core.capabilities import NodeAgent, ProtectionSlots
 from jaxckpt.core.catalog import Catalog
 from jaxckpt.core.timeline import Stopwatch
@@ -207,7 +207,7 @@ class CheckpointEngine:
         t0 = time.perf_counter() if t0 is None else t0
         self.check_open()
         if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
-            raise StepError(f"step must be a non-negative int, got {step!r}")
+            raise StepError(f"step must be a non-negative int, got {brief(step)}")
         step = int(step)
         if step > MAX_STEP:
             raise StepError(f"step {step} is out of range: steps are at most {MAX_STEP}")
@@ -499,7 +499,7 @@ class CheckpointEngine:
     def resolve_step(self, step: int | None) -> int:
         if step is not None:
             if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
-                raise StepError(f"step must be a non-negative int, got {step!r}")  # never int(2.5) or "../x"
+                raise StepError(f"step must be a non-negative int, got {brief(step)}")  # never int(2.5) or "../x"
             if step > MAX_STEP:  # no store could hold it; stores' wire formats need not represent it
                 raise StepOutOfRangeError(f"step {step} is not held by store {self.config.store!r} (held: "
                                           f"{self.all_steps() or 'none'}): it is out of range (steps are at most "

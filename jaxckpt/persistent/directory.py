@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from jaxckpt.errors import ManifestError, StepError, StepNotFoundError
+from jaxckpt.errors import ManifestError, StepError, StepNotFoundError, brief
 
 log = logging.getLogger("jaxckpt.persistent.directory")
 
@@ -52,7 +52,7 @@ def step_dir(directory: epath.PathLike, step: Any) -> epath.Path:
     """``<directory>/<step>``; anything but a non-negative int (a float, a bool, a path like "../x") is refused
     with StepError before it names a path."""
     if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
-        raise StepError(f"step must be a non-negative int, got {step!r}")
+        raise StepError(f"step must be a non-negative int, got {brief(step)}")
     return epath.Path(directory) / str(int(step))
 
 
