@@ -44,6 +44,7 @@ log = logging.getLogger("jaxckpt.backends.zmq_client")
 # once in huge pages (core/hostbuf.py).
 READ_BYTES = 1 << 20
 MAX_RESENDS = 8  # lost connections one call lives through before it gives up on the peer
+MAX_IN_FLIGHT = 64  # requests of one call in flight at most, however small (the window counts whole frames)
 _MONITORS = itertools.count(1)  # inproc monitor endpoints must be unique in the process
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
@@ -389,12 +390,24 @@ class ZmqClient(PeerClient):
                                    **(extra or {}))] = (key, part)
             if self._drain():
                 resends = self._reopen(what, resends)
+            # At most the window's count of requests in flight, or more of small ones as long as their bytes stay
+            # within the window's count of whole frames: a many-array read asks for thousands of ranges of a few
+            # KiB, and 4 of them in flight at a time left it waiting a round trip per 4 ranges.
+            budget, inflight = self._window * self._frame_bytes, 0
+            ahead = next(todo, None)
+
+            def size(item: tuple) -> int:
+                return self._frame_bytes if item[1] is _MANIFEST else item[1][1]
+
+            def fill() -> None:
+                nonlocal ahead, inflight
+                while ahead is not None and (len(pending) < self._window or (
+                        len(pending) < MAX_IN_FLIGHT and inflight + size(ahead) <= budget)):
+                    send(*ahead)
+                    inflight += size(ahead)
+                    ahead = next(todo, None)
             while True:
-                while len(pending) < self._window:
-                    nxt = next(todo, None)
-                    if nxt is None:
-                        break
-                    send(*nxt)
+                fill()
                 if not pending:
                     return
                 try:
@@ -409,12 +422,11 @@ class ZmqClient(PeerClient):
                         send(key, part)
                     continue
                 key, part = pending.pop(rid)
+                inflight -= size((key, part))
                 buf = payload if payload is not None else memoryview(b"")
                 if len(buf) != part[1] and part is not _MANIFEST:
                     raise PeerError(f"peer {self.address}: {what}: reply has {len(buf)} bytes, expected {part[1]}")
-                nxt = next(todo, None)
-                if nxt is not None:
-                    send(*nxt)
+                fill()
                 deadline = time.monotonic() + self._timeout  # progress resets the clock
                 yield key, part, header, buf
 

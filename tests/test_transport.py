@@ -221,6 +221,37 @@ class TestZmqTransport(TransportTests):
             s.close()
         np.testing.assert_array_equal(np.frombuffer(c.read(3, 5, 100), dtype=np.uint8), data[5:105])
 
+    def test_small_ranges_are_many_in_flight_big_ones_a_window_of_frames(self, served):
+        """The window (3 here) counts whole frames: 500 ranges of 8 bytes go up to MAX_IN_FLIGHT at once (a
+        round trip per 3 of them made a many-array pull wait), ranges of a frame each at most 3 at once; every
+        byte comes back where it belongs."""
+        from jaxckpt.backends.zmq_client import MAX_IN_FLIGHT
+
+        store, server, data, connect = served
+        c = connect()
+        sent, outstanding = [0, 0], []  # requests sent, replies taken; the most in flight seen at each send
+        send, recv = c._send, c._recv
+
+        def counting_send(*a, **kw):
+            sent[0] += 1
+            outstanding.append(sent[0] - sent[1])
+            return send(*a, **kw)
+
+        def counting_recv(*a, **kw):
+            got = recv(*a, **kw)
+            sent[1] += 1
+            return got
+        c._send, c._recv = counting_send, counting_recv
+        small = [Span(97 * i, 8) for i in range(500)]
+        got = dict((i, bytes(b)) for i, b, _ in c.read_spans(3, small))
+        assert all(got[i] == data[sp.offset:sp.offset + 8].tobytes() for i, sp in enumerate(small))
+        assert 3 < max(outstanding) <= MAX_IN_FLIGHT, max(outstanding)
+        outstanding.clear()
+        big = [Span(FRAME * i, FRAME) for i in range(data.size // FRAME)]
+        got = dict((i, bytes(b)) for i, b, _ in c.read_spans(3, big))
+        assert all(got[i] == data[sp.offset:sp.offset + FRAME].tobytes() for i, sp in enumerate(big))
+        assert max(outstanding) == 3, outstanding
+
     def test_late_replies_to_timed_out_requests_are_dropped(self, served):
         store, server, data, connect = served
         c = connect()
