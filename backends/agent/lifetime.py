@@ -19,7 +19,8 @@ srun lives outside every step, so the agent's step lives until the allocation en
 do). Either way the agent is a task: it gets the SIGTERM at the allocation's end, sees the job COMPLETING and
 frees its memory (:func:`keep_on_term`) within ``KillWait``, with no administrator's epilog: it asks within half of
 ``KillWait`` (:class:`TermDecision`, which learns it as the agent starts), and an answer that does not come in
-that time frees the memory, where waiting on would end in slurmd's SIGKILL with the memory left to no one. A step's failure
+that time frees the memory, where waiting on would end in slurmd's SIGKILL with the memory left to no one.
+A step's failure
 usually leaves a spawned agent serving; when it takes it along (the srun race above), the agent's files stay and
 the relaunched step's agent adopts them: a relaunch restores from memory either way. A SIGTERM while the
 allocation runs (``scancel --signal=TERM``, srun forwarding a Ctrl-C) leaves the memory for the next agent.

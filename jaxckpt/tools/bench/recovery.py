@@ -3,8 +3,8 @@
     python -m jaxckpt.tools.bench.recovery [MIB] [ROUNDS] [ARRAYS]
 
 A job of 4 simulated nodes x 1 JAX process (2 CPU devices each, mesh 4x2 'data' x 'model') saves a state of MIB
-MiB (default 512: ARRAYS float32 arrays, default 8, half replicated over 'data', half split over both axes; whole replicas,
-``hybrid`` protection) to its node agents, waits until its newest step is protected, and exits; the agents stay.
+MiB (default 512) in ARRAYS float32 arrays (default 8), half replicated over 'data', half split over both axes
+(whole replicas, ``hybrid`` protection) to its node agents, waits until its newest step is protected, and exits; the agents stay.
 Then ROUNDS times (default 3): node 1's agent is SIGKILLed and its memory removed, and a fresh agent is started
 there as a launcher starts a replacement's (``jaxckpt agent --agent-dirs``); its recovery of the node's share runs
 with nothing else on the machine (in ``bench cluster`` it runs beside the relaunched trainers' JAX start-up). Each
@@ -101,14 +101,15 @@ def main(argv: list[str]) -> None:
             if rec.get("state") != "done":
                 raise RuntimeError(f"round {rnd}: the recovery did not rebuild the node's share: {rec}")
             reports.append(rec)
-            print(json.dumps({k: rec.get(k) for k in ("state", "step", "bytes", "received", "rebuilt_at", "scan_seconds", "seconds")}),
-                  flush=True)
+            keys = ("state", "step", "bytes", "received", "rebuilt_at", "scan_seconds", "seconds")
+            print(json.dumps({k: rec.get(k) for k in keys}), flush=True)
     finally:
         remove_agents(base)
     net = probe()
     secs = statistics.median(r["seconds"] for r in reports)
     nbytes = reports[0]["bytes"]
-    print(f"recovery of {nbytes / 2**20:.0f} MiB in {arrays} arrays (received {reports[0]['received'] / 2**20:.0f} MiB): median "
+    print(f"recovery of {nbytes / 2**20:.0f} MiB in {arrays} arrays (received "
+          f"{reports[0]['received'] / 2**20:.0f} MiB): median "
           f"{secs * 1e3:.0f} ms over {rounds} rounds ({min(r['seconds'] for r in reports) * 1e3:.0f}-"
           f"{max(r['seconds'] for r in reports) * 1e3:.0f}), {nbytes / secs / 1e9:.2f} GB/s; loopback raw TCP "
           f"{net['tcp']['gbps']:.2f} GB/s, the peer transport {net['transport']['gbps']:.2f} GB/s: the recovery "
