@@ -4,8 +4,8 @@
 
 A job of 4 simulated nodes x 1 JAX process (2 CPU devices each, mesh 4x2 'data' x 'model') saves a state of MIB
 MiB (default 512) in ARRAYS float32 arrays (default 8), half replicated over 'data', half split over both axes
-(whole replicas, ``hybrid`` protection) to its node agents, waits until its newest step is protected, and exits; the agents stay.
-Then ROUNDS times (default 3): node 1's agent is SIGKILLed and its memory removed, and a fresh agent is started
+(whole replicas, ``hybrid`` protection) to its node agents, waits until its newest step is protected, and exits;
+the agents stay. Then ROUNDS times (default 3): node 1's agent is SIGKILLed and its memory removed, and a fresh agent is started
 there as a launcher starts a replacement's (``jaxckpt agent --agent-dirs``); its recovery of the node's share runs
 with nothing else on the machine (in ``bench cluster`` it runs beside the relaunched trainers' JAX start-up). Each
 round prints the agent's recovery report; then the median seconds and rate, beside the raw loopback TCP rate and
