@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jaxckpt.backends.agent.protocol import open_segment
@@ -32,7 +31,6 @@ log = logging.getLogger("jaxckpt.backends.agent.daemon")
 
 OWNER = -1  # the slot table's writer id of the recovery (connections count from 1)
 WAIT_S = 90.0  # a trainer's hello waits at most this long for the recovery in flight (its socket: 120 s)
-WORKERS = 4  # chunks read at once: each remote agent's holder has as many transport clients (readers.MAX_CLIENTS)
 
 
 class _Counts:
@@ -147,22 +145,6 @@ class Recovery:
                       if i.generation not in known]
         return peers
 
-    @staticmethod
-    def _each(opened: Any, buf: Any, chunks: list) -> None:
-        """Chunk by chunk, several in flight: one at a time, each a round trip to a peer waited out in turn, moved
-        0.37 GB/s over a 1.4 GB/s loopback (BENCHMARKS.md)."""
-        import numpy as np
-
-        def put(c: Any) -> None:
-            buf[c.offset:c.offset + c.nbytes] = np.frombuffer(opened.read(c.offset, c.nbytes), np.uint8)
-        with ThreadPoolExecutor(min(WORKERS, max(1, len(chunks))), thread_name_prefix="agent-recovery-read") as ex:
-            try:
-                for _ in ex.map(put, chunks):
-                    pass
-            except BaseException:  # the first failure: no chunk more is started, and the pool's exit waits for
-                ex.shutdown(cancel_futures=True)  # those under way (the mapping lives until then)
-                raise
-
     def _write(self, q: int, step: int, opened: Any, m: Any) -> int:
         """Process ``q``'s snapshot of ``step``, from ``opened`` (in bulk where it can), as a committed slot here;
         the bytes of its chunks."""
@@ -176,13 +158,11 @@ class Recovery:
                 mapping = open_segment(self.agent.dir, entry.seg.name, entry.seg.size)
                 try:
                     buf = np.frombuffer(mapping, np.uint8)
-                    chunks = sorted((c for arr in m.arrays for c in arr.chunks if c.nbytes), key=lambda c: -c.nbytes)
-                    if opened.read_into is not None:
-                        # In bulk: a stripe's lost unit rebuilt at its holder in one request, a surviving twin's
-                        # ranges in one flight; a round trip per chunk made a 1,024-array share take seconds
-                        opened.read_into(memoryview(buf), [(c.offset, c.nbytes) for c in chunks])
-                    else:
-                        self._each(opened, buf, chunks)
+                    chunks = [c for arr in m.arrays for c in arr.chunks if c.nbytes]
+                    # In bulk (a lost process's Opened from RebuildHolder): a stripe's lost unit rebuilt at its
+                    # holder in one request, a surviving twin's ranges in one flight; a round trip per chunk made a
+                    # 1,024-array share take seconds
+                    opened.read_into(memoryview(buf), [(c.offset, c.nbytes) for c in chunks])
                     del buf
                 finally:
                     try:

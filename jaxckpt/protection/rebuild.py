@@ -299,7 +299,9 @@ def _flat_boxes(start: tuple[int, ...], shape: tuple[int, ...], lo: int, hi: int
 
 
 # ------------------------------------------------------------------------------------------------------- rebuild
-READERS = 4  # requests of a bulk rebuild (Rebuilder.read_into) in flight at once
+# Requests of a bulk rebuild (Rebuilder.read_into) in flight at once: a remote agent's holder has as many transport
+# clients (backends/agent/readers.MAX_CLIENTS)
+READERS = 4
 RUN_BYTES = 8 << 20  # at most this many bytes in one bulk request: several in flight, none holding a share whole
 
 
@@ -502,7 +504,7 @@ class Rebuilder:
                     twin = prot.chunks[src.chunk]
                     groups[("twin", twin.process)].append((twin.offset + p.lo, twin.offset + p.hi, offset + p.lo, r))
         runs = [(key, run) for key, parts in groups.items() for run in _runs(parts, touching=key[0] != "twin")]
-        runs.sort(key=lambda kr: kr[1][0][0] - kr[1][-1][1])  # the biggest first, as chunk by chunk did
+        runs.sort(key=lambda kr: -sum(hi - lo for lo, hi, *_ in kr[1]))  # the biggest first, as chunk by chunk did
         done = {id(r): r for parts in groups.values() for *_, r in parts}
         parts_left = collections.Counter(id(r) for parts in groups.values() for *_, r in parts)
         failed: set[int] = set()  # ids of the ChunkRebuilds to rebuild alone
