@@ -6,13 +6,17 @@ names are also importable from here). A server serves a ``ServedHolder``: one pr
 (:class:`StoreHolder`), or a node agent's memory holding the snapshots of every process of its node. Wire
 protocol, version 1 (msgpack maps, never pickle):
 
-  request (one frame)  {"v": 1, "id": n, "token": bytes, "op": "steps"|"manifest"|"read"|"held", "step", "offset",
-                        "nbytes", "process", "chunk"}
+  request (one frame)  {"v": 1, "id": n, "token": bytes, "op": "steps"|"manifest"|"read"|"spans"|"held", "step",
+                        "offset", "nbytes", "process", "chunk", "spans"}
   reply (two frames)   {"v": 1, "id": n, "ok": bool, "code": "", "error": "", "steps": [...], "size", "held",
-                        "rest"}, payload
+                        "rest", "rests"}, payload
 A read may name the chunk that holds its range (``chunk``: [offset, nbytes]); its reply then carries ``rest``,
 the crc32c of the chunk's bytes before and after the range, so that the client checks the bytes it got against
 the chunk's crc32c without reading the whole chunk (``jaxckpt.core.checksum.span_crc``).
+``spans`` asks for several small ranges in one request (``spans``: [[offset, nbytes] or [offset, nbytes, chunk
+offset, chunk nbytes], ...], at most ``MAX_SPANS``, together at most a frame): the payload is their bytes one
+after another, ``rests`` each one's ``rest`` (None where it names no chunk). A many-array read asks for thousands
+of ranges of a few KiB, and a request each cost both ends more Python than the bytes cost to move.
 A manifest is paged: each reply carries at most one frame from ``offset`` and the manifest's total ``size``.
 ``rebuild`` (a node agent holding a parity stripe, ``ServedHolder.rebuild``) asks for bytes [offset, offset +
 nbytes) of unit ``unit`` of ``stripe``, whose parity is in protection slot ``process``, rebuilt there: the request
@@ -61,10 +65,13 @@ from jaxckpt.errors import PeerError, StepNotFoundError
 log = logging.getLogger("jaxckpt.backends.transport")
 
 VERSION = 1
-MAX_REQUEST_BYTES = 4096
+# A request's bound (a ``spans`` request of MAX_SPANS ranges is about 40 KiB); its byte strings (the token) stay
+# within MAX_FIELD_BYTES.
+MAX_REQUEST_BYTES, MAX_FIELD_BYTES = 64 << 10, 4096
+MAX_SPANS = 1024
 DEFAULT_FRAME_BYTES = 16 << 20
 HEADER_SLACK = 4096  # a reply header is far below this
-OPS = ("steps", "manifest", "read", "held", "rebuild", "about")
+OPS = ("steps", "manifest", "read", "spans", "held", "rebuild", "about")
 WORKERS = 4  # rebuilds a server runs at once (each waits mostly for other servers)
 # A request waits at most this long for a connection to exist: a restarted agent listens on a new port, and
 # ZeroMQ would otherwise queue requests for the dead one's address until the whole peer time-out ran out.
@@ -265,7 +272,7 @@ class ZmqServer(PeerServer):
             if len(raw) > MAX_REQUEST_BYTES:
                 raise _Refused("too-large", f"request of {len(raw)} bytes exceeds the {MAX_REQUEST_BYTES}-byte limit")
             try:
-                req = msgpack.unpackb(raw, raw=False, max_bin_len=MAX_REQUEST_BYTES, max_str_len=MAX_REQUEST_BYTES)
+                req = msgpack.unpackb(raw, raw=False, max_bin_len=MAX_FIELD_BYTES, max_str_len=MAX_FIELD_BYTES)
             except Exception as e:  # msgpack raises several unrelated types on garbage
                 raise _Refused("bad-request", f"request is not msgpack ({type(e).__name__})") from None
             if not isinstance(req, dict):
@@ -312,6 +319,9 @@ class ZmqServer(PeerServer):
             whose = self._source.label if process is None else f"{self._source.label} for process {process}"
             raise _Refused("not-found", f"step {step} is not held by {whose} "
                                         f"(held: {self._source.steps(process) or 'none'})")
+        if op == "spans":
+            self._spans(ident, rid, view, step, req)
+            return
         size = rest = None
         try:
             if op == "manifest":  # paged like reads, so that no reply exceeds a frame
@@ -328,13 +338,40 @@ class ZmqServer(PeerServer):
                     raise _Refused("bad-request", f"range {offset}+{nbytes} runs past the end of step {step}'s "
                                                   f"{len(view.buffer)}-byte snapshot")
                 payload = view.buffer[offset:offset + nbytes]
-                rest = _rest_crcs(req, view.buffer, offset, nbytes) if "chunk" in req else None
+                rest = _rest_crcs(req["chunk"], view.buffer, offset, nbytes) if "chunk" in req else None
             tracker = self._reply(ident, rid, ok=True, payload=payload, size=size, rest=rest)
         except BaseException:
             view.close()
             raise
         self.served += 1
         self._pinned.append((tracker, view))  # unpinned once ZeroMQ no longer needs the bytes
+
+    def _spans(self, ident: zmq.Frame, rid: int | None, view: SnapshotView, step: int, req: dict) -> None:
+        """Reply to a ``spans`` request from ``view``: the ranges' bytes in one payload (copied: they are small,
+        and one frame of them costs less than a reply each), each one's ``rest`` beside."""
+        try:
+            spans, buffer = req.get("spans"), view.buffer
+            if not (isinstance(spans, list) and 0 < len(spans) <= MAX_SPANS):
+                raise _Refused("bad-request", f"spans must be a list of 1..{MAX_SPANS} ranges")
+            parts, rests, total = [], [], 0
+            for sp in spans:
+                if not (isinstance(sp, list) and len(sp) in (2, 4) and all(type(v) is int and v >= 0 for v in sp)):
+                    raise _Refused("bad-request", f"a span must be [offset, nbytes] or [offset, nbytes, chunk "
+                                                  f"offset, chunk nbytes] of non-negative ints, got {sp!r}")
+                offset, nbytes = sp[0], sp[1]
+                total += nbytes
+                if total > self._frame_bytes:
+                    raise _Refused("too-large", f"spans of more than {self._frame_bytes} bytes exceed the "
+                                                f"{self._frame_bytes}-byte frame")
+                if offset + nbytes > len(buffer):
+                    raise _Refused("bad-request", f"range {offset}+{nbytes} runs past the end of step {step}'s "
+                                                  f"{len(buffer)}-byte snapshot")
+                parts.append(buffer[offset:offset + nbytes])
+                rests.append(_rest_crcs(sp[2:], buffer, offset, nbytes) if len(sp) == 4 else None)
+            self._reply(ident, rid, ok=True, payload=b"".join(parts), rests=rests)
+            self.served += 1
+        finally:
+            view.close()
 
     def _rebuild(self, ident: bytes, rid: int | None, process: int | None, step: int, req: dict) -> None:
         """Start a rebuild (see the module docstring) on a worker; its reply is sent by :meth:`_send_done`."""
@@ -397,7 +434,7 @@ class ZmqServer(PeerServer):
     def _reply(self, ident: zmq.Frame | bytes, rid: int | None, *, ok: bool, code: str = "", error: str = "",
                steps: list[int] | None = None, payload: Any = b"", size: int | None = None,
                held: list[list] | None = None, rest: list[int] | None = None,
-               about: dict | None = None) -> zmq.MessageTracker:
+               about: dict | None = None, rests: list | None = None) -> zmq.MessageTracker:
         fields = {"v": VERSION, "id": rid, "ok": ok, "code": code, "error": error, "steps": steps or [], "size": size}
         if held is not None:
             fields["held"] = held
@@ -405,6 +442,8 @@ class ZmqServer(PeerServer):
             fields["about"] = about
         if rest is not None:
             fields["rest"] = rest
+        if rests is not None:
+            fields["rests"] = rests
         header = msgpack.packb(fields, use_bin_type=True)
         try:
             return self._sock.send_multipart([ident if isinstance(ident, bytes) else ident.bytes, header, payload],
@@ -450,10 +489,9 @@ def _peer_address(ident: zmq.Frame | bytes) -> str:
         return "an unknown peer"
 
 
-def _rest_crcs(req: dict, buffer: Any, offset: int, nbytes: int) -> list[int]:
-    """[crc32c before, crc32c after] the range within the chunk ``req["chunk"]`` ([offset, nbytes]) that holds it:
-    what the client needs to check the range against the chunk's own crc32c (jaxckpt.core.checksum.span_crc)."""
-    chunk = req["chunk"]
+def _rest_crcs(chunk: Any, buffer: Any, offset: int, nbytes: int) -> list[int]:
+    """[crc32c before, crc32c after] the range within the chunk ``chunk`` ([offset, nbytes]) that holds it: what
+    the client needs to check the range against the chunk's own crc32c (jaxckpt.core.checksum.span_crc)."""
     if not (isinstance(chunk, list) and len(chunk) == 2 and all(type(v) is int and v >= 0 for v in chunk)):
         raise _Refused("bad-request", f"chunk must be [offset, nbytes], got {chunk!r}")
     lo, n = chunk

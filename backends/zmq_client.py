@@ -20,14 +20,14 @@ import logging
 import struct
 import threading
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import msgpack
 import numpy as np
 import zmq
 
 from jaxckpt.backends.transport import (CONNECT_TIMEOUT_S, HEADER_SLACK, HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS,
-                                        VERSION)
+                                        MAX_SPANS, VERSION)
 from jaxckpt.core.transport import PeerAddress, PeerClient, Span
 from jaxckpt.core import hostbuf
 from jaxckpt.core.manifest import MAX_MANIFEST_BYTES
@@ -53,8 +53,22 @@ _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_
 _MANIFEST = (0, 0, None)  # the part of a pipeline that asks for the step's manifest (its first page)
 
 
+class _Group(NamedTuple):
+    """Small spans asked for in one ``spans`` request: [(span index, (offset, nbytes, chunk))], their bytes."""
+    members: list
+    nbytes: int
+
+
 class _Lost(Exception):
     """The connection that carried the requests in flight closed: they get no reply."""
+
+
+class _NoSpans(Exception):
+    """The peer does not know the ``spans`` op (an agent of an older jaxckpt): its ranges go one a request."""
+
+    def __init__(self, rid: int) -> None:
+        super().__init__(rid)
+        self.rid = rid
 
 
 class ZmqClient(PeerClient):
@@ -79,6 +93,7 @@ class ZmqClient(PeerClient):
         self.disconnects = 0  # connections lost so far
         self.resent = 0  # requests sent again after their connection was lost
         self._ids = itertools.count(1)
+        self._spans = True  # the peer serves ``spans`` requests (until it refuses one as an unknown op)
         self._lock = threading.Lock()
         self._closed = False
         self._open()
@@ -199,6 +214,8 @@ class ZmqClient(PeerClient):
             if not header.get("ok"):
                 self._discard(first)
                 code, error = header.get("code"), header.get("error")
+                if code == "bad-request" and str(error).startswith("unknown op 'spans'"):
+                    raise _NoSpans(rid)
                 if code == "not-found":
                     raise StepNotFoundError(f"peer {self.address}: {error}")
                 raise PeerError(f"peer {self.address} refused {what}: {error} ({code})")
@@ -291,21 +308,24 @@ class ZmqClient(PeerClient):
     def read_spans(self, step: int, spans: Sequence[Span], process: int | None = None, *, manifest: bool = False
                    ) -> Iterator[tuple[int, memoryview, tuple[int, int] | None]]:
         what = f"step {step}: {len(spans)} range(s)" + (f" of process {process}" if process is not None else "")
-        parts = [(i, p) for i, sp in enumerate(spans) for p in self._parts(sp.offset, sp.nbytes, sp.chunk)]
+        parts = self._group([(i, p) for i, sp in enumerate(spans) for p in self._parts(sp.offset, sp.nbytes, sp.chunk)],
+                            spans)
         if manifest:
             parts.insert(0, (-1, _MANIFEST))
         whole: dict[int, list] = {}  # a span of several frames: [buffer, parts left, before, after]
         paged = False
 
-        def into(i: int, part: tuple) -> memoryview | None:
+        def into(i: int, part: Any) -> memoryview | None:
             if i == -1:
                 return None
+            if isinstance(part, _Group):
+                return memoryview(hostbuf.empty(part.nbytes, np.uint8))
             sp, (o, n, _) = spans[i], part
             if n == sp.nbytes:
                 return memoryview(hostbuf.empty(n, np.uint8))
             w = whole.setdefault(i, [hostbuf.empty(sp.nbytes, np.uint8), -(-sp.nbytes // self._read_bytes), 0, 0])
             return memoryview(w[0])[o - sp.offset:o - sp.offset + n]
-        for i, (o, n, part_chunk), header, buf in self._pipeline(step, parts, process, what, into=into):
+        for i, part, header, buf in self._pipeline(step, parts, process, what, into=into):
             if i == -1:
                 size = header.get("size")
                 if not isinstance(size, int) or size > MAX_MANIFEST_BYTES or size < len(buf):
@@ -315,14 +335,20 @@ class ZmqClient(PeerClient):
                 else:  # longer than a frame: paged once the spans are in
                     paged = True
                 continue
+            if isinstance(part, _Group):
+                rests = header.get("rests")
+                if not (isinstance(rests, list) and len(rests) == len(part.members)):
+                    raise PeerError(f"peer {self.address}: {what}: malformed reply to a spans request")
+                at = 0
+                for (j, (o, n, chunk)), rest in zip(part.members, rests):
+                    yield j, buf[at:at + n], self._rest(rest, chunk, o, n, what)
+                    at += n
+                continue
+            o, n, part_chunk = part
             sp = spans[i]
-            rest = header.get("rest") if part_chunk is not None else None
-            if part_chunk is not None and not (isinstance(rest, list) and len(rest) == 2
-                                             and all(type(v) is int and 0 <= v < 1 << 32 for v in rest)):
-                raise PeerError(f"peer {self.address}: {what}: the reply for {o}+{n} lacks the crc32c of the rest "
-                                f"of its chunk")
+            rest = self._rest(header.get("rest"), part_chunk, o, n, what)
             if n == sp.nbytes:
-                yield i, buf, (tuple(rest) if rest is not None else None)
+                yield i, buf, rest
                 continue
             w = whole[i]  # the frame was received into its place (into)
             w[1] -= 1
@@ -334,6 +360,41 @@ class ZmqClient(PeerClient):
                 yield i, memoryview(w[0]), ((w[2], w[3]) if sp.chunk is not None else None)
         if paged:
             yield -1, memoryview(self.manifest(step, process)), None
+
+    def _rest(self, rest: Any, chunk: Any, o: int, n: int, what: str) -> tuple[int, int] | None:
+        """A reply's crc32c of the rest of the chunk of range ``o``+``n``, checked (None where it names no chunk)."""
+        if chunk is None:
+            return None
+        if not (isinstance(rest, list) and len(rest) == 2 and all(type(v) is int and 0 <= v < 1 << 32 for v in rest)):
+            raise PeerError(f"peer {self.address}: {what}: the reply for {o}+{n} lacks the crc32c of the rest of "
+                            f"its chunk")
+        return rest[0], rest[1]
+
+    def _group(self, parts: list, spans: Sequence[Span]) -> list:
+        """``parts`` with the spans smaller than a frame taken together: a ``spans`` request for each frame's worth
+        of them (or MAX_SPANS); a span of a frame or more keeps its requests (the server sends those zero-copy)."""
+        out: list = []
+        run: list = []
+        nbytes = 0
+
+        def close() -> None:
+            if len(run) == 1:
+                out.append(run[0])
+            elif run:
+                out.append((-2, _Group(list(run), nbytes)))
+            run.clear()
+        for key, part in parts:
+            n = part[1]
+            if n >= self._read_bytes or n != spans[key].nbytes:
+                out.append((key, part))
+                continue
+            if nbytes + n > self._read_bytes or len(run) == MAX_SPANS:
+                close()
+                nbytes = 0
+            run.append((key, part))
+            nbytes += n
+        close()
+        return out
 
     def rebuild(self, step: int, process: int, stripe: int, unit: int, lo: int, hi: int,
                 sources: dict[int, PeerAddress]) -> memoryview:
@@ -382,10 +443,18 @@ class ZmqClient(PeerClient):
             todo = iter(parts)
 
             def send(key, part) -> None:
-                o, n, chunk = part
                 if part is _MANIFEST:
                     pending[self._send("manifest", what, step=step, offset=0, process=process)] = (key, part)
                     return
+                if isinstance(part, _Group):
+                    if not self._spans:  # a peer of an older jaxckpt: a request per range
+                        for member in part.members:
+                            send(*member)
+                        return
+                    ranges = [[o, n, *c] if c is not None else [o, n] for _, (o, n, c) in part.members]
+                    pending[self._send("spans", what, step=step, spans=ranges, process=process)] = (key, part)
+                    return
+                o, n, chunk = part
                 pending[self._send(op, what, step=step, offset=o, nbytes=n, process=process, chunk=chunk,
                                    **(extra or {}))] = (key, part)
             if self._drain():
@@ -397,7 +466,8 @@ class ZmqClient(PeerClient):
             ahead = next(todo, None)
 
             def size(item: tuple) -> int:
-                return self._frame_bytes if item[1] is _MANIFEST else item[1][1]
+                part = item[1]
+                return self._frame_bytes if part is _MANIFEST else part.nbytes if isinstance(part, _Group) else part[1]
 
             def fill() -> None:
                 nonlocal ahead, inflight
@@ -421,10 +491,17 @@ class ZmqClient(PeerClient):
                     for key, part in again:
                         send(key, part)
                     continue
+                except _NoSpans as e:
+                    if self._spans:
+                        log.info("peer %s serves no spans requests (an older jaxckpt): a request per range",
+                                 self.address)
+                    self._spans = False
+                    send(*pending.pop(e.rid))  # its ranges one a request; their bytes stay counted in flight
+                    continue
                 key, part = pending.pop(rid)
                 inflight -= size((key, part))
                 buf = payload if payload is not None else memoryview(b"")
-                if len(buf) != part[1] and part is not _MANIFEST:
+                if part is not _MANIFEST and len(buf) != size((key, part)):
                     raise PeerError(f"peer {self.address}: {what}: reply has {len(buf)} bytes, expected {part[1]}")
                 fill()
                 deadline = time.monotonic() + self._timeout  # progress resets the clock

@@ -175,6 +175,12 @@ class TestZmqTransport(TransportTests):
                      ({"op": "read", "step": 3, "offset": -1, "nbytes": 1}, "'offset' must be a non-negative"),
                      ({"op": "manifest", "step": 3, "offset": 10**6}, "manifest offset 1000000 outside"),
                      ({"op": "delete", "step": 3}, "unknown op 'delete'"),
+                     ({"op": "spans", "step": 3, "spans": [0, 10]}, "a span must be [offset, nbytes]"),
+                     ({"op": "spans", "step": 3, "spans": []}, "spans must be a list of 1..1024 ranges"),
+                     ({"op": "spans", "step": 3, "spans": [[0, 1]] * 1025}, "spans must be a list of 1..1024"),
+                     ({"op": "spans", "step": 3, "spans": [[0, 10, 5]]}, "a span must be [offset, nbytes]"),
+                     ({"op": "spans", "step": 3, "spans": [[0, FRAME], [0, 1]]}, "exceed the 4096-byte frame"),
+                     ({"op": "spans", "step": 3, "spans": [[0, 10, 5, 20]]}, "range 0+10 is not inside chunk"),
                      ({"op": "steps", "v": 99}, "protocol version 99")]
             for fields, msg in cases:
                 s.send(msgpack.packb({**good, **fields}))
@@ -221,36 +227,71 @@ class TestZmqTransport(TransportTests):
             s.close()
         np.testing.assert_array_equal(np.frombuffer(c.read(3, 5, 100), dtype=np.uint8), data[5:105])
 
-    def test_small_ranges_are_many_in_flight_big_ones_a_window_of_frames(self, served):
-        """The window (3 here) counts whole frames: 500 ranges of 8 bytes go up to MAX_IN_FLIGHT at once (a
-        round trip per 3 of them made a many-array pull wait), ranges of a frame each at most 3 at once; every
-        byte comes back where it belongs."""
-        from jaxckpt.backends.zmq_client import MAX_IN_FLIGHT
-
-        store, server, data, connect = served
-        c = connect()
-        sent, outstanding = [0, 0], []  # requests sent, replies taken; the most in flight seen at each send
+    def _counting(self, c):
+        """Count ``c``'s requests by op, and the most in flight at each send."""
+        sent, outstanding, ops = [0, 0], [], []
         send, recv = c._send, c._recv
 
-        def counting_send(*a, **kw):
+        def counting_send(op, *a, **kw):
             sent[0] += 1
             outstanding.append(sent[0] - sent[1])
-            return send(*a, **kw)
+            ops.append(op)
+            return send(op, *a, **kw)
 
         def counting_recv(*a, **kw):
             got = recv(*a, **kw)
             sent[1] += 1
             return got
         c._send, c._recv = counting_send, counting_recv
-        small = [Span(97 * i, 8) for i in range(500)]
+        return outstanding, ops
+
+    def test_small_ranges_go_a_frame_of_them_to_a_request_big_ones_a_window_of_frames(self, served):
+        """Ranges under a frame go together, a frame's worth (or MAX_SPANS of them) to one ``spans`` request: a
+        many-array read asks for thousands of ranges of a few KiB, and a request each cost more than their bytes.
+        Such requests of few bytes go up to MAX_IN_FLIGHT at once, ranges of a frame each at most the window (3
+        here); every byte comes back where it belongs, with the crc32c of the rest of its chunk."""
+        from jaxckpt.backends.transport import MAX_SPANS
+        from jaxckpt.backends.zmq_client import MAX_IN_FLIGHT
+
+        store, server, data, connect = served
+        c = connect()
+        outstanding, ops = self._counting(c)
+        small = [Span(97 * i, 8) for i in range(500)]  # 4,000 bytes: one request
         got = dict((i, bytes(b)) for i, b, _ in c.read_spans(3, small))
         assert all(got[i] == data[sp.offset:sp.offset + 8].tobytes() for i, sp in enumerate(small))
+        assert ops == ["spans"]
+        ops.clear()
+        tiny = [Span(9 * i, 1, (9 * i, 5)) for i in range(5000)]  # 5 requests of MAX_SPANS ranges, all in flight
+        got = {i: (bytes(b), rest) for i, b, rest in c.read_spans(3, tiny)}
+        for i, sp in enumerate(tiny):
+            buf, (before, after) = got[i]
+            assert buf == data[sp.offset:sp.offset + 1].tobytes()
+            assert span_crc(before, buf, after, 4) == crc32c(data[sp.offset:sp.offset + 5])
+        assert ops == ["spans"] * -(-len(tiny) // MAX_SPANS)
         assert 3 < max(outstanding) <= MAX_IN_FLIGHT, max(outstanding)
         outstanding.clear()
         big = [Span(FRAME * i, FRAME) for i in range(data.size // FRAME)]
         got = dict((i, bytes(b)) for i, b, _ in c.read_spans(3, big))
         assert all(got[i] == data[sp.offset:sp.offset + FRAME].tobytes() for i, sp in enumerate(big))
         assert max(outstanding) == 3, outstanding
+        # one bad range fails its request, naming the range
+        with pytest.raises(PeerError, match=rf"range {data.size - 5}\+10 runs past the end of step 3"):
+            list(c.read_spans(3, [Span(0, 10), Span(data.size - 5, 10)]))
+
+    def test_a_peer_without_spans_requests_is_asked_a_range_a_request(self, served, monkeypatch):
+        """An agent of an older jaxckpt refuses ``spans`` as an unknown op: the client asks it for each range on
+        its own from then on, and gets every byte."""
+        import jaxckpt.backends.transport as transport
+
+        store, server, data, connect = served
+        monkeypatch.setattr(transport, "OPS", tuple(op for op in transport.OPS if op != "spans"))
+        c = connect()
+        outstanding, ops = self._counting(c)
+        small = [Span(97 * i, 8) for i in range(300)] + [Span(40_000, 2 * FRAME + 1)]
+        for _ in range(2):
+            got = dict((i, bytes(b)) for i, b, _ in c.read_spans(3, small))
+            assert all(got[i] == data[sp.offset:sp.offset + sp.nbytes].tobytes() for i, sp in enumerate(small))
+        assert ops.count("spans") == 1 and ops.count("read") == 2 * (300 + 3), ops[:5]
 
     def test_late_replies_to_timed_out_requests_are_dropped(self, served):
         store, server, data, connect = served
