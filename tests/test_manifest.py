@@ -188,6 +188,36 @@ def test_chunk_crcs_are_decodes_crcs_and_their_integers_are_checked():
                       source="peer 3")
 
 
+def test_chunk_crcs_of_a_run_of_steps_read_one_layout_at_its_places_and_are_each_steps(monkeypatch):
+    """ChunkCrcs (a node agent's reader of each step's manifest of a process): every step's answer is the whole
+    decode's, whatever changes (crc32c's, step, plain values, another layout, a manifest no Template packed,
+    a damaged one); a later step of the layout is read at its crc32c's places alone."""
+    m = sample()
+    template, keys = _plan_order_template(m)
+    read = mf.ChunkCrcs()
+    decoded = []  # the sources of the manifests decoded whole
+    real = mf.chunk_crcs
+    monkeypatch.setattr(mf, "chunk_crcs", lambda data, source="manifest": decoded.append(source) or
+                        real(data, source=source))
+    for step, crcs in enumerate(([1, 2, 3, 4], [0xFFFFFFFF, 0, 1 << 31, 9], [5, 5, 5, 5])):
+        data = template.encode(10 + step, crcs, m.leaves[:step])  # the plain values after the arrays change too
+        assert read(data, source=f"step {10 + step}") == real(data) == dict(
+            zip([(m.arrays[i].chunks[j].process, m.arrays[i].chunks[j].offset) for i, j in keys], crcs))
+    assert decoded == ["step 10"]  # the later steps of the layout were read at the places
+    other = mf.encode(mf.Manifest(step=13, process=0, process_count=2, framework="jax", arrays=m.arrays[1:]))
+    assert read(other, source="other") == real(other)  # another layout: decoded whole
+    assert read(VALID, source="back") == real(VALID) and decoded[-2:] == ["other", "back"]
+    plain = envelope(wire())  # packed field by field, not by a Template: decoded whole every time
+    assert read(plain, source="p1") == read(plain, source="p2") == real(VALID)
+    assert decoded[-2:] == ["p1", "p2"]
+    d = wire()
+    _set(d, ("arrays", 0, "chunks", 1, 4), True)
+    with pytest.raises(ManifestError, match=r"process' has type bool"):
+        read(envelope(d))
+    with pytest.raises(ManifestError, match="manifest checksum mismatch"):
+        read(VALID[:-5] + bytes([VALID[-5] ^ 1]) + VALID[-4:])
+
+
 def test_owner_reads_whose_a_manifest_is_and_checks_the_envelope():
     assert mf.owner(VALID) == (0, 2) and mf.owner(memoryview(VALID)) == (0, 2)
     for field, value, says in (("process", -1, "negative"), ("process_count", True, "type bool"),

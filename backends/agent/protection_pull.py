@@ -46,6 +46,10 @@ MAX_TASKS = 1 << 16
 
 
 _clients: dict[tuple[str, bytes, str], Any] = {}  # one client per peer agent, kept across requests (connections)
+# One reader per saving process of the manifests a pull checks chunks against, kept across pulls: each step's
+# manifest of a process has the layout of the last one, read at its crc32c's places (ChunkCrcs)
+_crc_readers: dict[int, mf.ChunkCrcs] = {}
+MAX_CRC_READERS = 1024
 _clients_lock = threading.Lock()
 MAX_CLIENTS = 64
 FETCH_THREADS = 4
@@ -114,7 +118,13 @@ class ChunkSpans:
         self._decode(q, bytes(view.manifest))
 
     def _decode(self, q: int, raw: bytes) -> None:
-        crcs = mf.chunk_crcs(raw, source=f"step {self.step} manifest of process {q}")
+        with _clients_lock:
+            read = _crc_readers.get(q)
+            if read is None:
+                if len(_crc_readers) >= MAX_CRC_READERS:  # bounded: a job has fewer processes than this
+                    _crc_readers.pop(next(iter(_crc_readers)))
+                read = _crc_readers[q] = mf.ChunkCrcs()
+        crcs = read(raw, source=f"step {self.step} manifest of process {q}")
         with self._lock:
             self._crcs.update(crcs)
             self._known.add(q)

@@ -195,6 +195,101 @@ def chunk_crcs(data: bytes | memoryview, *, source: str = "manifest") -> dict[tu
     return out
 
 
+class ChunkCrcs:
+    """:func:`chunk_crcs` for a run of manifests of one process, each step's: the first (and the first of each new
+    layout) decoded whole, the byte places of its chunks' crc32c noted; a later one whose body equals it outside
+    those places up to the end of its arrays (a :class:`Template` packs the step, time and plain values after
+    them) is read at the places alone. A node agent pulls from every protected process each step: decoding a
+    4,096-leaf manifest whole takes 22 ms here, three of them per pull. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._known: tuple | None = None  # (prefix with the crc32c bytes zeroed, their places, keys, tail keys)
+
+    def __call__(self, data: bytes | memoryview, *, source: str = "manifest") -> dict[tuple[int, int], int]:
+        body = _body(data, source)
+        known = self._known
+        if known is not None:
+            got = _read_places(body, *known)
+            if got is not None:
+                return got
+        out = chunk_crcs(data, source=source)  # checks every field; the places below only locate them
+        try:
+            self._known = _places(body)
+        except Exception:  # noqa: BLE001 - not a layout the places can be read from: decoded whole each time
+            self._known = None
+        return out
+
+
+def _places(body: bytes) -> tuple | None:
+    """The prefix of ``body`` up to the end of its arrays with each chunk's crc32c zeroed, those crc32c's byte
+    places, the chunks' (process, offset), and the keys after the arrays; None where a crc32c is not a 4-byte
+    unsigned int (not packed by a Template)."""
+    import numpy as np
+
+    u = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(body))
+    u.feed(body)
+    places: list[int] = []
+    keys: list[tuple[int, int]] = []
+    end, tail = -1, []
+    for _ in range(u.read_map_header()):
+        key = u.unpack()
+        if end >= 0:
+            tail.append(key)
+        if key != "arrays":
+            u.skip()
+            continue
+        if end >= 0:  # arrays twice: the decode takes the last, the places would hold both
+            return None
+        for _ in range(u.read_array_header()):
+            for _ in range(u.read_map_header()):
+                if u.unpack() != "chunks":
+                    u.skip()
+                    continue
+                for _ in range(u.read_array_header()):
+                    if u.read_array_header() != 5:
+                        return None
+                    u.skip()
+                    off, _nb, at = u.unpack(), u.unpack(), u.tell()
+                    u.skip()
+                    if body[at] != _CRC[0]:
+                        return None
+                    places.append(at + 1)
+                    keys.append((u.unpack(), off))
+        end = u.tell()
+    if end < 0:
+        return None
+    at = np.asarray(places, dtype=np.int64).reshape(-1, 1) + np.arange(4, dtype=np.int64)
+    prefix = np.frombuffer(body, np.uint8, count=end).copy()
+    prefix[at] = 0
+    return prefix, at, keys, tail
+
+
+def _read_places(body: bytes, prefix: Any, at: Any, keys: list, tail: list) -> dict[tuple[int, int], int] | None:
+    """The crc32c's of ``body`` read at the places :func:`_places` noted, if its bytes equal ``prefix`` elsewhere
+    and only the keys ``tail`` follow its arrays; None otherwise (another layout: decode it whole)."""
+    import numpy as np
+
+    if len(body) < prefix.size:
+        return None
+    head = np.frombuffer(body, np.uint8, count=prefix.size).copy()
+    crcs = head[at]
+    head[at] = 0
+    if not np.array_equal(head, prefix):
+        return None
+    u = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(body))
+    u.feed(body[prefix.size:])
+    try:
+        for key in tail:
+            if u.unpack() != key:
+                return None
+            u.skip()
+        if u.tell() != len(body) - prefix.size:
+            return None
+    except Exception:  # noqa: BLE001 - a malformed tail: the whole decode says what is wrong
+        return None
+    return dict(zip(keys, crcs.view(">u4").reshape(-1).tolist()))
+
+
 def owner(data: bytes | memoryview, *, source: str = "manifest") -> tuple[int, int]:
     """(process, process_count) of the snapshot an envelope describes: the envelope checked as :func:`decode`
     checks it, those two fields only (whose a held step is, without building a record of each of its chunks)."""
