@@ -248,8 +248,10 @@ def _places(body: bytes) -> tuple | None:
                 for _ in range(u.read_array_header()):
                     if u.read_array_header() != 5:
                         return None
-                    u.skip()
-                    off, _nb, at = u.unpack(), u.unpack(), u.tell()
+                    u.skip()  # the box
+                    off = u.unpack()
+                    u.skip()  # nbytes
+                    at = u.tell()
                     u.skip()
                     if body[at] != _CRC[0]:
                         return None
