@@ -48,6 +48,9 @@ def test_schema_and_every_figure(run):
     # the agents-alive restore's machine floor, measured beside it: every process copying its bytes at once
     together = res["restore"]["local"]["copy_at_once_s"]
     assert together["n"] == res["setup"]["repeats"] and together["median"] > 0, together
+    # and JAX's own part: making the same arrays from host copies of their shards, every process at once
+    made = res["restore"]["local"]["made_from_host_s"]
+    assert made["n"] == res["setup"]["repeats"] and 0 < made["median"], made
     _check_stats(res, "cluster")
     _check_numbers(res, "cluster")
     assert not run["left"], f"left in /dev/shm: {run['left']}"
@@ -159,6 +162,7 @@ def test_markdown_and_plots(run, tmp_path):
                   "Restore timeline", "raw TCP", "between 8 processes", "The floor of each restore path",
                   "memory copy floor ms", "Floors (issue 26; `Config.replicas='split'`)", "- agents alive: restore ",
                   "  - where this machine stops it: every process copying the bytes it restores at once (",
+                  "  - JAX's own part: making the restored arrays again from host copies of their shards (",
                   "- after a node loss: `Checkpointer()` + restore", "  - where this machine stops it: ", "- kill → first step: jaxckpt's own share",
                   "kill → first step", res["machine"]["loadavg_at_start"]):
         assert words in body, words

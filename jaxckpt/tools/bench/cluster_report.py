@@ -222,9 +222,10 @@ def aggregate(results: Mapping[str, Any], recoveries: Sequence[Mapping[str, Any]
                          "first_s": s([max(r["restore_s"][0] for r in rows) for rows in jobs]),
                          "step": jobs[0][0]["step"], "sources": _sum_sources(jobs[0]), "processes": len(jobs[0]),
                          "timeline": _sum_timelines(jobs[0]), "process_bytes": _process_bytes(jobs[0])}
-    copies = [r.get("copy_at_once_s") for r in results["local"]]
-    if copies and all(copies):  # results of runs before it lack it
-        restore["local"]["copy_at_once_s"] = s(_slowest(copies))
+    for key in ("copy_at_once_s", "made_from_host_s"):
+        got = [r.get(key) for r in results["local"]]
+        if got and all(got):  # results of runs before it lack it
+            restore["local"][key] = s(_slowest(got))
     restore["orbax_standard"] = {"restore_s": s(_slowest([r["orbax_standard_restore_s"] for r in results["local"]])),
                                  "step": spec["orbax_std_step"], "processes": len(results["local"])}
     for key, rows, step in (("orbax_emergency", results["emergency"], spec["orbax_em_step"]),
@@ -555,6 +556,11 @@ def _issue_floors(result: Mapping[str, Any]) -> list[str]:
                        f"copied once at that memcpy rate, over its {cores} cores, take {fn(shared * 1e3)} ms "
                        f"(restore / that {fn(local / shared)}x); each node on cores of its own, the floor is the one "
                        f"process's copy above.")
+        made = med(rs["local"].get("made_from_host_s"))
+        if made:
+            out.append(f"  - JAX's own part: making the restored arrays again from host copies of their shards (one "
+                       f"`make_array_from_callback` an array, every process at once, slowest process) takes "
+                       f"{fn(made * 1e3)} ms; the restore is {fn(local / made)}x that.")
     peers = rec.get("peers", {})
     create, restore = med(peers.get("create_s")), med(peers.get("restore_s"))
     if local and orbax and create is not None and restore is not None:
