@@ -11,7 +11,9 @@ Every request is a read, so sending it twice is harmless.
 
 A read's payload is received into the reader's own memory (``recv_into``), asked for ``READ_BYTES`` at a time: an
 aligned buffer per range (huge pages advised from 2 MiB, ``jaxckpt.core.hostbuf``), which a restore keeps as the
-array's memory. libzmq's own copy of each frame is then freed at once and its memory reused by the next frame.
+array's memory. libzmq's own copy of each frame is then freed at once and its memory reused by the next frame. Ranges smaller
+than that go together, a frame's worth to one ``spans`` request (``read_spans``); a peer that refuses the op as
+unknown (an older jaxckpt) is asked a range a request from then on.
 """
 from __future__ import annotations
 
