@@ -14,8 +14,9 @@ A read may name the chunk that holds its range (``chunk``: [offset, nbytes]); it
 the crc32c of the chunk's bytes before and after the range, so that the client checks the bytes it got against
 the chunk's crc32c without reading the whole chunk (``jaxckpt.core.checksum.span_crc``).
 ``spans`` asks for several small ranges in one request (``spans``: [[offset, nbytes] or [offset, nbytes, chunk
-offset, chunk nbytes], ...], at most ``MAX_SPANS``, together at most a frame): the payload is their bytes one
-after another, ``rests`` each one's ``rest`` (None where it names no chunk). A many-array read asks for thousands
+offset, chunk nbytes], ...], at most ``MAX_SPANS``, together at most a frame, the request within
+``MAX_REQUEST_BYTES`` as every request): the payload is their bytes one after another, ``rests`` each one's
+``rest`` (None where it names no chunk). A many-array read asks for thousands
 of ranges of a few KiB, and a request each cost both ends more Python than the bytes cost to move.
 A manifest is paged: each reply carries at most one frame from ``offset`` and the manifest's total ``size``.
 ``rebuild`` (a node agent holding a parity stripe, ``ServedHolder.rebuild``) asks for bytes [offset, offset +
@@ -65,9 +66,7 @@ from jaxckpt.errors import PeerError, StepNotFoundError
 log = logging.getLogger("jaxckpt.backends.transport")
 
 VERSION = 1
-# A request's bound (a ``spans`` request of MAX_SPANS ranges is about 40 KiB); its byte strings (the token) stay
-# within MAX_FIELD_BYTES.
-MAX_REQUEST_BYTES, MAX_FIELD_BYTES = 64 << 10, 4096
+MAX_REQUEST_BYTES = 4096  # a spans request too: the client packs as many ranges as fit
 MAX_SPANS = 1024
 DEFAULT_FRAME_BYTES = 16 << 20
 HEADER_SLACK = 4096  # a reply header is far below this
@@ -272,7 +271,7 @@ class ZmqServer(PeerServer):
             if len(raw) > MAX_REQUEST_BYTES:
                 raise _Refused("too-large", f"request of {len(raw)} bytes exceeds the {MAX_REQUEST_BYTES}-byte limit")
             try:
-                req = msgpack.unpackb(raw, raw=False, max_bin_len=MAX_FIELD_BYTES, max_str_len=MAX_FIELD_BYTES)
+                req = msgpack.unpackb(raw, raw=False, max_bin_len=MAX_REQUEST_BYTES, max_str_len=MAX_REQUEST_BYTES)
             except Exception as e:  # msgpack raises several unrelated types on garbage
                 raise _Refused("bad-request", f"request is not msgpack ({type(e).__name__})") from None
             if not isinstance(req, dict):

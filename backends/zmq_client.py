@@ -29,7 +29,7 @@ import numpy as np
 import zmq
 
 from jaxckpt.backends.transport import (CONNECT_TIMEOUT_S, HEADER_SLACK, HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS,
-                                        MAX_SPANS, VERSION)
+                                        MAX_REQUEST_BYTES, MAX_SPANS, VERSION)
 from jaxckpt.core.transport import PeerAddress, PeerClient, Span
 from jaxckpt.core import hostbuf
 from jaxckpt.core.manifest import MAX_MANIFEST_BYTES
@@ -59,6 +59,11 @@ class _Group(NamedTuple):
     """Small spans asked for in one ``spans`` request: [(span index, (offset, nbytes, chunk))], their bytes."""
     members: list
     nbytes: int
+
+
+def _int_bytes(v: int) -> int:
+    """Bytes msgpack packs a non-negative int into."""
+    return 1 if v < 128 else 2 if v < 256 else 3 if v < 65536 else 5 if v < 1 << 32 else 9
 
 
 class _Lost(Exception):
@@ -311,7 +316,7 @@ class ZmqClient(PeerClient):
                    ) -> Iterator[tuple[int, memoryview, tuple[int, int] | None]]:
         what = f"step {step}: {len(spans)} range(s)" + (f" of process {process}" if process is not None else "")
         parts = self._group([(i, p) for i, sp in enumerate(spans) for p in self._parts(sp.offset, sp.nbytes, sp.chunk)],
-                            spans)
+                            spans, self._request_room(step, process))
         if manifest:
             parts.insert(0, (-1, _MANIFEST))
         whole: dict[int, list] = {}  # a span of several frames: [buffer, parts left, before, after]
@@ -372,12 +377,20 @@ class ZmqClient(PeerClient):
                             f"its chunk")
         return rest[0], rest[1]
 
-    def _group(self, parts: list, spans: Sequence[Span]) -> list:
+    def _request_room(self, step: int, process: int | None) -> int:
+        """Bytes left for the ranges of a ``spans`` request of ``step`` within MAX_REQUEST_BYTES."""
+        fields = {"v": VERSION, "id": 1 << 62, "token": self._token, "op": "spans", "step": step, "spans": []}
+        if process is not None:
+            fields["process"] = process
+        return MAX_REQUEST_BYTES - len(msgpack.packb(fields, use_bin_type=True)) - 4  # the list's longer header
+
+    def _group(self, parts: list, spans: Sequence[Span], room: int) -> list:
         """``parts`` with the spans smaller than a frame taken together: a ``spans`` request for each frame's worth
-        of them (or MAX_SPANS); a span of a frame or more keeps its requests (the server sends those zero-copy)."""
+        of them, as many as its ``room`` bytes (and MAX_SPANS) hold; a span of a frame or more keeps its requests
+        (the server sends those zero-copy)."""
         out: list = []
         run: list = []
-        nbytes = 0
+        nbytes = packed = 0
 
         def close() -> None:
             if len(run) == 1:
@@ -390,11 +403,13 @@ class ZmqClient(PeerClient):
             if n >= self._read_bytes or n != spans[key].nbytes:
                 out.append((key, part))
                 continue
-            if nbytes + n > self._read_bytes or len(run) == MAX_SPANS:
+            size = 1 + sum(map(_int_bytes, (part[0], n, *(part[2] or ()))))  # its msgpack list
+            if nbytes + n > self._read_bytes or packed + size > room or len(run) == MAX_SPANS:
                 close()
-                nbytes = 0
+                nbytes = packed = 0
             run.append((key, part))
             nbytes += n
+            packed += size
         close()
         return out
 

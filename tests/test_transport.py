@@ -261,13 +261,15 @@ class TestZmqTransport(TransportTests):
         assert all(got[i] == data[sp.offset:sp.offset + 8].tobytes() for i, sp in enumerate(small))
         assert ops == ["spans"]
         ops.clear()
-        tiny = [Span(9 * i, 1, (9 * i, 5)) for i in range(5000)]  # 5 requests of MAX_SPANS ranges, all in flight
+        # 5,000 ranges of a byte: as many to a request as its 4 KiB hold (the server refuses a larger one), all
+        # those requests in flight at once
+        tiny = [Span(9 * i, 1, (9 * i, 5)) for i in range(5000)]
         got = {i: (bytes(b), rest) for i, b, rest in c.read_spans(3, tiny)}
         for i, sp in enumerate(tiny):
             buf, (before, after) = got[i]
             assert buf == data[sp.offset:sp.offset + 1].tobytes()
             assert span_crc(before, buf, after, 4) == crc32c(data[sp.offset:sp.offset + 5])
-        assert ops == ["spans"] * -(-len(tiny) // MAX_SPANS)
+        assert set(ops) == {"spans"} and -(-len(tiny) // MAX_SPANS) <= len(ops) <= len(tiny) // 300, len(ops)
         assert 3 < max(outstanding) <= MAX_IN_FLIGHT, max(outstanding)
         outstanding.clear()
         big = [Span(FRAME * i, FRAME) for i in range(data.size // FRAME)]
@@ -285,13 +287,15 @@ class TestZmqTransport(TransportTests):
 
         store, server, data, connect = served
         monkeypatch.setattr(transport, "OPS", tuple(op for op in transport.OPS if op != "spans"))
+        n, size = 1100, 1  # 1,100 ranges: several spans requests in flight when the first refusal comes
         c = connect()
         outstanding, ops = self._counting(c)
-        small = [Span(97 * i, 8) for i in range(300)] + [Span(40_000, 2 * FRAME + 1)]
-        for _ in range(2):
+        small = [Span(37 * i, size) for i in range(n)] + [Span(45_000, FRAME + 1)]
+        for call in range(2):
+            ops.clear()
             got = dict((i, bytes(b)) for i, b, _ in c.read_spans(3, small))
             assert all(got[i] == data[sp.offset:sp.offset + sp.nbytes].tobytes() for i, sp in enumerate(small))
-        assert ops.count("spans") == 1 and ops.count("read") == 2 * (300 + 3), ops[:5]
+            assert ops.count("read") == n + 2 and (ops.count("spans") > 0) == (call == 0), ops[:3]
 
     def test_late_replies_to_timed_out_requests_are_dropped(self, served):
         store, server, data, connect = served
