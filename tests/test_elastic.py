@@ -328,7 +328,7 @@ def test_reader_routes_around_a_corrupt_source_and_reports_bytes():
 
 def test_small_chunks_from_other_nodes_come_in_one_flight_and_fall_back_chunk_by_chunk():
     """Chunks under BULK_BYTES whose first source reads ranges in bulk (another node's agent; the real peer
-    transport here) are asked for in one flight: 400 chunks of 1 KiB cost the holder one reply, not 400. A chunk
+    transport here) are asked for in one flight: 400 chunks of 1 KiB cost the holder a reply, not 400. A chunk
     whose bytes fail their crc32c there comes from the next source, reported; a holder that stops answering is
     asked once, and what it did not give comes from the next holder, in bulk too."""
     from jaxckpt import Config
@@ -376,6 +376,46 @@ def test_small_chunks_from_other_nodes_come_in_one_flight_and_fall_back_chunk_by
             "(0,)..(1024,) of process 2 from agent C: peer tcp://" in r.fallbacks[0]
     finally:
         for x in clients + servers + stores:
+            x.close()
+
+
+def test_a_fallback_holder_is_read_in_bulk_too():
+    """The first holder of a process's bytes does not answer: the chunks come from the next holder, opened on
+    its first read (core/holders.lazy_source), in one flight as well: its manifest and one spans request."""
+    from jaxckpt import Config
+    from jaxckpt.backends.agent.readers import RemoteAgentHolder
+    from jaxckpt.backends.memory import MemoryStore
+    from jaxckpt.core.capabilities import AgentInfo
+    from jaxckpt.core.holders import lazy_source
+    from jaxckpt.core.transport import Span
+
+    token, size = b"lazy-test-token", 1024
+    data = np.random.default_rng(4).integers(0, 256, 200 * size, dtype=np.uint8)
+    chunks = [ChunkMeta(Box((i * size,), ((i + 1) * size,)), i * size, size, crc32c(data[i * size:(i + 1) * size]), 0)
+              for i in range(200)]
+    store = MemoryStore(Config())
+    slot = store.reserve(1, data.nbytes)
+    np.frombuffer(slot.buffer, np.uint8)[:] = data
+    store.commit(slot, b"manifest-1")
+    t = ZmqTransport()
+    dead, good = t.serve(store, token=token), t.serve(store, token=token)
+    gone = t.connect(dead.address, token=token, timeout_s=5)
+    dead.close()
+    holder = RemoteAgentHolder(AgentInfo(good.address, "n2", "job", "g", "/nowhere", token), "n2", timeout_s=10)
+    opened = []
+    try:
+        first = Source("remote", "agent A", "n1", lambda o, n: gone.read(1, o, n),
+                       read_spans=lambda ranges: [(i, b) for i, b, _ in gone.read_spans(
+                           1, [Span(o, n) for o, n in ranges])])
+        reader = ChunkReader({0: [first, lazy_source(holder, 0, 1, crc32c(b"manifest-1"), opened)]}, 1, workers=4)
+        reader.prefetch([("w", c) for c in chunks])
+        assert all(bytes(reader.raw("w", c)) == data[c.offset:c.offset + size].tobytes() for c in chunks)
+        assert reader.finish().bytes_by_source == {holder.name: 200 * size}
+        assert good.served == 2  # the manifest, then one spans request for the 200 chunks
+    finally:
+        for o in opened:
+            o.close()
+        for x in (holder, gone, good, dead, store):
             x.close()
 
 

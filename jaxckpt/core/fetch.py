@@ -337,7 +337,7 @@ class ChunkReader:
         for i in pooled:
             c = todo[i][1]
             src = self._first(c)
-            if src is None or src.read_spans is None or c.nbytes >= BULK_BYTES:
+            if src is None or src.read_spans is None or src.kind == "rebuild" or c.nbytes >= BULK_BYTES:
                 rest.append(i)
                 continue
             batches = by.setdefault(c.process, [[]])
@@ -395,8 +395,8 @@ class ChunkReader:
                 with self._lock:
                     left = [(p, c) for p, c in items if self._key(c) not in self._cache
                             and self._key(c) not in self._errors and (self._key(c), src.name) not in self._bad]
-                if not left or src.read_spans is None:
-                    break
+                if not left or src.read_spans is None or src.kind == "rebuild":  # a rebuild reads through this
+                    break                                                        # reader: never under a claim
                 self._bulk(src, left)
             failed = {}
             for path, c in items:  # what no flight gave: each on its own, with its fallbacks

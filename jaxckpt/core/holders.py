@@ -4,7 +4,7 @@ asked again in an operation once it failed to answer, and a fallback source open
 from __future__ import annotations
 
 import threading
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from jaxckpt.core.capabilities import AgentInfo
 from jaxckpt.core.checksum import crc32c
@@ -50,6 +50,16 @@ class _Lazy:
         self._reads = reads
 
     def __call__(self, offset: int, nbytes: int) -> memoryview:
+        return self._open().read(offset, nbytes)
+
+    def spans(self, ranges: Sequence[tuple[int, int]]) -> Iterable[tuple[int, memoryview]]:
+        """Source.read_spans: the holder's own bulk read where it has one, else a read per range."""
+        o = self._open()
+        if o.read_spans is not None:
+            return o.read_spans(ranges)
+        return ((i, o.read(offset, nbytes)) for i, (offset, nbytes) in enumerate(ranges))
+
+    def _open(self) -> Opened:
         with self._lock:
             if self._o is None:
                 try:
@@ -63,13 +73,13 @@ class _Lazy:
                 if o.bind is not None and self._reads is not None:
                     o.bind(self._reads)
                 self._o = o
-        return self._o.read(offset, nbytes)
+            return self._o
 
 
 def lazy_source(h: Holder, process: int, step: int, crc: int, opened: list[Opened]) -> Source:
     """A fallback Source of ``process``'s snapshot of ``step`` at ``h``, opened on its first read."""
     lazy = _Lazy(h, process, step, crc, opened)
-    return Source(h.kind, h.name, h.node, lazy, bind=lazy.bind)
+    return Source(h.kind, h.name, h.node, lazy, bind=lazy.bind, read_spans=lazy.spans)
 
 
 class NotAsked(PeerError):
