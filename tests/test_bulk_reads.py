@@ -13,7 +13,8 @@ from jaxckpt.core.sources import Source
 from jaxckpt.errors import PeerError
 
 
-def test_small_chunks_from_other_nodes_come_in_one_flight_and_fall_back_chunk_by_chunk():
+@pytest.mark.parametrize("workers", [1, 4])
+def test_small_chunks_from_other_nodes_come_in_one_flight_and_fall_back_chunk_by_chunk(workers):
     """Chunks under BULK_BYTES whose first source reads ranges in bulk (another node's agent; the real peer
     transport here) are asked for in one flight: 400 chunks of 1 KiB cost the holder a reply, not 400. A chunk
     whose bytes fail their crc32c there comes from the next source, reported; a holder that stops answering is
@@ -42,7 +43,7 @@ def test_small_chunks_from_other_nodes_come_in_one_flight_and_fall_back_chunk_by
                       read_spans=lambda ranges: [(i, b) for i, b, _ in c.read_spans(1, [Span(o, n) for o, n in ranges])])
     try:
         a, b = holder("agent A", bad), holder("agent B", data)
-        reader = ChunkReader({2: [a, b]}, 1, workers=4)
+        reader = ChunkReader({2: [a, b]}, 1, workers=workers)
         reader.prefetch([("w", c) for c in chunks])
         for c in chunks:
             assert bytes(reader.raw("w", c)) == data[c.offset:c.offset + size].tobytes()
@@ -54,7 +55,7 @@ def test_small_chunks_from_other_nodes_come_in_one_flight_and_fall_back_chunk_by
         servers[0].close()  # A stops answering: asked once, every chunk from B in bulk
         c_, d_ = holder("agent C", data), holder("agent D", data)
         servers[2].close()
-        reader = ChunkReader({2: [c_, d_]}, 1, workers=4)
+        reader = ChunkReader({2: [c_, d_]}, 1, workers=workers)
         reader.prefetch([("w", c) for c in chunks])
         assert all(bytes(reader.raw("w", c)) == data[c.offset:c.offset + size].tobytes() for c in chunks)
         r = reader.finish()

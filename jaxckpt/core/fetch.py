@@ -280,6 +280,18 @@ class ChunkReader:
         cls = ChecksumError if corrupt else type(failures[-1][1])
         return cls(f"{where}: no source gave good bytes ({said})")
 
+    def _bulk_from(self, process: int, items: list[tuple[str, ChunkMeta]]) -> None:
+        """Fetch ``items`` (chunks of ``process``) in flights from its sources in order, each taking what the ones
+        before did not give, as long as they read in bulk."""
+        for src in self._sources[process]:
+            with self._lock:
+                left = [(p, c) for p, c in items if self._key(c) not in self._cache
+                        and self._key(c) not in self._errors and (self._key(c), src.name) not in self._bad]
+            # a rebuild reads other chunks through this reader, which would wait on the flight's claims
+            if not left or src.read_spans is None or src.kind == "rebuild":
+                return
+            self._bulk(src, left)
+
     def _bulk(self, src: Source, items: list[tuple[str, ChunkMeta]]) -> None:
         """Fetch ``items`` (chunks of one saving process) from ``src`` in one flight of its ``read_spans``. A chunk
         it gives no good bytes of (the flight failed, or its bytes fail their check) is left to its own fetch,
@@ -374,6 +386,8 @@ class ChunkReader:
                  self._step, len(todo), sum(c.nbytes for _, c in todo), self.report.process,
                  self.report.planned_by_kind, self.report.planned_by_node)
         if self._workers == 1 or len(todo) == 1:
+            for process, items in self._batches(todo, list(range(len(todo))))[1]:
+                self._bulk_from(process, items)
             for path, c in todo:
                 self.raw(path, c)
             return
@@ -391,13 +405,7 @@ class ChunkReader:
         index = {id(todo[i][1]): i for i in pooled}
 
         def batch(process: int, items: list[tuple[str, ChunkMeta]]) -> dict[int, BaseException]:
-            for src in self._sources[process]:  # what a source did not give, from the next one in bulk too
-                with self._lock:
-                    left = [(p, c) for p, c in items if self._key(c) not in self._cache
-                            and self._key(c) not in self._errors and (self._key(c), src.name) not in self._bad]
-                if not left or src.read_spans is None or src.kind == "rebuild":  # a rebuild reads through this
-                    break                                                        # reader: never under a claim
-                self._bulk(src, left)
+            self._bulk_from(process, items)
             failed = {}
             for path, c in items:  # what no flight gave: each on its own, with its fallbacks
                 try:
