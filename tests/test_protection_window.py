@@ -6,6 +6,7 @@ retention already dropped step N's own bytes on the surviving node, and N+1 has 
 protection fails on purpose (its protection slots are refused), node 1 then loses its agent and all its memory,
 and the relaunched job must restore step 1, bit for bit, from node 0's own bytes and protection slots.
 """
+import dataclasses
 import os
 import shutil
 import uuid
@@ -103,7 +104,7 @@ def save_jobs(base: str, jobs: list) -> dict:
     return {job: save_job(base, job) for job in jobs}
 
 
-JOBS = ["win", "fallback", "corrupt-after-loss"]  # saved by one launch for the tests below, one job each
+JOBS = ["win", "fallback", "corrupt-after-loss", "tight"]  # saved by one launch for the tests below, one job each
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +156,7 @@ def save_more_jobs(base: str, jobs: list, step: int) -> dict:
     return {job: save_more_job(base, job, step) for job in jobs}
 
 
-AFTER_LOSS = ["fallback", "corrupt-after-loss"]
+AFTER_LOSS = ["fallback", "corrupt-after-loss", "tight"]
 
 
 @pytest.fixture(scope="module")
@@ -209,3 +210,54 @@ def test_a_corrupt_newest_step_after_a_node_loss_falls_back_to_the_rebuildable_s
         assert len(skipped) == 1 and "step 3: process 1 could not read it (ChecksumError" in skipped[0] and \
             "fell back to step 1" in skipped[0], skipped
     assert out[1]["report"]["bytes_by_kind"].get("rebuild", 0) > 0, out[1]["report"]
+
+
+def tight_job(base: str, job: str):
+    """Restart with a budget of two and a half of this process's snapshots (the held steps' size, measured by a
+    first Checkpointer), restore, save step 4 and restore it; the steps held after, and what was logged."""
+    import logging
+
+    import jax
+    import jaxckpt
+    from jaxckpt.core import manifest as mf
+
+    with jaxckpt.Checkpointer(_config(base, job, "shm")) as ck:
+        store = ck.engine.store
+        held = store.steps()
+        size = max(proto.round_to_pages(mf.decode(store.manifest(s)).nbytes) for s in held)
+        pinned = ck.engine.pinned_steps()
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("jaxckpt.core.slots").addHandler(handler)
+    sh = _shardings()
+    target = {k: jax.ShapeDtypeStruct(h.shape, h.dtype, sharding=sh[k]) for k, h in host_state(0).items()}
+    config = dataclasses.replace(_config(base, job, "shm"), memory_budget_bytes=size * 5 // 2)
+    with jaxckpt.Checkpointer(config) as ck:
+        restored = ck.latest_step()
+        ck.restore(target)
+        ck.save(4, {k: jax.make_array_from_callback(h.shape, sh[k], lambda i, h=h: h[i])
+                    for k, h in host_state(4).items()})
+        ck.wait()
+        got = ck.restore(target)
+        after = ck.engine.store.steps()
+    for k, h in host_state(4).items():
+        for shard in got[k].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data).view(np.uint8), h[shard.index].view(np.uint8),
+                                          err_msg=f"{k} step 4")
+    return {"held": held, "pinned": pinned, "restored": restored, "after": after, "said": said}
+
+
+def test_a_start_up_fallback_gives_way_to_a_save_that_would_not_fit_the_budget_otherwise(resaved):
+    """Node 0 holds step 3 (kept, keep=1) and step 1, the fallback a restart keeps until a newer step is
+    protected. With room for two and a half snapshots a process, step 4 fits only without step 1: before,
+    the save was refused, so no newer step was ever protected to release step 1, and the job never saved
+    again (jaxckpt chaos --profile long: 60 s of refused saves). Now step 1 is deleted for it, with a warning,
+    and step 4 is saved, protected and restored bit for bit."""
+    job = "tight"
+    out = _run(tight_job, job)
+    assert out[0]["held"] == [1, 3] and out[0]["pinned"] == [1], out[0]
+    for r in out:
+        assert r["restored"] == 3 and r["after"] == [4], r
+    assert any("step 1, kept past retention only as the start-up fallback, is deleted to make room" in m and
+               "step 4 of process 0" in m for m in out[0]["said"]), out[0]["said"]

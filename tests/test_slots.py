@@ -118,6 +118,43 @@ def test_retention_keeps_the_newest_counted_steps_the_one_just_counted_and_pinne
     slots.close()
 
 
+def test_spares_kept_past_keep_give_way_to_a_save_over_budget_and_counted_steps_never_do(caplog):
+    """What a start-up adoption holds past ``keep`` (a fallback, the newest protected step) would otherwise fill a
+    tight budget for good: no save fits, so no newer step is protected to release them. A save over budget
+    deletes them, fallbacks first, then the guard, oldest first, saying so; a plain pin and the counted steps
+    are never deleted for room: a save that still does not fit raises and leaves them readable."""
+    x = np.arange(1024, dtype=np.uint8)  # 1 KiB a step
+    store = MemoryStore(Config(job_id="slots-spares", memory_budget_bytes=4 * x.nbytes))
+    slots = SlotWriter(store, 2, workers=1, inflight_bytes=1 << 20, counted=[])
+    for s in (1, 2, 3, 4):
+        write_step(slots, s, x + s)  # counting 3 and 4 lets go of 1 and 2: pinned first, they stay
+        if s <= 2:
+            slots.pin(s, let_go=False, spare="guard" if s == 1 else "fallback")
+    assert store.steps() == [1, 2, 3, 4] and slots.counted() == [3, 4] and slots.pinned() == [1, 2]
+    with caplog.at_level("WARNING", logger="jaxckpt.core.slots"):
+        write_step(slots, 5, x + 5)
+    assert store.steps() == [1, 4, 5] and slots.counted() == [4, 5] and slots.pinned() == [1]
+    assert "step 2, kept past retention only as the start-up fallback, is deleted to make room" in caplog.text
+    assert "step 5: snapshot of 1024 bytes does not fit the memory budget of 4096 bytes" in caplog.text
+    caplog.clear()
+    slots.pin(4)  # a pin of another kind (a restore, protection in flight): never given up
+    write_step(slots, 6, x + 6)  # fits: 1, 4, 5, 6
+    with caplog.at_level("WARNING", logger="jaxckpt.core.slots"):
+        write_step(slots, 7, x + 7)
+        assert "step 1, kept past retention only as the start-up guard, is deleted to make room" in caplog.text
+        with pytest.raises(BudgetExceededError, match=r"step 8: snapshot of 2048 bytes does not fit the memory "
+                                                      r"budget of 4096 bytes"):
+            slots.reserve(8, 2 * x.nbytes)
+    assert store.steps() == [4, 6, 7] and slots.counted() == [6, 7] and slots.pinned() == [4]
+    for s in (4, 6, 7):
+        with store.open(s) as view:
+            assert bytes(view.buffer[:x.nbytes]) == (x + s).tobytes()
+    with pytest.raises(ValueError, match="a spare is a 'fallback' or the 'guard', got 'maybe'"):
+        slots.pin(6, spare="maybe")
+    slots.close()
+    store.close()
+
+
 def test_the_engine_and_dcp_write_through_one_slot_path():
     """Both callers hold a SlotWriter on their store, and both keep its properties: a save over the store's
     budget raises the store's BudgetExceededError naming the step, frees its slot, and leaves the step saved

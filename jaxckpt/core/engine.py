@@ -477,7 +477,8 @@ class CheckpointEngine:
         for s in a.delete:
             self.store.delete(s)
         for step, complete in a.holds:
-            self.slots.pin(step, let_go=step not in a.agreed)  # not agreed: freed with its last pin
+            # not agreed: freed with its last pin, or given up for a save's room (a spare: jaxckpt.core.slots)
+            self.slots.pin(step, let_go=step not in a.agreed, spare="guard" if complete else "fallback")
             self.protection.adopt(step, complete=complete)
             log.info("process %d keeps step %d, the newest %s, until a newer step is protected", self.process_index,
                      step, "protected one" if complete else "older one that can be rebuilt")

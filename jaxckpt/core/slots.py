@@ -17,6 +17,13 @@ front end) and DCP's storage (``jaxckpt.torch.dcp.JaxckptWriter``). One slot, in
    every rank of the group wrote its slot) and apply retention: the ``keep`` newest counted steps and the step
    just counted stay, a pinned step stays until its last :meth:`SlotWriter.unpin`, the others are deleted.
 
+A step pinned as a spare (``pin(step, spare=...)``: what a start-up adoption holds past ``keep``, a fallback or
+the newest protected step, until a newer step is protected) gives way to a save that would not fit the store's
+budget otherwise: fallbacks first, then the guard, oldest first, each deleted with a warning and the reservation
+tried again. Nothing else is deleted to make room: a counted step is never lost to a newer save's reservation.
+Without this, a start-up that kept spares in a tight budget refused every later save, so no newer step was ever
+protected to release them (seen in ``jaxckpt chaos --profile long``: a job that never committed again).
+
 What a step number means (the engine's rule that steps only grow, DCP's checkpoint ids), the commit rounds
 across processes and the error agreement are the callers'.
 """
@@ -29,6 +36,7 @@ from typing import Callable, Iterable
 
 from jaxckpt.core.copier import Chunks, Copier, CopyTask, SnapshotResult
 from jaxckpt.core.store import Slot, Store
+from jaxckpt.errors import BudgetExceededError
 
 log = logging.getLogger("jaxckpt.core.slots")
 
@@ -51,6 +59,7 @@ class SlotWriter:
         self._counted: list[int] = sorted(set(counted))
         self._pins: dict[int, int] = {}
         self._deferred: set[int] = set()  # let go by retention while pinned: freed with the last pin
+        self._spares: dict[int, str] = {}  # step -> "fallback" or "guard": given up for room (module docstring)
 
     # ------------------------------------------------------------------------------------------ one slot
     @property
@@ -68,7 +77,28 @@ class SlotWriter:
             with self._lock:
                 self._counted = [s for s in self._counted if s != step]
             self.store.delete(step)
-        return self.store.reserve(step, nbytes)
+        while True:
+            try:
+                return self.store.reserve(step, nbytes)
+            except BudgetExceededError as e:
+                spare = self._give_up_spare()
+                if spare is None:
+                    raise
+                log.warning("%s; step %d, kept past retention only as the start-up %s, is deleted to make room",
+                            e, *spare)
+
+    def _give_up_spare(self) -> tuple[int, str] | None:
+        """Delete the first spare retention let go (fallbacks, then the guard, oldest first): (step, kind)."""
+        with self._lock:
+            order = sorted((kind != "fallback", s) for s, kind in self._spares.items() if s in self._deferred)
+            if not order:
+                return None
+            step = order[0][1]
+            kind = self._spares.pop(step)
+            self._pins.pop(step, None)
+            self._deferred.discard(step)
+        self.store.delete(step)
+        return step, kind
 
     def write(self, slot: Slot, chunks: list[CopyTask] | Chunks | Callable[[], list[CopyTask] | Chunks],
               manifest: Callable[[SnapshotResult], bytes] | None = None,
@@ -151,14 +181,20 @@ class SlotWriter:
             for s in gone:
                 self._pins.pop(s, None)
                 self._deferred.discard(s)
+                self._spares.pop(s, None)
 
-    def pin(self, step: int, *, let_go: bool = False) -> None:
+    def pin(self, step: int, *, let_go: bool = False, spare: str = "") -> None:
         """Keep ``step`` past retention until :meth:`unpin`; ``let_go``: retention already let it go (it is
-        freed with its last pin)."""
+        freed with its last pin); ``spare`` ("fallback" or "guard"): it gives way to a save that would not fit
+        the budget otherwise (see the module docstring)."""
+        if spare not in ("", "fallback", "guard"):
+            raise ValueError(f"step {step}: a spare is a 'fallback' or the 'guard', got {spare!r}")
         with self._lock:
             self._pins[step] = self._pins.get(step, 0) + 1
             if let_go:
                 self._deferred.add(step)
+            if spare:
+                self._spares[step] = spare
 
     def unpin(self, step: int) -> None:
         """Drop one pin of ``step``; a step retention already let go is freed with its last pin."""
@@ -168,6 +204,7 @@ class SlotWriter:
                 self._pins[step] = n
                 return
             self._pins.pop(step, None)
+            self._spares.pop(step, None)
             free = step in self._deferred
             self._deferred.discard(step)
         if free:

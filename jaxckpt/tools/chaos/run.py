@@ -123,7 +123,9 @@ class ChaosRun:
         self.agent_keys = Counter()  # agents started, by whether their peer.addr published a CURVE key
 
     def _node_budget(self) -> int:
-        """Room for keep + pending + three spare snapshots of every process of a node: ample unless filled."""
+        """Room for keep + pending + three spare snapshots of every process of a node, as split replicas save
+        them; whole replicas (protection "hybrid") save more, and leave about four and a half: tight, so that
+        retention, protection's guard and a restart's fallbacks must share it (jaxckpt.core.slots)."""
         from jaxckpt.core.plan import ArrayLayout, plan_save
 
         arrays, _ = ct.state(0, 1, self.n)
