@@ -179,6 +179,25 @@ class TestShmStore(StoreTests):
         assert store.steps() == [1, 2, 3, 4]
         assert not [n for n in os.listdir(store.directory) if n.startswith(".rec")]
 
+    def test_a_delete_the_dead_agent_never_got_reaches_the_agent_that_adopts_its_steps(self, store: ShmStore,
+                                                                                        caplog) -> None:
+        """Retention deletes step 1 while the agent is down; the next agent adopts the dead one's committed
+        slots, step 1 among them, and must get that delete: kept, it took budget no engine counted any more, and a
+        tight budget then refused every later save (chaos --profile long, kill-agent)."""
+        self.write(store, 1)
+        self.write(store, 2)
+        pid, gen = proto.read_pid_file(store.directory)
+        os.kill(pid, signal.SIGKILL)
+        _wait_dead(pid)
+        with caplog.at_level("WARNING", logger="jaxckpt.backends.shm"):
+            store.delete(1)
+        assert store.steps() == [2]  # reconnected: the new agent adopted 1 and 2, then got the delete
+        assert "step 1: delete not delivered (sent again to the agent that comes back)" in caplog.text
+        assert proto.read_pid_file(store.directory)[1] != gen
+        assert not [n for n in os.listdir(store.directory) if n == proto.record_name(store.process_index, 1)]
+        with store.open(2) as view:
+            self.assert_snapshot(view, 2)
+
     def test_an_agent_dying_during_the_handshake_is_retried_not_fatal(self, store: ShmStore) -> None:
         # A SIGKILLed agent's socket accepts until the kernel has torn the process down, then resets the
         # connection: the next request must go to the agent started after it (CI once saw this as a failure).
