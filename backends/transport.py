@@ -338,11 +338,11 @@ class ZmqServer(PeerServer):
                                                   f"{len(view.buffer)}-byte snapshot")
                 payload = view.buffer[offset:offset + nbytes]
                 rest = _rest_crcs(req["chunk"], view.buffer, offset, nbytes) if "chunk" in req else None
+            self.served += 1  # before the reply: a client that has it sees it counted
             tracker = self._reply(ident, rid, ok=True, payload=payload, size=size, rest=rest)
         except BaseException:
             view.close()
             raise
-        self.served += 1
         self._pinned.append((tracker, view))  # unpinned once ZeroMQ no longer needs the bytes
 
     def _spans(self, ident: zmq.Frame, rid: int | None, view: SnapshotView, step: int, req: dict) -> None:
@@ -367,8 +367,9 @@ class ZmqServer(PeerServer):
                                                   f"{len(buffer)}-byte snapshot")
                 parts.append(buffer[offset:offset + nbytes])
                 rests.append(_rest_crcs(sp[2:], buffer, offset, nbytes) if len(sp) == 4 else None)
-            self._reply(ident, rid, ok=True, payload=b"".join(parts), rests=rests)
-            self.served += 1
+            payload = b"".join(parts)
+            self.served += 1  # before the reply: a client that has it sees it counted
+            self._reply(ident, rid, ok=True, payload=payload, rests=rests)
         finally:
             view.close()
 
@@ -427,8 +428,8 @@ class ZmqServer(PeerServer):
             pass
         while self._done:
             ident, rid, ok, code, error, payload = self._done.popleft()
-            self._reply(ident, rid, ok=ok, code=code, error=error, payload=payload)
             self.served += ok
+            self._reply(ident, rid, ok=ok, code=code, error=error, payload=payload)
 
     def _reply(self, ident: zmq.Frame | bytes, rid: int | None, *, ok: bool, code: str = "", error: str = "",
                steps: list[int] | None = None, payload: Any = b"", size: int | None = None,

@@ -105,7 +105,7 @@ class TestCurveTransport(TransportTests):
         assert server.served == 0 and server.refused_tokens == 0
         assert any("refused a CURVE client key outside the job" in r.getMessage() for r in caplog.records)
         assert connect().manifest(3) == b"manifest-of-step-3"  # the server keeps serving the job
-        _wait_for(lambda: server.served == 1, "the server counting what it served")  # counted after the send
+        _wait_for(lambda: server.served == 1, "the server counting what it served")  # the server thread counts it
 
 
 @pytest.fixture
@@ -151,7 +151,7 @@ def test_a_client_with_a_key_outside_the_job_gets_nothing_even_with_the_token(cu
     good = t.connect(server.address, token=TOKEN, timeout_s=WAIT_S, server_key=server.public_key)
     try:
         assert bytes(good.read(5, 0, 64)) == bytes(data[:64])
-        _wait_for(lambda: server.served == 1, "the server counting what it served")  # counted after the send
+        _wait_for(lambda: server.served == 1, "the server counting what it served")  # the server thread counts it
     finally:
         good.close()
     # The job's client key is what the token derives, and only that one is admitted.
@@ -288,7 +288,7 @@ def test_the_token_crosses_a_socket_off_loopback_only_encrypted(security):
         assert c.manifest(2) == b"manifest-of-step-2"
         assert bytes(c.read(2, 0, data.size)) == data.tobytes()
         assert c.steps() == [2]
-        _wait_for(lambda: server.served == 2, "the server counting what it served")  # counted after the send
+        _wait_for(lambda: server.served == 2, "the server counting what it served")  # the server thread counts it
     finally:
         c.close()
         proxy.close()

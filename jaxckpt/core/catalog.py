@@ -521,7 +521,7 @@ class Catalog:
                 crc = crc32c(o.manifest)
                 alts = [h2 for h2 in holders[i + 1:]
                         if h2.kind == "peer" or any(x.crc == crc for hh, x in by_q[q] if hh is h2)]
-                return q, m, [Source(h.kind, h.name, h.node, o.read, o.lend, o.bind)] + \
+                return q, m, [Source(h.kind, h.name, h.node, o.read, o.lend, o.bind, o.read_spans)] + \
                     [lazy_source(h2, q, step, crc, opened) for h2 in alts]
             if len(failures) == 1:  # the one holder's own error (a refused token, a gone step), unchanged
                 h, e = failures[0]

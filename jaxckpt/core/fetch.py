@@ -31,6 +31,11 @@ __all__ = ["ByteReader", "ChunkReader", "Source", "assemble", "buffer_reader"]
 
 # A chunk under this size read from this node's memory is read on the calling thread during a prefetch.
 INLINE_BYTES = 256 << 10
+# Chunks under this size whose first source reads ranges in bulk (Source.read_spans: another node's agent) are
+# asked for together, at most BULK_BATCH_BYTES a flight: a many-array restore over the network asked for thousands
+# of chunks of a few KiB a request each (12 MiB of 1,024 arrays at 0.02 GB/s).
+BULK_BYTES = 1 << 20
+BULK_BATCH_BYTES = 8 << 20
 # Fetch threads of one prefetch at most (``workers`` per source read over the transport).
 MAX_FETCH_THREADS = 32
 
@@ -84,6 +89,9 @@ class ChunkReader:
         # A chunk no source gave: its error, raised again to every later reader of it (the assembly reads what
         # the prefetch behind it could not fetch; it must see why, not only that every source failed before).
         self._errors: dict[tuple, Exception] = {}
+        # A chunk a bulk read did not give good bytes of: each source's error, which the chunk's own fetch counts
+        # as that source's failure (never asking it again, naming it if every source fails).
+        self._prior: dict[tuple, list[tuple[Source, Exception]]] = {}
         for ss in self._sources.values():
             for src in ss:
                 if src.bind is not None:
@@ -183,10 +191,11 @@ class ChunkReader:
 
     def _fetch(self, path: str, chunk: ChunkMeta, key: tuple, rebuilds: bool = True) -> memoryview:
         sources = self._sources.get(chunk.process)
-        where = f"{path}: step {self._step} chunk {chunk.box.start}..{chunk.box.stop} of process {chunk.process}"
+        where = _where(path, self._step, chunk)
         if not sources:
             raise StepNotFoundError(f"{where} is held by process {chunk.process}, which this process cannot reach")
-        failures: list[tuple[Source, Exception]] = []
+        with self._lock:
+            failures: list[tuple[Source, Exception]] = self._prior.pop(key, [])
         timeline = self.report.timeline
         for src in sources:
             if (key, src.name) in self._bad:
@@ -215,10 +224,12 @@ class ChunkReader:
             raw = src.read(chunk.offset, chunk.nbytes)
         except DataLossError:
             raise  # already names the step and the missing boxes, and carries them
-        except (ChecksumError, PeerError, StepNotFoundError) as e:  # name the array the bytes were for, and where
-            raise type(e)(f"{where} from {src.name}: {e}") from None
-        except (StoreUnavailableError, OSError) as e:  # the holder went away: its bytes cannot be had there
-            raise StepNotFoundError(f"{where} from {src.name}: {e}") from None
+        except SOURCE_ERRORS as e:
+            raise _named(e, where, src) from None
+        return self._checked(src, chunk, raw, where)
+
+    def _checked(self, src: Source, chunk: ChunkMeta, raw: memoryview, where: str) -> memoryview:
+        """``raw``, read from ``src`` for ``chunk``, verified (and copied where the restore needs its own)."""
         if len(raw) != chunk.nbytes:
             raise ChecksumError(f"{where} came back from {src.name} with {len(raw)} bytes, expected {chunk.nbytes}")
         if self.private_copies and src.lend is not None:
@@ -269,6 +280,86 @@ class ChunkReader:
         cls = ChecksumError if corrupt else type(failures[-1][1])
         return cls(f"{where}: no source gave good bytes ({said})")
 
+    def _bulk_from(self, process: int, items: list[tuple[str, ChunkMeta]]) -> None:
+        """Fetch ``items`` (chunks of ``process``) in flights from its sources in order, each taking what the ones
+        before did not give, as long as they read in bulk."""
+        for src in self._sources[process]:
+            with self._lock:
+                left = [(p, c) for p, c in items if self._key(c) not in self._cache
+                        and self._key(c) not in self._errors and (self._key(c), src.name) not in self._bad]
+            # a rebuild reads other chunks through this reader, which would wait on the flight's claims
+            if not left or src.read_spans is None or src.kind == "rebuild":
+                return
+            self._bulk(src, left)
+
+    def _bulk(self, src: Source, items: list[tuple[str, ChunkMeta]]) -> None:
+        """Fetch ``items`` (chunks of one saving process) from ``src`` in one flight of its ``read_spans``. A chunk
+        it gives no good bytes of (the flight failed, or its bytes fail their check) is left to its own fetch,
+        which counts the failure as that source's and goes on to the next source (raw)."""
+        if src.read_spans is None:
+            return
+        claimed: list[tuple[str, ChunkMeta, tuple]] = []
+        with self._lock:
+            for path, c in items:
+                key = self._key(c)
+                if key not in self._cache and key not in self._inflight and key not in self._errors:
+                    self._inflight[key] = None
+                    claimed.append((path, c, key))
+        done: set[int] = set()
+        t0, got = time.perf_counter(), 0
+        try:
+            for i, raw in src.read_spans([(c.offset, c.nbytes) for _, c, _ in claimed]):
+                path, c, key = claimed[i]
+                try:
+                    raw = self._checked(src, c, raw, _where(path, self._step, c))
+                except ChecksumError as e:
+                    with self._lock:
+                        self._bad.add((key, src.name))
+                        self._prior.setdefault(key, []).append((src, e))
+                    continue
+                with self._lock:
+                    failures = self._prior.pop(key, [])  # an earlier source's, in bulk too
+                self._account(key, raw, src, c, path, failures)
+                done.add(i)
+                got += c.nbytes
+        except DataLossError:
+            raise
+        except SOURCE_ERRORS as e:
+            log.info("step %d: a bulk read of %d chunks from %s failed (%s: %s); the %d not in are read one by one",
+                     self._step, len(claimed), src.name, type(e).__name__, e, len(claimed) - len(done))
+            with self._lock:
+                for i, (path, c, key) in enumerate(claimed):
+                    if i not in done and (key, src.name) not in self._bad:
+                        self._bad.add((key, src.name))
+                        self._prior.setdefault(key, []).append((src, _named(e, _where(path, self._step, c), src)))
+        finally:
+            self.report.timeline.read(src.kind, t0, time.perf_counter(), got)
+            with self._lock:
+                events = [self._inflight.pop(key) for _, _, key in claimed]
+            for ev in events:
+                if ev is not None:
+                    ev.set()
+
+    def _batches(self, todo: list[tuple[str, ChunkMeta]], pooled: list[int]) -> tuple[list[int], list[tuple]]:
+        """Of ``pooled`` (indices into ``todo``), the chunks read in bulk (small, their first source has
+        read_spans) as batches (saving process, items) of at most BULK_BATCH_BYTES, and the rest."""
+        by: dict[int, list[list[tuple[str, ChunkMeta]]]] = {}
+        filled: dict[int, int] = {}
+        rest = []
+        for i in pooled:
+            c = todo[i][1]
+            src = self._first(c)
+            if src is None or src.read_spans is None or src.kind == "rebuild" or c.nbytes >= BULK_BYTES:
+                rest.append(i)
+                continue
+            batches = by.setdefault(c.process, [[]])
+            if batches[-1] and filled[c.process] + c.nbytes > BULK_BATCH_BYTES:
+                batches.append([])
+                filled[c.process] = 0
+            batches[-1].append(todo[i])
+            filled[c.process] = filled.get(c.process, 0) + c.nbytes
+        return rest, [(q, b) for q, bs in by.items() for b in bs]
+
     def take(self, chunk: ChunkMeta) -> bool:
         """True once for a chunk whose fetched bytes are a private copy nobody else was given."""
         with self._lock:
@@ -295,6 +386,8 @@ class ChunkReader:
                  self._step, len(todo), sum(c.nbytes for _, c in todo), self.report.process,
                  self.report.planned_by_kind, self.report.planned_by_node)
         if self._workers == 1 or len(todo) == 1:
+            for process, items in self._batches(todo, list(range(len(todo))))[1]:
+                self._bulk_from(process, items)
             for path, c in todo:
                 self.raw(path, c)
             return
@@ -308,9 +401,23 @@ class ChunkReader:
         far = {f for f in first if f is not None and f.kind not in ("local", "node")}
         threads = min(len(pooled), MAX_FETCH_THREADS, self._workers * max(1, len(far)))
         errors: dict[int, BaseException] = {}
+        single, bulk = self._batches(todo, pooled)
+        index = {id(todo[i][1]): i for i in pooled}
+
+        def batch(process: int, items: list[tuple[str, ChunkMeta]]) -> dict[int, BaseException]:
+            self._bulk_from(process, items)
+            failed = {}
+            for path, c in items:  # what no flight gave: each on its own, with its fallbacks
+                try:
+                    self.raw(path, c)
+                except Exception as e:  # noqa: BLE001 - raised below, in plan order
+                    failed[index[id(c)]] = e
+            return failed
         ex = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="jaxckpt-fetch") if pooled else None
         try:
-            futures = {i: ex.submit(self.raw, *todo[i]) for i in _round_robin(pooled, first)} \
+            batches = [ex.submit(batch, process, items) for process, items in bulk] if ex is not None else []
+            futures = {i: ex.submit(self.raw, *todo[i])
+                       for i in _round_robin(single, [self._first(todo[i][1]) for i in single])} \
                 if ex is not None else {}
             for i, ((path, c), cheap) in enumerate(zip(todo, inline)):
                 if cheap:
@@ -324,6 +431,10 @@ class ChunkReader:
         for i, f in futures.items():
             if f.exception() is not None:
                 errors[i] = f.exception()
+        for f in batches:
+            if f.exception() is not None:
+                raise f.exception()  # not a source's failure (those are each chunk's): a bug
+            errors.update(f.result())
         if errors:
             raise errors[min(errors)]  # the first failure, in plan order
 
@@ -358,6 +469,17 @@ class ChunkReader:
         """The report, with the time since this reader was made."""
         self.report.seconds = time.perf_counter() - self._t0
         return self.report
+
+
+def _where(path: str, step: int, chunk: ChunkMeta) -> str:
+    return f"{path}: step {step} chunk {chunk.box.start}..{chunk.box.stop} of process {chunk.process}"
+
+
+def _named(e: Exception, where: str, src: Source) -> Exception:
+    """A source's error naming the array and chunk the bytes were for, and where they were read."""
+    if isinstance(e, (ChecksumError, PeerError, StepNotFoundError)):
+        return type(e)(f"{where} from {src.name}: {e}")
+    return StepNotFoundError(f"{where} from {src.name}: {e}")  # the holder went away: its bytes cannot be had
 
 
 def _round_robin(items: list[int], keys: list[Source | None]) -> list[int]:

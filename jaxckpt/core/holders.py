@@ -4,11 +4,12 @@ asked again in an operation once it failed to answer, and a fallback source open
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Callable, Iterable, Sequence
 
 from jaxckpt.core.capabilities import AgentInfo
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.core.sources import HeldEntry, Holder, Opened, RestoreReads, Source
+from jaxckpt.core.transport import Span
 from jaxckpt.errors import AgentError, ManifestError, PeerError, PeerTimeoutError, StepNotFoundError, \
     StoreUnavailableError
 
@@ -29,8 +30,10 @@ class PeerHolder(Holder):
     def open(self, process: int, step: int) -> Opened:
         c = self._peers.client(self._q)
         self.name = f"process {self._q} ({c.address})"
+        def read_spans(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, memoryview]]:
+            return [(i, b) for i, b, _ in c.read_spans(step, [Span(o, n) for o, n in ranges])]
         return Opened(c.manifest(step), lambda offset, nbytes: c.read(step, offset, nbytes),
-                      lend=lambda: True)  # each read is memory of its own (received frames)
+                      lend=lambda: True, read_spans=read_spans)  # each read is memory of its own (received frames)
 
 
 class _Lazy:
@@ -47,6 +50,16 @@ class _Lazy:
         self._reads = reads
 
     def __call__(self, offset: int, nbytes: int) -> memoryview:
+        return self._open().read(offset, nbytes)
+
+    def spans(self, ranges: Sequence[tuple[int, int]]) -> Iterable[tuple[int, memoryview]]:
+        """Source.read_spans: the holder's own bulk read where it has one, else a read per range."""
+        o = self._open()
+        if o.read_spans is not None:
+            return o.read_spans(ranges)
+        return ((i, o.read(offset, nbytes)) for i, (offset, nbytes) in enumerate(ranges))
+
+    def _open(self) -> Opened:
         with self._lock:
             if self._o is None:
                 try:
@@ -60,13 +73,13 @@ class _Lazy:
                 if o.bind is not None and self._reads is not None:
                     o.bind(self._reads)
                 self._o = o
-        return self._o.read(offset, nbytes)
+            return self._o
 
 
 def lazy_source(h: Holder, process: int, step: int, crc: int, opened: list[Opened]) -> Source:
     """A fallback Source of ``process``'s snapshot of ``step`` at ``h``, opened on its first read."""
     lazy = _Lazy(h, process, step, crc, opened)
-    return Source(h.kind, h.name, h.node, lazy, bind=lazy.bind)
+    return Source(h.kind, h.name, h.node, lazy, bind=lazy.bind, read_spans=lazy.spans)
 
 
 class NotAsked(PeerError):
@@ -99,7 +112,10 @@ class Guarded(Holder):
 
     def open(self, process: int, step: int) -> Opened:
         o = self._call(self._h.open, process, step)
-        return Opened(o.manifest, lambda offset, nbytes: self._call(o.read, offset, nbytes), o.close, o.lend, o.bind)
+        spans, into = o.read_spans, o.read_into  # every capability of the holder's, guarded alike
+        return Opened(o.manifest, lambda offset, nbytes: self._call(o.read, offset, nbytes), o.close, o.lend, o.bind,
+                      read_spans=(lambda ranges: self._call(spans, ranges)) if spans is not None else None,
+                      read_into=(lambda out, chunks: self._call(into, out, chunks)) if into is not None else None)
 
     def manifest(self, process: int, step: int) -> bytes:
         return self._call(self._h.manifest, process, step)

@@ -217,6 +217,9 @@ class Source:
     # chunk reader that reads it hands itself over, so a chunk the restore fetches anyway is fetched once, and
     # what the source reads on its own (parity, copies) counts in the restore's report.
     bind: Callable[[RestoreReads], None] | None = field(default=None, compare=False, repr=False)
+    # A source across a network has one (Opened.read_spans): many small chunks asked for in one flight.
+    read_spans: Callable[[Sequence[tuple[int, int]]], Iterable[tuple[int, memoryview]]] | None = field(
+        default=None, compare=False, repr=False)
 
 
 def order_sources(holders: Iterable[tuple[Holder, HeldEntry]]) -> list[Holder]:
