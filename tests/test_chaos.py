@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -139,6 +140,48 @@ def test_the_protection_lag_is_measured_at_the_commit_and_the_announcement_not_w
     # a step committed on two processes counts from the later one; an old record without ``at`` from its report
     events = [ev("committed", 2, 0.02, 0.010), ev("committed", 2, 0.02, 0.012), ev("protected", 2, 0.03)]
     assert lag.protection_lags(events) == [(0, 0.018)]
+
+
+@pytest.mark.timeout(300)
+def test_a_hang_says_why_the_job_stopped_and_keeps_every_process_s_logs_and_stacks(tmp_path, caplog):
+    """A real hang: every node's budget holds less than one snapshot, so the job trains on and every save is
+    refused, and the driver's wait for a commit expires. The driver must say why at once (each process's
+    refused saves, from its events: no log line shows them) and keep, in a folder of ``--keep-hangs``, each
+    trainer's and agent's log with every thread's stack, the events and the coordination keys."""
+    from jaxckpt.tools.chaos.incarnation import TrialResult
+
+    profile = dataclasses.replace(chaos.PROFILES["quick"], timeout_s=10.0)
+    run = chaos.ChaosRun(profile, seed=0, trials=1, jax_trials=0, keep_hangs=str(tmp_path))
+    run.budget = 4096
+    try:
+        for d in run.node_dirs:
+            run.start_agent(d)
+        inc = run.launch(None, "numpy")
+        assert inc is not None
+        res = TrialResult(trial=7, kind="test")
+        run._kind = "test"
+        with caplog.at_level("ERROR", logger="jaxckpt.tools.chaos.run"):
+            assert not run.warm_up(inc, res)
+        run.stop(inc)
+    finally:
+        run.close()
+    assert res.hang and run.hung == 1
+    said = caplog.text
+    assert "hang: incarnation 1 committed no step past" in said, said
+    for q in range(run.n):
+        assert f"hang: process {q}: " in said and "BudgetExceededError" in said, said
+    kept = tmp_path / "hang-1-trial-7-test"
+    assert f"logs, events and every thread's stack kept in {kept}" in said
+    files = sorted(p.name for p in kept.iterdir())
+    assert files == sorted(["coordination.txt", "events.jsonl", *(f"trainer-{q}.log" for q in range(run.n)),
+                            *(f"agent-node{k}.log" for k in range(run.profile.nodes))]), files
+    for name in files:
+        if name.endswith(".log"):  # faulthandler's dump of every thread, from the trainer's or agent's own handler
+            text = (kept / name).read_text(errors="replace")
+            assert "most recent call first" in text and "Thread 0x" in text, (name, text[-2000:])
+    events = [json.loads(line) for line in (kept / "events.jsonl").read_text().splitlines()]
+    assert any(e["ev"] == "save-failed" and "BudgetExceededError" in e["error"] for e in events)
+    assert (kept / "coordination.txt").read_text().count("bytes") >= 1
 
 
 def test_cli_parses_the_profiles_and_refuses_unknown_faults():

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import faulthandler
 import logging
 import os
+import signal
 import sys
 
 from jaxckpt.backends.agent import heap, lifetime
@@ -70,10 +72,13 @@ def run_cli(args: argparse.Namespace) -> int:
     try:
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         os.fchmod(fd, 0o600)
-        handler = logging.StreamHandler(os.fdopen(fd, "a", buffering=1))
+        stream = os.fdopen(fd, "a", buffering=1)
     except OSError as e:  # a symlink (ELOOP) or an unwritable path: log to stderr rather than not start
-        handler = logging.StreamHandler(sys.stderr)
+        stream = sys.stderr
         print(f"jaxckpt agent: not logging to {log_path} ({e.strerror}); logging to stderr", file=sys.stderr)
+    handler = logging.StreamHandler(stream)
+    # kill -USR1 <agent pid>: every thread's stack to the log, the agent going on (what a stuck agent waits on)
+    faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
     handler.setFormatter(logging.Formatter(f"%(asctime)s agent[{os.getpid()}] %(levelname)s %(message)s"))
     logging.getLogger("jaxckpt").addHandler(handler)
     if allocation():  # memory an ended allocation left on this node (agent/lifetime.py)

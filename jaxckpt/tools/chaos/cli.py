@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from jaxckpt.tools.bench.report import read_json
@@ -33,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--update-md", default="", metavar="PATH",
                    help="write the result table into PATH's chaos section, e.g. BENCHMARKS.md "
                         "(jaxckpt/tools/chaos/report.py), and keep the run's record in docs/bench/chaos.json there")
+    p.add_argument("--keep-hangs", default="", metavar="DIR",
+                   help="for each hang, keep the trainers' and agents' logs (with every thread's stack), the job's "
+                        "events and its coordination keys in a folder of DIR")
     p.add_argument("--from-json", default="", metavar="PATH",
                    help="run nothing: render (and --update-md) a kept record such as docs/bench/chaos.json")
     p.set_defaults(run=run_cli)
@@ -48,7 +52,8 @@ def run_cli(args: argparse.Namespace) -> int:
     profile = PROFILES[args.profile]
     if args.protection is not None:
         profile = dataclasses.replace(profile, protection=args.protection)
-    rep = ChaosRun(profile, args.seed, trials=args.trials, jax_trials=args.jax_trials, faults=faults).run()
+    rep = ChaosRun(profile, args.seed, trials=args.trials, jax_trials=args.jax_trials, faults=faults,
+                   keep_hangs=os.path.abspath(args.keep_hangs) if args.keep_hangs else "").run()
     print(json.dumps(rep, indent=1) if args.json else format_table(rep))
     if args.update_md:
         chaos_report.update_md(args.update_md, rep, chaos_report.command_line(args))

@@ -97,7 +97,7 @@ def _wait_phase(run: "ChaosRun", inc: "Incarnation", res: "TrialResult") -> None
         run.warm_up(inc, res)
         return
     if not inc.wait(lambda: inc.of("phase-fault") or inc.exited(), run.profile.timeout_s):
-        res.hang = True
+        run.hang(inc, res, "never reached the fault's phase")
         return
     if not inc.of("phase-fault"):
         res.detail += " (the process ended before the phase)"
@@ -121,7 +121,7 @@ def respawn_and_resume(run: "ChaosRun", inc: "Incarnation", res: "TrialResult", 
     res.saves_resumed = inc.wait(lambda: inc.last("committed") > mark + run.profile.interval or inc.exited(),
                                  run.profile.timeout_s) and not inc.exited()
     if not res.saves_resumed and not inc.exited():
-        res.hang = True
+        run.hang(inc, res, f"did not save again after its node's agent came back ({run.profile.timeout_s:g} s)")
     elif not res.saves_resumed:
         res.detail += f" (saving did not resume: {inc.exit_report()})"
 

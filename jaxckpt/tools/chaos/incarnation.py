@@ -98,6 +98,11 @@ class Incarnation:
     def of(self, ev: str, p: int | None = None) -> list[dict]:
         return [e for e in self.events if e["ev"] == ev and (p is None or e["p"] == p)]
 
+    @property
+    def logs(self) -> list[str]:
+        """Each trainer's log (its stderr), by process."""
+        return list(self._logs)
+
     def last(self, ev: str) -> int:
         return max((e["step"] for e in self.of(ev)), default=0)
 

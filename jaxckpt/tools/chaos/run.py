@@ -53,6 +53,7 @@ from jaxckpt.tools.chaos.lag import lag_summary, protection_lags
 from jaxckpt.tools.chaos.faults import DESTRUCTIVE, FAULTS, JAX_KINDS, NODE_LOSS, end_trial, wait_protected
 from jaxckpt.errors import JaxckptError
 from jaxckpt.tools import deathsig
+from jaxckpt.tools.chaos import hang
 from jaxckpt.tools.chaos import trainer as ct
 from jaxckpt.tools.chaos.incarnation import Incarnation, TrialResult
 
@@ -91,11 +92,13 @@ class ChaosRun:
     """A seeded sequence of trials over one job on ``profile.nodes`` simulated nodes (see the module doc)."""
 
     def __init__(self, profile: Profile, seed: int, trials: int | None = None, jax_trials: int | None = None,
-                 faults: list[str] | None = None) -> None:
+                 faults: list[str] | None = None, keep_hangs: str = "") -> None:
         unknown = sorted(set(faults or ()) - set(FAULTS))
         if unknown:
             raise ValueError(f"unknown fault kind(s) {unknown}; known: {sorted(FAULTS)}")
         self.profile, self.seed = profile, seed
+        self.keep_hangs = keep_hangs  # where each hang's logs, events and stacks are kept (jaxckpt.tools.chaos.hang)
+        self.hung = 0
         self.trials = profile.trials if trials is None else trials
         self.jax_trials = profile.jax_trials if jax_trials is None else jax_trials
         self.rng = random.Random(seed)
@@ -185,7 +188,7 @@ class ChaosRun:
             old.wait()
         proto.ensure_private_dir(d, create=True)
         job = self.job + "-jax" if d == self.jax_dir else self.job
-        log_path = os.path.join(self.tmp, f"agent-{os.path.basename(d)}.log")
+        log_path = self.agent_log(d)
         p = self.agents[d] = subprocess.Popen(
             deathsig.command([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d, "--log",
                               log_path, "--budget-bytes", str(self.budget), "--node", os.path.basename(d),
@@ -253,11 +256,7 @@ class ChaosRun:
             ids = [s["process"] for s in specs]
             trained = lambda: all(inc.of("trained", q) for q in ids)  # noqa: E731 - restored (or fresh) and on
             if not inc.wait(lambda: trained() or inc.of("restart") or inc.exited(), self.profile.timeout_s * 3):
-                if prev is not None:
-                    prev.hang = True
-                else:
-                    self.unattributed["hangs"] += 1
-                log.error("incarnation %d did not get through its restore in time", self.epoch)
+                self.hang(inc, prev, "did not get through its restore in time")
             elif trained():
                 self._check(inc, prev, mode)
                 return inc
@@ -309,8 +308,32 @@ class ChaosRun:
         """Let the job commit a random 1..3 more snapshots; False if it ended, or stalled (a hang)."""
         want = inc.last("committed") + self.rng.randint(1, 3) * self.profile.interval
         ok = inc.wait(lambda: inc.last("committed") >= want or inc.exited(), self.profile.timeout_s)
-        res.hang |= not ok
+        if not ok:
+            self.hang(inc, res, f"committed no step past {want - 1} in {self.profile.timeout_s:g} s")
         return ok and not inc.exited()
+
+    def hang(self, inc: Incarnation, res: TrialResult | None, what: str) -> None:
+        """A wait expired: count the hang (against ``res``'s trial, else the first incarnation), say why the job
+        stopped, and keep what explains it (``keep_hangs``; jaxckpt.tools.chaos.hang)."""
+        if res is not None:
+            res.hang = True
+        else:
+            self.unattributed["hangs"] += 1
+        self.hung += 1
+        log.error("hang: incarnation %d %s", self.epoch, what)
+        for line in hang.why_stalled(inc.events):
+            log.error("hang: %s", line)
+        if self.keep_hangs:
+            hang.dump_stacks([p.pid for p in inc.procs if p.poll() is None] +
+                             [p.pid for p in self.agents.values() if p.poll() is None])
+            dest = os.path.join(self.keep_hangs, f"hang-{self.hung}-trial-{res.trial if res else 0}-{self._kind}")
+            hang.keep(dest, [*inc.logs, *(self.agent_log(d) for d in self.agents)], list(inc.events),
+                      os.path.join(self.tmp, f"coord-{self.epoch}"))
+            log.error("hang: logs, events and every thread's stack kept in %s", dest)
+
+    def agent_log(self, d: str) -> str:
+        """The log of the agent the driver runs for node directory ``d``."""
+        return os.path.join(self.tmp, f"agent-{os.path.basename(d)}.log")
 
     # --------------------------------------------------------------------------------------------- trials
     def run(self) -> dict:

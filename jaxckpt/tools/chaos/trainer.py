@@ -493,6 +493,9 @@ def jax_run(spec: dict) -> int:
 def main(argv: list[str]) -> int:
     import logging
 
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # every thread's stack to the log: a hang's report
     with open(argv[0]) as f:
         spec = json.load(f)
     logging.basicConfig(level=os.environ.get("JAXCKPT_LOG_LEVEL", "WARNING").upper(),
