@@ -50,6 +50,12 @@ MAX_IN_FLIGHT = 64  # requests of one call in flight at most, however small (the
 _MONITORS = itertools.count(1)  # inproc monitor endpoints must be unique in the process
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+# A connection refused this long (libzmq retries it every 100 ms) ends the request: nothing listens at the address
+# (an agent gone, its stale address still published), so waiting out CONNECT_TIMEOUT_S only delays every caller
+# (each protection round of a step paid 2 s while a killed agent's peer file stayed). An agent binds before it
+# publishes its address, so one that is starting is not refused; the grace covers a peer reached by a known port
+# (rendezvous) whose agent binds it a moment later.
+REFUSED_GRACE_S = 0.25
 
 
 _MANIFEST = (0, 0, None)  # the part of a pipeline that asks for the step's manifest (its first page)
@@ -118,11 +124,17 @@ class ZmqClient(PeerClient):
             self._sock.curve_serverkey = self.server_key.encode()
             self._sock.curve_publickey, self._sock.curve_secretkey = self._keys
         # Lost connections (and CURVE's failed handshakes) are events, not errors: the monitor reports them.
-        events = zmq.EVENT_DISCONNECTED | (_HANDSHAKE_FAILED if self._keys is not None else 0)
+        events = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | \
+            (_HANDSHAKE_FAILED if self._keys is not None else 0)
         self._monitor = self._sock.get_monitor_socket(events, addr=f"inproc://jaxckpt-peer-monitor-{next(_MONITORS)}")
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
+        self._out = zmq.Poller()  # _send: room to send (a live connection), or the monitor's news
+        self._out.register(self._sock, zmq.POLLOUT)
+        self._out.register(self._monitor, zmq.POLLIN)
+        self._lost = False  # a lost connection seen by the monitor and not yet told to _recv
+        self._refused_since: float | None = None  # the first refusal of the connection not followed by one
         self._sock.connect(self.address)
 
     def _shut(self) -> None:
@@ -130,9 +142,8 @@ class ZmqClient(PeerClient):
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
 
-    def _drain(self) -> bool:
-        """Take in the monitor's events; whether the socket's connection was lost since the last look."""
-        lost = False
+    def _events(self) -> None:
+        """Take in the monitor's events."""
         while self._monitor.poll(0):
             # zmq_socket_monitor(3): a 16-bit event and a 32-bit value, then the endpoint. Parsed here because
             # pyzmq's zmq.utils.monitor imports asyncio (4 MiB of modules in every process that connects).
@@ -140,14 +151,24 @@ class ZmqClient(PeerClient):
             event = struct.unpack("=H", frames[0][:2])[0] if frames and len(frames[0]) >= 6 else 0
             if event == zmq.EVENT_DISCONNECTED:
                 self.disconnects += 1
-                lost = True
+                self._lost = True
+            elif event == zmq.EVENT_CONNECT_RETRIED:
+                if self._refused_since is None:
+                    self._refused_since = time.monotonic()
+            elif event == zmq.EVENT_CONNECTED:
+                self._refused_since = None
             else:
                 self._failed.add(event)
+
+    def _drain(self) -> bool:
+        """Take in the monitor's events; whether the socket's connection was lost since the last look."""
+        self._events()
+        lost, self._lost = self._lost, False
         return lost
 
     def _handshake_failure(self, what: str) -> PeerHandshakeError | None:
         """The error for the CURVE handshakes that failed since the last look, None if none did."""
-        self._drain()
+        self._events()
         seen, self._failed = self._failed, set()
         if zmq.EVENT_HANDSHAKE_FAILED_AUTH in seen:
             return PeerHandshakeError(f"peer {self.address} refused the CURVE key of this job for {what}: it serves "
@@ -164,8 +185,7 @@ class ZmqClient(PeerClient):
         fields = {k: v for k, v in fields.items() if v is not None}
         wait = min(self._timeout, CONNECT_TIMEOUT_S)
         try:
-            if not self._sock.poll(max(1, int(wait * 1000)), zmq.POLLOUT):
-                raise zmq.Again()
+            self._wait_connected(time.monotonic() + wait, what)
             self._sock.send(msgpack.packb({"v": VERSION, "id": rid, "token": self._token, "op": op, **fields},
                                           use_bin_type=True), zmq.NOBLOCK)
         except zmq.Again:
@@ -175,6 +195,24 @@ class ZmqClient(PeerClient):
             raise PeerUnreachableError(f"peer {self.address}: no reply to {what} within {wait:g}s: nothing accepted "
                                        f"a connection at that address") from None
         return rid
+
+    def _wait_connected(self, deadline: float, what: str) -> None:
+        """Until the socket can send (a live connection); zmq.Again at ``deadline``, PeerUnreachableError once the
+        connection was refused for REFUSED_GRACE_S."""
+        while True:
+            left = deadline - time.monotonic()
+            ready = dict(self._out.poll(max(1, int(left * 1000)))) if left > 0 else {}
+            if ready.get(self._sock, 0) & zmq.POLLOUT:
+                return
+            if self._monitor in ready:
+                self._events()
+                since = self._refused_since
+                if since is not None and time.monotonic() - since >= REFUSED_GRACE_S:
+                    raise PeerUnreachableError(f"peer {self.address}: {what}: the connection was refused for "
+                                               f"{REFUSED_GRACE_S:g}s: nothing listens at that address")
+                continue
+            if left <= 0:
+                raise zmq.Again()
 
     def _reopen(self, what: str, resends: int) -> int:
         """Replace the socket whose connection was lost; raise once the call has lost too many connections."""

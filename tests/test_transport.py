@@ -1,5 +1,6 @@
 """Peer transport: every transport passes TransportTests (zarr's shared-conformance-suite pattern)."""
 import logging
+import socket
 
 import msgpack
 import numpy as np
@@ -10,7 +11,7 @@ from jaxckpt import Config
 from jaxckpt.backends.memory import MemoryStore
 from jaxckpt.backends.transport import MAX_REQUEST_BYTES, VERSION, Span, ZmqTransport
 from jaxckpt.core.checksum import crc32c, span_crc
-from jaxckpt.errors import PeerError, StepNotFoundError
+from jaxckpt.errors import PeerError, PeerUnreachableError, StepNotFoundError
 from jaxckpt.testing import free_port
 
 TOKEN = b"s3cret-token-of-the-job"
@@ -119,12 +120,32 @@ class TransportTests:
                    for r in caplog.records)
         assert connect().manifest(3) == b"manifest-of-step-3"  # the server keeps serving good peers
 
-    CLOSED_SERVER_ERROR = "no reply"  # what a request to a server closed under the client says
+    # what a request to a server closed under the client says: refused once the port is closed (a loaded
+    # machine may reach the request's time-out first)
+    CLOSED_SERVER_ERROR = "no reply|the connection was refused for 0.25s: nothing listens"
+
+    def test_a_refused_connection_ends_the_request_without_waiting_out_the_time_out(self):
+        """Nothing listens at the address (an agent gone, its stale address still published): a request says so
+        once the connection was refused for a moment, not after the peer time-out (20 s here), and raises
+        PeerUnreachableError, which a restore or a discovery takes as that peer being gone."""
+        t = self.make_transport()
+        nobody = t.connect(f"tcp://127.0.0.1:{free_port()}", token=TOKEN, timeout_s=20.0)
+        try:
+            for call, what in ((lambda: nobody.manifest(3), "the manifest of step 3"),
+                               (lambda: nobody.read(3, 0, 20_000), r"step 3 range 0\+20000")):
+                with pytest.raises(PeerUnreachableError, match=rf"{what}: the connection was refused for 0.25s: "
+                                                               rf"nothing listens at that address"):
+                    call()
+        finally:
+            nobody.close()
 
     def test_timeouts_are_bounded(self, served):
         store, server, data, connect = served
         t = self.make_transport()
-        nobody = t.connect(f"tcp://127.0.0.1:{free_port()}", token=TOKEN, timeout_s=0.3)
+        silent = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # takes connections, never answers one
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        nobody = t.connect(f"tcp://127.0.0.1:{silent.getsockname()[1]}", token=TOKEN, timeout_s=0.3)
         try:
             with pytest.raises(PeerError, match=r"no reply to the manifest of step 3 within 0.3s: nothing accepted"):
                 nobody.manifest(3)
@@ -132,6 +153,7 @@ class TransportTests:
                 nobody.read(3, 0, 20_000)
         finally:
             nobody.close()
+            silent.close()
         c = connect(timeout_s=0.5)
         server.close()
         with pytest.raises(PeerError, match=self.CLOSED_SERVER_ERROR):
