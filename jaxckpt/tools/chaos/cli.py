@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import sys
+from typing import Any, Mapping
 
 from jaxckpt.tools.bench.report import read_json
 from jaxckpt.tools.chaos import report as chaos_report
