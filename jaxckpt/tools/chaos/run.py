@@ -126,15 +126,17 @@ class ChaosRun:
         self.agent_keys = Counter()  # agents started, by whether their peer.addr published a CURVE key
 
     def _node_budget(self) -> int:
-        """Room for keep + pending + three spare snapshots of every process of a node, as split replicas save
-        them; whole replicas (protection "hybrid") save more, and leave about four and a half: tight, so that
-        retention, protection's guard and a restart's fallbacks must share it (jaxckpt.core.slots)."""
+        """Room for keep + pending + three spare snapshots of every process of a node: ample unless filled. The
+        snapshots as the trainers save them, whole replicas (``Config.replicas``' default): sized for split ones,
+        the budget held about four and a half, and a peer fault that held protection's pins back refused saves
+        for seconds (work lost up to 200 steps a peer fault, 3 before whole replicas)."""
         from jaxckpt.core.plan import ArrayLayout, plan_save
 
         arrays, _ = ct.state(0, 1, self.n)
         layouts = [ArrayLayout(p, a.shape, a.dtype.name, a.dtype.itemsize, ct.placements(p, a.shape, self.n))
                    for p, a in arrays.items()]
-        biggest = max(pl.nbytes for pl in plan_save(layouts, self.n, ct.CHUNK_BYTES))
+        nodes = [q // self.profile.procs_per_node for q in range(self.n)]
+        biggest = max(pl.nbytes for pl in plan_save(layouts, self.n, ct.CHUNK_BYTES, nodes=nodes))
         slots = 6 * (2 if self.profile.protection != "none" else 1)  # a protection slot per step too
         return slots * proto.round_to_pages(biggest) * self.profile.procs_per_node
 
