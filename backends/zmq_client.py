@@ -232,6 +232,9 @@ class ZmqClient(PeerClient):
         """The reply to one of ``want``; _Lost once the socket's connection was lost. ``into(rid)``: a writable
         buffer of the payload's expected size, received into it (None: the payload stays libzmq's frame)."""
         while True:
+            if self._lost:  # seen while a request was being sent (_wait_connected takes the monitor's events too)
+                self._lost = False
+                raise _Lost()
             left = deadline - time.monotonic()
             ready = dict(self._poller.poll(max(1, int(left * 1000)))) if left > 0 else {}
             if self._monitor in ready and self._drain():
