@@ -10,7 +10,7 @@ from jaxckpt.core.checksum import crc32c
 from jaxckpt.core.fetch import ChunkReader
 from jaxckpt.core.manifest import ChunkMeta
 from jaxckpt.core.sources import Source
-from jaxckpt.errors import PeerError
+from jaxckpt.errors import ChecksumError, PeerError
 
 
 @pytest.mark.parametrize("workers", [1, 4])
@@ -149,3 +149,40 @@ def test_a_guarded_remote_agent_keeps_its_bulk_reads():
         h.close()
         server.close()
         store.close()
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_small_chunks_in_this_nodes_memory_are_read_in_one_run_and_fall_back_chunk_by_chunk(workers):
+    """Small chunks whose first source is this node's memory are read and checked in one run on the restoring
+    thread (ChunkReader._near); a chunk whose bytes fail their crc32c there, or whose range runs past the end of
+    the buffer, comes from the next source with the failure reported, and the report counts every byte once."""
+    from jaxckpt.core.fetch import buffer_reader
+
+    size, n = 4096, 300
+    data = np.random.default_rng(5).integers(0, 256, n * size, dtype=np.uint8)
+    bad = data.copy()
+    bad[11 * size + 9] ^= 0x10
+    chunks = [ChunkMeta(Box((i * size,), ((i + 1) * size,)), i * size, size, crc32c(data[i * size:(i + 1) * size]), 0)
+              for i in range(n)]
+    # the local buffer is one chunk short: the last chunk's range runs past its end
+    local = Source("local", "own memory of process 0", "n0", buffer_reader(memoryview(bad[:(n - 1) * size])))
+    node = Source("node", "node agent", "n0", buffer_reader(memoryview(data)))
+    reader = ChunkReader({0: [local, node]}, 3, workers=workers)
+    reader.prefetch([("opt/mu", c) for c in chunks])
+    for c in chunks:
+        assert bytes(reader.raw("opt/mu", c)) == data[c.offset:c.offset + size].tobytes()
+    r = reader.finish()
+    assert r.chunks == n and r.bytes_by_process == {0: n * size}
+    assert r.bytes_by_source == {"own memory of process 0": (n - 2) * size, "node agent": 2 * size}
+    assert r.bytes_by_kind == {"local": (n - 2) * size, "node": 2 * size} and r.bytes_by_node == {"n0": n * size}
+    assert len(r.fallbacks) == 2, r.fallbacks
+    assert r.fallbacks[0].startswith("opt/mu: step 3 chunk of process 0: local source own memory of process 0 "
+                                     "failed (ChecksumError: opt/mu: step 3 chunk (45056,)..(49152,) of process 0")
+    assert "failed its crc32c check" in r.fallbacks[0] and r.fallbacks[0].endswith("read from node source node agent")
+    assert "runs past the end" in r.fallbacks[1] and f"({(n - 1) * size},)..({n * size},)" in r.fallbacks[1]
+    # every source failing a chunk: its error names the array, the step, the chunk and each source
+    gone = ChunkReader({0: [Source("local", "own memory of process 0", "n0", buffer_reader(memoryview(bad)))]}, 3,
+                       workers=workers)
+    with pytest.raises(ChecksumError, match=r"^opt/mu: step 3 chunk \(45056,\)\.\.\(49152,\) of process 0 failed its "
+                                            r"crc32c check \(corrupt\) at own memory of process 0$"):
+        gone.prefetch([("opt/mu", c) for c in chunks])

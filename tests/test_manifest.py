@@ -155,6 +155,11 @@ BAD_BODIES = {
     "chunk box negative extent": (("arrays", 0, "chunks", 0, 0), [[3, 0], [1, 4]]),
     "chunk box negative start": (("arrays", 0, "chunks", 0, 0), [[-4, 0], [4, 4]]),
     "chunk too short": (("arrays", 0, "chunks", 0), [[[0, 0], [4, 4]], 0, 32]),
+    "chunk box float": (("arrays", 0, "chunks", 0, 0), [[0.5, 0], [4, 4]]),
+    "chunk box bool": (("arrays", 0, "chunks", 0, 0), [[0, False], [4, 4]]),
+    "chunk box not a pair": (("arrays", 0, "chunks", 0, 0), [[0, 0]]),
+    "chunk box of str": (("arrays", 0, "chunks", 0, 0), "0:4"),
+    "keypath key bool": (("arrays", 0, "keypath", 0, 1), True),
     "chunk offset negative": (("arrays", 0, "chunks", 0, 1), -64),
     "crc not int": (("arrays", 0, "chunks", 0, 3), "deadbeef"),
     "keypath entry kind": (("arrays", 0, "keypath", 0, 0), "weird"),
@@ -238,6 +243,25 @@ def test_schema_defects_with_a_valid_checksum_are_refused(name):
     _set(d, path, value)
     with pytest.raises(ManifestError, match="^step 5 manifest of process 1: "):  # every defect names its source
         mf.decode(envelope(d), source="step 5 manifest of process 1")
+
+
+def test_a_box_checked_for_one_array_is_checked_again_in_another_of_a_smaller_shape():
+    """The decode checks each (shape, box) once for many chunks: a box inside one array's bounds is still refused
+    in an array it runs out of, and its size checked against that array's dtype."""
+    def arr(path: str, shape: tuple, dtype: str, offset: int, nbytes: int) -> mf.ArrayMeta:
+        return mf.ArrayMeta(path=path, keypath=(("key", path),), shape=shape, dtype=dtype, kind="numpy",
+                            chunks=(mf.ChunkMeta(Box((0,), (8,)), offset, nbytes, 1, 0),))
+    ok = mf.Manifest(step=2, process=0, process_count=1, framework="jax",
+                     arrays=(arr("a", (8,), "float32", 0, 32), arr("b", (8,), "float16", 32, 16)))
+    assert mf.decode(mf.encode(ok)) == ok
+    d = mf._to_wire(ok)
+    d["arrays"][1]["shape"] = [4]
+    with pytest.raises(ManifestError, match=r"step 2: b: chunk box \[0\]\.\.\[8\] out of bounds of shape \(4,\)"):
+        mf.decode(envelope(d), source="step 2")
+    d = mf._to_wire(ok)
+    d["arrays"][1]["chunks"][0][2] = 32  # float16 of 8 elements is 16 bytes
+    with pytest.raises(ManifestError, match=r"b: chunk .* of float16 has 32 bytes, expected 16"):
+        mf.decode(envelope(d))
 
 
 def test_merge_chunks_joins_processes_and_checks_agreement():

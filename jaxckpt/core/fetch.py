@@ -191,9 +191,9 @@ class ChunkReader:
 
     def _fetch(self, path: str, chunk: ChunkMeta, key: tuple, rebuilds: bool = True) -> memoryview:
         sources = self._sources.get(chunk.process)
-        where = _where(path, self._step, chunk)
         if not sources:
-            raise StepNotFoundError(f"{where} is held by process {chunk.process}, which this process cannot reach")
+            raise StepNotFoundError(f"{_where(path, self._step, chunk)} is held by process {chunk.process}, which "
+                                    f"this process cannot reach")
         with self._lock:
             failures: list[tuple[Source, Exception]] = self._prior.pop(key, [])
         timeline = self.report.timeline
@@ -207,7 +207,7 @@ class ChunkReader:
                     self._rebuilding.add(key)
             t0 = time.perf_counter()
             try:
-                raw = self._read(src, chunk, where)
+                raw = self._read(src, chunk, path)
             except SOURCE_ERRORS as e:
                 failures.append((src, e))
                 with self._lock:
@@ -217,39 +217,43 @@ class ChunkReader:
             timeline.read(src.kind, t0, time.perf_counter(), chunk.nbytes)
             self._account(key, raw, src, chunk, path, failures)
             return raw
-        raise self._failed(where, failures)
+        raise self._failed(_where(path, self._step, chunk), failures)
 
-    def _read(self, src: Source, chunk: ChunkMeta, where: str) -> memoryview:
+    def _read(self, src: Source, chunk: ChunkMeta, path: str) -> memoryview:
         try:
             raw = src.read(chunk.offset, chunk.nbytes)
         except DataLossError:
             raise  # already names the step and the missing boxes, and carries them
         except SOURCE_ERRORS as e:
-            raise _named(e, where, src) from None
-        return self._checked(src, chunk, raw, where)
+            raise _named(e, _where(path, self._step, chunk), src) from None
+        raw, owned = self._checked(src, chunk, raw, path)
+        if owned:
+            with self._lock:
+                self._owned.add(self._key(chunk))
+        return raw
 
-    def _checked(self, src: Source, chunk: ChunkMeta, raw: memoryview, where: str) -> memoryview:
-        """``raw``, read from ``src`` for ``chunk``, verified (and copied where the restore needs its own)."""
+    def _checked(self, src: Source, chunk: ChunkMeta, raw: memoryview, path: str) -> tuple[memoryview, bool]:
+        """``raw``, read from ``src`` for ``chunk`` (of array ``path``), verified (and copied where the restore
+        needs its own), and whether it is the restore's own memory (the caller notes it in ``_owned``)."""
         if len(raw) != chunk.nbytes:
-            raise ChecksumError(f"{where} came back from {src.name} with {len(raw)} bytes, expected {chunk.nbytes}")
+            raise ChecksumError(f"{_where(path, self._step, chunk)} came back from {src.name} with {len(raw)} "
+                                f"bytes, expected {chunk.nbytes}")
         if self.private_copies and src.lend is not None:
             if self._verify and crc32c(raw) != chunk.crc32c:
-                raise ChecksumError(f"{where} failed its crc32c check (corrupt) at {src.name}")
+                raise ChecksumError(f"{_where(path, self._step, chunk)} failed its crc32c check (corrupt) at "
+                                    f"{src.name}")
             if src.lend():  # memory that is never rewritten while the restored arrays live: no copy needed
-                with self._lock:
-                    self._owned.add(self._key(chunk))
-                return raw
+                return raw, True
         if self.private_copies:
             out = hostbuf.empty(chunk.nbytes, np.uint8)
             crc = copy_and_checksum(out, np.frombuffer(raw, dtype=np.uint8))
             if self._verify and crc != chunk.crc32c:
-                raise ChecksumError(f"{where} failed its crc32c check (corrupt) at {src.name}")
-            with self._lock:
-                self._owned.add(self._key(chunk))
-            return memoryview(out)
+                raise ChecksumError(f"{_where(path, self._step, chunk)} failed its crc32c check (corrupt) at "
+                                    f"{src.name}")
+            return memoryview(out), True
         if self._verify and crc32c(raw) != chunk.crc32c:
-            raise ChecksumError(f"{where} failed its crc32c check (corrupt) at {src.name}")
-        return raw
+            raise ChecksumError(f"{_where(path, self._step, chunk)} failed its crc32c check (corrupt) at {src.name}")
+        return raw, False
 
     def _account(self, key: tuple, raw: memoryview, src: Source, chunk: ChunkMeta, path: str,
                  failures: list[tuple[Source, Exception]]) -> None:
@@ -264,11 +268,17 @@ class ChunkReader:
             r.bytes_by_node[src.node] = r.bytes_by_node.get(src.node, 0) + n
             r.bytes_by_source[src.name] = r.bytes_by_source.get(src.name, 0) + n
             r.bytes_by_process[chunk.process] = r.bytes_by_process.get(chunk.process, 0) + n
-            for bad, e in failures:
-                line = f"{path}: step {self._step} chunk of process {chunk.process}: {bad.kind} source {bad.name} " \
-                       f"failed ({type(e).__name__}: {e}); read from {src.kind} source {src.name}"
-                r.fallbacks.append(line)
-                log.warning("%s", line)
+            self._say_fallbacks(path, src, chunk, failures)
+
+    def _say_fallbacks(self, path: str, src: Source, chunk: ChunkMeta, failures: list[tuple[Source, Exception]]
+                       ) -> None:
+        """Under the lock: the report's and the log's line for each source that failed ``chunk`` before ``src``
+        gave it."""
+        for bad, e in failures:
+            line = f"{path}: step {self._step} chunk of process {chunk.process}: {bad.kind} source {bad.name} " \
+                   f"failed ({type(e).__name__}: {e}); read from {src.kind} source {src.name}"
+            self.report.fallbacks.append(line)
+            log.warning("%s", line)
 
     def _failed(self, where: str, failures: list[tuple[Source, Exception]]) -> Exception:
         if len(failures) == 1:  # the single source's own error, unchanged
@@ -311,7 +321,7 @@ class ChunkReader:
             for i, raw in src.read_spans([(c.offset, c.nbytes) for _, c, _ in claimed]):
                 path, c, key = claimed[i]
                 try:
-                    raw = self._checked(src, c, raw, _where(path, self._step, c))
+                    raw, owned = self._checked(src, c, raw, path)
                 except ChecksumError as e:
                     with self._lock:
                         self._bad.add((key, src.name))
@@ -319,6 +329,8 @@ class ChunkReader:
                     continue
                 with self._lock:
                     failures = self._prior.pop(key, [])  # an earlier source's, in bulk too
+                    if owned:
+                        self._owned.add(key)
                 self._account(key, raw, src, c, path, failures)
                 done.add(i)
                 got += c.nbytes
@@ -335,6 +347,73 @@ class ChunkReader:
         finally:
             self.report.timeline.read(src.kind, t0, time.perf_counter(), got)
             with self._lock:
+                events = [self._inflight.pop(key) for _, _, key in claimed]
+            for ev in events:
+                if ev is not None:
+                    ev.set()
+
+    def _near(self, items: list[tuple[str, ChunkMeta]]) -> None:
+        """Read and check ``items`` (small chunks whose first source is this node's memory) on this thread, a
+        run of one source at a time under one claim: per chunk what it must cost (a slice and its crc32c), not a
+        lock round, a timeline entry and a report update each (a third of a 1,024-array restore's own Python).
+        A chunk the run gives no good bytes of is left to :meth:`raw`, which tries its other sources."""
+        start = 0
+        while start < len(items):
+            src = self._first(items[start][1])
+            end = start + 1
+            while end < len(items) and self._first(items[end][1]) is src:
+                end += 1
+            self._near_run(src, items[start:end])
+            start = end
+
+    def _near_run(self, src: Source, items: list[tuple[str, ChunkMeta]]) -> None:
+        claimed: list[tuple[str, ChunkMeta, tuple]] = []
+        with self._lock:
+            for path, c in items:
+                key = self._key(c)
+                if key not in self._cache and key not in self._inflight and key not in self._errors \
+                        and (key, src.name) not in self._bad:
+                    self._inflight[key] = None
+                    claimed.append((path, c, key))
+        good: list[tuple[tuple, memoryview, bool, ChunkMeta, str]] = []
+        bad: list[tuple[tuple, Exception]] = []
+        t0 = time.perf_counter()
+        try:
+            for path, c, key in claimed:
+                try:
+                    raw = src.read(c.offset, c.nbytes)
+                except DataLossError:
+                    raise
+                except SOURCE_ERRORS as e:  # as _read names it
+                    bad.append((key, _named(e, _where(path, self._step, c), src)))
+                    continue
+                try:
+                    raw, owned = self._checked(src, c, raw, path)
+                except ChecksumError as e:
+                    bad.append((key, e))
+                    continue
+                good.append((key, raw, owned, c, path))
+        finally:
+            got = sum(c.nbytes for _, _, _, c, _ in good)
+            self.report.timeline.read(src.kind, t0, time.perf_counter(), got, len(good))
+            r = self.report
+            with self._lock:
+                for key, e in bad:
+                    self._bad.add((key, src.name))
+                    self._prior.setdefault(key, []).append((src, e))
+                for key, raw, owned, c, path in good:
+                    if key in self._cache:
+                        continue
+                    if owned:
+                        self._owned.add(key)
+                    self._cache[key] = raw
+                    r.chunks += 1
+                    r.bytes_by_process[c.process] = r.bytes_by_process.get(c.process, 0) + c.nbytes
+                    if key in self._prior:  # an earlier source failed it (a bulk flight): the fallback is said
+                        self._say_fallbacks(path, src, c, self._prior.pop(key))
+                r.bytes_by_kind[src.kind] = r.bytes_by_kind.get(src.kind, 0) + got
+                r.bytes_by_node[src.node] = r.bytes_by_node.get(src.node, 0) + got
+                r.bytes_by_source[src.name] = r.bytes_by_source.get(src.name, 0) + got
                 events = [self._inflight.pop(key) for _, _, key in claimed]
             for ev in events:
                 if ev is not None:
@@ -385,15 +464,16 @@ class ChunkReader:
         log.info("step %d: fetching %d chunks (%d bytes) on process %d; planned bytes by source kind %s, by node %s",
                  self._step, len(todo), sum(c.nbytes for _, c in todo), self.report.process,
                  self.report.planned_by_kind, self.report.planned_by_node)
+        inline = [self._cheap(c) for _, c in todo]
         if self._workers == 1 or len(todo) == 1:
             for process, items in self._batches(todo, list(range(len(todo))))[1]:
                 self._bulk_from(process, items)
+            self._near([x for x, cheap in zip(todo, inline) if cheap])
             for path, c in todo:
                 self.raw(path, c)
             return
         # A small chunk from this node's memory costs less to read than to hand to a thread: those are read
         # here while the pool fetches the rest.
-        inline = [self._cheap(c) for _, c in todo]
         pooled = [i for i, cheap in enumerate(inline) if not cheap]
         # Every source at once: chunks are handed out round-robin over their first sources (the plan lists them
         # by saving process), and ``workers`` requests are in flight per source over the transport.
@@ -419,6 +499,7 @@ class ChunkReader:
             futures = {i: ex.submit(self.raw, *todo[i])
                        for i in _round_robin(single, [self._first(todo[i][1]) for i in single])} \
                 if ex is not None else {}
+            self._near([x for x, cheap in zip(todo, inline) if cheap])
             for i, ((path, c), cheap) in enumerate(zip(todo, inline)):
                 if cheap:
                     try:
