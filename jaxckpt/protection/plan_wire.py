@@ -102,9 +102,18 @@ def _decode(raw: bytes, source: str) -> ProtectionPlan:
                 b = boxes[key] = Box(tuple(_i(v) for v in start), tuple(_i(v) for v in stop))
             return b
 
-        chunks = tuple(SavedChunk(_i(p), nodes[_i(p)], _i(off), _i(nb), paths[_i(path)], box(b), box(src),
-                                  rsets[_i(reps)], _kind(kind))
-                       for p, off, nb, path, b, src, reps, kind in d["chunks"])
+        def chunk(p: Any, off: Any, nb: Any, path: Any, b: Any, src: Any, reps: Any, kind: Any) -> SavedChunk:
+            # the five integers checked at once (exactly int, not negative: an index of -1 would read the last
+            # node or path); each is named only when one is not
+            if not (type(p) is int and type(off) is int and type(nb) is int and type(path) is int
+                    and type(reps) is int and p >= 0 and off >= 0 and nb >= 0 and path >= 0 and reps >= 0):
+                for v in (p, off, nb, path, reps):
+                    _i(v)
+            if kind not in KINDS:
+                _kind(kind)
+            return SavedChunk(p, nodes[p], off, nb, paths[path], box(b), box(src), rsets[reps], kind)
+
+        chunks = tuple([chunk(*row) for row in d["chunks"]])
         stripes = tuple(Stripe(i, _kind(kind), _i(node), int(proc),
                                tuple(Unit(_i(un), tuple(ChunkRange(_i(c), _i(lo), _i(hi)) for c, lo, hi in segs))
                                      for un, segs in units))
