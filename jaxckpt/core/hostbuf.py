@@ -6,6 +6,7 @@ held in such memory is copied a second time by ``device_put``. Restore allocates
 """
 from __future__ import annotations
 
+import math
 import mmap
 from typing import Callable, Sequence
 
@@ -25,7 +26,7 @@ def empty(shape: int | Sequence[int], dtype: np.dtype | type | str) -> np.ndarra
     pages advised, from ``HUGE`` bytes on)."""
     dtype = np.dtype(dtype)
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = int(math.prod(shape)) * dtype.itemsize  # math.prod: np.prod took 4 of the 7 us of a small buffer
     if nbytes >= HUGE and _HUGEPAGE is not None:
         m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         try:

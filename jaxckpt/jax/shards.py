@@ -202,6 +202,14 @@ def make_array(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.S
     """
     local = _local_boxes(shape, sharding)
     hosts = [boxes[box] for _, box in local]
+    targets = _put_targets(shape, sharding)
+    if sharding.is_fully_replicated and len(hosts) > 1 and isinstance(targets[0], jax.Device) \
+            and needs_private_hosts(sharding):
+        # Every device holds the whole array: one private buffer goes to the first device and JAX copies it to
+        # the others device-side, in one call, where a host copy and a transfer per device cost 2x as much
+        # (BENCHMARKS.md, stop 53). The buffers stay distinct: a device given the first one's array copies it.
+        one = jax.device_put(hosts[0] if private else hostbuf.copy(hosts[0]), targets[0])
+        return jax.make_array_from_callback(shape, sharding, lambda _index: one, dtype=dtype)
     if needs_private_hosts(sharding):
         # The CPU client aliases aligned host memory instead of copying it (even with may_alias=False): a view
         # of a store's buffer would change when a later save reuses it, and two devices given one array would
@@ -211,7 +219,6 @@ def make_array(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.S
             if not private or id(h) in used:
                 hosts[i] = hostbuf.copy(h)
             used.add(id(h))
-    targets = _put_targets(shape, sharding)
     if len(hosts) > 1 and not sharding.is_fully_replicated and isinstance(targets[0], jax.Device):
         # One call that hands every piece to its device: JAX asks for the pieces in the order of
         # addressable_devices_indices_map, the order of ``local``; 3-4x less of JAX's Python per piece than
