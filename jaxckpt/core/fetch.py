@@ -129,10 +129,8 @@ class ChunkReader:
             raise
         finally:
             with self._lock:
-                done = self._inflight.pop(key)
                 self._rebuilding.discard(key)
-            if done is not None:
-                done.set()
+            self._release([key])
 
     def _waiter(self, key: tuple) -> threading.Event | None:
         """Under the lock: None when this thread is now the one fetching ``key``, else the event it waits on."""
@@ -169,10 +167,7 @@ class ChunkReader:
         try:
             return self._fetch(path, chunk, key, rebuilds=False)
         finally:
-            with self._lock:
-                done = self._inflight.pop(key)
-            if done is not None:
-                done.set()
+            self._release([key])
 
     def account(self, step: int, kind: str, nbytes: int) -> None:
         """A rebuild read ``nbytes`` on its own from a holder of ``kind``: counted in ``report.rebuild_reads``."""
@@ -308,13 +303,7 @@ class ChunkReader:
         which counts the failure as that source's and goes on to the next source (raw)."""
         if src.read_spans is None:
             return
-        claimed: list[tuple[str, ChunkMeta, tuple]] = []
-        with self._lock:
-            for path, c in items:
-                key = self._key(c)
-                if key not in self._cache and key not in self._inflight and key not in self._errors:
-                    self._inflight[key] = None
-                    claimed.append((path, c, key))
+        claimed = self._claim(src, items)
         done: set[int] = set()
         t0, got = time.perf_counter(), 0
         try:
@@ -346,11 +335,28 @@ class ChunkReader:
                         self._prior.setdefault(key, []).append((src, _named(e, _where(path, self._step, c), src)))
         finally:
             self.report.timeline.read(src.kind, t0, time.perf_counter(), got)
-            with self._lock:
-                events = [self._inflight.pop(key) for _, _, key in claimed]
-            for ev in events:
-                if ev is not None:
-                    ev.set()
+            self._release([key for _, _, key in claimed])
+
+    def _claim(self, src: Source, items: list[tuple[str, ChunkMeta]]) -> list[tuple[str, ChunkMeta, tuple]]:
+        """The chunks of ``items`` no one has, is fetching or gave up on, nor ``src`` failed, marked in flight
+        (a run of one source, bulk or near): a fetch of the same chunk meanwhile waits for the run's release."""
+        claimed: list[tuple[str, ChunkMeta, tuple]] = []
+        with self._lock:
+            for path, c in items:
+                key = self._key(c)
+                if key not in self._cache and key not in self._inflight and key not in self._errors \
+                        and (key, src.name) not in self._bad:
+                    self._inflight[key] = None
+                    claimed.append((path, c, key))
+        return claimed
+
+    def _release(self, keys: list[tuple]) -> None:
+        """End the claims on ``keys`` and wake the fetches that waited on them (outside the lock)."""
+        with self._lock:
+            events = [self._inflight.pop(key) for key in keys]
+        for ev in events:
+            if ev is not None:
+                ev.set()
 
     def _near(self, items: list[tuple[str, ChunkMeta]]) -> None:
         """Read and check ``items`` (small chunks whose first source is this node's memory) on this thread, a
@@ -367,14 +373,7 @@ class ChunkReader:
             start = end
 
     def _near_run(self, src: Source, items: list[tuple[str, ChunkMeta]]) -> None:
-        claimed: list[tuple[str, ChunkMeta, tuple]] = []
-        with self._lock:
-            for path, c in items:
-                key = self._key(c)
-                if key not in self._cache and key not in self._inflight and key not in self._errors \
-                        and (key, src.name) not in self._bad:
-                    self._inflight[key] = None
-                    claimed.append((path, c, key))
+        claimed = self._claim(src, items)
         good: list[tuple[tuple, memoryview, bool, ChunkMeta, str]] = []
         bad: list[tuple[tuple, Exception]] = []
         t0 = time.perf_counter()
@@ -414,10 +413,7 @@ class ChunkReader:
                 r.bytes_by_kind[src.kind] = r.bytes_by_kind.get(src.kind, 0) + got
                 r.bytes_by_node[src.node] = r.bytes_by_node.get(src.node, 0) + got
                 r.bytes_by_source[src.name] = r.bytes_by_source.get(src.name, 0) + got
-                events = [self._inflight.pop(key) for _, _, key in claimed]
-            for ev in events:
-                if ev is not None:
-                    ev.set()
+            self._release([key for _, _, key in claimed])
 
     def _batches(self, todo: list[tuple[str, ChunkMeta]], pooled: list[int]) -> tuple[list[int], list[tuple]]:
         """Of ``pooled`` (indices into ``todo``), the chunks read in bulk (small, their first source has
