@@ -18,6 +18,7 @@ All of it runs on a background thread; the training thread never waits on the st
 """
 from __future__ import annotations
 
+import heapq
 import logging
 import queue
 import threading
@@ -107,6 +108,13 @@ class CommitTracker:
         # protocol's latency is read off these (jaxckpt bench scaling). Bounded: the newest TIMES_KEPT steps.
         self._times: dict[int, tuple[float, float]] = {}
         self._queue: queue.Queue = queue.Queue()
+        # Rounds are numbered by step and must grow, so outcomes are agreed in step order: a save refused at once
+        # (its slot not reserved) reports its step while an earlier step's copy is still running here, and other
+        # processes agree the earlier step first; taken out of order, each side waited commit_timeout_s in a
+        # different round and both steps failed. An outcome waits (``_held``) while an earlier ``expect``ed step
+        # has not reported.
+        self._expected: set[int] = set()
+        self._held: list[tuple[int, bool, float]] = []
         self._thread = threading.Thread(target=self._run, name="jaxckpt-commit", daemon=True)
         self._thread.start()
 
@@ -152,6 +160,11 @@ class CommitTracker:
                 self._latest = latest
             self._cv.notify_all()
 
+    def expect(self, step: int) -> None:
+        """This process will report ``step``'s outcome (its copy is under way): later steps wait for it."""
+        with self._cv:
+            self._expected.add(step)
+
     def local_done(self, step: int, ok: bool) -> None:
         """Report this process's outcome for ``step`` (called from a snapshot thread)."""
         self._queue.put((step, ok, time.monotonic()))
@@ -175,29 +188,36 @@ class CommitTracker:
             item = self._queue.get()
             if item is None:
                 return
-            step, ok, t_done = item
+            heapq.heappush(self._held, item)
+            with self._cv:
+                self._expected.discard(item[0])
+                first = min(self._expected, default=None)
+            while self._held and (first is None or self._held[0][0] < first):
+                self._decide(*heapq.heappop(self._held))
+
+    def _decide(self, step: int, ok: bool, t_done: float) -> None:
+        try:
+            committed = self._agree(step, ok)
+        except Exception as e:  # noqa: BLE001 - a failed agreement aborts the step, never the job
+            log.error("step %d: commit agreement failed: %s", step, e)
+            committed = False
+        with self._cv:
+            self._times[step] = (t_done, time.monotonic())
+            if len(self._times) > TIMES_KEPT:
+                del self._times[min(self._times)]
+            self._outcome[step] = committed
+            if committed and (self._latest is None or step > self._latest):
+                self._latest = step
+            self._cv.notify_all()
+        if self._on_commit is not None:
             try:
-                committed = self._agree(step, ok)
-            except Exception as e:  # noqa: BLE001 - a failed agreement aborts the step, never the job
-                log.error("step %d: commit agreement failed: %s", step, e)
-                committed = False
-            with self._cv:
-                self._times[step] = (t_done, time.monotonic())
-                if len(self._times) > TIMES_KEPT:
-                    del self._times[min(self._times)]
-                self._outcome[step] = committed
-                if committed and (self._latest is None or step > self._latest):
-                    self._latest = step
-                self._cv.notify_all()
-            if self._on_commit is not None:
-                try:
-                    self._on_commit(step, committed)
-                except Exception:  # noqa: BLE001
-                    log.exception("step %d: post-commit hook failed", step)
-            with self._cv:
-                self._settled.add(step)
-                self._trim()
-                self._cv.notify_all()
+                self._on_commit(step, committed)
+            except Exception:  # noqa: BLE001
+                log.exception("step %d: post-commit hook failed", step)
+        with self._cv:
+            self._settled.add(step)
+            self._trim()
+            self._cv.notify_all()
 
     def _agree(self, step: int, ok: bool) -> bool:
         # Numbered by the step: a process that never reported a step (a save refused before it) fails that

@@ -267,6 +267,7 @@ class CheckpointEngine:
         handle.save_call_seconds = time.perf_counter() - res.t0
         self.costs.record(step, time.monotonic() - handle.save_call_seconds, handle.save_call_seconds)
         # Last: from here the dispatcher runs (and on a loaded machine may take the caller's core for a while).
+        self._tracker.expect(step)  # its on_done reports it; a later step refused at once is agreed after it
         self.slots.write(res.slot, functools.partial(SaveChunks, prep, reads),
                          manifest=lambda r: self._manifest(prep, step, r, values, order),
                          on_done=lambda f: self._local_finished(f, handle))

@@ -1,0 +1,63 @@
+"""A save refused on one process while its previous step is still being copied (the node's memory budget full):
+every process agrees the previous step first and the refused one after, as the commit rounds are numbered, so
+the previous step commits everywhere and the refused one fails everywhere at once. Before, the refused step's
+outcome went to the commit protocol ahead of the step being copied: that process waited in the refused step's
+round, the others in the previous step's, each for ``commit_timeout_s``, and both steps were lost."""
+import os
+import uuid
+
+import numpy as np
+
+from jaxckpt.testing import expect_ok, launch, node_info, remove_agents
+
+MIB = 1 << 20
+ROWS = 64 * MIB // (4 * 1024)  # a 64 MiB float32 array per process: its copy outlasts a refused reservation
+
+
+def refused_behind_a_copy(job_id: str, base: str) -> dict:
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import jaxckpt
+    from jaxckpt.errors import BudgetExceededError
+
+    info = node_info()
+    me = info.process_id
+    mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.process_index)), ("data",))
+    x = jax.make_array_from_callback((2 * ROWS, 1024), NamedSharding(mesh, P("data")),
+                                     lambda idx: np.full((ROWS, 1024), me + 1, np.float32))
+    # process 0's node has room for one snapshot of its 64 MiB, not two; process 1's has no budget
+    cfg = jaxckpt.Config(store="shm", job_id=job_id, shm_dir=os.path.join(base, f"node{info.node}"), keep=1,
+                         max_pending_saves=2, commit_timeout_s=30.0, memory_budget_bytes=(96 * MIB if me == 0 else 0))
+    with jaxckpt.Checkpointer(cfg) as ck:
+        first = ck.save(1, {"x": x})
+        refused, second_error = "", ""
+        try:
+            second = ck.save(2, {"x": x})
+        except BudgetExceededError as e:
+            refused = str(e)
+        else:
+            try:
+                second.result(timeout=90)
+            except jaxckpt.errors.CommitError as e:
+                second_error = str(e)
+        try:
+            first.result(timeout=90)
+            first_error = ""
+        except jaxckpt.errors.JaxckptError as e:
+            first_error = f"{type(e).__name__}: {e}"
+        latest = ck.latest_step()
+    return {"refused": refused, "first_error": first_error, "second_error": second_error, "latest": latest}
+
+
+def test_a_save_refused_behind_a_copy_fails_alone():
+    base = f"/dev/shm/jaxckpt-commit-order-{uuid.uuid4().hex[:8]}"
+    try:
+        values = expect_ok(launch(refused_behind_a_copy, nodes=2, procs_per_node=1, devices_per_proc=1,
+                                  args=(f"commit-order-{uuid.uuid4().hex[:6]}", base), timeout=240))
+    finally:
+        remove_agents(base)
+    assert "step 2" in values[0]["refused"] and values[1]["refused"] == "", values
+    for v in values:  # the step being copied commits on every process; the refused one on none
+        assert v["first_error"] == "" and v["latest"] == 1, v
+    assert "step 2" in values[1]["second_error"] and "not committed by every process" in values[1]["second_error"]
