@@ -90,6 +90,11 @@ class Config:
     # store="shm": the node agent's directory (socket, lock, shared-memory segments); "" = a directory per job and
     # node (and SLURM allocation) under /dev/shm (jaxckpt.node_identity.agent_dir_name).
     shm_dir: str = ""
+    # Where the default agent directories above are made (Config.shm_dir, when set, is this job's wherever it is;
+    # the sweep of ended allocations' directories still looks here): "" = /dev/shm (the temp directory without it).
+    # A tmpfs an administrator mounted with huge=within_size holds the agent's segments in 2 MiB pages, so a
+    # relaunched trainer maps its snapshot with 512x fewer page faults (docs/deploy.md, "Huge pages").
+    shm_root: str = ""
     # The node (failure domain) of this process: "" = the scheduler's name for it (K8S_NODE_NAME, SLURMD_NODENAME)
     # or the host name (jaxckpt.node_identity). Processes of one node share its agent; protection keeps a node's
     # redundancy on other nodes.
@@ -159,8 +164,10 @@ class Config:
             if self.transport not in known:
                 raise ConfigError(f"Config.transport={self.transport!r}: unknown peer transport (known: "
                                   f"{', '.join(sorted(known))}; or 'module:Class')")
-        if self.shm_dir and not os.path.isabs(self.shm_dir):
-            raise ConfigError(f"Config.shm_dir={self.shm_dir!r}: must be an absolute path")
+        for name in ("shm_dir", "shm_root"):
+            value = getattr(self, name)
+            if value and not os.path.isabs(value):
+                raise ConfigError(f"Config.{name}={value!r}: must be an absolute path")
         if self.node_name and (len(self.node_name) > MAX_NODE_NAME or any(c not in _JOB_ID_CHARS
                                                                           for c in self.node_name)):
             raise ConfigError(f"Config.node_name={self.node_name[:64]!r}: use letters, digits, '-', '_' and '.' "

@@ -19,13 +19,16 @@ FIX = ("give the node a bigger shared-memory filesystem (Docker: --shm-size; Kub
 
 @dataclass(frozen=True)
 class ShmCapacity:
-    """The filesystem holding ``path``: mounted at ``mount`` (type ``fstype``), ``size`` and ``free`` bytes."""
+    """The filesystem holding ``path``: mounted at ``mount`` (type ``fstype``), ``size`` and ``free`` bytes;
+    ``huge``: a tmpfs's transparent huge page mode (``never``, ``always``, ``within_size``, ``advise``; "" for
+    another filesystem)."""
 
     path: str
     mount: str
     fstype: str
     size: int
     free: int
+    huge: str = ""
 
 
 def shm_capacity(path: str) -> ShmCapacity:
@@ -34,8 +37,24 @@ def shm_capacity(path: str) -> ShmCapacity:
     while not os.path.exists(probe) and probe != os.path.dirname(probe):
         probe = os.path.dirname(probe)
     st = os.statvfs(probe)
-    mount, fstype = _mount_of(probe)
-    return ShmCapacity(path, mount, fstype, st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize)
+    mount, fstype, options = _mount_of(probe)
+    return ShmCapacity(path, mount, fstype, st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize,
+                       _huge_mode(fstype, options))
+
+
+def _huge_mode(fstype: str, options: str) -> str:
+    """A tmpfs mount's huge page mode: its ``huge=`` option (none: never), unless the kernel forces or denies huge
+    pages on every tmpfs (/sys/kernel/mm/transparent_hugepage/shmem_enabled: ``force``, ``deny``)."""
+    if fstype != "tmpfs":
+        return ""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            chosen = next((w[1:-1] for w in f.read().split() if w.startswith("[")), "")
+    except OSError:  # a kernel without transparent huge pages
+        return "never"
+    if chosen in ("force", "deny"):
+        return "always" if chosen == "force" else "never"
+    return next((o[len("huge="):] for o in options.split(",") if o.startswith("huge=")), "never")
 
 
 def held_bytes(directory: str) -> int:
@@ -92,18 +111,19 @@ def fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _mount_of(path: str) -> tuple[str, str]:
-    """(mount point, filesystem type) of ``path`` from /proc/self/mounts (the longest matching mount point)."""
-    best = ("", "")
+def _mount_of(path: str) -> tuple[str, str, str]:
+    """(mount point, filesystem type, options) of ``path`` from /proc/self/mounts (the longest matching mount
+    point; the last one mounted there when several are)."""
+    best = ("", "", "")
     try:
         with open("/proc/self/mounts") as f:
             for line in f:
                 parts = line.split()
-                if len(parts) < 3:
+                if len(parts) < 4:
                     continue
                 mnt = parts[1].replace("\\040", " ")
                 if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[0]):
-                    best = (mnt, parts[2])
+                    best = (mnt, parts[2], parts[3])
     except OSError:
         pass
     return best

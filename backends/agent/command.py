@@ -14,7 +14,8 @@ from jaxckpt.backends.agent import heap, lifetime
 from jaxckpt.backends.agent.daemon import MESSAGE_TIMEOUT_S, Agent
 from jaxckpt.backends.agent.protocol import agent_dir, default_log_path, shm_base, stop_agent
 from jaxckpt.config import PEER_SECURITY, Config
-from jaxckpt.node_identity import allocation, node_identity
+from jaxckpt.errors import ConfigError
+from jaxckpt.node_identity import allocation, node_identity, parse_agent_dir_name
 
 log = logging.getLogger("jaxckpt.backends.agent.daemon")
 
@@ -23,7 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """``jaxckpt agent --job ID [--dir DIR] [--node NAME] [--budget-bytes N] [--log PATH] [--wait | --stop]``."""
     p.add_argument("--job", required=True, help="job id (Config.job_id) this agent serves")
     p.add_argument("--dir", default="",
-                   help="agent directory (Config.shm_dir; default /dev/shm/jaxckpt-<uid>-<job>[@slurm<id>]@<node>)")
+                   help="agent directory (Config.shm_dir; default <shm root>/jaxckpt-<uid>-<job>[@slurm<id>]@<node>)")
+    p.add_argument("--shm-root", default=os.environ.get("JAXCKPT_SHM_ROOT", ""),
+                   help="where the default agent directory is made (Config.shm_root; default $JAXCKPT_SHM_ROOT, "
+                        "else /dev/shm): the trainers' setting, so that both find the same directory")
     p.add_argument("--node", default="", help="this node's name (Config.node_name; default: the scheduler's name for "
                                               "it, else the host name: `jaxckpt doctor` shows it)")
     p.add_argument("--wait", action="store_true",
@@ -58,8 +62,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_cli(args: argparse.Namespace) -> int:
     """Run the agent in the foreground until SIGTERM or a stop, then end the process with its exit code (``--stop``
     returns)."""
-    config = Config(job_id=args.job, shm_dir=os.path.abspath(args.dir) if args.dir else "", node_name=args.node)
-    directory = agent_dir(config)
+    try:
+        config = Config(job_id=args.job, shm_dir=os.path.abspath(args.dir) if args.dir else "", node_name=args.node,
+                        shm_root=args.shm_root)
+        directory = agent_dir(config)
+    except ConfigError as e:
+        print(f"jaxckpt agent: {e}", file=sys.stderr)
+        return 2
     if args.stop:
         stopped = stop_agent(directory, args.job)
         print(f"jaxckpt agent: {'stopped the agent of' if stopped else 'no agent serves'} {directory}")
@@ -82,7 +91,9 @@ def run_cli(args: argparse.Namespace) -> int:
     handler.setFormatter(logging.Formatter(f"%(asctime)s agent[{os.getpid()}] %(levelname)s %(message)s"))
     logging.getLogger("jaxckpt").addHandler(handler)
     if allocation():  # memory an ended allocation left on this node (agent/lifetime.py)
-        lifetime.sweep_ended(shm_base())
+        # the default directories beside this one (under the trainers' shm_root when they spawned it with --dir)
+        lifetime.sweep_ended(os.path.dirname(directory) if parse_agent_dir_name(os.path.basename(directory))
+                             else shm_base(config))
     try:
         code = Agent(args.job, directory, node=node_identity(config).name, node_budget=args.budget_bytes,
                      peer_bind=None if args.peer_bind == "none" else args.peer_bind,

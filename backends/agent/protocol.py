@@ -34,7 +34,8 @@ from typing import Any
 import msgpack
 
 from jaxckpt.config import Config
-from jaxckpt.errors import AgentError, BudgetExceededError, ClosedError, StepError, StoreUnavailableError
+from jaxckpt.errors import (AgentError, BudgetExceededError, ClosedError, ConfigError, StepError,
+                            StoreUnavailableError)
 from jaxckpt.core.manifest import MAX_MANIFEST_BYTES
 from jaxckpt.node_identity import agent_dir_name, allocation, node_identity
 from jaxckpt.protection import PROTECT_BASE  # noqa: F401 - re-exported: the agent lists protection slots apart
@@ -55,15 +56,23 @@ class ProtocolError(AgentError):
 
 # --------------------------------------------------------------------------------------------------- layout
 def agent_dir(config: Config) -> str:
-    """The node agent's directory for ``config``: ``Config.shm_dir``, or under /dev/shm one per job and node (and
-    SLURM allocation): ``jaxckpt.node_identity.agent_dir_name``."""
+    """The node agent's directory for ``config``: ``Config.shm_dir``, or under ``shm_base`` one per job and node
+    (and SLURM allocation): ``jaxckpt.node_identity.agent_dir_name``."""
     if config.shm_dir:
         return os.path.normpath(config.shm_dir)
-    return os.path.join(shm_base(), agent_dir_name(config.job_id, node_identity(config).name))
+    return os.path.join(shm_base(config), agent_dir_name(config.job_id, node_identity(config).name))
 
 
-def shm_base() -> str:
-    """Where default agent directories live: /dev/shm, or the temp directory on a system without it."""
+def shm_base(config: Config | None = None) -> str:
+    """Where default agent directories live: ``Config.shm_root``, else /dev/shm, or the temp directory on a system
+    without it. A root that is not a directory is a ConfigError: made here, the directories would land on
+    whatever filesystem holds the path (a disk), not the memory an administrator mounted there."""
+    root = config.shm_root if config is not None else ""
+    if root:
+        if not os.path.isdir(root):
+            raise ConfigError(f"Config.shm_root={root!r}: no such directory (mount the tmpfs there first: "
+                              f"docs/deploy.md, \"Huge pages\")")
+        return os.path.normpath(root)
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 

@@ -8,11 +8,15 @@
 # allocation's end, and the next jaxckpt agent of the same user on the node sweeps what an ended allocation
 # left; this removes it at once, whatever ran. The default agent directory of a job under SLURM is
 # /dev/shm/jaxckpt-<uid>-<job>@slurm<SLURM_JOB_ID>@<node> (docs/deploy.md); '@' ends the id, so job 12 never
-# matches 123. A Config.shm_dir set by hand is the user's to remove.
+# matches 123. A Config.shm_dir set by hand is the user's to remove. Where the site points Config.shm_root
+# (JAXCKPT_SHM_ROOT) at a huge-page tmpfs of its own (docs/deploy.md, "Huge pages"), add that root to ROOTS.
 set -eu
+ROOTS="/dev/shm"
 [ -n "${SLURM_JOB_ID:-}" ] || exit 0
 case "$SLURM_JOB_ID" in *[!0-9]*) exit 0 ;; esac
-for d in /dev/shm/jaxckpt-*@slurm"$SLURM_JOB_ID"@*; do
-    [ -d "$d" ] && [ ! -L "$d" ] && rm -rf -- "$d"
+for root in $ROOTS; do
+    for d in "$root"/jaxckpt-*@slurm"$SLURM_JOB_ID"@*; do
+        [ -d "$d" ] && [ ! -L "$d" ] && rm -rf -- "$d"
+    done
 done
 exit 0

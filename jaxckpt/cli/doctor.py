@@ -67,7 +67,7 @@ def report(config: Config, *, sweep: bool = False) -> dict[str, Any]:
     try:
         cap = capacity.shm_capacity(directory)
         out["shm"] = {"mount": cap.mount, "fstype": cap.fstype, "size": cap.size, "free": cap.free,
-                      "held_by_job": capacity.held_bytes(directory)}
+                      "held_by_job": capacity.held_bytes(directory), "huge": cap.huge}
         budget = config.memory_budget_bytes
         out["budget"] = {"per_process": budget, "processes": procs or 1, "node": budget * (procs or 1)}
         try:
@@ -80,6 +80,11 @@ def report(config: Config, *, sweep: bool = False) -> dict[str, Any]:
                             f"save (set memory_budget_bytes to be told at Checkpointer())")
         if cap.fstype and cap.fstype not in ("tmpfs", "shm", "ramfs"):
             warnings.append(f"{cap.mount} is {cap.fstype}, not a memory filesystem: snapshots go to its disk")
+        if config.store.startswith("shm") and cap.fstype == "tmpfs" and cap.huge not in ("always", "within_size"):
+            warnings.append(f"{cap.mount} keeps the agent's segments in 4 KiB pages (tmpfs huge={cap.huge}): a "
+                            f"relaunched trainer maps its snapshot page by page, 262,144 per GiB; on a tmpfs "
+                            f"mounted with huge=within_size, Config.shm_root (JAXCKPT_SHM_ROOT) pointed at it, 512x "
+                            f"fewer (docs/deploy.md, \"Huge pages\")")
     except OSError as e:
         problems.append(f"cannot look at the filesystem of {directory}: {e}")
     out["ports"] = _ports(config)
@@ -88,13 +93,14 @@ def report(config: Config, *, sweep: bool = False) -> dict[str, Any]:
                         f"refuses to start with a rendezvous and a token of its own (docs/deploy.md)")
     # Memory of ended SLURM allocations (this user's default directories).
     stale = []
-    for name in sorted(os.listdir(shm_base())) if os.path.isdir(shm_base()) else []:
+    base = shm_base(config)
+    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
         parsed = parse_agent_dir_name(name)
         if parsed and parsed[0] == os.geteuid() and parsed[2] and parsed[2] != allocation():
             stale.append(name)
     if sweep:
-        out["swept"] = lifetime.sweep_ended(shm_base())
-    out["other_allocations"] = [n for n in stale if os.path.join(shm_base(), n) not in out.get("swept", [])]
+        out["swept"] = lifetime.sweep_ended(base)
+    out["other_allocations"] = [n for n in stale if os.path.join(base, n) not in out.get("swept", [])]
     out["problems"], out["warnings"] = problems, warnings
     return out
 
@@ -153,7 +159,8 @@ def render(r: dict[str, Any]) -> str:
     lines.append(f"agent dir      {a['directory']}  ({'default' if a['default'] else 'Config.shm_dir'}; {state})")
     if "shm" in r:
         m, b = r["shm"], r["budget"]
-        lines.append(f"shared memory  {m['mount']} ({m['fstype']}): {fmt_bytes(m['size'])}, {fmt_bytes(m['free'])} "
+        kind = m["fstype"] + (f", huge pages {m['huge']}" if m.get("huge") else "")
+        lines.append(f"shared memory  {m['mount']} ({kind}): {fmt_bytes(m['size'])}, {fmt_bytes(m['free'])} "
                      f"free, {fmt_bytes(m['held_by_job'])} held by this job's agent")
         lines.append("budget         " + (f"{fmt_bytes(b['per_process'])} x {b['processes']} process(es) = "
                                           f"{fmt_bytes(b['node'])}" if b["per_process"] else
@@ -186,6 +193,10 @@ def run(args: argparse.Namespace) -> int:
     except JaxckptError as e:
         print(f"jaxckpt doctor: {e}", file=sys.stderr)
         return 2
-    r = report(config, sweep=args.sweep)
+    try:
+        r = report(config, sweep=args.sweep)
+    except ConfigError as e:  # e.g. a Config.shm_root that is not there
+        print(f"jaxckpt doctor: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(r, indent=1, sort_keys=True) if args.json else render(r))
     return 1 if r["problems"] else 0

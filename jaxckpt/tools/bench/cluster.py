@@ -44,6 +44,7 @@ import time
 import uuid
 from typing import Any, Callable, Mapping
 
+from jaxckpt.backends.agent import capacity
 from jaxckpt.tools.bench import report, runner
 from jaxckpt.tools.bytecode import byte_compile
 from jaxckpt.tools.bench.cluster_report import aggregate, render
@@ -92,6 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "turn, side by side")
     p.add_argument("--plain-dir", default=None,
                    help="the disk directory for Orbax and the persistent tier (default: the temp directory)")
+    p.add_argument("--shm-root", default=None,
+                   help="the memory filesystem the node agents' directories are made in (Config.shm_root; default "
+                        "/dev/shm), e.g. a tmpfs mounted with huge=within_size")
     runner.output_arguments(p, "cluster", "a small state, one recovery cycle: about a minute, for CI", timeout=1800.0)
     p.set_defaults(run=run)
 
@@ -106,6 +110,8 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     out["size"] = parse_size(str(out["size"]))
     out["probe_size"] = parse_size(str(out["probe_size"]))
     out["plain_dir"] = args.plain_dir or tempfile.gettempdir()
+    out["shm_root"] = getattr(args, "shm_root", None) or ("/dev/shm" if os.path.isdir("/dev/shm")
+                                                          else tempfile.gettempdir())
     out["restore_collective"] = bool(getattr(args, "restore_collective", False))
     out["late_agent"] = bool(getattr(args, "late_agent", False))
     from jaxckpt.config import Config
@@ -116,8 +122,9 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     for k in ("arrays", "steps", "repeats", "recoveries", "persist_interval"):
         if out[k] < 1:
             raise ValueError(f"bench cluster: --{k.replace('_', '-')} must be at least 1 (got {out[k]})")
-    if not os.path.isdir(out["plain_dir"]):
-        raise ValueError(f"bench cluster: --plain-dir {out['plain_dir']} is not a directory")
+    for k in ("plain_dir", "shm_root"):
+        if not os.path.isdir(out[k]):
+            raise ValueError(f"bench cluster: --{k.replace('_', '-')} {out[k]} is not a directory")
     return out
 
 
@@ -130,7 +137,7 @@ def command(args: argparse.Namespace) -> str:
     """The command line that repeats this run."""
     line = runner.command_line("cluster", args, tuple((f"--{k.replace('_', '-')}", k) for k in (
         "size", "arrays", "nodes", "procs_per_node", "steps", "repeats", "recoveries", "persist_interval",
-        "probe_size", "launcher", "plain_dir")))
+        "probe_size", "launcher", "plain_dir", "shm_root")))
     if getattr(args, "replicas", None):
         line += f" --replicas {args.replicas}"
     if getattr(args, "late_agent", False):
@@ -181,8 +188,8 @@ def _measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float,
     devices = opts["devices_per_proc"] if opts["procs_per_node"] == 1 else 1
     policies = ["none", "parity", "replica"] + (["xor-group"] if opts["nodes"] >= 3 else []) + [KEEP_POLICY]
     tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    base = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
-                        f"jaxckpt-bench-cluster-{tag}")
+    base = os.path.join(opts["shm_root"], f"jaxckpt-bench-cluster-{tag}")
+    shm = capacity.shm_capacity(opts["shm_root"])
     disk = tempfile.mkdtemp(prefix="jaxckpt-bench-cluster-", dir=opts["plain_dir"])
     spec: dict[str, Any] = {
         "base": base, "job": f"bc-{tag}", "size": opts["size"], "arrays": opts["arrays"],
@@ -278,6 +285,8 @@ def _measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float,
                       "recoveries": opts["recoveries"], "persist_interval": opts["persist_interval"],
                       "probe_bytes": opts["probe_size"],
                       "plain_dir": opts["plain_dir"], "plain_fs": report.fs_type(opts["plain_dir"]),
+                      "shm": f"{opts['shm_root']} ({shm.fstype or 'unknown'}"
+                             + (f", huge pages {shm.huge})" if shm.huge else ")"),
                       "floors": dict(FLOORS), "bytecode": bytecode, "wall_seconds": time.perf_counter() - t_start},
             **out}
 

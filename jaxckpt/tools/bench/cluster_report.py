@@ -272,8 +272,8 @@ def render(result: Mapping[str, Any]) -> str:
     parts += [f"Command: `{result['command']}`", "", report.machine_line(result), "",
               f"Setup: {st['nodes']} simulated nodes x {st['procs_per_node']} JAX process(es) x "
               f"{st['devices_per_proc']} CPU device(s), mesh {st['mesh'][0]}x{st['mesh'][1]} ('data' across nodes, "
-              f"'model' within a process), one node agent per node (`store=\"shm\"`; `keep=1`, the training jobs of "
-              f"the restore and recovery phases `keep=2`); state "
+              f"'model' within a process), one node agent per node (`store=\"shm\"` in {st.get('shm', '/dev/shm')}; "
+              f"`keep=1`, the training jobs of the restore and recovery phases `keep=2`); state "
               f"{fs(st['state_bytes'])} in {st['arrays']} float32 arrays, half data-parallel (split over 'model', "
               f"replicated over the {st['nodes']} nodes) and half fully sharded. Each figure: median (min–max) over "
               f"{st['repeats']} repeats (step times: {st['steps']} steps per process, all processes pooled); a job's "

@@ -9,7 +9,8 @@ a second Checkpointer in the same processes and restores twice more. Each proces
 time, CPU time (the process's user + system), minor page faults (getrusage), and the restore report's phases.
 Printed: the medians over processes and relaunches per restore index, and the first restore's wall and CPU over
 the median of the later restores of the same Checkpointer (per relaunch and process, then their median: issue
-26's floor is 1.2x). Every restore is checked bit for bit.
+26's floor is 1.2x). Every restore is checked bit for bit. The node agents' directories are made under
+``JAXCKPT_SHM_ROOT`` (``Config.shm_root``) when it is set, else under /dev/shm.
 REPLICAS is ``Config.replicas`` (default split, the layout issue 26's item 4 measured; whole: each node keeps the
 replicated half whole, so a restore with the agents alive fetches nothing from the other node).
 TOUCH_MIB (default 0: none) adds a control arm: every other relaunch, each process maps that much fresh memory,
@@ -144,7 +145,7 @@ def main() -> None:
     touch = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     leaves = int(sys.argv[5]) if len(sys.argv) > 5 else 0
     nodes = int(sys.argv[6]) if len(sys.argv) > 6 else _nodes(leaves)
-    base = f"/dev/shm/jaxckpt-first-restore-{os.getpid()}"
+    base = os.path.join(os.environ.get("JAXCKPT_SHM_ROOT") or "/dev/shm", f"jaxckpt-first-restore-{os.getpid()}")
     os.makedirs(base, exist_ok=True)
     env = {"JAXCKPT_LOG_LEVEL": "WARNING"}
     try:
