@@ -16,6 +16,7 @@ from jaxckpt.backends.agent.protocol import agent_dir, shm_base
 from jaxckpt.config import Config
 from jaxckpt.errors import ConfigError
 from jaxckpt.node_identity import agent_dir_name, node_identity
+from test_node_identity import _json_docs
 
 
 def test_root_must_be_an_absolute_directory(tmp_path):
@@ -105,7 +106,7 @@ def test_trainers_and_agent_share_a_huge_page_root(tmp_path):
                             "JAX_PLATFORMS": "cpu"},
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
-    docs = _json_docs(r.stdout)
+    docs = [json.loads(d) for d in _json_docs(r.stdout)]
     out, doctor, bad = docs[0], docs[1], docs[2]
     assert out["equal"] and out["step"] == 1, out
     assert os.path.dirname(out["dir"]) == str(root) and os.path.basename(out["dir"]).startswith("jaxckpt-"), out
@@ -133,17 +134,6 @@ def test_doctor_names_small_pages(tmp_path):
         assert small == [], small
     # a job that keeps its snapshots in its own process (store="memory") maps no agent segments: nothing to say
     assert not any("4 KiB pages" in w for w in report(cfg.replace(store="memory"), sweep=False)["warnings"])
-
-
-def _json_docs(text: str) -> list:
-    dec, out, i = json.JSONDecoder(), [], 0
-    while True:
-        i = text.find("{", i)
-        if i < 0:
-            return out
-        doc, end = dec.raw_decode(text, i)
-        out.append(doc)
-        i = end
 
 
 def test_agent_command_takes_the_root(tmp_path):
