@@ -49,7 +49,7 @@ def test_huge_mode_of_a_tmpfs_is_its_mount_option():
 # ------------------------------------------------------------------ a huge-page tmpfs, real processes and agent
 SCRIPT = r"""
 set -e
-mount -t tmpfs -o size=256m,huge=within_size tmpfs "$ROOT"
+mount -t tmpfs -o size=256m,huge=within_size tmpfs "$ROOT" || exit 77  # a kernel without tmpfs huge pages
 cd /tmp
 "$PY" - <<'EOF'
 import os, jaxckpt, numpy as np, jax
@@ -105,15 +105,17 @@ def test_trainers_and_agent_share_a_huge_page_root(tmp_path):
                        env={**os.environ, "PY": sys.executable, "ROOT": str(root), "JAXCKPT_LOG_LEVEL": "ERROR",
                             "JAX_PLATFORMS": "cpu"},
                        capture_output=True, text=True, timeout=240)
+    if r.returncode == 77:
+        pytest.skip("this kernel's tmpfs takes no huge= option (no transparent huge pages for shared memory)")
     assert r.returncode == 0, r.stderr[-3000:]
     docs = [json.loads(d) for d in _json_docs(r.stdout)]
     out, doctor, bad = docs[0], docs[1], docs[2]
     assert out["equal"] and out["step"] == 1, out
     assert os.path.dirname(out["dir"]) == str(root) and os.path.basename(out["dir"]).startswith("jaxckpt-"), out
-    # the restoring process mapped the snapshot's segment from the root, and in 2 MiB pages
-    assert out["rss_kib"] >= 16 << 10 and out["pmd_kib"] >= 2048, out
     assert doctor["agent"]["directory"] == out["dir"] and doctor["shm"]["mount"] == str(root), doctor
+    assert out["rss_kib"] >= 16 << 10, out  # the restoring process mapped the snapshot's segment from the root
     if doctor["shm"]["huge"] == "within_size":  # unless the kernel denies huge pages to every tmpfs
+        assert out["pmd_kib"] >= 2048, out  # and in 2 MiB pages
         assert not any("4 KiB pages" in w for w in doctor["warnings"]), doctor["warnings"]
     assert bad == {"doctor_rc": 2}, bad
     assert "Config.shm_root=" in r.stderr and "no such directory" in r.stderr, r.stderr[-2000:]
