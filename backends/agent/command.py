@@ -66,8 +66,8 @@ def run_cli(args: argparse.Namespace) -> int:
         config = Config(job_id=args.job, shm_dir=os.path.abspath(args.dir) if args.dir else "", node_name=args.node,
                         shm_root=args.shm_root)
         directory = agent_dir(config)
-    except ConfigError as e:
-        print(f"jaxckpt agent: {e}", file=sys.stderr)
+    except ConfigError as e:  # a bad job id or shm root: said in one line, no traceback
+        print(f"jaxckpt agent: ConfigError: {e}", file=sys.stderr)
         return 2
     if args.stop:
         stopped = stop_agent(directory, args.job)
