@@ -112,7 +112,7 @@ def _agent(base: str, i: int) -> dict[str, float]:
 def measure(opts: Mapping[str, Any], cmd: str) -> dict[str, Any]:
     """Start ``repeats`` agents, interleaved with the interpreters they are compared with."""
     machine = report.machine_facts()
-    base = tempfile.mkdtemp(prefix="jaxckpt-bench-agent-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    base = tempfile.mkdtemp(prefix="jaxckpt-bench-agent-", dir=report.agent_root())
     agent: dict[str, list[float]] = {"waited_s": [], "serving_s": [], "cpu_s": []}
     others: dict[str, dict[str, list[float]]] = {k: {"wall_s": [], "cpu_s": []} for k in IMPORTS}
     try:

@@ -95,7 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the disk directory for Orbax and the persistent tier (default: the temp directory)")
     p.add_argument("--shm-root", default=None,
                    help="the memory filesystem the node agents' directories are made in (Config.shm_root; default "
-                        "/dev/shm), e.g. a tmpfs mounted with huge=within_size")
+                        "$JAXCKPT_SHM_ROOT, else /dev/shm), e.g. a tmpfs mounted with huge=within_size")
     runner.output_arguments(p, "cluster", "a small state, one recovery cycle: about a minute, for CI", timeout=1800.0)
     p.set_defaults(run=run)
 
@@ -110,8 +110,7 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     out["size"] = parse_size(str(out["size"]))
     out["probe_size"] = parse_size(str(out["probe_size"]))
     out["plain_dir"] = args.plain_dir or tempfile.gettempdir()
-    out["shm_root"] = getattr(args, "shm_root", None) or ("/dev/shm" if os.path.isdir("/dev/shm")
-                                                          else tempfile.gettempdir())
+    out["shm_root"] = report.agent_root(getattr(args, "shm_root", None) or "")
     out["restore_collective"] = bool(getattr(args, "restore_collective", False))
     out["late_agent"] = bool(getattr(args, "late_agent", False))
     from jaxckpt.config import Config

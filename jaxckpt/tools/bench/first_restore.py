@@ -33,6 +33,7 @@ import time
 import numpy as np
 
 from jaxckpt.testing import expect_ok, launch, node_info, remove_agents
+from jaxckpt.tools.bench import report
 
 COLS = 1024
 LEAF_COLS = 64  # a leaf of the mixed layout: (rows, 64) float32
@@ -145,7 +146,7 @@ def main() -> None:
     touch = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     leaves = int(sys.argv[5]) if len(sys.argv) > 5 else 0
     nodes = int(sys.argv[6]) if len(sys.argv) > 6 else _nodes(leaves)
-    base = os.path.join(os.environ.get("JAXCKPT_SHM_ROOT") or "/dev/shm", f"jaxckpt-first-restore-{os.getpid()}")
+    base = os.path.join(report.agent_root(), f"jaxckpt-first-restore-{os.getpid()}")
     os.makedirs(base, exist_ok=True)
     env = {"JAXCKPT_LOG_LEVEL": "WARNING"}
     try:

@@ -19,7 +19,6 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 import uuid
 from pathlib import Path
 from typing import Any, Mapping
@@ -89,8 +88,7 @@ def measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float) -
             skipped.append({"size_bytes": size, "reason": why})
             continue
         tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        shm_dir = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
-                               f"jaxckpt-bench-memory-{tag}")
+        shm_dir = os.path.join(report.agent_root(), f"jaxckpt-bench-memory-{tag}")
         spec = {"size": size, "saves": opts["saves"], "job": f"bench-memory-{tag}", "shm_dir": shm_dir}
         try:
             log.info("bench memory: %s", report.fmt_size(size))

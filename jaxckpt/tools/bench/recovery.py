@@ -26,6 +26,7 @@ import uuid
 import numpy as np
 
 from jaxckpt.testing import expect_ok, launch, node_info, remove_agents
+from jaxckpt.tools.bench import report
 
 JOB = "recovery"
 COLS = 1024
@@ -91,7 +92,7 @@ def main(argv: list[str]) -> None:
     mib = int(argv[0]) if argv else 512
     rounds = int(argv[1]) if len(argv) > 1 else 3
     arrays = int(argv[2]) if len(argv) > 2 else 8
-    base = f"/dev/shm/jaxckpt-bench-recovery-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    base = os.path.join(report.agent_root(), f"jaxckpt-bench-recovery-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     os.makedirs(base, mode=0o700)
     try:
         expect_ok(launch(_save, nodes=4, procs_per_node=1, devices_per_proc=2, args=(base, mib, arrays), timeout=300))

@@ -16,7 +16,7 @@ import os
 import platform
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -167,6 +167,16 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def agent_root(explicit: str = "") -> str:
+    """Where a bench makes its node agents' directories: ``explicit`` (a ``--shm-root``), else what a job's
+    default ``Config`` takes (``JAXCKPT_SHM_ROOT``, /dev/shm), by the agent's own rule
+    (``backends/agent/protocol.shm_base``), so a bench measures the memory its users' agents get."""
+    from jaxckpt.backends.agent.protocol import shm_base
+    from jaxckpt.config import Config
+
+    return shm_base(Config(shm_root=explicit) if explicit else Config().with_env())
 
 
 def tmpfs_dir(prefix: str, who: str) -> str:

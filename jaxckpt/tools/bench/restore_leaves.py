@@ -61,11 +61,12 @@ def main(argv: list[str]) -> None:
     import jaxckpt
     from jaxckpt.backends.agent import protocol as proto
     from jaxckpt.tools.bench.memcpy import memcpy_seconds
+    from jaxckpt.tools.bench import report
     from jaxckpt.tools.bench.report import fmt_size
 
     hosts, shardings, state = _state(jax, leaves, layout)
     nbytes = sum(h.nbytes for h in hosts.values())
-    shm = f"/dev/shm/jaxckpt-restore-leaves-{uuid.uuid4().hex[:8]}"
+    shm = os.path.join(report.agent_root(), f"jaxckpt-restore-leaves-{uuid.uuid4().hex[:8]}")
     cfg = jaxckpt.Config(store="shm", job_id="restore-leaves", shm_dir=shm)
     wall: dict[str, list[float]] = {"restore": [], "jax": []}
     cpu: dict[str, list[float]] = {"restore": [], "jax": []}

@@ -261,7 +261,7 @@ def render(result: Mapping[str, Any]) -> str:
     """The BENCHMARKS.md section of a ``bench save`` result."""
     fmt_size, fmt_ms, fmt_num, table = report.fmt_size, report.fmt_ms, report.fmt_num, report.table
     s = result["setup"]
-    parts = [f"### `jaxckpt bench save`: save() call, snapshot and restore time vs state size, against Orbax", ""]
+    parts = ["### `jaxckpt bench save`: save() call, snapshot and restore time vs state size, against Orbax", ""]
     if result.get("mode") == "quick":
         parts += ["> **Quick run, placeholder until the full run.** Tiny states and few repeats on a shared machine: "
                   "these numbers show the shape of the table, not the performance. Regenerate with the full "
