@@ -50,6 +50,8 @@ def test_huge_mode_of_a_tmpfs_is_its_mount_option():
 SCRIPT = r"""
 set -e
 mount -t tmpfs -o size=256m,huge=within_size tmpfs "$ROOT" || exit 77  # a kernel without tmpfs huge pages
+# The agent the first trainer starts outlives this shell (and keeps the namespace's tmpfs): stopped however it ends.
+trap '"$PY" -m jaxckpt.cli agent --job huge-root --shm-root "$ROOT" --stop > /dev/null 2>&1' EXIT
 cd /tmp
 "$PY" - <<'EOF'
 import os, jaxckpt, numpy as np, jax
@@ -89,9 +91,6 @@ os.environ["JAXCKPT_SHM_ROOT"] = root  # how a site sets it for every process of
 main(["doctor", "--json", "--job", "huge-root"])
 os.environ["JAXCKPT_SHM_ROOT"] = root + "/absent"
 print(json.dumps({"doctor_rc": main(["doctor", "--json"])}))
-del os.environ["JAXCKPT_SHM_ROOT"]
-from jaxckpt.backends.agent.protocol import stop_agent
-stop_agent(agent_dir(cfg), "huge-root")
 EOF
 """
 

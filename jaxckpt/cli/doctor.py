@@ -89,8 +89,8 @@ def report(config: Config, *, sweep: bool = False) -> dict[str, Any]:
         problems.append(f"cannot look at the filesystem of {directory}: {e}")
     out["ports"] = _ports(config)
     if config.agent_peers and not config.peer_token:
-        problems.append(f"Config.agent_peers is set but no shared peer token (JAXCKPT_PEER_TOKEN): a node agent "
-                        f"refuses to start with a rendezvous and a token of its own (docs/deploy.md)")
+        problems.append("Config.agent_peers is set but no shared peer token (JAXCKPT_PEER_TOKEN): a node agent "
+                        "refuses to start with a rendezvous and a token of its own (docs/deploy.md)")
     # Memory of ended SLURM allocations (this user's default directories).
     stale = []
     base = shm_base(config)

@@ -36,7 +36,6 @@ import numpy as np
 from jaxckpt.core.dtypes import dtype_from_name, dtype_name
 from jaxckpt.errors import TargetMismatchError, UnsupportedTypeError
 from jaxckpt.jax.restore import SKIP
-from jaxckpt.jax.shards import key_data_sharding
 from jaxckpt.jax.tree import classify, keypath_entries
 
 PLACEHOLDER = ...  # Orbax's type_handlers.PLACEHOLDER: "do not restore this leaf"
