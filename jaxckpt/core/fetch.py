@@ -121,16 +121,14 @@ class ChunkReader:
                 if busy is None:
                     break
             busy.wait()  # another thread fetches it
+        failed: Exception | None = None
         try:
             return self._fetch(path, chunk, key)
         except SOURCE_ERRORS + (DataLossError,) as e:
-            with self._lock:
-                self._errors[key] = e
+            failed = e
             raise
         finally:
-            with self._lock:
-                self._rebuilding.discard(key)
-            self._release([key])
+            self._release([key], failed)
 
     def _waiter(self, key: tuple) -> threading.Event | None:
         """Under the lock: None when this thread is now the one fetching ``key``, else the event it waits on."""
@@ -350,9 +348,14 @@ class ChunkReader:
                     claimed.append((path, c, key))
         return claimed
 
-    def _release(self, keys: list[tuple]) -> None:
-        """End the claims on ``keys`` and wake the fetches that waited on them (outside the lock)."""
+    def _release(self, keys: list[tuple], failed: Exception | None = None) -> None:
+        """End the claims on ``keys`` (a fetch's rebuild with them) and wake the fetches that waited on them
+        (outside the lock); ``failed``: every source failed, the error those fetches raise too."""
         with self._lock:
+            for key in keys:
+                self._rebuilding.discard(key)
+                if failed is not None:
+                    self._errors[key] = failed
             events = [self._inflight.pop(key) for key in keys]
         for ev in events:
             if ev is not None:
