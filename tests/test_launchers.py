@@ -79,9 +79,14 @@ def signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
+def agent_dir(job: str) -> str:
+    """Where the trainers' agent of ``job`` is, by the environment they run in (a site's JAXCKPT_SHM_ROOT too)."""
+    return proto.agent_dir(jaxckpt.Config(job_id=job).with_env())
+
+
 def stop_agents(*jobs: str) -> None:
     for job in jobs:
-        proto.stop_agent(proto.agent_dir(jaxckpt.Config(job_id=job)), job)
+        proto.stop_agent(agent_dir(job), job)
 
 
 @pytest.fixture
@@ -90,7 +95,7 @@ def job():
     yield name
     signal_all(trainer_pids(name), signal.SIGKILL)  # none, unless the test failed midway
     stop_agents(name, f"{name}-dcp")
-    assert not os.path.exists(proto.agent_dir(jaxckpt.Config(job_id=name)))
+    assert not os.path.exists(agent_dir(name)) and not os.path.exists(agent_dir(f"{name}-dcp"))
 
 
 @available(_torchrun_missing())
@@ -107,7 +112,7 @@ def test_torchrun_restarted_workers_restore_from_the_agent(job, tmp_path):
     assert done.returncode == 0, done.stdout[-4000:]
     assert os.path.exists(os.path.join(out, "failed-1"))
     assert not os.path.exists(os.path.join(out, "result-0-first.json"))  # the first attempt's group was stopped
-    agent = proto.read_pid_file(proto.agent_dir(jaxckpt.Config(job_id=job)))
+    agent = proto.read_pid_file(agent_dir(job))
     assert agent is not None and proto.pid_alive(agent[0])  # the agent outlived the restart and torchrun
     got = results(out, "relaunch", 2)
     for d in got:
@@ -116,7 +121,7 @@ def test_torchrun_restarted_workers_restore_from_the_agent(job, tmp_path):
         assert d["kinds"] and set(d["kinds"]) <= MEMORY_KINDS, d
         assert d["scheduler"] == "torchrun" and d["source"] == "host name", d
     assert {(d["node"], d["agent_dir"], d["agent_pid"]) for d in got} == {
-        (got[0]["node"], proto.agent_dir(jaxckpt.Config(job_id=job)), agent[0])}, (got, agent)  # one node, one agent
+        (got[0]["node"], agent_dir(job), agent[0])}, (got, agent)  # one node, one agent
     # Every worker called jaxckpt.start_agent() first thing, before importing torch's jaxckpt front end or jax: the
     # first attempt's calls started the agent (one of them, or both racing for its lock), the restarted workers'
     # found it serving and started none.
@@ -135,7 +140,7 @@ def test_mpirun_relaunched_job_restores_from_the_agent(job, tmp_path):
            sys.executable, TRAINER, "jax", "--out", out, "--job", job, "--steps", "5"]
     first = run(cmd + ["--fail-rank", "1", "--fail-at", "3", "--early-agent", "first"], job)
     assert first.returncode != 0 and os.path.exists(os.path.join(out, "failed-1")), first.stdout[-4000:]
-    agent = proto.read_pid_file(proto.agent_dir(jaxckpt.Config(job_id=job)))
+    agent = proto.read_pid_file(agent_dir(job))
     assert agent is not None
     # jaxckpt.start_agent() as each rank's first act: the first run's ranks started the agent (one, or both racing
     # for its lock; one serves); the relaunch's found it serving.

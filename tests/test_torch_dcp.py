@@ -308,6 +308,31 @@ def test_shm_snapshot_outlives_the_saving_process():
         _stop_agent(config)
 
 
+def test_the_environment_reaches_a_dcp_store(tmp_path, monkeypatch):
+    """A writer or reader made from a Config takes the JAXCKPT_* environment as a Checkpointer does: a site's
+    JAXCKPT_SHM_ROOT puts the DCP job's agent under that root (it went to /dev/shm), JAXCKPT_KEEP bounds it."""
+    job = f"dcp-env-{uuid.uuid4().hex[:6]}"
+    monkeypatch.setenv("JAXCKPT_SHM_ROOT", str(tmp_path))
+    monkeypatch.setenv("JAXCKPT_KEEP", "1")
+    config = Config(store="shm", job_id=job)
+    state = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "n": torch.arange(5, dtype=torch.int64)}
+    try:
+        with JaxckptWriter(config=config) as w:
+            assert w.config.shm_root == str(tmp_path) and w.config.keep == 1, w.config
+            assert os.path.dirname(w.store.directory) == str(tmp_path), w.store.directory
+            for step in (1, 2):
+                dcp.save(state, storage_writer=w, checkpoint_id=step)
+            assert w.store.steps() == [2]
+        target = {"w": torch.zeros(3, 4), "n": torch.zeros(5, dtype=torch.int64)}
+        with JaxckptReader(config=config) as r:
+            assert os.path.dirname(r.store.directory) == str(tmp_path), r.store.directory
+            dcp.load(target, storage_reader=r, checkpoint_id=2)
+        assert_same(target, state)
+    finally:
+        _stop_agent(config.with_env())
+    assert not any(p.name.startswith("jaxckpt-") for p in tmp_path.iterdir())
+
+
 # ------------------------------------------------------------------------------ 2 ranks, gloo, DTensor state
 def _init(rank_world_coord):
     rank, world, coord = rank_world_coord

@@ -4,7 +4,9 @@
 ``StorageReader``, so ``dcp.save``, ``dcp.async_save`` and ``dcp.load`` run unchanged and DCP's own planner
 decides what each rank writes and reads (resharding included). Where the bytes go is jaxckpt's: one store slot
 per rank and checkpoint (``Config.store``: ``"memory"`` in this process, ``"shm"`` in the node agent's shared
-memory, where it outlives the process).
+memory, where it outlives the process). The ``JAXCKPT_*`` environment applies over the given ``Config`` (default
+``Config()``), as for a ``Checkpointer``: a site's ``JAXCKPT_SHM_ROOT`` or ``JAXCKPT_NODE_NAME`` reaches these
+stores too.
 
 Checkpoint ids. A checkpoint is a store step: ``checkpoint_id`` (given to the constructor or to ``dcp.save`` /
 ``dcp.load``, which pass it to ``reset``) is an int >= 0, or a string ``"12"``, ``"step_12"``, ``"step-12"`` or
@@ -152,7 +154,9 @@ def _make_store(config: Config | None, store: Store | None, rank: int, world: in
                             f"process is rank {rank} of the DCP process group")
         _refuse_tiers(store.config)
         return store.config, store, False
-    config = config or Config()
+    # The JAXCKPT_* environment applied as every front end applies it: a site's JAXCKPT_SHM_ROOT or
+    # JAXCKPT_NODE_NAME must reach a DCP checkpoint's store and agent too (they were ignored here).
+    config = (config or Config()).with_env()
     _refuse_tiers(config)
     return config, get_store_class(config.store)(config, process_index=rank, process_count=world), True
 
