@@ -338,6 +338,59 @@ def test_cli_agent_logs_to_a_file_and_frees_everything_on_sigterm(tmp_path):
     assert f"of job {job} on node n7" in text and "freed 1 segments" in text
 
 
+def test_cli_agent_takes_the_trainers_environment(tmp_path):
+    """`jaxckpt agent` run on its own (a SLURM step, a DaemonSet) takes the JAXCKPT_* variables its flags do not
+    set, as the trainers' Config does: under the trainers' JAXCKPT_NODE_NAME and JAXCKPT_SHM_ROOT it serves the
+    directory they look in (it took the host name before, and the trainers spawned a second agent), on their
+    JAXCKPT_AGENT_PORT; a flag wins over a variable; an unknown JAXCKPT_ variable is refused by name, as a trainer
+    refuses it."""
+    import socket
+
+    from jaxckpt.node_identity import agent_dir_name
+
+    job = f"cli-env-{uuid.uuid4().hex[:6]}"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "JAXCKPT_NODE_NAME": "envnode", "JAXCKPT_SHM_ROOT": str(tmp_path),
+           "JAXCKPT_AGENT_PORT": str(port)}
+    trainers = Config(store="shm", job_id=job).with_env(env)
+    d = proto.agent_dir(trainers)
+    assert d == os.path.join(str(tmp_path), agent_dir_name(job, "envnode"))
+    agent = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job,
+                              "--log", str(tmp_path / "agent.log")], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(d, proto.SOCKET_NAME)) and time.monotonic() < deadline:
+            assert agent.poll() is None, "the agent exited"
+            time.sleep(0.01)
+        store = ShmStore(trainers)
+        try:
+            assert store.agent["pid"] == agent.pid and store.agent["node"] == "envnode", store.agent
+            assert store.metrics["agent_spawns"] == 0
+        finally:
+            store.close()
+        socket.create_connection(("127.0.0.1", port), timeout=10).close()  # it serves peers where they look
+        # a flag over the variable: another node's directory, where no agent runs
+        r = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--node", "flagnode",
+                            "--stop"], env=env, capture_output=True, text=True, timeout=60)
+        want = os.path.join(str(tmp_path), agent_dir_name(job, "flagnode"))
+        assert r.returncode == 0 and f"no agent serves {want}" in r.stdout, (r.stdout, r.stderr)
+        r = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job], env={**env, "JAXCKPT_BOGUS": "1"},
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "ConfigError: environment variable JAXCKPT_BOGUS: no Config field 'bogus'" \
+            in r.stderr, r.stderr
+        r = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--stop"], env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and f"stopped the agent of {d}" in r.stdout, (r.stdout, r.stderr)
+        assert agent.wait(timeout=60) == 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    assert not os.path.exists(d)
+
+
 def _handles_sigterm(pid: int) -> bool:
     """Whether process ``pid`` has installed a SIGTERM handler (its /proc status' caught-signal mask)."""
     with open(f"/proc/{pid}/status") as f:

@@ -24,12 +24,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """``jaxckpt agent --job ID [--dir DIR] [--node NAME] [--budget-bytes N] [--log PATH] [--wait | --stop]``."""
     p.add_argument("--job", required=True, help="job id (Config.job_id) this agent serves")
     p.add_argument("--dir", default="",
-                   help="agent directory (Config.shm_dir; default <shm root>/jaxckpt-<uid>-<job>[@slurm<id>]@<node>)")
-    p.add_argument("--shm-root", default=os.environ.get("JAXCKPT_SHM_ROOT", ""),
+                   help="agent directory (Config.shm_dir; default $JAXCKPT_SHM_DIR, else <shm root>/jaxckpt-<uid>-"
+                        "<job>[@slurm<id>]@<node>)")
+    p.add_argument("--shm-root", default=None,
                    help="where the default agent directory is made (Config.shm_root; default $JAXCKPT_SHM_ROOT, "
                         "else /dev/shm): the trainers' setting, so that both find the same directory")
-    p.add_argument("--node", default="", help="this node's name (Config.node_name; default: the scheduler's name for "
-                                              "it, else the host name: `jaxckpt doctor` shows it)")
+    p.add_argument("--node", default=None, help="this node's name (Config.node_name; default $JAXCKPT_NODE_NAME, "
+                                                "else the scheduler's name for it, else the host name: `jaxckpt "
+                                                "doctor` shows it)")
     p.add_argument("--wait", action="store_true",
                    help="if an agent already serves the directory, wait until it exits and take over (an agent run "
                         "as its own SLURM step beside trainers that spawned theirs) instead of exiting")
@@ -37,20 +39,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ask the directory's agent to stop and free its memory, wait until it has, and exit")
     p.add_argument("--budget-bytes", type=int, default=0, help="cap on the node's snapshot memory (0: none)")
     p.add_argument("--log", default="", help="log file (default: in the temp directory, named after --dir)")
-    p.add_argument("--peer-bind", default="127.0.0.1",
-                   help="address peers read this node's snapshots on (default loopback; 'none': do not serve)")
-    p.add_argument("--peer-security", default="auto", choices=PEER_SECURITY,
-                   help="Config.peer_security of the peer server (default auto: CURVE off loopback)")
-    p.add_argument("--transport", default="zmq",
-                   help="Config.transport: the peer transport's registry name or module:Class (default zmq)")
-    p.add_argument("--agent-dirs", default="",
+    p.add_argument("--peer-bind", default=None,
+                   help="Config.peer_bind: address peers read this node's snapshots on (default $JAXCKPT_PEER_BIND, "
+                        "else loopback; 'none': do not serve)")
+    p.add_argument("--peer-security", default=None, choices=PEER_SECURITY,
+                   help="Config.peer_security of the peer server (default $JAXCKPT_PEER_SECURITY, else auto: CURVE "
+                        "off loopback)")
+    p.add_argument("--transport", default=None,
+                   help="Config.transport: the peer transport's registry name or module:Class (default "
+                        "$JAXCKPT_TRANSPORT, else zmq)")
+    p.add_argument("--agent-dirs", default=None,
                    help="Config.agent_dirs: where the job's other agents publish their peer files; an agent starting "
                         "on a node that holds nothing of the job recovers its node's share from them at once")
-    p.add_argument("--peers", default="",
+    p.add_argument("--peers", default=None,
                    help="Config.agent_peers: where the job's agents listen, host[:port],... (e.g. the scheduler's node "
                         "list); across machines, an agent starting on a node that holds nothing of the job asks them "
                         "for its node's share at once. Needs the job's shared JAXCKPT_PEER_TOKEN on every node")
-    p.add_argument("--peer-port", type=int, default=0,
+    p.add_argument("--peer-port", type=int, default=None,
                    help="Config.agent_port: the port this agent serves peers on (default 0: an ephemeral one); the "
                         "port of --peers entries that name none")
     p.add_argument("--message-timeout-s", type=float, default=MESSAGE_TIMEOUT_S,
@@ -59,12 +64,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(run=run_cli)
 
 
+# flag -> the Config field it sets; a flag not given takes the field from the JAXCKPT_* environment, as the
+# trainers' Config does (an agent run on its own, as a SLURM step or a DaemonSet, beside trainers told by
+# variables: it must find their directory under their node name and serve their peers where they look).
+FLAG_FIELDS = {"shm_root": "shm_root", "node": "node_name", "peer_bind": "peer_bind",
+               "peer_security": "peer_security", "transport": "transport", "agent_dirs": "agent_dirs",
+               "peers": "agent_peers", "peer_port": "agent_port"}
+
+
+def agent_config(args: argparse.Namespace) -> Config:
+    """The agent's Config: its flags over the ``JAXCKPT_*`` environment over the defaults (ConfigError if bad)."""
+    given = {field: getattr(args, flag) for flag, field in FLAG_FIELDS.items() if getattr(args, flag) is not None}
+    if given.get("peer_bind") == "none":  # serves no peers: what it would bind is moot
+        del given["peer_bind"]
+    if args.dir:
+        given["shm_dir"] = os.path.abspath(args.dir)
+    return Config().with_env().replace(job_id=args.job, **given)
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """Run the agent in the foreground until SIGTERM or a stop, then end the process with its exit code (``--stop``
     returns)."""
     try:
-        config = Config(job_id=args.job, shm_dir=os.path.abspath(args.dir) if args.dir else "", node_name=args.node,
-                        shm_root=args.shm_root)
+        config = agent_config(args)
         directory = agent_dir(config)
     except ConfigError as e:  # a bad job id or shm root: said in one line, no traceback
         print(f"jaxckpt agent: ConfigError: {e}", file=sys.stderr)
@@ -96,10 +118,10 @@ def run_cli(args: argparse.Namespace) -> int:
                              else shm_base(config))
     try:
         code = Agent(args.job, directory, node=node_identity(config).name, node_budget=args.budget_bytes,
-                     peer_bind=None if args.peer_bind == "none" else args.peer_bind,
-                     message_timeout_s=args.message_timeout_s, peer_security=args.peer_security,
-                     transport=args.transport, agent_dirs=args.agent_dirs, agent_peers=args.peers,
-                     agent_port=args.peer_port).run(wait=args.wait)
+                     peer_bind=None if args.peer_bind == "none" else config.peer_bind,
+                     message_timeout_s=args.message_timeout_s, peer_security=config.peer_security,
+                     transport=config.transport, agent_dirs=config.agent_dirs, agent_peers=config.agent_peers,
+                     agent_port=config.agent_port).run(wait=args.wait)
     except Exception:
         log.exception("agent of job %s in %s failed", args.job, directory)
         raise
