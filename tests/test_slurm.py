@@ -31,11 +31,15 @@ import pytest
 
 from jaxckpt.backends.agent import protocol as proto
 from jaxckpt.backends.agent.protocol import kill_agent, read_pid_file
+from jaxckpt.config import Config
 from jaxckpt.testing import slurm
 from requires import available
 from scheduler_trainer import early_agent_calls, live_pids, results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Where the jobs' default agent directories are: /dev/shm, or the memory filesystem a site names for every process
+# (JAXCKPT_SHM_ROOT, which the emulated cluster's steps inherit).
+SHM = proto.shm_base(Config().with_env())
 TRAINER = os.path.join(HERE, "scheduler_trainer.py")
 FREED_WITHIN_S = 30.0  # KillWait (5 s here) plus the agent's own exit, with room for a loaded machine
 # SLURM's own end of an allocation (the controller and each slurmd signalling, waiting KillWait, reaping the steps):
@@ -105,8 +109,8 @@ def wait_for(cond, timeout: float, what: str) -> float:
 
 
 def job_dirs(name: str, job: str) -> list[str]:
-    """This job's default agent directories on every emulated node (all on this machine's /dev/shm)."""
-    return sorted(d for d in os.listdir("/dev/shm") if d.startswith(f"jaxckpt-{os.geteuid()}-{name}@slurm{job}@"))
+    """This job's default agent directories on every emulated node (all in this machine's SHM)."""
+    return sorted(d for d in os.listdir(SHM) if d.startswith(f"jaxckpt-{os.geteuid()}-{name}@slurm{job}@"))
 
 
 def agent_pids(name: str, job: str) -> list[int]:
@@ -199,7 +203,7 @@ def test_failed_step_relaunched_restores_from_memory_and_allocation_end_frees_it
     # step SLURM cancelled with step 0 may still be listed while it ends, beside the one that adopted its memory.
     names = dict(line.split(None, 1) for line in
                  cluster.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j"]).stdout.splitlines() if line.strip())
-    serving = [agent_step(job, os.path.join("/dev/shm", d)) for d in dirs]
+    serving = [agent_step(job, os.path.join(SHM, d)) for d in dirs]
     assert len(set(serving)) == 2 and all(names.get(f"{job}.{s}") == "jaxckpt-agent" for s in serving), \
         (serving, names)
     cluster.run(["scancel", job])
@@ -216,9 +220,9 @@ def test_next_agent_sweeps_what_a_killed_agent_left(cluster, job_name):
     first = subprocess.Popen(["srun", f"--jobid={job}", "--overlap", sys.executable, "-m", "jaxckpt.cli", "agent",
                               "--job", job_name], env=cluster.env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
-    wait_for(lambda: any(os.path.exists(f"/dev/shm/{d}/agent.sock") for d in job_dirs(job_name, job)), 60,
+    wait_for(lambda: any(os.path.exists(f"{SHM}/{d}/agent.sock") for d in job_dirs(job_name, job)), 60,
              "the first agent serving")
-    os.kill(read_pid_file(f"/dev/shm/{job_dirs(job_name, job)[0]}")[0], signal.SIGKILL)
+    os.kill(read_pid_file(f"{SHM}/{job_dirs(job_name, job)[0]}")[0], signal.SIGKILL)
     first.wait(60)
     cluster.run(["scancel", job])
     cluster.wait_gone(job)
@@ -250,7 +254,7 @@ def test_agent_decides_within_kill_wait_when_the_controller_does_not_answer(clus
         wait_for(lambda: "KillWait is 5 s" in (log_path.read_text() if log_path.exists() else ""), 60,
                  "the agent serving, KillWait learnt")
         (directory,) = job_dirs(job_name, job)
-        pid = read_pid_file(f"/dev/shm/{directory}")[0]
+        pid = read_pid_file(f"{SHM}/{directory}")[0]
         with cluster.controller_stopped():
             os.kill(pid, signal.SIGTERM)
             wait_for(lambda: not proto.pid_alive(pid), 60, "the agent's own exit")
@@ -300,12 +304,12 @@ def test_node_lost_replaced_by_a_spare_whose_agent_recovers_its_share(cluster, j
               for n in cluster.nodes[:2]]
     try:
         wait_for(lambda: len([d for d in job_dirs(job_name, job)
-                              if os.path.exists(f"/dev/shm/{d}/agent.sock")]) == 2, 60, "2 agent steps listening")
+                              if os.path.exists(f"{SHM}/{d}/agent.sock")]) == 2, 60, "2 agent steps listening")
         args = ["--out", out, "--job", job_name, "--steps", "5", "--fail-rank", "1", "--fail-at", "3",
                 "--protection", "hybrid", "--agent-ports", ",".join(f"{n}={p}" for n, p in ports.items())]
         finish(srun(cluster, job, nodes(cluster, 0, 1), args, env=env))
         assert os.path.exists(os.path.join(out, "failed-1"))
-        lost = f"/dev/shm/jaxckpt-{os.geteuid()}-{job_name}@slurm{job}@{cluster.nodes[1]}"
+        lost = f"{SHM}/jaxckpt-{os.geteuid()}-{job_name}@slurm{job}@{cluster.nodes[1]}"
         assert proto.kill_agent(lost, remove_memory=True) is not None  # the second node is lost with its memory
         subprocess.run(["rm", "-rf", lost], check=True)
         finish(srun(cluster, job, nodes(cluster, 0, 2), args + ["--early-agent", "relaunch"], env=env))
@@ -330,7 +334,7 @@ def test_node_lost_replaced_by_a_spare_whose_agent_recovers_its_share(cluster, j
              sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job_name, "--peer-port", str(ports[cluster.nodes[2]]),
              "--peers", peers, "--wait", "--log", f"{out}/agent-step-{cluster.nodes[2]}.log"], env=env,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        spare = f"/dev/shm/jaxckpt-{os.geteuid()}-{job_name}@slurm{job}@{cluster.nodes[2]}"
+        spare = f"{SHM}/jaxckpt-{os.geteuid()}-{job_name}@slurm{job}@{cluster.nodes[2]}"
         wait_for(lambda: _serving(spare, job_name), 60, f"an agent serving {spare}")
         cluster.run(["scancel", job])
         try:
@@ -382,6 +386,14 @@ def test_shipped_epilog_frees_an_ended_allocations_memory(job_name, tmp_path):
     removes each node's memory, with no later agent to sweep it. About 25 s."""
     epilog = os.path.join(os.path.dirname(HERE), "examples", "slurm", "epilog.sh")
     root = tempfile.mkdtemp(prefix="jaxckpt-slurm-epilog-")
+    if SHM != "/dev/shm":  # a site's own root, added to the shipped script's ROOTS as its comment says
+        with open(epilog) as f:
+            text = f.read()
+        assert '\nROOTS="/dev/shm"\n' in text
+        epilog = os.path.join(root, "epilog.sh")
+        with open(epilog, "w") as f:
+            f.write(text.replace('\nROOTS="/dev/shm"\n', f'\nROOTS="/dev/shm {SHM}"\n'))
+        os.chmod(epilog, 0o755)
     c = slurm.SlurmCluster(root, nodes=2, epilog=epilog)
     try:
         c.start()
@@ -393,7 +405,7 @@ def test_shipped_epilog_frees_an_ended_allocations_memory(job_name, tmp_path):
         assert all(r["bitwise"] for r in results(out, "first", 2))
         assert len(job_dirs(job_name, job)) == 2
         for d in job_dirs(job_name, job):
-            assert kill_agent(f"/dev/shm/{d}") is not None
+            assert kill_agent(f"{SHM}/{d}") is not None
         c.run(["scancel", job])
         finish(p)
         took = assert_freed(cluster, job_name, job)
