@@ -192,8 +192,9 @@ EOF
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                     reason="needs root and unshare to mount a 64 MB tmpfs in a private mount namespace")
 def test_small_shared_memory_is_an_error_at_checkpointer():
+    env = {k: v for k, v in os.environ.items() if k != "JAXCKPT_SHM_ROOT"}  # the container's own /dev/shm
     r = subprocess.run(["unshare", "-m", "--propagation", "private", "bash", "-c", CONTAINER],
-                       env={**os.environ, "PY": sys.executable, "JAXCKPT_LOG_LEVEL": "ERROR"},
+                       env={**env, "PY": sys.executable, "JAXCKPT_LOG_LEVEL": "ERROR"},
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     docs = [json.loads(x) for x in _json_docs(r.stdout)]
