@@ -16,6 +16,7 @@ same command measures that code (an A/B run alternates the two).
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -90,8 +91,14 @@ def main(argv: list[str]) -> None:
                         cpu[name].append(c)
                     del out
             phases = ck.last_restore_report.timeline.summary()
-    finally:
-        proto.kill_agent(shm, remove_memory=True)
+    finally:  # the agent stopped frees its memory and removes its directory; one that does not answer is killed
+        if not proto.stop_agent(shm, cfg.job_id, timeout_s=30):
+            proto.kill_agent(shm, remove_memory=True)
+        shutil.rmtree(shm, ignore_errors=True)
+        try:
+            os.unlink(proto.default_log_path(shm))
+        except FileNotFoundError:
+            pass
     copy = statistics.median(memcpy_seconds(nbytes, 9))
 
     def med(xs: list[float]) -> float:
