@@ -17,7 +17,6 @@ import argparse
 import gc
 import logging
 import os
-import shutil
 import sys
 import uuid
 from pathlib import Path
@@ -74,8 +73,7 @@ def run(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------- the driver
 def measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float) -> dict[str, Any]:
     """Measured store memory (a launched process) and planned protection memory, per size."""
-    from jaxckpt.backends.agent import protocol as proto
-    from jaxckpt.testing import expect_ok, launch
+    from jaxckpt.testing import expect_ok, launch, remove_agents
 
     machine = report.machine_facts()
     stores, skipped = [], []
@@ -88,20 +86,15 @@ def measure(opts: Mapping[str, Any], cmd: str, *, quick: bool, timeout: float) -
             skipped.append({"size_bytes": size, "reason": why})
             continue
         tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        shm_dir = os.path.join(report.agent_root(), f"jaxckpt-bench-memory-{tag}")
+        base = os.path.join(report.agent_root(), f"jaxckpt-bench-memory-{tag}")
+        shm_dir = os.path.join(base, "agent")
         spec = {"size": size, "saves": opts["saves"], "job": f"bench-memory-{tag}", "shm_dir": shm_dir}
         try:
             log.info("bench memory: %s", report.fmt_size(size))
             stores.append(expect_ok(launch(store_phase, nodes=1, procs_per_node=1, distributed=False, args=(spec,),
                                            timeout=timeout))[0])
         finally:
-            proto.stop_agent(shm_dir, spec["job"], timeout_s=60)
-            proto.kill_agent(shm_dir, remove_memory=True)
-            shutil.rmtree(shm_dir, ignore_errors=True)
-            try:
-                os.unlink(proto.default_log_path(shm_dir))
-            except FileNotFoundError:
-                pass
+            remove_agents(base, timeout_s=60)  # stopped (killed if it does not answer); memory, directory and log
         gc.collect()
     protection = [protection_row(size, layout, policy, replicas) for size in opts["sizes"] for layout in LAYOUTS
                   for replicas in REPLICAS for policy in POLICIES

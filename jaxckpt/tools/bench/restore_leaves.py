@@ -16,7 +16,6 @@ same command measures that code (an A/B run alternates the two).
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -60,14 +59,15 @@ def main(argv: list[str]) -> None:
 
     jax.config.update("jax_num_cpu_devices", devices)
     import jaxckpt
-    from jaxckpt.backends.agent import protocol as proto
+    from jaxckpt.testing import remove_agents
     from jaxckpt.tools.bench.memcpy import memcpy_seconds
     from jaxckpt.tools.bench import report
     from jaxckpt.tools.bench.report import fmt_size
 
     hosts, shardings, state = _state(jax, leaves, layout)
     nbytes = sum(h.nbytes for h in hosts.values())
-    shm = os.path.join(report.agent_root(), f"jaxckpt-restore-leaves-{uuid.uuid4().hex[:8]}")
+    base = os.path.join(report.agent_root(), f"jaxckpt-restore-leaves-{uuid.uuid4().hex[:8]}")
+    shm = os.path.join(base, "agent")
     cfg = jaxckpt.Config(store="shm", job_id="restore-leaves", shm_dir=shm)
     wall: dict[str, list[float]] = {"restore": [], "jax": []}
     cpu: dict[str, list[float]] = {"restore": [], "jax": []}
@@ -91,14 +91,8 @@ def main(argv: list[str]) -> None:
                         cpu[name].append(c)
                     del out
             phases = ck.last_restore_report.timeline.summary()
-    finally:  # the agent stopped frees its memory and removes its directory; one that does not answer is killed
-        if not proto.stop_agent(shm, cfg.job_id, timeout_s=30):
-            proto.kill_agent(shm, remove_memory=True)
-        shutil.rmtree(shm, ignore_errors=True)
-        try:
-            os.unlink(proto.default_log_path(shm))
-        except FileNotFoundError:
-            pass
+    finally:  # its agent stopped (killed if it does not answer), its memory, directory and log removed
+        remove_agents(base)
     copy = statistics.median(memcpy_seconds(nbytes, 9))
 
     def med(xs: list[float]) -> float:
