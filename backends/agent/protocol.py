@@ -126,6 +126,38 @@ def remove_file(path: str) -> None:
         pass
 
 
+def write_private(path: str, data: bytes, tmp: str) -> None:
+    """``data`` as the whole of ``path``, mode 0600: written to ``tmp`` (same directory) and renamed over it, so a
+    reader finds the old file or the new one, never a part of either."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # an older file of that name may have had another mode
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def read_private(path: str, limit: int) -> bytes | None:
+    """The bytes of ``path`` if it is a private regular file of ours of at most ``limit`` bytes (AgentError
+    otherwise: another user's file, a link, a FIFO, one too large); None if it does not exist."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077 or st.st_size > limit:
+            raise AgentError(f"refusing {path}: not a private regular file of uid {os.geteuid()} of at most "
+                             f"{limit} bytes")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(limit)
+    finally:
+        os.close(fd)
+
+
 def round_to_pages(nbytes: int) -> int:
     return -(-nbytes // PAGE) * PAGE
 

@@ -20,13 +20,12 @@ import logging
 import mmap
 import os
 import secrets
-import stat
 import threading
 from typing import Any
 
 import msgpack
 
-from jaxckpt.backends.agent.protocol import SEG_RE, open_segment, remove_file
+from jaxckpt.backends.agent.protocol import SEG_RE, open_segment, read_private, remove_file, write_private
 from jaxckpt.backends.agent.table import SlotTable
 from jaxckpt.core.checksum import crc32c
 from jaxckpt.core.transport import PeerAddress, ServedHolder
@@ -42,44 +41,15 @@ MAX_FILE_BYTES = 64 << 10
 
 
 # ------------------------------------------------------------------------------------------------ the files
-def _write_private(path: str, data: bytes) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
-def _read_private(path: str) -> bytes | None:
-    """The bytes of ``path`` if it is a small private regular file of ours; None if it does not exist."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077 or \
-                st.st_size > MAX_FILE_BYTES:
-            raise AgentError(f"refusing {path}: not a small private regular file of uid {os.geteuid()}")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read(MAX_FILE_BYTES)
-    finally:
-        os.close(fd)
-
-
 def write_token(directory: str, token: bytes) -> None:
     """Store the peer token the agent of ``directory`` will serve with (mode 0600)."""
-    _write_private(os.path.join(directory, TOKEN_NAME), bytes(token))
+    path = os.path.join(directory, TOKEN_NAME)
+    write_private(path, bytes(token), f"{path}.{os.getpid()}.tmp")
 
 
 def read_token(directory: str) -> bytes | None:
     """The peer token of the agent of ``directory``, or None."""
-    return _read_private(os.path.join(directory, TOKEN_NAME)) or None
+    return read_private(os.path.join(directory, TOKEN_NAME), MAX_FILE_BYTES) or None
 
 
 def load_or_make_token(directory: str) -> bytes:
@@ -94,13 +64,14 @@ def load_or_make_token(directory: str) -> bytes:
 
 def write_peer_info(directory: str, info: dict[str, Any]) -> None:
     """Publish the agent's peer address (and node, job, generation) in its directory."""
-    _write_private(os.path.join(directory, PEER_NAME), msgpack.packb(info, use_bin_type=True))
+    path = os.path.join(directory, PEER_NAME)
+    write_private(path, msgpack.packb(info, use_bin_type=True), f"{path}.{os.getpid()}.tmp")
 
 
 def read_peer_info(directory: str) -> dict[str, Any] | None:
     """The agent's published peer info (with its token under ``"token"``), or None if it serves no peers."""
     try:
-        raw = _read_private(os.path.join(directory, PEER_NAME))
+        raw = read_private(os.path.join(directory, PEER_NAME), MAX_FILE_BYTES)
         token = read_token(directory)
     except (AgentError, OSError) as e:
         log.warning("cannot read the peer info of the agent at %s: %s", directory, e)

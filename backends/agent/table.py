@@ -29,8 +29,8 @@ import msgpack
 
 from jaxckpt.backends.agent.capacity import shortage
 from jaxckpt.backends.agent.protocol import (MAX_MESSAGE_BYTES, PROTECT_BASE, REC_RE, SEG_RE, ProtocolError,
-                                             check_name, record_name, remove_file, round_to_pages,
-                                             segment_name)
+                                             check_name, read_private, record_name, remove_file, round_to_pages,
+                                             segment_name, write_private)
 
 log = logging.getLogger("jaxckpt.backends.agent.daemon")
 
@@ -374,28 +374,15 @@ class SlotTable:
                               "seg": e.seg.name if e.seg else None, "size": e.seg.size if e.seg else 0,
                               "manifest": e.manifest, "committed_at": e.committed_at, "lent": e.lent},
                              use_bin_type=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-        os.replace(tmp, os.path.join(self.dir, name))
+        write_private(os.path.join(self.dir, name), data, tmp)
 
     def _read_record(self, name: str) -> SlotEntry | None:
         path = os.path.join(self.dir, name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                st = os.fstat(fd)
-                if st.st_uid != os.geteuid() or st.st_size > MAX_MESSAGE_BYTES:
-                    raise ProtocolError(f"{path}: foreign or oversized record")
-                with os.fdopen(os.dup(fd), "rb") as f:
-                    d = msgpack.unpackb(f.read(), raw=False, max_bin_len=MAX_MESSAGE_BYTES)
-            finally:
-                os.close(fd)
+            data = read_private(path, MAX_MESSAGE_BYTES)
+            if data is None:
+                raise ProtocolError(f"{path}: gone while listed")
+            d = msgpack.unpackb(data, raw=False, max_bin_len=MAX_MESSAGE_BYTES)
             process, step = int(d["process"]), int(d["step"])
             if name != record_name(process, step) or d.get("v") != 1:
                 raise ProtocolError(f"{path}: record names process {process} step {step}")
