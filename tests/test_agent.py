@@ -70,6 +70,23 @@ def _settled_status(d: str, job: str) -> dict:
         time.sleep(0.01)
 
 
+def _serving(agent: subprocess.Popen, d: str) -> None:
+    """Until ``agent`` serves ``d`` (its socket there): a store made sooner would spawn an agent of its own."""
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(d, proto.SOCKET_NAME)):
+        assert agent.poll() is None, f"the agent of {d} exited with {agent.returncode}"
+        assert time.monotonic() < deadline, f"no agent serves {d} after 60 s"
+        time.sleep(0.01)
+
+
+def _reap(*procs: subprocess.Popen | None) -> None:
+    """Kill and reap what a test started and did not see end."""
+    for p in procs:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def _stop(d: str, job: str) -> None:
     assert proto.stop_agent(d, job, timeout_s=30)
     assert not os.path.exists(d), f"the agent left {os.listdir(d)}"
@@ -314,9 +331,7 @@ def test_cli_agent_logs_to_a_file_and_frees_everything_on_sigterm(tmp_path):
     agent = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d,
                               "--log", str(log_path), "--node", "n7"])
     try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(os.path.join(d, proto.SOCKET_NAME)) and time.monotonic() < deadline:
-            time.sleep(0.01)  # else the store would spawn an agent of its own
+        _serving(agent, d)
         store = ShmStore(Config(store="shm", job_id=job, shm_dir=d))
         assert store.agent["pid"] == agent.pid and store.agent["node"] == "n7"
         slot = store.reserve(1, 100_000)
@@ -330,9 +345,7 @@ def test_cli_agent_logs_to_a_file_and_frees_everything_on_sigterm(tmp_path):
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=60) == 0
     finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.wait()
+        _reap(agent)
     assert not os.path.exists(d)
     text = log_path.read_text()
     assert f"of job {job} on node n7" in text and "freed 1 segments" in text
@@ -360,10 +373,7 @@ def test_cli_agent_takes_the_trainers_environment(tmp_path):
     agent = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job,
                               "--log", str(tmp_path / "agent.log")], env=env)
     try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(os.path.join(d, proto.SOCKET_NAME)) and time.monotonic() < deadline:
-            assert agent.poll() is None, "the agent exited"
-            time.sleep(0.01)
+        _serving(agent, d)
         store = ShmStore(trainers)
         try:
             assert store.agent["pid"] == agent.pid and store.agent["node"] == "envnode", store.agent
@@ -385,9 +395,7 @@ def test_cli_agent_takes_the_trainers_environment(tmp_path):
         assert r.returncode == 0 and f"stopped the agent of {d}" in r.stdout, (r.stdout, r.stderr)
         assert agent.wait(timeout=60) == 0
     finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.wait()
+        _reap(agent)
     assert not os.path.exists(d)
 
 
@@ -410,9 +418,8 @@ def test_a_waiting_agent_that_gets_sigterm_frees_what_its_holder_left(tmp_path):
                                "--log", str(tmp_path / "holder.log")], env=env)
     waiter = None
     try:
+        _serving(holder, d)
         deadline = time.monotonic() + 60
-        while not os.path.exists(os.path.join(d, proto.SOCKET_NAME)) and time.monotonic() < deadline:
-            time.sleep(0.01)
         store = ShmStore(Config(store="shm", job_id=job, shm_dir=d))
         slot = store.reserve(4, 100_000)
         store.commit(slot, manifest_of(4))
@@ -427,10 +434,7 @@ def test_a_waiting_agent_that_gets_sigterm_frees_what_its_holder_left(tmp_path):
         holder.wait()
         assert waiter.wait(timeout=60) == 0
     finally:
-        for p in (holder, waiter):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
+        _reap(holder, waiter)
     text = (tmp_path / "waiter.log").read_text()
     assert not os.path.exists(d), f"the memory the holder left is still there: {os.listdir(d)}\n{text[-3000:]}"
     assert "SIGTERM while waiting for the holder" in text and "freed 1 segments" in text, text[-3000:]
