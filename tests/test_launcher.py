@@ -183,6 +183,10 @@ def test_kill_node_from_outside_and_inside(tmp_path):
         assert job.poll()[:2] == [None, None]
         with pytest.raises(LaunchError, match="node 5: no such simulated node"):
             job.kill_node(5)
+        for bad in (-1, 4):  # -1 would have been the last process, as a list index
+            with pytest.raises(LaunchError, match=f"process {bad}: no such process \\(job has 4 processes\\)"):
+                job.kill_process(bad)
+        assert job.poll()[:2] == [None, None]
     results = job.results()
     assert [r.returncode for r in results[2:]] == [-9, -9]
     assert all(r.killed and "node 1 killed by kill_node" in r.error for r in results[2:])

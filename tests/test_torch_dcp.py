@@ -559,7 +559,7 @@ def dcp_slot_failure_worker(job_id: str) -> dict:
                     errs = {r: (type(f[0]).__name__, str(f[0])) for r, f in e.failures.items()}
                 assert set(errs) == {0, 1} and {n for n, _ in errs.values()} == {"BudgetExceededError"}, errs
                 mine = errs[rank][1]
-                said = re.escape(f"step 2: snapshot of ") + r"\d+" + re.escape(
+                said = re.escape("step 2: snapshot of ") + r"\d+" + re.escape(
                     f" bytes does not fit the memory budget of {16 << 10} bytes")
                 if rank == failing:
                     assert re.match(said, mine), errs

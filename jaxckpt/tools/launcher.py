@@ -173,7 +173,8 @@ class Job:
     # ---------------------------------------------------------------------------------------------- kill
     def kill_process(self, process_id: int, sig: int = signal.SIGKILL, reason: str = "killed by kill_process") -> None:
         """Send ``sig`` to one process and everything it started (its process group)."""
-        p = self._procs[process_id]
+        if not 0 <= process_id < self.size:  # a negative index would pick a process from the end
+            raise LaunchError(f"process {process_id}: no such process (job has {self.size} processes)")
         self._reason.setdefault(process_id, reason)
         self._signal(process_id, sig)
 
