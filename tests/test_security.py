@@ -388,13 +388,20 @@ def test_forged_commit_records_never_reach_outside_the_directory(agent_dir, tmp_
     with open(os.path.join(agent_dir, "seg-p1-0123456789abcdef-0"), "wb") as f:
         f.write(b"\0" * 4096)
     os.chmod(os.path.join(agent_dir, "seg-p1-0123456789abcdef-0"), 0o600)
+    # Records that are not private regular files: a FIFO (opening it to read blocked the agent's start-up for
+    # good), a record others may read, a symlink to a well-formed record outside
+    os.mkfifo(os.path.join(agent_dir, "rec-p0-s8"), 0o600)
+    _forge_record(agent_dir, "rec-p0-s9", step=9)
+    os.chmod(os.path.join(agent_dir, "rec-p0-s9"), 0o640)
+    _forge_record(str(tmp_path), "rec-p0-s10", step=10)
+    os.symlink(tmp_path / "rec-p0-s10", os.path.join(agent_dir, "rec-p0-s10"))
     p = _start_agent("secrec", agent_dir)
     try:
         store = ShmStore(Config(store="shm", job_id="secrec", shm_dir=agent_dir))
         try:
-            assert store.agent["adoption"] == {"adopted": {}, "discarded": 8}, store.agent["adoption"]
+            assert store.agent["adoption"] == {"adopted": {}, "discarded": 11}, store.agent["adoption"]
             assert store.steps() == []
-            for step in range(1, 8):
+            for step in range(1, 11):
                 assert store.open(step) is None
         finally:
             store.close()
