@@ -45,7 +45,7 @@ import msgpack
 from jaxckpt.backends.agent import lifetime
 from jaxckpt.backends.agent.protocol import (LOCK_NAME, PID_NAME, SOCKET_NAME, VERSION, ProtocolError,
                                              ensure_private_dir, open_segment, pid_alive, recv_msg, remove_file,
-                                             send_msg)
+                                             send_msg, write_private)
 from jaxckpt.backends.agent.table import Limits, Refused, SlotTable
 from jaxckpt.config import Config, peer_uses_curve
 from jaxckpt.errors import ConfigError, StoreUnavailableError
@@ -228,12 +228,8 @@ class Agent:
 
     def _write_pid(self) -> None:
         path = os.path.join(self.dir, PID_NAME)
-        tmp = path + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(msgpack.packb({"pid": os.getpid(), "generation": self.generation, "job": self.job,
-                                   "started": self.started}))
-        os.replace(tmp, path)
+        write_private(path, msgpack.packb({"pid": os.getpid(), "generation": self.generation, "job": self.job,
+                                           "started": self.started}), path + ".tmp")
 
     def _serve_peers(self) -> None:
         """Serve the node's committed snapshots to peers and publish the address (agent_serve.py)."""
