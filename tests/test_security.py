@@ -321,7 +321,9 @@ def test_the_agent_refuses_a_directory_or_socket_others_could_reach(agent_dir):
         ShmStore(Config(store="shm", job_id="secdir", shm_dir=agent_dir))
     r = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", "secdir", "--dir", agent_dir],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode != 0 and not os.path.exists(os.path.join(agent_dir, proto.SOCKET_NAME))
+    assert r.returncode == 2 and not os.path.exists(os.path.join(agent_dir, proto.SOCKET_NAME))
+    # said in one line (a DaemonSet's log, a batch script's stderr), not a traceback
+    assert f"AgentError: refusing agent directory {agent_dir}" in r.stderr and "Traceback" not in r.stderr, r.stderr
     os.rmdir(agent_dir)
     link_target = agent_dir + "-target"
     os.makedirs(link_target, mode=0o700)
@@ -360,6 +362,67 @@ def test_segment_names_cannot_leave_the_directory(tmp_path, name):
     for process, step in ((-1, 1), (0, -1), (10**10, 1), ("0/..", 1), (0, "../x")):
         with pytest.raises(AgentError):
             proto.record_name(process, step)
+
+
+def _as_another_user(fn):
+    """``fn()``'s result (a str or None), run as a user who owns nothing here: uid 65534 in a forked child when
+    this is root (root may write anywhere), else this user."""
+    if os.geteuid() != 0:
+        return fn()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop to nobody, run, report, exit without the parent's teardown
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            os.write(w, msgpack.packb(fn()))
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    try:
+        with os.fdopen(r, "rb") as f:
+            got = f.read()
+    finally:
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child failed"
+    return msgpack.unpackb(got)
+
+
+def test_a_directory_the_user_cannot_make_is_said_with_its_parent():
+    """An agent directory under one the user may not write (a Kubernetes hostPath of DirectoryOrCreate: root's,
+    mode 0755) is an AgentError naming the directory above it, its owner and mode, and what to do, where it was a
+    bare PermissionError; ``jaxckpt doctor`` reports the same problem before a job starts."""
+    from jaxckpt.cli import doctor
+
+    parent = Path(f"/dev/shm/jaxckpt-hostpath-{uuid.uuid4().hex[:8]}")  # /dev/shm: any user may reach it
+    parent.mkdir(mode=0o755)
+    os.chmod(parent, 0o755 if os.geteuid() == 0 else 0o555)
+    d = str(parent / "gpt" / "node0")
+
+    def attempt():
+        try:
+            proto.ensure_private_dir(d, create=True)
+        except AgentError as e:
+            said = str(e)
+        else:
+            return "made"
+        return [said, doctor.report(Config(store="shm", shm_dir=d))["problems"]]
+
+    try:
+        said, problems = _as_another_user(attempt)
+        mode = stat.filemode(os.stat(parent).st_mode)
+        assert not os.path.exists(parent / "gpt")
+    finally:
+        os.chmod(parent, 0o755)
+        shutil.rmtree(parent)
+    who = 65534 if os.geteuid() == 0 else os.geteuid()
+    assert said == (f"cannot make the node agent directory {d} as uid {who} (Permission denied): {parent} is owned by "
+                    f"uid {os.geteuid()} with mode {mode}; make it under a directory this user may write (a memory "
+                    f"filesystem such as /dev/shm, mode 1777, or one the user owns)"), said
+    assert problems == [said.replace("(Permission denied)", "(permission denied)")], problems
 
 
 def _forge_record(d: str, name: str, **fields) -> None:

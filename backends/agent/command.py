@@ -14,7 +14,7 @@ from jaxckpt.backends.agent import heap, lifetime
 from jaxckpt.backends.agent.daemon import MESSAGE_TIMEOUT_S, Agent
 from jaxckpt.backends.agent.protocol import agent_dir, default_log_path, shm_base, stop_agent
 from jaxckpt.config import PEER_SECURITY, Config
-from jaxckpt.errors import ConfigError
+from jaxckpt.errors import AgentError, ConfigError
 from jaxckpt.node_identity import allocation, node_identity, parse_agent_dir_name
 
 log = logging.getLogger("jaxckpt.backends.agent.daemon")
@@ -122,6 +122,10 @@ def run_cli(args: argparse.Namespace) -> int:
                      message_timeout_s=args.message_timeout_s, peer_security=config.peer_security,
                      transport=config.transport, agent_dirs=config.agent_dirs, agent_peers=config.agent_peers,
                      agent_port=config.agent_port).run(wait=args.wait)
+    except AgentError as e:  # its directory refused or not makeable (owner, mode, permissions): one line, in its
+        # log and on stderr (the CLI's handler), not a traceback
+        log.error("agent of job %s in %s failed: AgentError: %s", args.job, directory, e)
+        return 2
     except Exception:
         log.exception("agent of job %s in %s failed", args.job, directory)
         raise

@@ -87,12 +87,15 @@ def ensure_private_dir(path: str, *, create: bool) -> str:
     """``path`` as a directory owned by us with no group/other access; refuses anything else (symlinks too)."""
     if create:
         parent = os.path.dirname(path)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
         try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
+            if parent:
+                os.makedirs(parent, exist_ok=True)
+            try:
+                os.mkdir(path, 0o700)
+            except FileExistsError:
+                pass
+        except PermissionError as e:  # e.g. a root-owned 0755 directory above it (Kubernetes' hostPath makes those)
+            raise AgentError(cannot_make(path, e.strerror)) from None
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -101,6 +104,28 @@ def ensure_private_dir(path: str, *, create: bool) -> str:
         raise AgentError(f"refusing agent directory {path}: it must be a directory owned by uid {os.geteuid()} "
                          f"with mode 0700 (found mode {stat.filemode(st.st_mode)}, uid {st.st_uid})")
     return path
+
+
+def nearest_existing(path: str) -> str:
+    """The nearest directory above ``path`` that exists (what making ``path`` needs to write)."""
+    above = os.path.dirname(path)
+    while above and not os.path.lexists(above) and os.path.dirname(above) != above:
+        above = os.path.dirname(above)
+    return above
+
+
+def cannot_make(path: str, reason: str) -> str:
+    """Why the agent directory ``path`` cannot be made (``reason``: the error's text), naming the nearest
+    directory above it that exists, its owner and mode, and what to do."""
+    above = nearest_existing(path)
+    try:
+        st = os.stat(above)
+        found = f"{above} is owned by uid {st.st_uid} with mode {stat.filemode(st.st_mode)}"
+    except OSError as e:
+        found = f"{above}: {e.strerror}"
+    return (f"cannot make the node agent directory {path} as uid {os.geteuid()} ({reason}): {found}; make it "
+            f"under a directory this user may write (a memory filesystem such as /dev/shm, mode 1777, or one the "
+            f"user owns)")
 
 
 def segment_name(process: int, generation: str, n: int) -> str:

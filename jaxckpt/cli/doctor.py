@@ -63,6 +63,10 @@ def report(config: Config, *, sweep: bool = False) -> dict[str, Any]:
                         "which dies with it (the memory stays for the next step); for memory freed at the "
                         "allocation's end whatever the steps do, run the agent as its own step: srun --overlap "
                         f"--ntasks-per-node=1 jaxckpt agent --job {config.job_id} --wait & (docs/deploy.md)")
+    if config.store.startswith("shm"):
+        unusable = _unusable_dir(directory)
+        if unusable:
+            problems.append(unusable)
     # Shared memory against the budget of this node's processes (what Checkpointer() checks).
     try:
         cap = capacity.shm_capacity(directory)
@@ -103,6 +107,23 @@ def report(config: Config, *, sweep: bool = False) -> dict[str, Any]:
     out["other_allocations"] = [n for n in stale if os.path.join(base, n) not in out.get("swept", [])]
     out["problems"], out["warnings"] = problems, warnings
     return out
+
+
+def _unusable_dir(directory: str) -> str | None:
+    """Why this user's trainers and agent could not use the agent directory ``directory`` (None: they can). One
+    that exists must be a directory of this user, mode 0700; one to be made needs a directory above it this user
+    may write (a host directory a Kubernetes hostPath made is root's, mode 0755)."""
+    from jaxckpt.backends.agent.protocol import cannot_make, ensure_private_dir, nearest_existing
+
+    if os.path.lexists(directory):
+        try:
+            ensure_private_dir(directory, create=False)
+        except JaxckptError as e:
+            return str(e)
+        return None
+    if os.access(nearest_existing(directory), os.W_OK | os.X_OK):
+        return None
+    return cannot_make(directory, "permission denied")
 
 
 def _ports(config: Config) -> dict[str, Any]:
