@@ -32,7 +32,8 @@ from jaxckpt.backends.agent.protocol import (AgentConnection, agent_dir, default
 from jaxckpt.node_identity import local_process_count, node_identity
 from jaxckpt.core.trim import trim
 from jaxckpt.config import Config
-from jaxckpt.errors import AgentError, ClosedError, StepError, StepNotFoundError, StoreUnavailableError
+from jaxckpt.errors import (AgentError, BudgetExceededError, ClosedError, StepError, StepNotFoundError,
+                            StoreUnavailableError)
 from jaxckpt.core.capabilities import AgentHolders, NodeAgent, ProtectionSlots
 from jaxckpt.core.store import Slot, SnapshotView, Store
 
@@ -246,7 +247,17 @@ class ShmStore(Store):
         with self._lock:
             self._check_open()
             try:
-                r = self._call("reserve", block=False, step=step, nbytes=nbytes)
+                try:
+                    r = self._call("reserve", block=False, step=step, nbytes=nbytes)
+                except BudgetExceededError:
+                    # The pages of segments the agent unlinked live on while this process maps them, and count
+                    # against a full filesystem or the agent's memory cgroup; only a reserve that succeeds says
+                    # which went. Let every cached mapping go (the slots and views in use keep their own) and ask
+                    # once more: a refusal then stands for what is really held.
+                    if not self._maps:
+                        raise
+                    self._maps.clear()
+                    r = self._call("reserve", block=False, step=step, nbytes=nbytes)
             except StoreUnavailableError as e:
                 raise self._skip(step, e) from None
             if r["created"]:

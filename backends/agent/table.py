@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import msgpack
 
+from jaxckpt.backends.agent import cgroup
 from jaxckpt.backends.agent.capacity import shortage
 from jaxckpt.backends.agent.protocol import (MAX_MESSAGE_BYTES, PROTECT_BASE, REC_RE, SEG_RE, ProtocolError,
                                              check_name, read_private, record_name, remove_file, round_to_pages,
@@ -333,6 +334,21 @@ class SlotTable:
                 raise Refused("budget", f"step {step} of process {process}: snapshot of {nbytes} bytes does not fit "
                                         f"the memory budget of {limit} bytes for {scope} ({held} held; committed "
                                         f"steps {kept} are kept)")
+        # The memory cgroup's limit, which the kernel enforces by ending the agent: idle pooled segments go first.
+        limited = cgroup.room()
+        if limited is not None and size > limited.free:
+            for p in [process, *self._pools]:
+                for s in self._pools.pop(p, []):
+                    remove_file(os.path.join(self.dir, s.name))
+            limited = cgroup.room()
+            if limited is not None and size > limited.free:
+                kept = sorted(s for (p, s), e in self._slots.items() if p == process and self._visible(e))
+                raise Refused("budget", f"step {step} of process {process}: a segment of {size} bytes does not fit "
+                                        f"the memory cgroup limit of the node agent ({limited.limit} bytes at "
+                                        f"{limited.path}, {limited.used} in use): the kernel would end the agent, or "
+                                        f"a process beside it, at this save; give the agent (its container or job step) a larger memory "
+                                        f"limit, or set Config.memory_budget_bytes to fit it (committed steps "
+                                        f"{kept} are kept)")
 
     def _create(self, process: int, step: int, size: int) -> Segment:
         name = segment_name(process, self.generation, next(self._counter))

@@ -269,6 +269,9 @@ class Copier:
                         k = job.taken
                         job.taken += 1
                         break
+                    # Not held while idle: a job keeps its slot's buffer, whose segment (once the agent unlinks it)
+                    # lived on mapped until this worker's next job
+                    job = None
                     if self._stopping:
                         return
                     ready.wait()

@@ -1,0 +1,174 @@
+"""A node agent under a memory cgroup limit (a Kubernetes container's or pod's, a SLURM step's ``--mem``).
+
+The snapshots' tmpfs pages are charged to the agent, which allocates them. A save that would take it over its
+cgroup's limit set off the kernel's OOM killer in that cgroup: the agent was SIGKILLed and every trainer of the
+node skipped its saves until an agent served again. Now the agent refuses that save (BudgetExceededError naming
+the limit and the cgroup), goes on serving, and what was committed stays restorable bit for bit; a smaller save
+after it fits again, since nothing this process no longer uses keeps the pages of the segments the agent
+unlinked (an idle copy worker held the last snapshot buffer it had seen; a refused reserve kept the mappings
+the trainer had cached).
+
+The real thing runs where it can: a v1 memory cgroup of the test's own, the agent moved into it, real saves and
+restores (root and the v1 memory controller; CI has both). The unified (v2) hierarchy is not mounted with the
+memory controller here: its reading is checked on a directory laid out as the kernel lays it out.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+import weakref
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+
+import jaxckpt
+from jaxckpt import Config
+from jaxckpt.backends.agent import cgroup
+from jaxckpt.backends.agent import protocol as proto
+from jaxckpt.core.copier import Copier, CopyTask
+from jaxckpt.core.store import Slot
+from jaxckpt.errors import BudgetExceededError
+from requires import available
+
+V1 = cgroup.V1_ROOT
+MIB = 1 << 20
+
+
+def _why_no_v1() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root: a memory cgroup of its own"
+    if not os.path.isfile(os.path.join(V1, "memory.limit_in_bytes")):
+        return f"no cgroup v1 memory controller at {V1}"
+    return None
+
+
+def _deleted_maps(directory: str) -> list[str]:
+    """Files of ``directory`` this process still maps although they were unlinked."""
+    with open("/proc/self/maps") as f:
+        return [ln.split()[-2] for ln in f if directory in ln and ln.rstrip().endswith("(deleted)")]
+
+
+def _state(step: int, mib: int) -> dict:
+    return {"x": np.arange(mib * MIB // 4, dtype=np.uint32) * np.uint32(step + 1)}
+
+
+@available(_why_no_v1())
+def test_a_save_over_the_agents_memory_cgroup_limit_is_refused_not_killed():
+    job = f"cg-{uuid.uuid4().hex[:6]}"
+    d = f"/dev/shm/jaxckpt-cgtest-{job}"
+    cg = os.path.join(V1, f"jaxckpt-test-{job}")
+    os.mkdir(cg)
+    agent = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d, "--log",
+                              f"/tmp/jaxckpt-{job}.log"])
+    ck = None
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(d, proto.SOCKET_NAME)):
+            assert agent.poll() is None and time.monotonic() < deadline, "the agent did not start"
+            time.sleep(0.01)
+        with open(os.path.join(cg, "cgroup.procs"), "w") as f:
+            f.write(str(agent.pid))  # from here its allocations are charged to the cgroup
+        with open(os.path.join(cg, "memory.usage_in_bytes")) as f:
+            limit = int(f.read()) + 80 * MIB  # room for two 32 MiB segments and the margin, not for 64 more
+        with open(os.path.join(cg, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(limit))
+        ck = jaxckpt.Checkpointer(Config(store="shm", job_id=job, shm_dir=d, keep=1))
+        for step in (0, 1):
+            ck.save(step, _state(step, 32))
+            ck.wait()
+        with pytest.raises(BudgetExceededError) as got:
+            ck.save(2, _state(2, 64))
+        said = str(got.value)
+        assert f"step 2 of process 0: a segment of {64 * MIB} bytes does not fit the memory cgroup limit of the " \
+               f"node agent ({limit} bytes at {cg}," in said and "committed steps [1] are kept" in said, said
+        assert agent.poll() is None, "the agent was killed"
+        # the refusal freed the idle pooled segment, and nothing here maps it any more (its pages are gone)
+        assert _deleted_maps(d) == [], _deleted_maps(d)
+        with open(os.path.join(cg, "memory.oom_control")) as f:
+            oom = dict(ln.split() for ln in f if ln.strip())
+        assert oom.get("oom_kill", "0") == "0", oom
+        assert ck.all_steps() == [1]
+        assert np.array_equal(ck.restore()["x"], _state(1, 32)["x"])
+        ck.save(3, _state(3, 16))  # a smaller save fits in what the refusal freed
+        ck.wait()
+        assert np.array_equal(ck.restore()["x"], _state(3, 16)["x"])
+        assert agent.poll() is None
+    finally:
+        if ck is not None:
+            ck.close()
+        if agent.poll() is None:
+            agent.send_signal(signal.SIGTERM)
+            agent.wait(timeout=60)
+        proto.kill_agent(d, remove_memory=True)
+        os.rmdir(cg)
+        if os.path.exists(f"/tmp/jaxckpt-{job}.log"):
+            os.unlink(f"/tmp/jaxckpt-{job}.log")
+    assert agent.returncode == 0
+
+
+def _write(path, text: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def test_the_tightest_level_of_a_v2_hierarchy_is_the_room(tmp_path):
+    """memory.max at every level from the process's cgroup up (a pod's limit above its container's), reclaimable
+    file cache not counted as use; "max" everywhere is no limit."""
+    root = tmp_path / "cgroup"
+    _write(root / "cgroup.controllers", "cpu memory pids\n")
+    _write(tmp_path / "self", "0::/pod/ctr\n")
+    stat = "anon 1000\nfile 9000\nactive_file 3000\ninactive_file 2000\nshmem 4000\n"
+    for level, limit, current in (("pod", "100000000\n", "60000000\n"), ("pod/ctr", "max\n", "50000000\n")):
+        _write(root / level / "memory.max", limit)
+        _write(root / level / "memory.current", current)
+        _write(root / level / "memory.stat", stat)
+    got = cgroup.room(str(tmp_path / "self"), str(tmp_path / "no-v1"), str(root))
+    assert got == cgroup.Room(str(root / "pod"), 100_000_000, 60_000_000 - 5000), got
+    assert got.free == 100_000_000 - (60_000_000 - 5000) - cgroup.MARGIN
+    _write(root / "pod" / "memory.max", "max\n")
+    assert cgroup.room(str(tmp_path / "self"), str(tmp_path / "no-v1"), str(root)) is None
+    # a container that mounts its own cgroup at the root while /proc names the host's path: the root alone
+    _write(root / "memory.max", "70000000\n")
+    _write(root / "memory.current", "20000000\n")
+    _write(root / "memory.stat", stat)
+    _write(tmp_path / "self", "0::/kubepods/burstable/pod-1/ctr-2\n")
+    assert cgroup.room(str(tmp_path / "self"), str(tmp_path / "no-v1"), str(root)) == \
+        cgroup.Room(str(root), 70_000_000, 20_000_000 - 5000)
+
+
+def test_no_memory_cgroup_is_no_limit(tmp_path):
+    _write(tmp_path / "self", "4:memory:/\n0::/\n")
+    assert cgroup.room(str(tmp_path / "self"), str(tmp_path / "none"), str(tmp_path / "none")) is None
+    assert cgroup.room(str(tmp_path / "missing")) is None
+
+
+def test_an_idle_copy_worker_keeps_no_snapshot_buffer():
+    """Once a snapshot is copied, nothing of the copier holds its slot's buffer (a segment the agent unlinks
+    must not stay mapped, its pages alive, until the next save)."""
+    copier = Copier(workers=2)
+    try:
+        for _ in range(20):  # at the old code an idle worker kept the last job it had looked at, most times
+            buf = np.zeros(8 * MIB, np.uint8)
+            alive = weakref.ref(buf)
+            src = np.ones(MIB, np.uint8)
+            tasks = [CopyTask(fetch=lambda: src, offset=i * MIB, nbytes=MIB) for i in range(8)]
+            done = threading.Event()
+            fut: Future = copier.submit(Slot(0, buf.nbytes, memoryview(buf)), tasks, on_done=lambda f: done.set())
+            assert done.wait(60)
+            assert len(fut.result().crcs) == 8 and buf[-1] == 1
+            del buf, fut, tasks
+            deadline = time.monotonic() + 10
+            while alive() is not None and time.monotonic() < deadline:  # the workers go idle
+                gc.collect()
+                time.sleep(0.01)
+            assert alive() is None, "the copier still holds the copied slot's buffer"
+    finally:
+        copier.close()
