@@ -113,6 +113,30 @@ def test_a_save_over_the_agents_memory_cgroup_limit_is_refused_not_killed():
     assert agent.returncode == 0
 
 
+@available(_why_no_v1())
+def test_doctor_reports_the_memory_cgroup_a_spawned_agent_shares():
+    """``jaxckpt doctor`` run as a job's process (here in a cgroup of 256 MiB, as a SLURM step's --mem would make
+    it) shows the limit, and a node budget that does not fit it is a problem (exit 1)."""
+    import json
+
+    cg = os.path.join(V1, f"jaxckpt-doctor-{uuid.uuid4().hex[:6]}")
+    os.mkdir(cg)
+    try:
+        with open(os.path.join(cg, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(256 * MIB))
+        env = {**os.environ, "JAXCKPT_STORE": "shm", "JAXCKPT_MEMORY_BUDGET_BYTES": str(1 << 30)}
+        r = subprocess.run(["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" -m jaxckpt.cli doctor --json',
+                            sys.executable], env=env, capture_output=True, text=True, timeout=120)
+        got = json.loads(r.stdout)
+        assert r.returncode == 1, (r.stdout, r.stderr)
+        assert got["memory_cgroup"]["path"] == cg and got["memory_cgroup"]["limit"] == 256 * MIB, got
+        assert any(p.startswith("the node's memory budget, 1.0 GiB (1 process(es) x Config.memory_budget_bytes), "
+                                f"does not fit this process's memory cgroup: limit 256.0 MiB at {cg}")
+                   for p in got["problems"]), got["problems"]
+    finally:
+        os.rmdir(cg)
+
+
 def _write(path, text: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:

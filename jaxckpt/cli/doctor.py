@@ -91,6 +91,8 @@ def report(config: Config, *, sweep: bool = False) -> dict[str, Any]:
                             f"fewer (docs/deploy.md, \"Huge pages\")")
     except OSError as e:
         problems.append(f"cannot look at the filesystem of {directory}: {e}")
+    if config.store.startswith("shm"):
+        _memory_cgroup(config, procs or 1, out, problems)
     out["ports"] = _ports(config)
     if config.agent_peers and not config.peer_token:
         problems.append("Config.agent_peers is set but no shared peer token (JAXCKPT_PEER_TOKEN): a node agent "
@@ -107,6 +109,26 @@ def report(config: Config, *, sweep: bool = False) -> dict[str, Any]:
     out["other_allocations"] = [n for n in stale if os.path.join(base, n) not in out.get("swept", [])]
     out["problems"], out["warnings"] = problems, warnings
     return out
+
+
+def _memory_cgroup(config: Config, procs: int, out: dict[str, Any], problems: list[str]) -> None:
+    """This process's memory cgroup limit (an agent it spawns shares the cgroup; a SLURM step's --mem, a
+    container's limit), and the node's budget against it (the agent refuses saves past the limit)."""
+    from jaxckpt.backends.agent import cgroup
+    from jaxckpt.backends.agent.capacity import fmt_bytes
+
+    limited = cgroup.room()
+    if limited is None:
+        return
+    out["memory_cgroup"] = {"path": limited.path, "limit": limited.limit, "used": limited.used,
+                            "free": limited.free}
+    node = config.memory_budget_bytes * procs
+    if node > limited.free:
+        problems.append(f"the node's memory budget, {fmt_bytes(node)} ({procs} process(es) x "
+                        f"Config.memory_budget_bytes), does not fit this process's memory cgroup: limit "
+                        f"{fmt_bytes(limited.limit)} at {limited.path}, {fmt_bytes(limited.used)} in use; an agent "
+                        f"it spawns is charged there and refuses saves past the limit: raise the limit (a SLURM "
+                        f"step's --mem, the container's) or lower the budget")
 
 
 def _unusable_dir(directory: str) -> str | None:
@@ -186,6 +208,10 @@ def render(r: dict[str, Any]) -> str:
         lines.append("budget         " + (f"{fmt_bytes(b['per_process'])} x {b['processes']} process(es) = "
                                           f"{fmt_bytes(b['node'])}" if b["per_process"] else
                                           "none (Config.memory_budget_bytes=0)"))
+    if "memory_cgroup" in r:
+        g = r["memory_cgroup"]
+        lines.append(f"memory cgroup  {g['path']}: limit {fmt_bytes(g['limit'])}, {fmt_bytes(g['used'])} in use "
+                     f"(file cache not counted), {fmt_bytes(g['free'])} for snapshots")
     p = r["ports"]
     lines.append(f"peers          bind {p['peers']['bind']}, port {p['peers']['port']}, {p['peers']['security']}")
     if p["peers"].get("rendezvous"):
