@@ -346,9 +346,9 @@ class SlotTable:
                 raise Refused("budget", f"step {step} of process {process}: a segment of {size} bytes does not fit "
                                         f"the memory cgroup limit of the node agent ({limited.limit} bytes at "
                                         f"{limited.path}, {limited.used} in use): the kernel would end the agent, or "
-                                        f"a process beside it, at this save; give the agent (its container or job step) a larger memory "
-                                        f"limit, or set Config.memory_budget_bytes to fit it (committed steps "
-                                        f"{kept} are kept)")
+                                        f"a process beside it, at this save; give the agent (its container or job "
+                                        f"step) a larger memory limit, or set Config.memory_budget_bytes to fit it "
+                                        f"(committed steps {kept} are kept)")
 
     def _create(self, process: int, step: int, size: int) -> Segment:
         name = segment_name(process, self.generation, next(self._counter))
