@@ -169,7 +169,7 @@ def test_the_tightest_level_of_a_v2_hierarchy_is_the_room(tmp_path):
 
 
 def test_no_memory_cgroup_is_no_limit(tmp_path):
-    _write(tmp_path / "self", "4:memory:/\n0::/\n")
+    _write(tmp_path / "self", "garbage\n4:memory:/\n0::/\n")
     assert cgroup.room(str(tmp_path / "self"), str(tmp_path / "none"), str(tmp_path / "none")) is None
     assert cgroup.room(str(tmp_path / "missing")) is None
 

@@ -47,7 +47,10 @@ def room(proc_cgroup: str = "/proc/self/cgroup", v1_root: str = V1_ROOT, v2_root
         return None
     v1 = v2 = None
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
         if "memory" in controllers.split(","):
             v1 = path
         elif controllers == "":
