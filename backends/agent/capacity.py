@@ -34,12 +34,20 @@ class ShmCapacity:
 def shm_capacity(path: str) -> ShmCapacity:
     """The filesystem that holds (or will hold) ``path``: its nearest existing ancestor's."""
     probe = os.path.abspath(path)
-    while not os.path.exists(probe) and probe != os.path.dirname(probe):
-        probe = os.path.dirname(probe)
+    if not os.path.exists(probe):
+        probe = nearest_existing(probe)
     st = os.statvfs(probe)
     mount, fstype, options = _mount_of(probe)
     return ShmCapacity(path, mount, fstype, st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize,
                        _huge_mode(fstype, options))
+
+
+def nearest_existing(path: str) -> str:
+    """The nearest directory above ``path`` that exists (where making ``path`` writes, whose filesystem holds it)."""
+    above = os.path.dirname(path)
+    while above and not os.path.lexists(above) and os.path.dirname(above) != above:
+        above = os.path.dirname(above)
+    return above
 
 
 def _huge_mode(fstype: str, options: str) -> str:

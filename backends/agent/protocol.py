@@ -38,6 +38,7 @@ from jaxckpt.errors import (AgentError, BudgetExceededError, ClosedError, Config
                             StoreUnavailableError)
 from jaxckpt.core.manifest import MAX_MANIFEST_BYTES
 from jaxckpt.node_identity import agent_dir_name, allocation, node_identity
+from jaxckpt.backends.agent.capacity import nearest_existing
 from jaxckpt.protection import PROTECT_BASE  # noqa: F401 - re-exported: the agent lists protection slots apart
 
 VERSION = 1
@@ -104,14 +105,6 @@ def ensure_private_dir(path: str, *, create: bool) -> str:
         raise AgentError(f"refusing agent directory {path}: it must be a directory owned by uid {os.geteuid()} "
                          f"with mode 0700 (found mode {stat.filemode(st.st_mode)}, uid {st.st_uid})")
     return path
-
-
-def nearest_existing(path: str) -> str:
-    """The nearest directory above ``path`` that exists (what making ``path`` needs to write)."""
-    above = os.path.dirname(path)
-    while above and not os.path.lexists(above) and os.path.dirname(above) != above:
-        above = os.path.dirname(above)
-    return above
 
 
 def cannot_make(path: str, reason: str) -> str:

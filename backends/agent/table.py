@@ -330,7 +330,7 @@ class SlotTable:
                     remove_file(os.path.join(self.dir, s.name))
             held = self._held(process if mine else None)
             if held + size > limit:
-                kept = sorted(s for (p, s), e in self._slots.items() if p == process and self._visible(e))
+                kept = self._kept(process)
                 raise Refused("budget", f"step {step} of process {process}: snapshot of {nbytes} bytes does not fit "
                                         f"the memory budget of {limit} bytes for {scope} ({held} held; committed "
                                         f"steps {kept} are kept)")
@@ -342,13 +342,17 @@ class SlotTable:
                     remove_file(os.path.join(self.dir, s.name))
             limited = cgroup.room()
             if limited is not None and size > limited.free:
-                kept = sorted(s for (p, s), e in self._slots.items() if p == process and self._visible(e))
+                kept = self._kept(process)
                 raise Refused("budget", f"step {step} of process {process}: a segment of {size} bytes does not fit "
                                         f"the memory cgroup limit of the node agent ({limited.limit} bytes at "
                                         f"{limited.path}, {limited.used} in use): the kernel would end the agent, or "
                                         f"a process beside it, at this save; give the agent (its container or job "
                                         f"step) a larger memory limit, or set Config.memory_budget_bytes to fit it "
                                         f"(committed steps {kept} are kept)")
+
+    def _kept(self, process: int) -> list[int]:
+        """The committed steps of ``process`` a refusal leaves in place (named in its message)."""
+        return sorted(s for (p, s), e in self._slots.items() if p == process and self._visible(e))
 
     def _create(self, process: int, step: int, size: int) -> Segment:
         name = segment_name(process, self.generation, next(self._counter))

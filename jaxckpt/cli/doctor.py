@@ -135,7 +135,8 @@ def _unusable_dir(directory: str) -> str | None:
     """Why this user's trainers and agent could not use the agent directory ``directory`` (None: they can). One
     that exists must be a directory of this user, mode 0700; one to be made needs a directory above it this user
     may write (a host directory a Kubernetes hostPath made is root's, mode 0755)."""
-    from jaxckpt.backends.agent.protocol import cannot_make, ensure_private_dir, nearest_existing
+    from jaxckpt.backends.agent.capacity import nearest_existing
+    from jaxckpt.backends.agent.protocol import cannot_make, ensure_private_dir
 
     if os.path.lexists(directory):
         try:
