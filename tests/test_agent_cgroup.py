@@ -1,4 +1,5 @@
-"""A node agent under a memory cgroup limit (a Kubernetes container's or pod's, a SLURM step's ``--mem``).
+"""A node agent under a memory cgroup limit (a Kubernetes container's or pod's, a SLURM job's ``--mem``;
+under SLURM itself: tests/test_slurm_memory.py).
 
 The snapshots' tmpfs pages are charged to the agent, which allocates them. A save that would take it over its
 cgroup's limit set off the kernel's OOM killer in that cgroup: the agent was SIGKILLed and every trainer of the
@@ -115,7 +116,7 @@ def test_a_save_over_the_agents_memory_cgroup_limit_is_refused_not_killed():
 
 @available(_why_no_v1())
 def test_doctor_reports_the_memory_cgroup_a_spawned_agent_shares():
-    """``jaxckpt doctor`` run as a job's process (here in a cgroup of 256 MiB, as a SLURM step's --mem would make
+    """``jaxckpt doctor`` run as a job's process (here in a cgroup of 256 MiB, as a SLURM job's --mem would make
     it) shows the limit, and a node budget that does not fit it is a problem (exit 1)."""
     import json
 

@@ -1,8 +1,9 @@
 """The memory cgroup a node agent runs in: how much more it may hold before the kernel ends it.
 
 The pages of a snapshot's segment are charged to the memory cgroup of the process that allocates them, the
-agent (its ``posix_fallocate``). Where that cgroup has a limit (a Kubernetes container's or pod's memory limit, a
-SLURM step's ``--mem`` under ``ConstrainRAMSpace``), a segment that does not fit sets off the kernel's OOM killer
+agent (its ``posix_fallocate``). Where that cgroup has a limit (a Kubernetes container's or pod's memory limit; under
+SLURM's ``ConstrainRAMSpace``, the job's ``--mem`` on the node, which its trainers' steps and the agent's own step
+share), a segment that does not fit sets off the kernel's OOM killer
 in it, which ends the agent (or a trainer beside it): every process of the node then skips its saves until an
 agent serves again. The agent asks :func:`room` before it allocates, and refuses such a segment as a save over
 budget instead, naming the limit (``table.py``).

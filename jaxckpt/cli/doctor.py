@@ -112,8 +112,8 @@ def report(config: Config, *, sweep: bool = False) -> dict[str, Any]:
 
 
 def _memory_cgroup(config: Config, procs: int, out: dict[str, Any], problems: list[str]) -> None:
-    """This process's memory cgroup limit (an agent it spawns shares the cgroup; a SLURM step's --mem, a
-    container's limit), and the node's budget against it (the agent refuses saves past the limit)."""
+    """This process's memory cgroup limit (a container's; a SLURM job's --mem, which the agent step the trainers
+    spawn shares with them), and the node's budget against it (the agent refuses saves past the limit)."""
     from jaxckpt.backends.agent import cgroup
     from jaxckpt.backends.agent.capacity import fmt_bytes
 
@@ -128,7 +128,7 @@ def _memory_cgroup(config: Config, procs: int, out: dict[str, Any], problems: li
                         f"Config.memory_budget_bytes), does not fit this process's memory cgroup: limit "
                         f"{fmt_bytes(limited.limit)} at {limited.path}, {fmt_bytes(limited.used)} in use; an agent "
                         f"it spawns is charged there and refuses saves past the limit: raise the limit (a SLURM "
-                        f"step's --mem, the container's) or lower the budget")
+                        f"job's --mem, the container's) or lower the budget")
 
 
 def _unusable_dir(directory: str) -> str | None:

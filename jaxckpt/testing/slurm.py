@@ -1,7 +1,9 @@
 """An emulated SLURM cluster on this machine, from Debian's ``slurm-wlm`` and ``munge``: one ``slurmctld`` and one
 ``slurmd -N <node>`` per node, each on its own port, ``ProctrackType=proctrack/cgroup`` (cgroups v1), munge with
 a key of its own. Tests (tests/test_slurm.py) run real ``salloc``/``srun``/``sbatch``
-against it.
+against it. With ``memory_mb`` the nodes have that much memory and SLURM enforces the jobs' ``--mem``
+(``TaskPlugin=task/cgroup``, ``ConstrainRAMSpace=yes``, memory a consumable resource): each step's processes run
+in a memory cgroup under their job's, as on a site that constrains memory (tests/test_slurm_memory.py).
 
 Every file lives under one root directory; the daemons run in the foreground as children of this process (own
 sessions) and :meth:`SlurmCluster.stop` cancels every job, waits for their steps, stops the daemons and removes
@@ -46,8 +48,9 @@ HOSTS = "/etc/hosts"
 EXTRA_LOOPBACK = "127.0.0.2/32"
 
 
-def unavailable() -> str | None:
-    """Why an emulated cluster cannot run here (None if it can): root, the packages, cgroup v1's freezer."""
+def unavailable(memory: bool = False) -> str | None:
+    """Why an emulated cluster cannot run here (None if it can): root, the packages, cgroup v1's freezer, and with
+    ``memory`` (a cluster of ``memory_mb``) cgroup v1's memory controller."""
     if os.geteuid() != 0:
         return "the emulated SLURM cluster needs root (slurmd runs as root)"
     missing = [b for b in BINARIES if shutil.which(b) is None and not os.path.exists(f"/usr/sbin/{b}")]
@@ -55,6 +58,8 @@ def unavailable() -> str | None:
         return f"SLURM/munge not installed (missing {', '.join(missing)}; apt-get install slurm-wlm munge)"
     if not os.path.isdir(os.path.join(CGROUP_ROOT, "freezer")):
         return f"proctrack/cgroup needs cgroup v1's freezer controller at {CGROUP_ROOT}/freezer"
+    if memory and not os.path.isfile(os.path.join(CGROUP_ROOT, "memory", "memory.limit_in_bytes")):
+        return f"task/cgroup's ConstrainRAMSpace needs cgroup v1's memory controller at {CGROUP_ROOT}/memory"
     return None
 
 
@@ -87,15 +92,17 @@ def _free_block(count: int, lo: int = 40000, hi: int = 60000) -> int:
 
 class SlurmCluster:
     """``nodes`` emulated nodes named ``<prefix>1..N`` (``cpus`` CPUs each; the prefix random unless given) under
-    ``root``, with slurm.conf's ``Epilog`` if ``epilog`` names a script; start() / stop()."""
+    ``root``, with slurm.conf's ``Epilog`` if ``epilog`` names a script, and with ``memory_mb`` that much memory a
+    node and the jobs' ``--mem`` enforced by memory cgroups; start() / stop()."""
 
     def __init__(self, root: str, *, nodes: int = 3, cpus: int = 2, prefix: str = "", kill_wait: int = 5,
-                 epilog: str = "") -> None:
+                 epilog: str = "", memory_mb: int = 0) -> None:
         self.root = os.path.abspath(root)
         # Node names name the cgroups (slurm_<node>) and /etc/hosts entries: unique per cluster unless given.
         prefix = prefix or f"jx{os.urandom(2).hex()}n"
         self.nodes = [f"{prefix}{k}" for k in range(1, nodes + 1)]
         self.cpus, self.kill_wait, self.epilog = cpus, kill_wait, os.path.abspath(epilog) if epilog else ""
+        self.memory_mb = memory_mb
         self.conf = os.path.join(self.root, "slurm.conf")
         self._procs: dict[str, subprocess.Popen] = {}
         self._hosts_line: str | None = None
@@ -120,7 +127,7 @@ class SlurmCluster:
     # ------------------------------------------------------------------------------------------- start
     def start(self, timeout: float = 60.0) -> "SlurmCluster":
         """Write the configuration, start munged, slurmctld and every slurmd; wait until every node is idle."""
-        why = unavailable()
+        why = unavailable(memory=bool(self.memory_mb))
         if why:
             raise LaunchError(why)
         try:
@@ -161,13 +168,15 @@ class SlurmCluster:
 
     def _write_conf(self, ctld_port: int, node_ports: list[int]) -> None:
         r = self.root
+        task, select = ("task/cgroup", "CR_CPU_Memory") if self.memory_mb else ("task/none", "CR_CPU")
+        memory = self.memory_mb or 2000
         lines = [
             "ClusterName=jaxckpt", "SlurmctldHost=localhost(127.0.0.1)", f"SlurmctldPort={ctld_port}",
             "AuthType=auth/munge", f"AuthInfo=socket={r}/munge.sock", "CredType=cred/munge", "MpiDefault=none",
-            "ProctrackType=proctrack/cgroup", "TaskPlugin=task/none", "ReturnToService=2",
+            "ProctrackType=proctrack/cgroup", f"TaskPlugin={task}", "ReturnToService=2",
             f"SlurmctldPidFile={r}/slurmctld.pid", f"SlurmdPidFile={r}/slurmd-%n.pid",
             f"SlurmdSpoolDir={r}/spool/%n", f"StateSaveLocation={r}/state", "SlurmUser=root", "SlurmdUser=root",
-            "SchedulerType=sched/backfill", "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
+            "SchedulerType=sched/backfill", "SelectType=select/cons_tres", f"SelectTypeParameters={select}",
             f"SlurmctldLogFile={r}/log/slurmctld.log", f"SlurmdLogFile={r}/log/slurmd-%n.log",
             "SlurmctldDebug=info", "SlurmdDebug=info", f"KillWait={self.kill_wait}", "InactiveLimit=0",
             "MinJobAge=30", "JobCompType=jobcomp/none", "AccountingStorageType=accounting_storage/none",
@@ -175,14 +184,14 @@ class SlurmCluster:
         ]
         if self.epilog:  # run by every slurmd as root when a job's processes on its node are gone
             lines.append(f"Epilog={self.epilog}")
-        lines += [f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory=2000 "
+        lines += [f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={memory} "
                   f"Port={p}" for n, p in zip(self.nodes, node_ports)]
         lines.append("PartitionName=jx Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4")
         with open(self.conf, "w") as f:
             f.write("\n".join(lines) + "\n")
         with open(os.path.join(r, "cgroup.conf"), "w") as f:
             f.write(f"CgroupPlugin=cgroup/v1\nCgroupMountpoint={CGROUP_ROOT}\nCgroupAutomount=no\n"
-                    "ConstrainCores=no\nConstrainRAMSpace=no\n")
+                    f"ConstrainCores=no\nConstrainRAMSpace={'yes' if self.memory_mb else 'no'}\n")
 
     def _resolve_nodes(self) -> None:
         unresolved = []

@@ -1,0 +1,128 @@
+"""jaxckpt where SLURM enforces memory: an emulated cluster (jaxckpt/testing/slurm.py) with
+``TaskPlugin=task/cgroup``, ``ConstrainRAMSpace=yes`` and memory a consumable resource, so a job's ``--mem`` is
+the limit of a memory cgroup SLURM makes for the job on each node, with one under it for each step.
+
+The node agent the trainers spawn runs as a step of its own (``srun --overlap``, backends/agent/lifetime.py), in
+the job's memory cgroup beside the trainers: the snapshots' pages are charged there, and the trainers' own memory
+counts against the same limit. A save past what the job has left is refused in the trainer (BudgetExceededError
+naming the limit and the job's cgroup, as SLURM made it) instead of the kernel's OOM killer ending the agent or a
+trainer; the agent serves on, the committed step restores bit for bit, a smaller save fits again. ``jaxckpt
+doctor``, run as a step of the job, shows the job's limit and a node budget past it.
+
+One single-node cluster for the module (its teardown checks that no daemon, step process or cgroup is left); it
+skips with the reason where it cannot run, except under CI=true (tests/requires.py). About 30 s on 2 cores.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import pytest
+
+from jaxckpt.backends.agent import protocol as proto
+from jaxckpt.config import Config
+from jaxckpt.testing import slurm
+from requires import available
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHM = proto.shm_base(Config().with_env())
+MEMORY_CG = os.path.join(slurm.CGROUP_ROOT, "memory")
+JOB_MEM_MB = 1000  # the job's --mem: a trainer importing jax (about 250 MB here) and the agent's snapshots
+STEP_TIMEOUT_S = 240.0
+
+pytestmark = available(slurm.unavailable(memory=True))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    root = tempfile.mkdtemp(prefix="jaxckpt-slurm-mem-")
+    c = slurm.SlurmCluster(root, nodes=1, memory_mb=4000)
+    try:
+        c.start()
+        yield c
+    finally:
+        try:
+            c.stop()
+            assert not c.leftovers(), f"the emulated cluster left {c.leftovers()}"
+        finally:
+            subprocess.run(["rm", "-rf", root], check=False)
+
+
+def _step_run(cluster, job: str, args: list[str], *, env: dict | None = None) -> subprocess.CompletedProcess:
+    """One task of a new step of ``job`` running this interpreter with ``args``; its output in the result."""
+    return cluster.run(["srun", f"--jobid={job}", "-N1", "-n1", "--overlap", sys.executable, *args],
+                       check=False, timeout=STEP_TIMEOUT_S, env={"JAXCKPT_LOG_LEVEL": "WARNING", **(env or {})})
+
+
+def _memory_cgroup(pid: int) -> str:
+    """The v1 memory cgroup directory ``pid`` runs in."""
+    with open(f"/proc/{pid}/cgroup") as f:
+        rel = next(line.split(":", 2)[2].strip() for line in f if line.split(":")[1] == "memory")
+    return MEMORY_CG + rel
+
+
+def _job_dirs(name: str, job: str) -> list[str]:
+    """The job's default agent directories (one per node)."""
+    return sorted(d for d in os.listdir(SHM) if d.startswith(f"jaxckpt-{os.geteuid()}-{name}@slurm{job}@"))
+
+
+def _oom_kills(directory: str) -> int:
+    with open(os.path.join(directory, "memory.oom_control")) as f:
+        return int(dict(line.split() for line in f if line.strip()).get("oom_kill", "0"))
+
+
+def test_a_save_past_the_jobs_mem_is_refused_and_the_spawned_agent_lives(cluster, tmp_path):
+    """A job of --mem=1000M; its trainer (tests/cgroup_trainer.py) spawns the node agent (a step of its own),
+    saves two steps of 32 MiB, then one of 768 MiB (six leaves of one 128 MiB array: the trainer holds 128 MiB of
+    it, the agent would need all of it). That save is refused with the job's limit and cgroup named; nothing is
+    OOM-killed; step 1 restores bit for bit and a 16 MiB save after it commits. The agent, in a step of its own
+    under the job's memory cgroup, still serves; at the allocation's end the memory is freed."""
+    name = f"m{uuid.uuid4().hex[:8]}"
+    job = cluster.salloc(1, name, extra=[f"--mem={JOB_MEM_MB}M"])
+    job_cg = os.path.join(MEMORY_CG, f"slurm_{cluster.nodes[0]}", f"uid_{os.geteuid()}", f"job_{job}")
+    try:
+        r = _step_run(cluster, job, [os.path.join(HERE, "cgroup_trainer.py"), "--out", str(tmp_path),
+                                     "--small", "32", "--big", "128", "--copies", "6", "--after", "16"],
+                      env={"JAXCKPT_JOB_ID": name})
+        assert r.returncode == 0 and "oom" not in (r.stdout + r.stderr).lower(), (r.returncode, r.stdout, r.stderr)
+        with open(os.path.join(job_cg, "memory.limit_in_bytes")) as f:  # made by SLURM at the job's first step
+            assert int(f.read()) == JOB_MEM_MB << 20
+        with open(tmp_path / "result.json") as f:
+            got = json.load(f)
+        refused = got["refused"] or ""
+        assert refused.startswith(f"step 2 of process 0: a segment of {768 << 20} bytes does not fit the memory "
+                                  f"cgroup limit of the node agent ({JOB_MEM_MB << 20} bytes at {job_cg}, "), got
+        assert refused.endswith("(committed steps [1] are kept)"), refused
+        assert got["steps"] == [1] and got["restored"] == 1 and got["bitwise"] and got["after_bitwise"], got
+
+        dirs = _job_dirs(name, job)
+        assert len(dirs) == 1, dirs
+        info = proto.read_pid_file(os.path.join(SHM, dirs[0]))
+        assert info is not None and os.path.exists(f"/proc/{info[0]}"), f"no agent serves {dirs[0]}"
+        agent_cg = _memory_cgroup(info[0])
+        # the agent's own step, under the job's cgroup: charged with the trainers, limited by the job's --mem
+        assert agent_cg.startswith(job_cg + "/step_"), agent_cg
+        assert _oom_kills(job_cg) == 0 and _oom_kills(agent_cg) == 0
+        status = proto.agent_status(os.path.join(SHM, dirs[0]), name, timeout_s=10.0)
+        assert status, status
+
+        # doctor, as a step of the job, reads the same limit and says a budget past it is a problem
+        d = _step_run(cluster, job, ["-m", "jaxckpt.cli", "doctor", "--json"],
+                      env={"JAXCKPT_STORE": "shm", "JAXCKPT_JOB_ID": name,
+                           "JAXCKPT_MEMORY_BUDGET_BYTES": str(2 << 30)})
+        report = json.loads(d.stdout)
+        assert d.returncode == 1, (d.stdout, d.stderr)
+        assert report["memory_cgroup"]["limit"] == JOB_MEM_MB << 20, report["memory_cgroup"]
+        assert report["memory_cgroup"]["path"].startswith(job_cg), report["memory_cgroup"]
+        assert any(p.startswith("the node's memory budget, 2.0 GiB") and job_cg in p for p in report["problems"]), \
+            report["problems"]
+    finally:
+        cluster.run(["scancel", job], check=False)
+    cluster.wait_gone(job, 120.0)
+    deadline = time.monotonic() + 30.0  # the agent frees the memory within KillWait of SLURM's SIGTERM
+    while _job_dirs(name, job) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _job_dirs(name, job) == [], f"the allocation's end left {_job_dirs(name, job)}"
