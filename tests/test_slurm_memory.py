@@ -14,6 +14,7 @@ skips with the reason where it cannot run, except under CI=true (tests/requires.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,7 +54,7 @@ def cluster():
 
 def _step_run(cluster, job: str, args: list[str], *, env: dict | None = None) -> subprocess.CompletedProcess:
     """One task of a new step of ``job`` running this interpreter with ``args``; its output in the result."""
-    return cluster.run(["srun", f"--jobid={job}", "-N1", "-n1", "--overlap", sys.executable, *args],
+    return cluster.run([shutil.which("srun") or "/usr/bin/srun", f"--jobid={job}", "-N1", "-n1", "--overlap", sys.executable, *args],
                        check=False, timeout=STEP_TIMEOUT_S, env={"JAXCKPT_LOG_LEVEL": "WARNING", **(env or {})})
 
 
@@ -109,16 +110,6 @@ def test_a_save_past_the_jobs_mem_is_refused_and_the_spawned_agent_lives(cluster
         status = proto.agent_status(os.path.join(SHM, dirs[0]), name, timeout_s=10.0)
         assert status, status
 
-        # doctor, as a step of the job, reads the same limit and says a budget past it is a problem
-        d = _step_run(cluster, job, ["-m", "jaxckpt.cli", "doctor", "--json"],
-                      env={"JAXCKPT_STORE": "shm", "JAXCKPT_JOB_ID": name,
-                           "JAXCKPT_MEMORY_BUDGET_BYTES": str(2 << 30)})
-        report = json.loads(d.stdout)
-        assert d.returncode == 1, (d.stdout, d.stderr)
-        assert report["memory_cgroup"]["limit"] == JOB_MEM_MB << 20, report["memory_cgroup"]
-        assert report["memory_cgroup"]["path"].startswith(job_cg), report["memory_cgroup"]
-        assert any(p.startswith("the node's memory budget, 2.0 GiB") and job_cg in p for p in report["problems"]), \
-            report["problems"]
     finally:
         cluster.run(["scancel", job], check=False)
     cluster.wait_gone(job, 120.0)
@@ -126,3 +117,38 @@ def test_a_save_past_the_jobs_mem_is_refused_and_the_spawned_agent_lives(cluster
     while _job_dirs(name, job) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _job_dirs(name, job) == [], f"the allocation's end left {_job_dirs(name, job)}"
+
+
+def test_doctor_in_a_step_reads_the_jobs_limit_and_how_the_agent_will_be_spawned(cluster):
+    """``jaxckpt doctor`` as a step of a job of --mem=1000M, before any agent runs: the job's memory cgroup and
+    limit, a node budget of 2 GiB past it as a problem; with ``srun`` at hand the trainers spawn the agent as a
+    step of its own (no warning); where the step's PATH has no ``srun`` they would spawn it inside their step,
+    which dies with it (a warning)."""
+    name = f"d{uuid.uuid4().hex[:8]}"
+    job = cluster.salloc(1, name, extra=[f"--mem={JOB_MEM_MB}M"])
+    job_cg = os.path.join(MEMORY_CG, f"slurm_{cluster.nodes[0]}", f"uid_{os.geteuid()}", f"job_{job}")
+    env = {"JAXCKPT_STORE": "shm", "JAXCKPT_JOB_ID": name, "JAXCKPT_MEMORY_BUDGET_BYTES": str(2 << 30)}
+    try:
+        r = _step_run(cluster, job, ["-m", "jaxckpt.cli", "doctor", "--json"], env=env)
+        report = json.loads(r.stdout)
+        assert r.returncode == 1, (r.stdout, r.stderr)  # the budget is a problem
+        assert report["memory_cgroup"]["limit"] == JOB_MEM_MB << 20, report["memory_cgroup"]
+        assert report["memory_cgroup"]["path"].startswith(job_cg), report["memory_cgroup"]
+        assert [p for p in report["problems"] if p.startswith("the node's memory budget, 2.0 GiB")] == [
+            f"the node's memory budget, 2.0 GiB (1 process(es) x Config.memory_budget_bytes), does not fit this "
+            f"process's memory cgroup: limit {JOB_MEM_MB}.0 MiB at {report['memory_cgroup']['path']}, "
+            f"{report['memory_cgroup']['used'] / (1 << 20):.1f} MiB in use; an agent it spawns is charged there "
+            f"and refuses saves past the limit: raise the limit (a SLURM job's --mem, the container's) or lower "
+            f"the budget"], report["problems"]
+        assert report["agent"]["running"] is False and report["agent"]["spawn"] == "own step", report["agent"]
+        assert not any("no agent runs" in w for w in report["warnings"]), report["warnings"]
+
+        bare = _step_run(cluster, job, ["-m", "jaxckpt.cli", "doctor", "--json"],
+                         env={**env, "PATH": os.path.dirname(sys.executable)})  # no srun here
+        report = json.loads(bare.stdout)
+        assert report["agent"]["spawn"] == "trainers' step", report["agent"]
+        assert any(w.startswith("no agent runs for this job on this node, and srun is not on PATH")
+                   for w in report["warnings"]), report["warnings"]
+    finally:
+        cluster.run(["scancel", job], check=False)
+    cluster.wait_gone(job, 120.0)

@@ -59,10 +59,15 @@ def report(config: Config, *, sweep: bool = False) -> dict[str, Any]:
                         f"machine count as two nodes and protection may keep a node's redundancy on that machine; "
                         f"set {ENV_K8S_NODE} from spec.nodeName through the downward API (docs/deploy.md)")
     if sched.name == "slurm" and not out["agent"]["running"]:
-        warnings.append("no agent runs for this job on this node: the trainers will spawn one inside their step, "
-                        "which dies with it (the memory stays for the next step); for memory freed at the "
-                        "allocation's end whatever the steps do, run the agent as its own step: srun --overlap "
-                        f"--ntasks-per-node=1 jaxckpt agent --job {config.job_id} --wait & (docs/deploy.md)")
+        # With srun at hand a trainer spawns the agent as a step of its own, which outlives the trainers' step
+        # and hears of the allocation's end (backends/agent/lifetime.py): nothing to warn of then.
+        out["agent"]["spawn"] = "own step" if lifetime.step_launch() is not None else "trainers' step"
+        if out["agent"]["spawn"] != "own step":
+            warnings.append("no agent runs for this job on this node, and srun is not on PATH or this is no "
+                            "allocation: the trainers will spawn one inside their step, which dies with it (the "
+                            "memory stays for the next step); for memory freed at the allocation's end whatever "
+                            "the steps do, run the agent as its own step: srun --overlap --ntasks-per-node=1 "
+                            f"jaxckpt agent --job {config.job_id} --wait & (docs/deploy.md)")
     if config.store.startswith("shm"):
         unusable = _unusable_dir(directory)
         if unusable:
@@ -200,6 +205,8 @@ def render(r: dict[str, Any]) -> str:
              f"job id         {r['job_id']}  (store {r['store']})"]
     a = r["agent"]
     state = f"agent running: pid {a['pid']}, generation {a['generation']}" if a["running"] else "no agent running"
+    if a.get("spawn") == "own step":
+        state += "; the trainers spawn it as a step of its own (srun --overlap)"
     lines.append(f"agent dir      {a['directory']}  ({'default' if a['default'] else 'Config.shm_dir'}; {state})")
     if "shm" in r:
         m, b = r["shm"], r["budget"]
