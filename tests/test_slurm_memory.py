@@ -96,7 +96,8 @@ def test_a_save_past_the_jobs_mem_is_refused_and_the_spawned_agent_lives(cluster
         refused = got["refused"] or ""
         assert refused.startswith(f"step 2 of process 0: a segment of {768 << 20} bytes does not fit the memory "
                                   f"cgroup limit of the node agent ({JOB_MEM_MB << 20} bytes at {job_cg}, "), got
-        assert refused.endswith("(committed steps [1] are kept)"), refused
+        assert "raise that limit (the agent's container's; under SLURM the job's --mem, which its steps share)" \
+            in refused and refused.endswith("(committed steps [1] are kept)"), refused
         assert got["steps"] == [1] and got["restored"] == 1 and got["bitwise"] and got["after_bitwise"], got
 
         dirs = _job_dirs(name, job)
