@@ -138,6 +138,61 @@ def test_doctor_reports_the_memory_cgroup_a_spawned_agent_shares():
         os.rmdir(cg)
 
 
+@available(_why_no_v1())
+def test_doctor_reads_the_memory_cgroup_of_the_agent_that_serves(tmp_path):
+    """An agent in a cgroup of its own, as a Kubernetes DaemonSet's runs in another pod than the trainers: ``jaxckpt
+    doctor`` (in this process's cgroup, which has no limit) reports the agent's cgroup from the agent's status
+    reply, with the snapshots it holds, and a node budget past it as a problem naming the agent."""
+    import json
+
+    job = f"cgd-{uuid.uuid4().hex[:6]}"
+    d = f"/dev/shm/jaxckpt-cgtest-{job}"
+    cg = os.path.join(V1, f"jaxckpt-test-{job}")
+    os.mkdir(cg)
+    log = str(tmp_path / "agent.log")
+    agent = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d, "--log", log])
+    ck = None
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(d, proto.SOCKET_NAME)):
+            assert agent.poll() is None and time.monotonic() < deadline, "the agent did not start"
+            time.sleep(0.01)
+        with open(os.path.join(cg, "cgroup.procs"), "w") as f:
+            f.write(str(agent.pid))
+        with open(os.path.join(cg, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(512 * MIB))
+        ck = jaxckpt.Checkpointer(Config(store="shm", job_id=job, shm_dir=d, keep=1))
+        ck.save(0, _state(0, 32))
+        ck.wait()
+        env = {**os.environ, "JAXCKPT_STORE": "shm", "JAXCKPT_JOB_ID": job, "JAXCKPT_SHM_DIR": d,
+               "JAXCKPT_MEMORY_BUDGET_BYTES": str(1 << 30)}
+        r = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "doctor", "--json"], env=env, capture_output=True,
+                           text=True, timeout=120)
+        got = json.loads(r.stdout)
+        assert r.returncode == 1, (r.stdout, r.stderr)
+        g = got["memory_cgroup"]
+        assert (g["of"], g["path"], g["limit"]) == ("agent", cg, 512 * MIB), g
+        assert g["held"] >= 32 * MIB and g["used"] >= 32 * MIB, g  # the step's segment, charged to the agent
+        assert any(p.startswith("the node's memory budget, 1.0 GiB (1 process(es) x Config.memory_budget_bytes), "
+                                f"does not fit the node agent's memory cgroup (pid {agent.pid}): limit 512.0 MiB "
+                                f"at {cg}") for p in got["problems"]), got["problems"]
+        text = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "doctor"], env=env, capture_output=True,
+                              text=True, timeout=120).stdout
+        assert f"memory cgroup  {cg} (the node agent's): limit 512.0 MiB, " in text, text
+        listed = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "ls", "--dir", d, "--job", job], env=env,
+                                capture_output=True, text=True, timeout=120)
+        assert f"\nmemory cgroup {cg}: limit 512.0 MiB, " in listed.stdout, (listed.stdout, listed.stderr)
+    finally:
+        if ck is not None:
+            ck.close()
+        if agent.poll() is None:
+            agent.send_signal(signal.SIGTERM)
+            agent.wait(timeout=60)
+        proto.kill_agent(d, remove_memory=True)
+        os.rmdir(cg)
+    assert agent.returncode == 0
+
+
 def _write(path, text: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:

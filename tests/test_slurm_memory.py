@@ -54,7 +54,8 @@ def cluster():
 
 def _step_run(cluster, job: str, args: list[str], *, env: dict | None = None) -> subprocess.CompletedProcess:
     """One task of a new step of ``job`` running this interpreter with ``args``; its output in the result."""
-    return cluster.run([shutil.which("srun") or "/usr/bin/srun", f"--jobid={job}", "-N1", "-n1", "--overlap", sys.executable, *args],
+    srun = shutil.which("srun") or "/usr/bin/srun"  # found here: a step's PATH may be the test's to set
+    return cluster.run([srun, f"--jobid={job}", "-N1", "-n1", "--overlap", sys.executable, *args],
                        check=False, timeout=STEP_TIMEOUT_S, env={"JAXCKPT_LOG_LEVEL": "WARNING", **(env or {})})
 
 
@@ -109,7 +110,13 @@ def test_a_save_past_the_jobs_mem_is_refused_and_the_spawned_agent_lives(cluster
         assert agent_cg.startswith(job_cg + "/step_"), agent_cg
         assert _oom_kills(job_cg) == 0 and _oom_kills(agent_cg) == 0
         status = proto.agent_status(os.path.join(SHM, dirs[0]), name, timeout_s=10.0)
-        assert status, status
+        assert status["memory_cgroup"]["path"] == job_cg and status["memory_cgroup"]["limit"] == JOB_MEM_MB << 20
+
+        # doctor, as a step of the job while the agent serves, reads the agent's cgroup from its status
+        d = _step_run(cluster, job, ["-m", "jaxckpt.cli", "doctor", "--json"],
+                      env={"JAXCKPT_STORE": "shm", "JAXCKPT_JOB_ID": name})
+        g = json.loads(d.stdout)["memory_cgroup"]
+        assert (g["of"], g["path"], g["limit"]) == ("agent", job_cg, JOB_MEM_MB << 20), g
 
     finally:
         cluster.run(["scancel", job], check=False)

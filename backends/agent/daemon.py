@@ -42,7 +42,7 @@ from typing import Any
 
 import msgpack
 
-from jaxckpt.backends.agent import lifetime
+from jaxckpt.backends.agent import cgroup, lifetime
 from jaxckpt.backends.agent.protocol import (LOCK_NAME, PID_NAME, SOCKET_NAME, VERSION, ProtocolError,
                                              ensure_private_dir, open_segment, pid_alive, recv_msg, remove_file,
                                              send_msg, write_private)
@@ -525,7 +525,9 @@ class Agent:
                     # what this process imported, when it began to serve and now: a replacement node's agent
                     # must not pay for frameworks it never uses (jax, ml_dtypes, torch); tests read it here
                     "modules_at_serving": self.modules_at_serving, "modules": _packages(),
-                    **self.table.status()}, None
+                    # the cgroup the snapshots are charged to, which a process elsewhere (a trainer pod beside a
+                    # DaemonSet's agent, jaxckpt doctor) cannot read from /proc
+                    "memory_cgroup": _room(), **self.table.status()}, None
         if op == "manifest":
             m = self.table.manifest(_int(msg, "process", MAX_PROCESS), _int(msg, "step"))
             return {"ok": True, "found": m is not None, "manifest": m or b""}, None
@@ -554,6 +556,12 @@ def startup_cost() -> dict[str, float]:
     started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in ticks since boot
     return {"serving_s": max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started),
             "cpu_s": time.process_time()}
+
+
+def _room() -> dict | None:
+    """This agent's memory cgroup room (``cgroup.room``) as its status reply carries it; None without a limit."""
+    r = cgroup.room()
+    return None if r is None else {"path": r.path, "limit": r.limit, "used": r.used, "free": r.free}
 
 
 def _packages() -> list[str]:

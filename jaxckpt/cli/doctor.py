@@ -117,23 +117,43 @@ def report(config: Config, *, sweep: bool = False) -> dict[str, Any]:
 
 
 def _memory_cgroup(config: Config, procs: int, out: dict[str, Any], problems: list[str]) -> None:
-    """This process's memory cgroup limit (a container's; a SLURM job's --mem, which the agent step the trainers
-    spawn shares with them), and the node's budget against it (the agent refuses saves past the limit)."""
+    """The memory cgroup a node agent's snapshots are charged to, and the node's budget against it (the agent
+    refuses saves past its limit). A serving agent says its own in its status reply: a DaemonSet's agent runs in
+    another pod, whose cgroup this process cannot see. Without one, this process's: an agent the trainers spawn
+    is charged there (under SLURM in the job's cgroup above their step, which the agent's step shares)."""
     from jaxckpt.backends.agent import cgroup
     from jaxckpt.backends.agent.capacity import fmt_bytes
+    from jaxckpt.backends.agent.protocol import agent_status
+    from jaxckpt.errors import JaxckptError
 
-    limited = cgroup.room()
-    if limited is None:
-        return
-    out["memory_cgroup"] = {"path": limited.path, "limit": limited.limit, "used": limited.used,
-                            "free": limited.free}
+    agent, held = out["agent"], 0
+    if agent["running"]:
+        try:
+            status = agent_status(agent["directory"], config.job_id, timeout_s=5.0)
+        except (JaxckptError, OSError) as e:
+            problems.append(f"the node agent (pid {agent.get('pid')}) at {agent['directory']} does not answer its "
+                            f"status: {e}")
+            return
+        got = status.get("memory_cgroup")
+        if got is None:
+            return
+        path, limit, used, free = got["path"], int(got["limit"]), int(got["used"]), int(got["free"])
+        held = int(status.get("held_bytes", 0))  # charged already, and reused by the next saves
+        whose, charged = f"the node agent's memory cgroup (pid {agent.get('pid')})", "the agent"
+    else:
+        limited = cgroup.room()
+        if limited is None:
+            return
+        path, limit, used, free = limited.path, limited.limit, limited.used, limited.free
+        whose, charged = "this process's memory cgroup", "an agent it spawns is charged there and"
+    out["memory_cgroup"] = {"path": path, "limit": limit, "used": used, "free": free,
+                            "of": "agent" if agent["running"] else "this process", "held": held}
     node = config.memory_budget_bytes * procs
-    if node > limited.free:
+    if node > free + held:
         problems.append(f"the node's memory budget, {fmt_bytes(node)} ({procs} process(es) x "
-                        f"Config.memory_budget_bytes), does not fit this process's memory cgroup: limit "
-                        f"{fmt_bytes(limited.limit)} at {limited.path}, {fmt_bytes(limited.used)} in use; an agent "
-                        f"it spawns is charged there and refuses saves past the limit: raise the limit (a SLURM "
-                        f"job's --mem, the container's) or lower the budget")
+                        f"Config.memory_budget_bytes), does not fit {whose}: limit {fmt_bytes(limit)} at {path}, "
+                        f"{fmt_bytes(used)} in use; {charged} refuses saves past the limit: raise the limit (a "
+                        f"SLURM job's --mem, the container's) or lower the budget")
 
 
 def _unusable_dir(directory: str) -> str | None:
@@ -218,8 +238,10 @@ def render(r: dict[str, Any]) -> str:
                                           "none (Config.memory_budget_bytes=0)"))
     if "memory_cgroup" in r:
         g = r["memory_cgroup"]
-        lines.append(f"memory cgroup  {g['path']}: limit {fmt_bytes(g['limit'])}, {fmt_bytes(g['used'])} in use "
-                     f"(file cache not counted), {fmt_bytes(g['free'])} for snapshots")
+        whose = " (the node agent's)" if g["of"] == "agent" else ""
+        held = f" ({fmt_bytes(g['held'])} of it snapshots held)" if g["held"] else ""
+        lines.append(f"memory cgroup  {g['path']}{whose}: limit {fmt_bytes(g['limit'])}, {fmt_bytes(g['used'])} in "
+                     f"use{held} (file cache not counted), {fmt_bytes(g['free'])} more for snapshots")
     p = r["ports"]
     lines.append(f"peers          bind {p['peers']['bind']}, port {p['peers']['port']}, {p['peers']['security']}")
     if p["peers"].get("rendezvous"):

@@ -140,6 +140,10 @@ def format_status(st: dict) -> str:
             f"metadata), node budget {human_bytes(st['node_budget']) if st['node_budget'] else 'none'}, "
             f"trainers connected: {_trainers(st)}, protection bytes pulled from other nodes: "
             f"{human_bytes(st.get('pulled_bytes', 0))}")
+    g = st.get("memory_cgroup")
+    if g:  # the limit a save past which the agent refuses (its snapshots' pages are charged there)
+        head += (f"\nmemory cgroup {g['path']}: limit {human_bytes(g['limit'])}, {human_bytes(g['used'])} in use, "
+                 f"{human_bytes(g['free'])} more for snapshots")
     mark_protected(st)
     rows = [[_process_label(s["process"]), s["step"], s["state"], human_bytes(s["nbytes"]), human_age(s["age_s"]),
              s["pins"], s["protected"]] for s in st["slots"]]
