@@ -206,6 +206,8 @@ class Agent:
                 free = self.term.free()
         finally:
             self.shutdown(free=free)
+            if not free:  # kept at a SIGTERM while the allocation ran: its end may follow at once
+                self.term.watch(self.dir)
         return 0
 
     def _outlast_holder(self) -> bool:

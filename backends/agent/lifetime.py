@@ -22,7 +22,10 @@ frees its memory (:func:`keep_on_term`) within ``KillWait``, with no administrat
 that time frees the memory, where waiting on would end in slurmd's SIGKILL with the memory left to no one.
 A step's failure
 usually leaves a spawned agent serving; when it takes it along (the srun race above), the agent's files stay and
-the relaunched step's agent adopts them: a relaunch restores from memory either way. A SIGTERM while the
+the relaunched step's agent adopts them: a relaunch restores from memory either way. An agent that kept the
+memory at such a SIGTERM asks again for a while (a share of KillWait, :meth:`TermDecision.watch`) and removes it
+if the allocation ends meanwhile: a batch script that ends right after its last step (measured with mpirun in an
+allocation, whose end took a spawned agent's step along) would otherwise leave it to no one. A SIGTERM while the
 allocation runs (``scancel --signal=TERM``, srun forwarding a Ctrl-C) leaves the memory for the next agent.
 A batch script's ``--wait`` agent that a trainer's spawned agent beat to the directory may get the allocation's
 SIGTERM while it still waits, just as that holder, whose own step ended a moment earlier, leaves the memory
@@ -61,6 +64,11 @@ QUERY_TIMEOUT_S = 5.0  # how long a question to SLURM may take when its KillWait
 # (a controller busy ending many jobs answers late), the rest to unlinking the memory and exiting.
 DECIDE_SHARE = 0.5
 MIN_QUERY_S = 0.5  # a question given less than this is not worth asking: SLURM rarely answers faster under load
+# An agent that kept the memory at a SIGTERM (the allocation ran) asks again, every WATCH_POLL_S, until this share
+# of KillWait has passed since the SIGTERM: a batch script's end just after its last step may have taken the
+# agent's step along first. The rest of KillWait is for removing the memory.
+WATCH_SHARE = 0.6
+WATCH_POLL_S = 0.5
 _KILL_WAIT_RE = re.compile(r"^KillWait\s*=\s*(\d+)\s*sec", re.MULTILINE)
 # The states of a job whose allocation still runs: a step that ends now is not the allocation's end.
 RUNNING = frozenset({"RUNNING", "SUSPENDED", "STOPPED", "CONFIGURING", "RESIZING", "SIGNALING", "STAGE_OUT"})
@@ -195,6 +203,34 @@ class TermDecision:
         log.info("agent %s: SIGTERM (%s, asked in %.0f ms): %s", self.agent, why, 1e3 * (time.monotonic() - t0),
                  "leaving the node's memory to the next agent" if keep else "freeing the node's memory")
         return not keep
+
+
+    def watch(self, directory: str) -> bool:
+        """After :meth:`free` kept the node's memory and the agent let ``directory`` go (a next agent may take it
+        over): ask SLURM again until ``WATCH_SHARE`` of KillWait has passed since the SIGTERM, and if the
+        allocation has ended meanwhile, remove the directory unless a newer agent holds it. True if removed.
+
+        A spawned agent's step may end with the step of the process that spawned it (its ``srun`` dies there),
+        a moment before the allocation ends (the batch script's last step, then its end; measured with mpirun in
+        an allocation): its SIGTERM comes while the job still runs, and no agent would be left to free the memory
+        at the allocation's end."""
+        if self.term_at is None or self.kill_wait_s is None or not allocation():
+            return False
+        job = os.environ[ENV_SLURM_JOB]
+        deadline = self.term_at + WATCH_SHARE * self.kill_wait_s
+        while (left := deadline - time.monotonic()) >= MIN_QUERY_S:
+            time.sleep(min(WATCH_POLL_S, left - MIN_QUERY_S))
+            state = slurm_job_state(job, max(MIN_QUERY_S, deadline - time.monotonic()))
+            if state is None or state in RUNNING:  # unknown: the decision stands
+                continue
+            removed = _remove_unserved(directory)
+            log.info("agent %s: SLURM job %s is %s %.1f s after the SIGTERM: %s", self.agent, job, state,
+                     time.monotonic() - self.term_at, f"removed {directory}" if removed else
+                     f"{directory} is another agent's now")
+            return removed
+        log.info("agent %s: SLURM job %s still runs %.1f s after the SIGTERM: the memory stays for the next agent",
+                 self.agent, job, time.monotonic() - self.term_at)
+        return False
 
 
 def sweep_ended(base: str, environ: Mapping[str, str] | None = None) -> list[str]:

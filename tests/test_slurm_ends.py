@@ -1,0 +1,157 @@
+"""A node agent whose SLURM step ends a moment before its allocation does, on an emulated cluster
+(jaxckpt/testing/slurm.py; KillWait 15 s, SLURM's default being 30).
+
+An agent that gets SIGTERM while its allocation runs keeps the node's memory for the next step's agent
+(backends/agent/lifetime.py). A spawned agent's step may end with the step of the process that spawned it, just
+before the allocation ends: with Open MPI's mpirun in a batch script, mpirun's end took the agent's step along
+and the script's end followed within a second, and no agent was left to free the node's memory (measured: the
+directory stayed after the job ended). The agent now asks again for a share of KillWait and frees the memory when
+the allocation ends meanwhile.
+
+- an agent step is signalled (``scancel --signal=TERM``: a step's end while the job runs), keeps the memory, then
+  the allocation ends: the memory is freed;
+- mpirun in a batch script, twice, one rank per node: the second run restores from each node's memory; the
+  script's end frees every node's memory.
+
+One 2-node cluster for the module; it skips with the reason where it cannot run, except under CI=true
+(tests/requires.py). About 60 s on 2 cores.
+"""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import pytest
+
+from jaxckpt.backends.agent import protocol as proto
+from jaxckpt.config import Config
+from jaxckpt.testing import slurm
+from requires import available, missing
+from scheduler_trainer import early_agent_calls, results
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHM = proto.shm_base(Config().with_env())
+TRAINER = os.path.join(HERE, "scheduler_trainer.py")
+KILL_WAIT_S = 15
+FREED_WITHIN_S = KILL_WAIT_S + 30.0  # the agent's watch is a share of KillWait; room for a loaded machine
+STEP_TIMEOUT_S = 240.0
+
+pytestmark = available(slurm.unavailable() or missing("mpirun"))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    root = tempfile.mkdtemp(prefix="jaxckpt-slurm-ends-")
+    c = slurm.SlurmCluster(root, nodes=2, kill_wait=KILL_WAIT_S)
+    try:
+        c.start()
+        yield c
+    finally:
+        try:
+            c.stop()
+            assert not c.leftovers(), f"the emulated cluster left {c.leftovers()}"
+        finally:
+            subprocess.run(["rm", "-rf", root], check=False)
+
+
+@pytest.fixture
+def name():
+    return f"e{uuid.uuid4().hex[:8]}"
+
+
+def _dirs(name: str, job: str) -> list[str]:
+    """The job's default agent directories on every emulated node."""
+    return sorted(d for d in os.listdir(SHM) if d.startswith(f"jaxckpt-{os.geteuid()}-{name}@slurm{job}@"))
+
+
+def _until(cond, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _step_of(pid: int, job: str) -> str:
+    """The step of ``job`` that process ``pid`` runs in (its freezer cgroup: proctrack/cgroup)."""
+    with open(f"/proc/{pid}/cgroup") as f:
+        return re.search(rf"job_{job}/step_(\d+)", f.read()).group(1)
+
+
+def _log(path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+def test_an_agent_that_kept_the_memory_frees_it_when_the_allocation_ends_next(cluster, name, tmp_path):
+    """An agent step serving a trainer's two saves gets SIGTERM while the job runs (``scancel --signal=TERM`` of
+    its step, as a step's end sends it): it keeps the memory and lets the directory go. The allocation then ends
+    (``scancel``): the agent, still asking, sees the job end and removes the memory; its log says so."""
+    job = cluster.salloc(1, name)
+    log_path = tmp_path / "agent.log"
+    agent = subprocess.Popen(["srun", f"--jobid={job}", "--overlap", sys.executable, "-m", "jaxckpt.cli", "agent",
+                              "--job", name, "--log", str(log_path)], env=cluster.env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert _until(lambda: f"KillWait is {KILL_WAIT_S} s" in _log(log_path), 60), _log(log_path)
+        r = cluster.run(["srun", f"--jobid={job}", "-N1", "-n1", "--overlap", sys.executable, TRAINER, "jax",
+                         "--out", str(tmp_path), "--job", name, "--steps", "2"], timeout=STEP_TIMEOUT_S,
+                        env={"JAXCKPT_LOG_LEVEL": "WARNING"})
+        assert r.returncode == 0 and results(str(tmp_path), "first", 1)[0]["bitwise"], r.stdout[-2000:]
+        (directory,) = _dirs(name, job)
+        step = _step_of(proto.read_pid_file(f"{SHM}/{directory}")[0], job)
+        cluster.run(["scancel", "--signal=TERM", f"{job}.{step}"])
+        assert _until(lambda: "leaving the node's memory to the next agent" in _log(log_path), 60), _log(log_path)
+        assert _dirs(name, job) == [directory]  # kept: the allocation runs
+        cluster.run(["scancel", job])
+        assert _until(lambda: not _dirs(name, job), FREED_WITHIN_S), (_dirs(name, job), _log(log_path),
+                                                                      cluster.job_log(job))
+        assert re.search(rf"SLURM job {job} is [A-Z]+ [\d.]+ s after the SIGTERM: removed .*{re.escape(directory)}",
+                         _log(log_path)), _log(log_path)
+    finally:
+        cluster.run(["scancel", job], check=False)
+        agent.wait(60)
+        cluster.wait_gone(job, 120.0)
+
+
+MPIRUN_BATCH = """#!/bin/bash
+export JAXCKPT_LOG_LEVEL=WARNING
+run() {{
+    mpirun --allow-run-as-root --oversubscribe -np 2 --map-by ppr:1:node -x JAXCKPT_LOG_LEVEL -x PATH \\
+        {py} {trainer} jax --out {out} --job {name} --steps 4 --fail-rank 1 --fail-at 2 --early-agent "$1"
+}}
+run first
+echo "first exit $?"
+run again
+echo "again exit $?"
+"""
+
+
+def test_mpirun_in_a_batch_script_relaunches_from_memory_and_the_end_frees_it(cluster, name, tmp_path):
+    """sbatch on 2 nodes whose script runs Open MPI's mpirun twice, one rank per node (Open MPI starts its ranks
+    through SLURM; JAX detects SLURM, the node is SLURMD_NODENAME): in the first run rank 1 dies at step 2 and
+    mpirun aborts the job; the second run restores step 2 from each node's memory and trains to 4 bit for bit;
+    the script's end frees every node's memory, also where mpirun's end took an agent's step along."""
+    out = str(tmp_path)
+    script = tmp_path / "job.sh"
+    script.write_text(MPIRUN_BATCH.format(py=sys.executable, name=name, trainer=TRAINER, out=out))
+    r = cluster.run(["sbatch", "-N2", "-J", name, "-o", str(tmp_path / "job.out"), str(script)])
+    job = r.stdout.split()[-1]
+    cluster.wait_gone(job, 2 * STEP_TIMEOUT_S)
+    log = (tmp_path / "job.out").read_text()
+    assert re.search(r"first exit [1-9]", log) and "again exit 0" in log, log[-4000:]
+    assert os.path.exists(os.path.join(out, "failed-1"))
+    first = early_agent_calls(out, "first")
+    assert len(first) == 2 and all(c["started"] for c in first), first  # one agent per node, by its trainer
+    # The second run's trainers find those agents serving, or, where mpirun's end took an agent's step along,
+    # start one that adopts its files: memory either way.
+    got = results(out, "relaunch", 2)
+    for d in got:
+        assert d["restored"] == 2 and d["bitwise"] and d["latest"] == 4, d
+        assert set(d["kinds"]) == {"local"}, d  # each node's own memory
+        assert d["scheduler"] == "slurm" and d["source"] == "SLURMD_NODENAME (SLURM)" and d["processes"] == 2, d
+    assert [d["node"] for d in got] == cluster.nodes[:2]
+    assert _until(lambda: not _dirs(name, job), FREED_WITHIN_S), (_dirs(name, job), cluster.job_log(job, 80))
