@@ -10,7 +10,8 @@ Under SLURM with ProctrackType=proctrack/cgroup (measured on the emulated cluste
   ``srun`` dies with the step it was started from, and the new step runs on (5 of 6 runs of an srun killed
   with a failed step's cgroup), still getting the allocation's end as above; but not always: an ``srun``
   SIGKILLed on its own, or one that gets the failed step's SIGTERM first, cancels its step (4 of 4 runs), which
-  SIGKILLs its task.
+  SIGKILLs its task; so does a multi-node step that ends normally on one node before the others (1 of 10 agents
+  of 2-node trainer steps; the memory is then left for the next agent, the sweep or the Epilog).
 
 So the agent runs as a step of its own: a trainer that spawns it under SLURM starts it through
 ``srun --overlap -N1 -n1 --nodelist=<this node>`` (:func:`step_launch`, used by ``protocol.spawn_agent``), and a

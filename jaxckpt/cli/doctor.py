@@ -59,15 +59,19 @@ def report(config: Config, *, sweep: bool = False) -> dict[str, Any]:
                         f"machine count as two nodes and protection may keep a node's redundancy on that machine; "
                         f"set {ENV_K8S_NODE} from spec.nodeName through the downward API (docs/deploy.md)")
     if sched.name == "slurm" and not out["agent"]["running"]:
-        # With srun at hand a trainer spawns the agent as a step of its own, which outlives the trainers' step
-        # and hears of the allocation's end (backends/agent/lifetime.py): nothing to warn of then.
-        out["agent"]["spawn"] = "own step" if lifetime.step_launch() is not None else "trainers' step"
-        if out["agent"]["spawn"] != "own step":
-            warnings.append("no agent runs for this job on this node, and srun is not on PATH or this is no "
-                            "allocation: the trainers will spawn one inside their step, which dies with it (the "
-                            "memory stays for the next step); for memory freed at the allocation's end whatever "
-                            "the steps do, run the agent as its own step: srun --overlap --ntasks-per-node=1 "
-                            f"jaxckpt agent --job {config.job_id} --wait & (docs/deploy.md)")
+        # With srun at hand a trainer spawns the agent as a step of its own, which usually outlives the trainers'
+        # step and hears of the allocation's end (backends/agent/lifetime.py); not always: SLURM SIGKILLs it where
+        # the srun that started it dies with the trainers' step on a node that finished first.
+        own = lifetime.step_launch() is not None
+        out["agent"]["spawn"] = "own step" if own else "trainers' step"
+        how = ("the trainers will spawn one as a step of its own, which SLURM sometimes kills with their step (the "
+               "srun that started it dies there)" if own else "srun is not on PATH or this is no allocation: the "
+               "trainers will spawn one inside their step, which dies with it")
+        warnings.append(f"no agent runs for this job on this node: {how}; the memory then stays for the next step's "
+                        f"agent, and after the allocation's end until the next agent of the user on the node, "
+                        f"jaxckpt doctor --sweep or the Epilog removes it; for memory freed at the allocation's end "
+                        f"every time, run the agent as its own step: srun --overlap --ntasks-per-node=1 jaxckpt "
+                        f"agent --job {config.job_id} --wait & (docs/deploy.md)")
     if config.store.startswith("shm"):
         unusable = _unusable_dir(directory)
         if unusable:
