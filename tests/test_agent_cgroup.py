@@ -15,6 +15,7 @@ memory controller here: its reading is checked on a directory laid out as the ke
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -25,6 +26,7 @@ import time
 import uuid
 import weakref
 from concurrent.futures import Future
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -60,15 +62,17 @@ def _state(step: int, mib: int) -> dict:
     return {"x": np.arange(mib * MIB // 4, dtype=np.uint32) * np.uint32(step + 1)}
 
 
-@available(_why_no_v1())
-def test_a_save_over_the_agents_memory_cgroup_limit_is_refused_not_killed():
+@contextlib.contextmanager
+def _agent_in_cgroup(log_dir: str) -> Iterator[tuple[str, str, str, subprocess.Popen]]:
+    """A node agent of a new job, serving, moved into a v1 memory cgroup of its own (no limit yet): (job, its
+    directory, the cgroup, the agent). On exit the agent gets SIGTERM (and must exit 0), its memory and the cgroup
+    go."""
     job = f"cg-{uuid.uuid4().hex[:6]}"
     d = f"/dev/shm/jaxckpt-cgtest-{job}"
     cg = os.path.join(V1, f"jaxckpt-test-{job}")
     os.mkdir(cg)
     agent = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d, "--log",
-                              f"/tmp/jaxckpt-{job}.log"])
-    ck = None
+                              os.path.join(log_dir, f"agent-{job}.log")])
     try:
         deadline = time.monotonic() + 60
         while not os.path.exists(os.path.join(d, proto.SOCKET_NAME)):
@@ -76,11 +80,26 @@ def test_a_save_over_the_agents_memory_cgroup_limit_is_refused_not_killed():
             time.sleep(0.01)
         with open(os.path.join(cg, "cgroup.procs"), "w") as f:
             f.write(str(agent.pid))  # from here its allocations are charged to the cgroup
+        yield job, d, cg, agent
+    finally:
+        if agent.poll() is None:
+            agent.send_signal(signal.SIGTERM)
+            agent.wait(timeout=60)
+        proto.kill_agent(d, remove_memory=True)
+        os.rmdir(cg)
+    assert agent.returncode == 0
+
+
+@available(_why_no_v1())
+def test_a_save_over_the_agents_memory_cgroup_limit_is_refused_not_killed(tmp_path):
+    with contextlib.ExitStack() as stack:
+        job, d, cg, agent = stack.enter_context(_agent_in_cgroup(str(tmp_path)))
         with open(os.path.join(cg, "memory.usage_in_bytes")) as f:
             limit = int(f.read()) + 80 * MIB  # room for two 32 MiB segments and the margin, not for 64 more
         with open(os.path.join(cg, "memory.limit_in_bytes"), "w") as f:
             f.write(str(limit))
         ck = jaxckpt.Checkpointer(Config(store="shm", job_id=job, shm_dir=d, keep=1))
+        stack.callback(ck.close)  # before the agent's end
         for step in (0, 1):
             ck.save(step, _state(step, 32))
             ck.wait()
@@ -101,17 +120,6 @@ def test_a_save_over_the_agents_memory_cgroup_limit_is_refused_not_killed():
         ck.wait()
         assert np.array_equal(ck.restore()["x"], _state(3, 16)["x"])
         assert agent.poll() is None
-    finally:
-        if ck is not None:
-            ck.close()
-        if agent.poll() is None:
-            agent.send_signal(signal.SIGTERM)
-            agent.wait(timeout=60)
-        proto.kill_agent(d, remove_memory=True)
-        os.rmdir(cg)
-        if os.path.exists(f"/tmp/jaxckpt-{job}.log"):
-            os.unlink(f"/tmp/jaxckpt-{job}.log")
-    assert agent.returncode == 0
 
 
 @available(_why_no_v1())
@@ -145,23 +153,12 @@ def test_doctor_reads_the_memory_cgroup_of_the_agent_that_serves(tmp_path):
     reply, with the snapshots it holds, and a node budget past it as a problem naming the agent."""
     import json
 
-    job = f"cgd-{uuid.uuid4().hex[:6]}"
-    d = f"/dev/shm/jaxckpt-cgtest-{job}"
-    cg = os.path.join(V1, f"jaxckpt-test-{job}")
-    os.mkdir(cg)
-    log = str(tmp_path / "agent.log")
-    agent = subprocess.Popen([sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d, "--log", log])
-    ck = None
-    try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(os.path.join(d, proto.SOCKET_NAME)):
-            assert agent.poll() is None and time.monotonic() < deadline, "the agent did not start"
-            time.sleep(0.01)
-        with open(os.path.join(cg, "cgroup.procs"), "w") as f:
-            f.write(str(agent.pid))
+    with contextlib.ExitStack() as stack:
+        job, d, cg, agent = stack.enter_context(_agent_in_cgroup(str(tmp_path)))
         with open(os.path.join(cg, "memory.limit_in_bytes"), "w") as f:
             f.write(str(512 * MIB))
         ck = jaxckpt.Checkpointer(Config(store="shm", job_id=job, shm_dir=d, keep=1))
+        stack.callback(ck.close)  # before the agent's end
         ck.save(0, _state(0, 32))
         ck.wait()
         env = {**os.environ, "JAXCKPT_STORE": "shm", "JAXCKPT_JOB_ID": job, "JAXCKPT_SHM_DIR": d,
@@ -182,15 +179,6 @@ def test_doctor_reads_the_memory_cgroup_of_the_agent_that_serves(tmp_path):
         listed = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "ls", "--dir", d, "--job", job], env=env,
                                 capture_output=True, text=True, timeout=120)
         assert f"\nmemory cgroup {cg}: limit 512.0 MiB, " in listed.stdout, (listed.stdout, listed.stderr)
-    finally:
-        if ck is not None:
-            ck.close()
-        if agent.poll() is None:
-            agent.send_signal(signal.SIGTERM)
-            agent.wait(timeout=60)
-        proto.kill_agent(d, remove_memory=True)
-        os.rmdir(cg)
-    assert agent.returncode == 0
 
 
 def _write(path, text: str) -> None:

@@ -52,20 +52,8 @@ pytestmark = available(slurm.unavailable())
 
 @pytest.fixture(scope="module")
 def cluster():
-    root = tempfile.mkdtemp(prefix="jaxckpt-slurm-")
-    c = slurm.SlurmCluster(root, nodes=3)
-    # A SIGTERM to the test run (a time-out) unwinds through the teardown below instead of ending it at once.
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        c.start()
+    with slurm.running(nodes=3) as c:
         yield c
-    finally:
-        try:
-            c.stop()
-            assert not c.leftovers(), f"the emulated cluster left {c.leftovers()}"
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-            subprocess.run(["rm", "-rf", root], check=False)
 
 
 @pytest.fixture
@@ -110,7 +98,7 @@ def wait_for(cond, timeout: float, what: str) -> float:
 
 def job_dirs(name: str, job: str) -> list[str]:
     """This job's default agent directories on every emulated node (all in this machine's SHM)."""
-    return sorted(d for d in os.listdir(SHM) if d.startswith(f"jaxckpt-{os.geteuid()}-{name}@slurm{job}@"))
+    return slurm.agent_dirs(SHM, name, job)
 
 
 def agent_pids(name: str, job: str) -> list[int]:
@@ -139,15 +127,6 @@ def _serving(directory: str, job: str) -> bool:
         return False
 
 
-def _until(cond, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 def assert_freed(cluster: slurm.SlurmCluster, name: str, job: str) -> float:
     """Every node's memory of the allocation and every agent of it gone: within FREED_WITHIN_S, or, where SLURM is
     still ending the job then (its steps not yet reaped), once it has ended it; the seconds. The failure says what
@@ -156,13 +135,13 @@ def assert_freed(cluster: slurm.SlurmCluster, name: str, job: str) -> float:
         return not job_dirs(name, job) and not agent_pids(name, job)
 
     t0 = time.monotonic()
-    if _until(freed, FREED_WITHIN_S):
+    if slurm.until(freed, FREED_WITHIN_S):
         return time.monotonic() - t0
     state = cluster.job_state(job)
     ended = state in ("GONE", "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT")
     if not ended:  # SLURM has not ended the allocation yet: its steps (the agents among them) may still run
         cluster.wait_gone(job, JOB_END_S)
-    if _until(freed, 5.0 if ended else FREED_WITHIN_S):
+    if slurm.until(freed, 5.0 if ended else FREED_WITHIN_S):
         return time.monotonic() - t0
     raise AssertionError(f"job {job}'s memory not freed {time.monotonic() - t0:.0f}s after its end began (state "
                          f"{state} at {FREED_WITHIN_S:g}s, now {cluster.job_state(job)}): dirs {job_dirs(name, job)}, "
@@ -247,9 +226,7 @@ def test_agent_decides_within_kill_wait_when_the_controller_does_not_answer(clus
     10 s."""
     job = cluster.salloc(1, job_name)
     log_path = tmp_path / "agent.log"
-    agent = subprocess.Popen(["srun", f"--jobid={job}", "--overlap", sys.executable, "-m", "jaxckpt.cli", "agent",
-                              "--job", job_name, "--log", str(log_path)], env=cluster.env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    agent = cluster.agent_step(job, job_name, str(log_path))
     try:
         wait_for(lambda: "KillWait is 5 s" in (log_path.read_text() if log_path.exists() else ""), 60,
                  "the agent serving, KillWait learnt")

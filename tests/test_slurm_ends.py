@@ -21,8 +21,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
-import time
 import uuid
 
 import pytest
@@ -45,17 +43,8 @@ pytestmark = available(slurm.unavailable() or missing("mpirun"))
 
 @pytest.fixture(scope="module")
 def cluster():
-    root = tempfile.mkdtemp(prefix="jaxckpt-slurm-ends-")
-    c = slurm.SlurmCluster(root, nodes=2, kill_wait=KILL_WAIT_S)
-    try:
-        c.start()
+    with slurm.running("jaxckpt-slurm-ends-", nodes=2, kill_wait=KILL_WAIT_S) as c:
         yield c
-    finally:
-        try:
-            c.stop()
-            assert not c.leftovers(), f"the emulated cluster left {c.leftovers()}"
-        finally:
-            subprocess.run(["rm", "-rf", root], check=False)
 
 
 @pytest.fixture
@@ -64,17 +53,7 @@ def name():
 
 
 def _dirs(name: str, job: str) -> list[str]:
-    """The job's default agent directories on every emulated node."""
-    return sorted(d for d in os.listdir(SHM) if d.startswith(f"jaxckpt-{os.geteuid()}-{name}@slurm{job}@"))
-
-
-def _until(cond, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
+    return slurm.agent_dirs(SHM, name, job)
 
 
 def _step_of(pid: int, job: str) -> str:
@@ -93,11 +72,9 @@ def test_an_agent_that_kept_the_memory_frees_it_when_the_allocation_ends_next(cl
     (``scancel``): the agent, still asking, sees the job end and removes the memory; its log says so."""
     job = cluster.salloc(1, name)
     log_path = tmp_path / "agent.log"
-    agent = subprocess.Popen(["srun", f"--jobid={job}", "--overlap", sys.executable, "-m", "jaxckpt.cli", "agent",
-                              "--job", name, "--log", str(log_path)], env=cluster.env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    agent = cluster.agent_step(job, name, str(log_path))
     try:
-        assert _until(lambda: f"KillWait is {KILL_WAIT_S} s" in _log(log_path), 60), _log(log_path)
+        assert slurm.until(lambda: f"KillWait is {KILL_WAIT_S} s" in _log(log_path), 60), _log(log_path)
         r = cluster.run(["srun", f"--jobid={job}", "-N1", "-n1", "--overlap", sys.executable, TRAINER, "jax",
                          "--out", str(tmp_path), "--job", name, "--steps", "2"], timeout=STEP_TIMEOUT_S,
                         env={"JAXCKPT_LOG_LEVEL": "WARNING"})
@@ -105,10 +82,10 @@ def test_an_agent_that_kept_the_memory_frees_it_when_the_allocation_ends_next(cl
         (directory,) = _dirs(name, job)
         step = _step_of(proto.read_pid_file(f"{SHM}/{directory}")[0], job)
         cluster.run(["scancel", "--signal=TERM", f"{job}.{step}"])
-        assert _until(lambda: "leaving the node's memory to the next agent" in _log(log_path), 60), _log(log_path)
+        assert slurm.until(lambda: "leaving the node's memory to the next agent" in _log(log_path), 60), _log(log_path)
         assert _dirs(name, job) == [directory]  # kept: the allocation runs
         cluster.run(["scancel", job])
-        assert _until(lambda: not _dirs(name, job), FREED_WITHIN_S), (_dirs(name, job), _log(log_path),
+        assert slurm.until(lambda: not _dirs(name, job), FREED_WITHIN_S), (_dirs(name, job), _log(log_path),
                                                                       cluster.job_log(job))
         assert re.search(rf"SLURM job {job} is [A-Z]+ [\d.]+ s after the SIGTERM: removed .*{re.escape(directory)}",
                          _log(log_path)), _log(log_path)
@@ -159,7 +136,7 @@ def test_mpirun_in_a_batch_script_relaunches_from_memory_and_the_end_frees_it(cl
     # Freed by the agents at the allocation's end; where SLURM SIGKILLed an agent with the step that started it
     # (its srun died there; backends/agent/lifetime.py), nothing of jaxckpt's ran to free it, and what is left is
     # unserved: the next agent of the user on the node, or ``jaxckpt doctor --sweep``, removes it (run here).
-    if not _until(lambda: not _dirs(name, job), FREED_WITHIN_S):
+    if not slurm.until(lambda: not _dirs(name, job), FREED_WITHIN_S):
         left = _dirs(name, job)
         served = [d for d in left if (info := proto.read_pid_file(f"{SHM}/{d}")) and proto.pid_alive(info[0])]
         assert served == [], (served, cluster.job_log(job, 80))

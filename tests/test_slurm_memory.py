@@ -17,7 +17,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 
@@ -39,17 +38,8 @@ pytestmark = available(slurm.unavailable(memory=True))
 
 @pytest.fixture(scope="module")
 def cluster():
-    root = tempfile.mkdtemp(prefix="jaxckpt-slurm-mem-")
-    c = slurm.SlurmCluster(root, nodes=1, memory_mb=4000)
-    try:
-        c.start()
+    with slurm.running("jaxckpt-slurm-mem-", nodes=1, memory_mb=4000) as c:
         yield c
-    finally:
-        try:
-            c.stop()
-            assert not c.leftovers(), f"the emulated cluster left {c.leftovers()}"
-        finally:
-            subprocess.run(["rm", "-rf", root], check=False)
 
 
 def _step_run(cluster, job: str, args: list[str], *, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -67,8 +57,7 @@ def _memory_cgroup(pid: int) -> str:
 
 
 def _job_dirs(name: str, job: str) -> list[str]:
-    """The job's default agent directories (one per node)."""
-    return sorted(d for d in os.listdir(SHM) if d.startswith(f"jaxckpt-{os.geteuid()}-{name}@slurm{job}@"))
+    return slurm.agent_dirs(SHM, name, job)
 
 
 def _oom_kills(directory: str) -> int:

@@ -30,8 +30,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from jaxckpt.errors import LaunchError
 from jaxckpt.node_identity import parse_agent_dir_name
@@ -277,6 +278,13 @@ class SlurmCluster:
             raise LaunchError(f"salloc {name}: expected one job, squeue says {ids}")
         return ids[0]
 
+    def agent_step(self, job: str, name: str, log_path: str, *args: str) -> subprocess.Popen:
+        """``jaxckpt agent --job name [args]`` started as a step of allocation ``job`` (``srun --overlap``, this
+        interpreter), logging to ``log_path``; the Popen is its ``srun``."""
+        return subprocess.Popen(["srun", f"--jobid={job}", "--overlap", sys.executable, "-m", "jaxckpt.cli", "agent",
+                                 "--job", name, "--log", log_path, *args], env=self.env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
     def job_state(self, job: str) -> str:
         """The job's state ("RUNNING", "COMPLETING", ...), "GONE" once the controller forgot it."""
         r = self.run(["squeue", "-h", "-j", job, "-o", "%T"], check=False)
@@ -464,6 +472,48 @@ class SlurmCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def running(prefix: str = "jaxckpt-slurm-", **options: object) -> Iterator[SlurmCluster]:
+    """A started cluster (``SlurmCluster`` ``options``) under a new temporary root; on exit it is stopped, checked
+    to have left nothing (LaunchError naming what) and its root removed. A SIGTERM meanwhile (a test run's
+    time-out) unwinds through the stop instead of ending the process at once."""
+    root = tempfile.mkdtemp(prefix=prefix)
+    cluster = SlurmCluster(root, **options)  # type: ignore[arg-type]
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        try:
+            cluster.stop()
+            left = cluster.leftovers()
+            if left:
+                raise LaunchError(f"the emulated cluster left {left}")
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def until(cond: Callable[[], object], timeout_s: float, interval_s: float = 0.1) -> bool:
+    """Poll ``cond`` until it is true (True) or ``timeout_s`` has passed (False): what a test waits for of SLURM."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval_s)
+    return True
+
+
+def agent_dirs(base: str, name: str, job: str) -> list[str]:
+    """The default agent directories (names) of jaxckpt job ``name`` in SLURM allocation ``job`` under ``base``, one
+    per node that ran an agent (``jaxckpt.node_identity.agent_dir_name``)."""
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return []
+    return sorted(d for d in names if d.startswith(f"jaxckpt-{os.geteuid()}-{name}@slurm{job}@"))
 
 
 class Allocation:
