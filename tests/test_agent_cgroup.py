@@ -150,7 +150,8 @@ def test_doctor_reports_the_memory_cgroup_a_spawned_agent_shares():
 def test_doctor_reads_the_memory_cgroup_of_the_agent_that_serves(tmp_path):
     """An agent in a cgroup of its own, as a Kubernetes DaemonSet's runs in another pod than the trainers: ``jaxckpt
     doctor`` (in this process's cgroup, which has no limit) reports the agent's cgroup from the agent's status
-    reply, with the snapshots it holds, and a node budget past it as a problem naming the agent."""
+    reply, with the snapshots it holds, and a node budget past it as a problem naming the agent; also from another
+    PID namespace, where the agent's pid is not visible (its socket answers); ``jaxckpt ls`` shows the cgroup."""
     import json
 
     with contextlib.ExitStack() as stack:
@@ -176,6 +177,13 @@ def test_doctor_reads_the_memory_cgroup_of_the_agent_that_serves(tmp_path):
         text = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "doctor"], env=env, capture_output=True,
                               text=True, timeout=120).stdout
         assert f"memory cgroup  {cg} (the node agent's): limit 512.0 MiB, " in text, text
+        # from another PID namespace (a trainer pod beside a DaemonSet's agent), where the agent's pid means
+        # nothing: the agent still answers on its socket, and its cgroup is the one reported
+        r = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "jaxckpt.cli",
+                            "doctor", "--json"], env=env, capture_output=True, text=True, timeout=120)
+        got = json.loads(r.stdout)
+        assert got["agent"]["running"] and got["agent"]["pid"] == agent.pid, got["agent"]  # the agent's own pid
+        assert (got["memory_cgroup"]["of"], got["memory_cgroup"]["path"]) == ("agent", cg), got["memory_cgroup"]
         listed = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "ls", "--dir", d, "--job", job], env=env,
                                 capture_output=True, text=True, timeout=120)
         assert f"\nmemory cgroup {cg}: limit 512.0 MiB, " in listed.stdout, (listed.stdout, listed.stderr)

@@ -205,7 +205,6 @@ class TermDecision:
                  "leaving the node's memory to the next agent" if keep else "freeing the node's memory")
         return not keep
 
-
     def watch(self, directory: str) -> bool:
         """After :meth:`free` kept the node's memory and the agent let ``directory`` go (a next agent may take it
         over): ask SLURM again until ``WATCH_SHARE`` of KillWait has passed since the SIGTERM, and if the

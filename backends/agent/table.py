@@ -346,8 +346,8 @@ class SlotTable:
                 raise Refused("budget", f"step {step} of process {process}: a segment of {size} bytes does not fit "
                                         f"the memory cgroup limit of the node agent ({limited.limit} bytes at "
                                         f"{limited.path}, {limited.used} in use): the kernel would end the agent, or "
-                                        f"a process beside it, at this save; raise that limit (the agent's container's; "
-                                        f"under SLURM the job's --mem, which its steps share), or set "
+                                        f"a process beside it, at this save; raise that limit (the agent's "
+                                        f"container's; under SLURM the job's --mem, which its steps share), or set "
                                         f"Config.memory_budget_bytes to fit it (committed steps {kept} are kept)")
 
     def _kept(self, process: int) -> list[int]:

@@ -54,6 +54,10 @@ def report(config: Config, *, sweep: bool = False) -> dict[str, Any]:
     out["agent"]["running"] = bool(pid and pid_alive(pid[0]))
     if pid and out["agent"]["running"]:
         out["agent"].update(pid=pid[0], generation=pid[1])
+    # The agent's answer, where one serves: a DaemonSet's agent is in another pod (its pid means nothing here).
+    status = _agent_status(directory, config.job_id) if os.path.exists(out["agent"]["socket"]) else None
+    if status is not None and not out["agent"]["running"]:
+        out["agent"].update(running=True, pid=status.get("pid"), generation=status.get("generation"))
     if os.environ.get(ENV_K8S) and not os.environ.get(ENV_K8S_NODE) and not config.node_name:
         warnings.append(f"Kubernetes without {ENV_K8S_NODE}: the node is the pod's host name, so two pods on one "
                         f"machine count as two nodes and protection may keep a node's redundancy on that machine; "
@@ -101,7 +105,7 @@ def report(config: Config, *, sweep: bool = False) -> dict[str, Any]:
     except OSError as e:
         problems.append(f"cannot look at the filesystem of {directory}: {e}")
     if config.store.startswith("shm"):
-        _memory_cgroup(config, procs or 1, out, problems)
+        _memory_cgroup(config, procs or 1, status, out, problems)
     out["ports"] = _ports(config)
     if config.agent_peers and not config.peer_token:
         problems.append("Config.agent_peers is set but no shared peer token (JAXCKPT_PEER_TOKEN): a node agent "
@@ -120,23 +124,30 @@ def report(config: Config, *, sweep: bool = False) -> dict[str, Any]:
     return out
 
 
-def _memory_cgroup(config: Config, procs: int, out: dict[str, Any], problems: list[str]) -> None:
+def _agent_status(directory: str, job: str) -> dict | None:
+    """The status reply of the agent serving ``directory`` (``jaxckpt ls``'s), or None where none answers."""
+    from jaxckpt.backends.agent.protocol import agent_status
+    from jaxckpt.errors import JaxckptError
+
+    try:
+        return agent_status(directory, job, timeout_s=5.0)
+    except (JaxckptError, OSError):
+        return None
+
+
+def _memory_cgroup(config: Config, procs: int, status: dict | None, out: dict[str, Any],
+                   problems: list[str]) -> None:
     """The memory cgroup a node agent's snapshots are charged to, and the node's budget against it (the agent
-    refuses saves past its limit). A serving agent says its own in its status reply: a DaemonSet's agent runs in
+    refuses saves past its limit). A serving agent says its own in its ``status`` reply: a DaemonSet's agent runs in
     another pod, whose cgroup this process cannot see. Without one, this process's: an agent the trainers spawn
     is charged there (under SLURM in the job's cgroup above their step, which the agent's step shares)."""
     from jaxckpt.backends.agent import cgroup
     from jaxckpt.backends.agent.capacity import fmt_bytes
-    from jaxckpt.backends.agent.protocol import agent_status
-    from jaxckpt.errors import JaxckptError
 
     agent, held = out["agent"], 0
     if agent["running"]:
-        try:
-            status = agent_status(agent["directory"], config.job_id, timeout_s=5.0)
-        except (JaxckptError, OSError) as e:
-            problems.append(f"the node agent (pid {agent.get('pid')}) at {agent['directory']} does not answer its "
-                            f"status: {e}")
+        if status is None:
+            problems.append(f"the node agent (pid {agent.get('pid')}) at {agent['directory']} does not answer")
             return
         got = status.get("memory_cgroup")
         if got is None:
