@@ -3,9 +3,12 @@
 job's memory cgroup, which is SLURM's, not the test's.
 
 It saves two steps of ``--small`` MiB, then one of ``--big`` MiB (``--copies`` leaves of one array: the agent
-needs them all, the trainer holds one), restores the newest committed step, saves
-``--after`` MiB, and writes ``<out>/result.json``: the big save's refusal (its message, or None if it committed),
-the steps held afterwards, and whether each restore was bit for bit what was saved.
+needs them all, the trainer holds one), restores the newest committed step, saves ``--after`` MiB, and writes
+``<out>/result.json``: the big save's refusal (its message, or None if it committed), the steps held afterwards,
+whether each restore was bit for bit what was saved, and, looked at while this trainer's agent surely serves (its
+step may end with this one's: backends/agent/lifetime.py), the agent: its status reply's memory cgroup, the
+memory cgroup its process runs in, the OOM kills counted there and at every level above it, and what ``jaxckpt
+doctor --json`` run beside it reports.
 """
 from __future__ import annotations
 
@@ -29,6 +32,28 @@ def same(got, want: np.ndarray) -> bool:
     """Bit for bit: dtype, shape and bytes."""
     got = np.asarray(got)
     return got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+
+
+def agent_facts(config) -> dict:
+    """What the node agent serving ``config``'s job says of its memory cgroup, where its process runs, the OOM kills
+    counted from its cgroup up, and doctor's view of it (in a process beside this one)."""
+    import subprocess
+    import sys
+
+    from jaxckpt.backends.agent import protocol as proto
+
+    status = proto.agent_status(proto.agent_dir(config), config.job_id, timeout_s=30.0)
+    with open(f"/proc/{status['pid']}/cgroup") as f:
+        rel = next(line.split(":", 2)[2].strip() for line in f if line.split(":")[1] == "memory")
+    root, kills, level = "/sys/fs/cgroup/memory", {}, rel
+    while level not in ("", "/"):
+        with open(f"{root}{level}/memory.oom_control") as f:
+            kills[level] = int(dict(ln.split() for ln in f if ln.strip()).get("oom_kill", "0"))
+        level = os.path.dirname(level)
+    doctor = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "doctor", "--json"], capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "JAXCKPT_STORE": "shm"})
+    return {"pid": status["pid"], "status_cgroup": status["memory_cgroup"], "cgroup": root + rel,
+            "oom_kills": kills, "doctor": json.loads(doctor.stdout)}
 
 
 def main() -> None:
@@ -64,6 +89,7 @@ def main() -> None:
         ck.save(3, state(3, a.after))
         ck.wait()
         doc["after_bitwise"] = same(ck.restore(step=3)["x0"], state(3, a.after)["x0"])
+        doc["agent"] = agent_facts(Config(store="shm").with_env())
     finally:
         ck.close()
     with open(os.path.join(a.out, "result.json.tmp"), "w") as f:

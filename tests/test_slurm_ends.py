@@ -11,14 +11,17 @@ the allocation ends meanwhile.
 - an agent step is signalled (``scancel --signal=TERM``: a step's end while the job runs), keeps the memory, then
   the allocation ends: the memory is freed;
 - mpirun in a batch script, twice, one rank per node: the second run restores from each node's memory; the
-  script's end frees every node's memory.
+  script's end frees every node's memory;
+- torchrun under srun, one per node, workers restarted by torchelastic: they restore from each node's memory.
 
 One 2-node cluster for the module; it skips with the reason where it cannot run, except under CI=true
-(tests/requires.py). About 60 s on 2 cores.
+(tests/requires.py). About 80 s on 2 cores.
 """
+import importlib.util
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import uuid
@@ -95,10 +98,13 @@ def test_an_agent_that_kept_the_memory_frees_it_when_the_allocation_ends_next(cl
         cluster.wait_gone(job, 120.0)
 
 
+# The emulated nodes share this machine's loopback, which Open MPI leaves out of its daemons' wiring between
+# nodes unless told (on a machine with loopback alone it finds no interface); real nodes have networks of their own.
 MPIRUN_BATCH = """#!/bin/bash
 export JAXCKPT_LOG_LEVEL=WARNING
 run() {{
     mpirun --allow-run-as-root --oversubscribe -np 2 --map-by ppr:1:node -x JAXCKPT_LOG_LEVEL -x PATH \\
+        --mca oob_tcp_if_include lo \\
         {py} {trainer} jax --out {out} --job {name} --steps 4 --fail-rank 1 --fail-at 2 --early-agent "$1"
 }}
 run first
@@ -133,15 +139,59 @@ def test_mpirun_in_a_batch_script_relaunches_from_memory_and_the_end_frees_it(cl
         assert set(d["kinds"]) == {"local"}, d  # each node's own memory
         assert d["scheduler"] == "slurm" and d["source"] == "SLURMD_NODENAME (SLURM)" and d["processes"] == 2, d
     assert [d["node"] for d in got] == cluster.nodes[:2]
-    # Freed by the agents at the allocation's end; where SLURM SIGKILLed an agent with the step that started it
-    # (its srun died there; backends/agent/lifetime.py), nothing of jaxckpt's ran to free it, and what is left is
-    # unserved: the next agent of the user on the node, or ``jaxckpt doctor --sweep``, removes it (run here).
-    if not slurm.until(lambda: not _dirs(name, job), FREED_WITHIN_S):
-        left = _dirs(name, job)
-        served = [d for d in left if (info := proto.read_pid_file(f"{SHM}/{d}")) and proto.pid_alive(info[0])]
+    _freed_or_swept(cluster, job, name)
+
+
+def _freed_or_swept(cluster, job: str, *names: str) -> None:
+    """Every node's memory of jaxckpt jobs ``names`` in allocation ``job`` freed by the agents at its end; where SLURM
+    SIGKILLed an agent with the step that started it (its srun died there; backends/agent/lifetime.py), nothing of
+    jaxckpt's ran to free it, and what is left must be unserved: the next agent of the user on the node, or
+    ``jaxckpt doctor --sweep`` (run here), removes it."""
+    def left() -> list[str]:
+        return [d for n in names for d in _dirs(n, job)]
+
+    if not slurm.until(lambda: not left(), FREED_WITHIN_S):
+        kept = sorted(left())
+        served = [d for d in kept if (info := proto.read_pid_file(f"{SHM}/{d}")) and proto.pid_alive(info[0])]
         assert served == [], (served, cluster.job_log(job, 80))
         r = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "doctor", "--sweep", "--json"], capture_output=True,
-                           text=True, timeout=120, env={**os.environ, "JAXCKPT_JOB_ID": name})
-        assert sorted(os.path.basename(p) for p in json.loads(r.stdout)["swept"]) == left, r.stdout[-2000:]
-        print(f"left by an agent SLURM SIGKILLed with its spawner's step, swept: {left}")
-    assert _dirs(name, job) == []
+                           text=True, timeout=120, env={**cluster.env, "JAXCKPT_JOB_ID": names[0]})
+        assert set(kept) <= {os.path.basename(p) for p in json.loads(r.stdout)["swept"]}, r.stdout[-2000:]
+        print(f"left by an agent SLURM SIGKILLed with its spawner's step, swept: {kept}")
+    assert left() == []
+
+
+TORCHRUN_BATCH = """#!/bin/bash
+export JAXCKPT_LOG_LEVEL=WARNING
+srun --ntasks-per-node=1 {py} -m torch.distributed.run --nnodes=2 --nproc-per-node=1 --max-restarts=1 \\
+    --monitor-interval=0.5 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:{port} --rdzv-id={name} \\
+    {trainer} torch --out {out} --job {name} --steps 5 --fail-rank 1 --fail-at 3 --early-agent w
+echo "torchrun exit $?"
+"""
+
+
+@available(None if importlib.util.find_spec("torch") else "torch not installed")
+def test_torchrun_under_srun_restarts_workers_from_memory(cluster, name, tmp_path):
+    """sbatch on 2 nodes: ``srun`` starts one torchrun per node (c10d rendezvous, ``--max-restarts=1``), one worker
+    each; worker 1 dies at step 3, torchelastic restarts both workers, which restore step 3 from their node's memory
+    (jaxckpt's torch front end, and DCP on jaxckpt's storage) and train to 5 bit for bit; the node is SLURM's. At the
+    script's end every node's memory of both jobs is freed (or swept, as above)."""
+    out = str(tmp_path)
+    script = tmp_path / "job.sh"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script.write_text(TORCHRUN_BATCH.format(py=sys.executable, name=name, trainer=TRAINER, out=out, port=port))
+    r = cluster.run(["sbatch", "-N2", "-J", name, "-o", str(tmp_path / "job.out"), str(script)])
+    job = r.stdout.split()[-1]
+    cluster.wait_gone(job, 2 * STEP_TIMEOUT_S)
+    log = (tmp_path / "job.out").read_text()
+    assert "torchrun exit 0" in log and os.path.exists(os.path.join(out, "failed-1")), log[-4000:]
+    got = results(out, "relaunch", 2)
+    for d in got:
+        assert d["attempt"] == 1 and d["restored"] == 3 and d["latest"] == 5, d
+        assert d["bitwise"] and d["dcp_matches_restore"], d
+        assert set(d["kinds"]) == {"local"}, d  # each node's own memory
+        assert d["scheduler"] == "slurm" and d["source"] == "SLURMD_NODENAME (SLURM)", d
+    assert sorted(d["node"] for d in got) == cluster.nodes[:2]
+    _freed_or_swept(cluster, job, name, f"{name}-dcp")
