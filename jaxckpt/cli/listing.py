@@ -17,6 +17,7 @@ import sys
 import time
 from typing import Any
 
+from jaxckpt.backends.agent.capacity import fmt_bytes
 from jaxckpt.core import manifest as mf
 from jaxckpt.config import Config
 from jaxckpt.errors import JaxckptError
@@ -89,14 +90,6 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def human_age(s: float) -> str:
     if s < 60:
         return f"{s:.1f}s"
@@ -136,25 +129,25 @@ def _process_label(p: int) -> str:
 
 def format_status(st: dict) -> str:
     head = (f"job {st['job']}  node {st['node']}  agent pid {st['pid']} (up {human_age(st['now'] - st['started'])})"
-            f"  {st['dir']}\nheld {human_bytes(st['held_bytes'])} (+ {human_bytes(st['metadata_bytes'])} "
-            f"metadata), node budget {human_bytes(st['node_budget']) if st['node_budget'] else 'none'}, "
+            f"  {st['dir']}\nheld {fmt_bytes(st['held_bytes'])} (+ {fmt_bytes(st['metadata_bytes'])} "
+            f"metadata), node budget {fmt_bytes(st['node_budget']) if st['node_budget'] else 'none'}, "
             f"trainers connected: {_trainers(st)}, protection bytes pulled from other nodes: "
-            f"{human_bytes(st.get('pulled_bytes', 0))}")
+            f"{fmt_bytes(st.get('pulled_bytes', 0))}")
     g = st.get("memory_cgroup")
     if g:  # the limit a save past which the agent refuses (its snapshots' pages are charged there)
-        head += (f"\nmemory cgroup {g['path']}: limit {human_bytes(g['limit'])}, {human_bytes(g['used'])} in use, "
-                 f"{human_bytes(g['free'])} more for snapshots")
+        head += (f"\nmemory cgroup {g['path']}: limit {fmt_bytes(g['limit'])}, {fmt_bytes(g['used'])} in use, "
+                 f"{fmt_bytes(g['free'])} more for snapshots")
     mark_protected(st)
-    rows = [[_process_label(s["process"]), s["step"], s["state"], human_bytes(s["nbytes"]), human_age(s["age_s"]),
+    rows = [[_process_label(s["process"]), s["step"], s["state"], fmt_bytes(s["nbytes"]), human_age(s["age_s"]),
              s["pins"], s["protected"]] for s in st["slots"]]
-    pooled = "".join(f"\npooled segments of process {p}: {human_bytes(n)}" for p, n in sorted(st["pooled"].items()))
+    pooled = "".join(f"\npooled segments of process {p}: {fmt_bytes(n)}" for p, n in sorted(st["pooled"].items()))
     body = table(rows, ["process", "step", "state", "bytes", "age", "pins", "protected"]) if rows else "no snapshots"
     return f"{head}\n{body}{pooled}"
 
 
 def format_manifest(m: dict) -> str:
     out = [f"step {m['step']} of process {m['process']}/{m['process_count']} on node {m['node']}: framework "
-           f"{m['framework']}, {human_bytes(m['nbytes'])}, layout {m['layout']}, saved "
+           f"{m['framework']}, {fmt_bytes(m['nbytes'])}, layout {m['layout']}, saved "
            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m['created']))}"]
     rows = [[a["path"], tuple(a["shape"]), a["dtype"], a["kind"], a["sharding"] or "-", len(a["chunks"])]
             for a in m["arrays"]]
