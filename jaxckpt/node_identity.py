@@ -43,6 +43,9 @@ ENV_TORCHRUN = "TORCHELASTIC_RUN_ID"
 ENV_TORCHRUN_LOCAL = "LOCAL_WORLD_SIZE"
 ENV_OMPI_LOCAL = "OMPI_COMM_WORLD_LOCAL_SIZE"
 ENV_TORCHRUN_RESTART = "TORCHELASTIC_RESTART_COUNT"
+ENV_TORCHRUN_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
+ENV_TORCHRUN_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # "True": workers share torchrun's rendezvous store
+ENV_TORCH_UNSHARE_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # torch's opt-out: a fresh store per round
 ENV_OMPI_RANK = "OMPI_COMM_WORLD_RANK"
 ENV_OMPI_URI = "OMPI_MCA_orte_hnp_uri"
 
@@ -96,6 +99,31 @@ def detect_scheduler(environ: Mapping[str, str] | None = None) -> Scheduler:
     if env.get(ENV_K8S):
         return Scheduler("kubernetes", "", ())
     return Scheduler("none")
+
+
+def torchrun_store_hazard(environ: Mapping[str, str] | None = None) -> str | None:
+    """Why a restart under this torchrun may hang the workers' ``init_process_group``, or None.
+
+    torchrun (torch 2.13) hands every round of its rendezvous the same store, which still holds the last round's
+    process-group keys; a restarted worker may read a dead peer's gloo address before its peer rewrites it. The
+    attempt counter does not tell the rounds apart either: a node whose worker failed counts a restart, the
+    others restart theirs for the new round at their old count. Measured on the emulated SLURM cluster
+    (2 nodes, a worker SIGKILLed): with a store prefix per TORCHELASTIC_RESTART_COUNT, 1 of 5 runs hung in
+    ``init_process_group`` (the two ranks under different prefixes); with torch's own opt-out, which gives every
+    round a fresh store, 12 of 12 restarted (docs/deploy.md, torchrun).
+    """
+    env = os.environ if environ is None else environ
+    try:
+        restarts = int(env.get(ENV_TORCHRUN_MAX_RESTARTS, "0"))
+    except ValueError:
+        restarts = 0
+    if not env.get(ENV_TORCHRUN) or env.get(ENV_TORCHRUN_AGENT_STORE) != "True" or restarts <= 0:
+        return None
+    return (f"torchrun shares one rendezvous store across restarts ({ENV_TORCHRUN_AGENT_STORE}=True, "
+            f"--max-restarts={restarts}): the restarted workers' init_process_group may read the last round's "
+            f"addresses and fail or hang (30 minutes with gloo) before any restore; set "
+            f"{ENV_TORCH_UNSHARE_STORE}=1 in torchrun's environment for a fresh store per round (docs/deploy.md, "
+            f"torchrun)")
 
 
 def local_process_count(environ: Mapping[str, str] | None = None) -> int | None:

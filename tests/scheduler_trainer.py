@@ -165,14 +165,10 @@ def torch_main(args: argparse.Namespace) -> None:
     import torch.distributed.checkpoint as dcp
 
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    # torchrun's environment: rank, world size, its rendezvous store. That store outlives a restart under
-    # --max-restarts and still holds the last attempt's gloo addresses under the same keys: a restarted worker
-    # that reads them before its peer rewrites them connects to a dead port (connectFullMesh fails; 8 of 11
-    # restarts of a plain torch 2.13 script here, none of 10 with the prefix). A key prefix per attempt keeps
-    # the attempts apart.
-    store, rank, world = next(dist.rendezvous("env://"))
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank,
-                            world_size=world)
+    # Plain, as a user writes it. The launchers of the tests run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    # (docs/deploy.md says why: torchelastic's shared store keeps the last round's gloo addresses).
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
     import jaxckpt
     from jaxckpt.backends.torch import Checkpointer as TorchCheckpointer
     from jaxckpt.torch.dcp import JaxckptReader, JaxckptWriter

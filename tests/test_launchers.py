@@ -2,9 +2,11 @@
 tests/scheduler_trainer.py and the default agent directory (the node being the host name, as neither launcher
 names nodes):
 
-- torchrun (``--max-restarts=1``): a worker SIGKILLs itself once step 3 is committed; torchelastic stops the
-  other and restarts both in place, and both restore step 3 from the node agent (torch front end) and, beside it,
-  load the same step through ``torch.distributed.checkpoint`` from jaxckpt's storage, then train on bit for bit;
+- torchrun (``--max-restarts=1``, with torch's opt-out of its shared rendezvous store, as docs/deploy.md says):
+  a worker SIGKILLs itself once step 3 is committed; torchelastic stops the other and restarts both in place, and
+  both restore step 3 from the node agent (torch front end) and, beside it, load the same step through
+  ``torch.distributed.checkpoint`` from jaxckpt's storage, then train on bit for bit; without the opt-out the
+  torch front end and ``jaxckpt doctor`` name it;
 - mpirun (Open MPI, JAX's own detection in ``jax.distributed.initialize()``): a rank SIGKILLs itself at step 3,
   mpirun ends the job; the job is launched again and restores from the node agent bit for bit.
 
@@ -12,6 +14,7 @@ In both the agent is the one the first attempt's trainers spawned (its own sessi
 not reach it): the restarted or relaunched trainers find it with the memory, same pid. Each test stops its
 agents at the end.
 """
+import json
 import os
 import signal
 import subprocess
@@ -23,6 +26,7 @@ import pytest
 
 import jaxckpt
 from jaxckpt.backends.agent import protocol as proto
+from jaxckpt.node_identity import ENV_TORCH_UNSHARE_STORE
 from requires import available, missing
 from scheduler_trainer import early_agent_calls, live_pids, results
 
@@ -44,10 +48,11 @@ def _torchrun_missing() -> str | None:
     return None
 
 
-def run(cmd: list[str], job: str) -> subprocess.CompletedProcess:
+def run(cmd: list[str], job: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run a launcher to its end, its output kept for the assertion messages. Bounded: past RUN_TIMEOUT_S every
     trainer of ``job`` gets SIGUSR1 (it prints its threads' stacks), then the launcher and its trainers SIGKILL."""
-    p = subprocess.Popen(cmd, env={**os.environ, "JAXCKPT_LOG_LEVEL": "WARNING"}, cwd=HERE, text=True,
+    env = {**os.environ, "JAXCKPT_LOG_LEVEL": "WARNING", **(env or {})}
+    p = subprocess.Popen(cmd, env=env, cwd=HERE, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                          start_new_session=True)
     try:
@@ -102,14 +107,15 @@ def job():
 def test_torchrun_restarted_workers_restore_from_the_agent(job, tmp_path):
     """torchrun --standalone --max-restarts=1, 2 workers; worker 1 SIGKILLs itself at step 3, torchelastic stops
     the other and restarts both in place: they restore step 3 from the agent the first attempt's workers spawned
-    and load it through DCP on jaxckpt's storage, then train to 5 bit for bit; torchrun succeeds. (The workers key
-    their gloo group's store per attempt: tests/scheduler_trainer.py says why.)"""
+    and load it through DCP on jaxckpt's storage, then train to 5 bit for bit; torchrun succeeds. torchrun runs
+    with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/deploy.md), so nothing warns of its shared store."""
     out = str(tmp_path)
     cmd = [*TORCHRUN, "--standalone", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1",
            "--monitor-interval=0.5", TRAINER, "torch", "--out", out, "--job", job, "--steps", "5",
            "--fail-rank", "1", "--fail-at", "3", "--early-agent", "w"]
-    done = run(cmd, job)
+    done = run(cmd, job, {ENV_TORCH_UNSHARE_STORE: "1"})
     assert done.returncode == 0, done.stdout[-4000:]
+    assert ENV_TORCH_UNSHARE_STORE not in done.stdout, done.stdout[-4000:]
     assert os.path.exists(os.path.join(out, "failed-1"))
     assert not os.path.exists(os.path.join(out, "result-0-first.json"))  # the first attempt's group was stopped
     agent = proto.read_pid_file(agent_dir(job))
@@ -129,6 +135,37 @@ def test_torchrun_restarted_workers_restore_from_the_agent(job, tmp_path):
     assert len(calls) == 4 and not any(c["jax_imported"] for c in calls), calls
     assert any(c["started"] for c in calls if c["restart"] == "0"), calls
     assert [c["started"] for c in calls if c["restart"] == "1"] == [False, False], calls
+
+
+HAZARD_WORKER = """
+import json, logging, subprocess, sys
+import jaxckpt
+from jaxckpt.torch import Checkpointer
+logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+cfg = jaxckpt.Config(store="memory", job_id=sys.argv[1])
+for _ in range(2):
+    Checkpointer(cfg).close()
+r = subprocess.run([sys.executable, "-m", "jaxckpt.cli", "doctor", "--job", sys.argv[1], "--json"],
+                   capture_output=True, text=True, timeout=120)
+print("DOCTOR " + json.dumps(json.loads(r.stdout)["warnings"]))
+"""
+
+
+@available(_torchrun_missing())
+def test_torchrun_shared_store_is_named_where_a_restart_could_hang(job, tmp_path):
+    """torchrun --max-restarts=1 with its default shared rendezvous store (a restarted worker group can hang in
+    init_process_group, docs/deploy.md): a worker's torch front end logs it once (two Checkpointers, one warning)
+    naming torch's opt-out, and ``jaxckpt doctor`` run in the worker warns of it."""
+    script = tmp_path / "worker.py"
+    script.write_text(HAZARD_WORKER)
+    env = {k: v for k, v in os.environ.items() if k != ENV_TORCH_UNSHARE_STORE}
+    done = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node=1", "--max-restarts=1", str(script), job],
+                          env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    said = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("jaxckpt.torch: ")]
+    assert len(said) == 1 and "--max-restarts=1" in said[0] and f"{ENV_TORCH_UNSHARE_STORE}=1" in said[0], said
+    doctor = json.loads(done.stdout.split("DOCTOR ", 1)[1].splitlines()[0])
+    assert [w for w in doctor if f"{ENV_TORCH_UNSHARE_STORE}=1" in w] == [said[0].split(": ", 1)[1]], doctor
 
 
 @available(missing("mpirun"))

@@ -22,7 +22,7 @@ import pytest
 from jaxckpt.config import Config
 from jaxckpt.errors import ConfigError
 from jaxckpt.node_identity import (agent_dir_name, detect_scheduler, local_process_count, node_identity,
-                                   parse_agent_dir_name)
+                                   parse_agent_dir_name, torchrun_store_hazard)
 from jaxckpt.testing import expect_ok, launch, node_info, remove_agents
 import test_protection_runtime as prt
 
@@ -66,6 +66,17 @@ def test_scheduler_detection_and_local_processes():
     assert local_process_count({"SLURM_STEP_TASKS_PER_NODE": "2(x3),1", "SLURM_NODEID": "3"}) == 1
     assert local_process_count({"LOCAL_WORLD_SIZE": "4"}) == 4
     assert local_process_count({}) is None
+
+
+def test_torchrun_store_hazard_only_where_a_restart_shares_the_store():
+    shared = {"TORCHELASTIC_RUN_ID": "r1", "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"}
+    said = torchrun_store_hazard(shared)
+    assert said and "--max-restarts=3" in said and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in said, said
+    # torch's opt-out (its workers see TORCHELASTIC_USE_AGENT_STORE=False), no restarts, or no torchrun: nothing
+    for env in ({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"}, {**shared, "TORCHELASTIC_MAX_RESTARTS": "0"},
+                {**shared, "TORCHELASTIC_MAX_RESTARTS": "x"},
+                {k: v for k, v in shared.items() if k != "TORCHELASTIC_RUN_ID"}, {}):
+        assert torchrun_store_hazard(env) is None, env
 
 
 def test_default_agent_directory_is_per_job_allocation_and_node():

@@ -36,7 +36,7 @@ def report(config: Config, *, sweep: bool = False) -> dict[str, Any]:
     from jaxckpt.backends.agent import capacity, lifetime
     from jaxckpt.backends.agent.protocol import SOCKET_NAME, agent_dir, pid_alive, read_pid_file, shm_base
     from jaxckpt.node_identity import (ENV_K8S, ENV_K8S_NODE, allocation, detect_scheduler, local_process_count,
-                                       node_identity, parse_agent_dir_name)
+                                       node_identity, parse_agent_dir_name, torchrun_store_hazard)
 
     problems: list[str] = []
     warnings: list[str] = []
@@ -62,6 +62,9 @@ def report(config: Config, *, sweep: bool = False) -> dict[str, Any]:
         warnings.append(f"Kubernetes without {ENV_K8S_NODE}: the node is the pod's host name, so two pods on one "
                         f"machine count as two nodes and protection may keep a node's redundancy on that machine; "
                         f"set {ENV_K8S_NODE} from spec.nodeName through the downward API (docs/deploy.md)")
+    hazard = torchrun_store_hazard()
+    if hazard:
+        warnings.append(hazard)
     if sched.name == "slurm" and not out["agent"]["running"]:
         # With srun at hand a trainer spawns the agent as a step of its own, which usually outlives the trainers'
         # step and hears of the allocation's end (backends/agent/lifetime.py); not always: SLURM SIGKILLs it where

@@ -21,9 +21,11 @@ from jaxckpt.config import Config
 from jaxckpt.core.coordination import Coordinator
 from jaxckpt.core.engine import CheckpointEngine, SaveHandle
 from jaxckpt.frontend.checkpointer import Checkpointer as Face
+from jaxckpt.node_identity import torchrun_store_hazard
 from jaxckpt.torch.frontend import TorchFrontend
 
 log = logging.getLogger("jaxckpt.torch")
+_told_store_hazard = False  # once per process: every Checkpointer of a worker would say the same
 
 __all__ = ["Checkpointer", "SaveHandle"]
 
@@ -46,6 +48,12 @@ class Checkpointer(Face):
     def __init__(self, config: Config | None = None, process_group: dist.ProcessGroup | None = None, *,
                  coordinator: Coordinator | None = None, engine: CheckpointEngine | None = None,
                  defer_reads: bool = False) -> None:
+        global _told_store_hazard
+        hazard = None if _told_store_hazard else torchrun_store_hazard()
+        if hazard:
+            # Said in the first attempt, where a user reads it before the restart that would hang.
+            log.warning("%s", hazard)
+            _told_store_hazard = True
         super().__init__(TorchFrontend(process_group), config, coordinator=coordinator, engine=engine)
         self.frontend.bind(self.engine)
         self.process_group = process_group
