@@ -438,3 +438,20 @@ def test_a_waiting_agent_that_gets_sigterm_frees_what_its_holder_left(tmp_path):
     text = (tmp_path / "waiter.log").read_text()
     assert not os.path.exists(d), f"the memory the holder left is still there: {os.listdir(d)}\n{text[-3000:]}"
     assert "SIGTERM while waiting for the holder" in text and "freed 1 segments" in text, text[-3000:]
+
+
+def test_pid_file_is_read_only_as_a_regular_file(tmp_path):
+    """The agent's pid file as it writes it reads back; a link to one is not followed and a FIFO in its place is
+    not waited on (doctor, chaos and the tests read directories they did not make)."""
+    import msgpack
+
+    real, linked, fifo = (tmp_path / n for n in ("real", "linked", "fifo"))
+    for d in (real, linked, fifo):
+        d.mkdir()
+    (real / proto.PID_NAME).write_bytes(msgpack.packb({"pid": 4321, "generation": "g1", "job": "j"}))
+    assert proto.read_pid_file(str(real)) == (4321, "g1")
+    os.symlink(real / proto.PID_NAME, linked / proto.PID_NAME)
+    assert proto.read_pid_file(str(linked)) is None
+    os.mkfifo(fifo / proto.PID_NAME)  # a blocking open would wait here for a writer that never comes
+    assert proto.read_pid_file(str(fifo)) is None
+    assert proto.read_pid_file(str(tmp_path / "none")) is None

@@ -406,13 +406,21 @@ def pid_alive(pid: int) -> bool:
 
 
 def read_pid_file(directory: str) -> tuple[int, str] | None:
-    """(pid, generation) of the agent that last ran in ``directory``, or None."""
+    """(pid, generation) of the agent that last ran in ``directory``, or None (also for anything but a regular
+    file: a link is not followed and a FIFO not waited on, whoever reads another's directory)."""
     try:
-        with open(os.path.join(directory, PID_NAME), "rb") as f:
-            data = msgpack.unpackb(f.read(4096), raw=False)
+        fd = os.open(os.path.join(directory, PID_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = msgpack.unpackb(os.read(fd, 4096), raw=False)
         return int(data["pid"]), str(data["generation"])
     except (OSError, ValueError, KeyError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
         return None
+    finally:
+        os.close(fd)
 
 
 def agent_status(directory: str, job: str | None = None, *, timeout_s: float = 30.0) -> dict:
