@@ -6,14 +6,24 @@ store is a TCPStore we therefore open our own clients to the same server, one pe
 the protection thread (``Config.protection``) each block on keys that the other process's other thread sets, and
 with one shared client each process's wait would hold up its own ``set`` that the other waits for (a deadlock
 until the time-out).
+
+A store may outlive the job that used it: torchrun hands every round of its rendezvous the same store (unless
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), and a user's TCPStore or FileStore may serve several runs. The rounds of
+a killed incarnation leave keys there (the results of its last rounds, which nobody read to the end), and a
+restarted job counts its rounds from 0 again: a rank would take the old results for its own (measured: a
+restarted rank read the earlier incarnation's abort of a step it then saved fine). So the coordinator of a
+process group keys its rounds under a token rank 0 draws and broadcasts over the group itself, once per group:
+the group is this incarnation's, whatever the store.
 """
 from __future__ import annotations
 
 import datetime
 import hashlib
 import logging
+import os
 import threading
 
+import torch
 import torch.distributed as dist
 
 log = logging.getLogger("jaxckpt.torch.coordination")
@@ -26,7 +36,11 @@ def _tcp_store(store: dist.Store) -> dist.TCPStore | None:
 
 
 class TorchStoreCoordinator:
-    """Coordinator over a ``torch.distributed`` Store (a TCPStore, FileStore, HashStore, ...)."""
+    """Coordinator over a ``torch.distributed`` Store (a TCPStore, FileStore, HashStore, ...).
+
+    Made directly over a store that an earlier run of the job used, give ``prefix`` a value of this run's
+    (:meth:`from_process_group` keys the rounds under a token of the process group: :func:`incarnation`).
+    """
 
     def __init__(self, store: dist.Store, process_index: int, process_count: int, *, prefix: str = "",
                  dedicated_client: bool = True, timeout_s: float = 300.0) -> None:
@@ -56,11 +70,11 @@ class TorchStoreCoordinator:
             raise RuntimeError("torch.distributed.init_process_group() has not been called in this process")
         store = dist.distributed_c10d._get_default_store()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        prefix = ""
+        prefix = f"run-{incarnation(group)}"
         if group is not None and group is not dist.group.WORLD:
             # Sub-groups share the default store: keep their keys apart by the group's member ranks.
             ranks = dist.get_process_group_ranks(group)
-            prefix = "pg-" + hashlib.blake2b(repr(ranks).encode(), digest_size=6).hexdigest()
+            prefix += "/pg-" + hashlib.blake2b(repr(ranks).encode(), digest_size=6).hexdigest()
         return cls(store, rank, size, prefix=prefix)
 
     def set(self, key: str, value: bytes) -> None:
@@ -82,3 +96,29 @@ class TorchStoreCoordinator:
 
     def delete(self, key: str) -> None:
         self._store.delete_key(key)  # False when it was not set: nothing to do
+
+
+_tokens: dict[dist.ProcessGroup, str] = {}  # holds its groups: a new group never reuses a cached one's identity
+_tokens_lock = threading.Lock()
+
+
+def incarnation(group: dist.ProcessGroup | None = None) -> str:
+    """A token every rank of ``group`` (default: the world) shares and no other process group had: drawn by its
+    rank 0 and broadcast over the group, the first time a rank asks (a collective then: every rank asks at the
+    same point, as every rank makes its Checkpointer). The group's backend carries it: a CPU tensor where the
+    group has a CPU backend (gloo, mpi, ucc, or ``"cpu:gloo,cuda:nccl"``), else one on this rank's GPU."""
+    pg = group if group is not None else dist.group.WORLD
+    with _tokens_lock:
+        token = _tokens.get(pg)
+        if token is not None:
+            return token
+        backend = str(dist.get_backend(pg)).lower()
+        cpu = any(b in backend for b in ("gloo", "mpi", "ucc")) or not torch.cuda.is_available()
+        device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
+        drawn = torch.frombuffer(bytearray(os.urandom(16)), dtype=torch.int64)
+        t = drawn.to(device) if dist.get_rank(pg) == 0 else torch.zeros(2, dtype=torch.int64, device=device)
+        dist.broadcast(t, dist.get_global_rank(pg, 0), group=pg)
+        token = t.cpu().numpy().tobytes().hex()
+        _tokens[pg] = token
+        log.debug("rounds of process group %s keyed under run-%s", pg, token)
+        return token
