@@ -104,7 +104,7 @@ from jaxckpt.torch import dcp_exchange as xc
 from jaxckpt.torch import dcp_metadata
 from jaxckpt.torch.dcp_exchange import align, byte_tensor
 from jaxckpt.torch.dcp_metadata import Locator, StorageIndex, pack_slot_manifest, unpack_slot_manifest
-from jaxckpt.torch.coordination import TorchStoreCoordinator
+from jaxckpt.torch.coordination import TorchStoreCoordinator, incarnation
 from jaxckpt.torch.dcp_read import ChunkSet
 from jaxckpt.torch.dtypes import numpy_view
 from jaxckpt.config import Config
@@ -180,6 +180,10 @@ class _GroupRounds:
     def __init__(self, group: dist.ProcessGroup | None, config: Config) -> None:
         self.group, self._config = group, config
         self._collective: Collective | None = None
+        if group is not None:
+            # The group's run token (a broadcast the first time) here, where the user makes the writer or reader
+            # on every rank, rather than at its first round: dcp.async_save runs the writer on a thread of its own.
+            incarnation(group)
 
     def channel(self) -> Channel | None:
         """The channel every agreement of this writer or reader is a round of (None: one rank, nothing to agree)."""
