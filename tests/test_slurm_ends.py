@@ -17,6 +17,7 @@ the allocation ends meanwhile.
 One 2-node cluster for the module; it skips with the reason where it cannot run, except under CI=true
 (tests/requires.py). About 80 s on 2 cores.
 """
+import fcntl
 import importlib.util
 import json
 import os
@@ -150,7 +151,21 @@ def _freed_or_swept(cluster, job: str, *names: str) -> None:
     def left() -> list[str]:
         return [d for n in names for d in _dirs(n, job)]
 
-    if not slurm.until(lambda: not left(), FREED_WITHIN_S):
+    def held(d: str) -> bool:  # an agent lives there (it holds the directory's lock until it exits)
+        try:
+            fd = os.open(os.path.join(SHM, d, proto.LOCK_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return os.path.isdir(os.path.join(SHM, d))  # a directory being made or removed: look again
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+
+    # Until every directory is gone or no agent is left to free it (a SIGKILLed one's: waiting longer is no use).
+    if not slurm.until(lambda: not any(held(d) for d in left()), FREED_WITHIN_S) or left():
         kept = sorted(left())
         served = [d for d in kept if (info := proto.read_pid_file(f"{SHM}/{d}")) and proto.pid_alive(info[0])]
         assert served == [], (served, cluster.job_log(job, 80))
