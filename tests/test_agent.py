@@ -455,3 +455,36 @@ def test_pid_file_is_read_only_as_a_regular_file(tmp_path):
     os.mkfifo(fifo / proto.PID_NAME)  # a blocking open would wait here for a writer that never comes
     assert proto.read_pid_file(str(fifo)) is None
     assert proto.read_pid_file(str(tmp_path / "none")) is None
+
+
+def test_stop_returns_once_the_agent_has_freed_its_memory_where_its_directory_cannot_go(tmp_path):
+    # The agent's directory is a mount point where the agent runs (as a Kubernetes volume is), so the agent frees
+    # its memory and cannot remove the directory: `jaxckpt agent --stop` waited its whole time-out for the removal.
+    # Its lock, let go only once everything is freed, says it: the stop returns then, whatever the time-out.
+    import threading
+
+    job = "mounted"
+    d = _dir(job)
+    os.makedirs(d, mode=0o700)
+    unshare = ["unshare", "--mount", "--propagation", "private"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
+    agent = subprocess.Popen(unshare + ["bash", "-c", 'mount --bind "$1" "$1" && shift && exec "$@"', "bind", d,
+                                        sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d,
+                                        "--log", str(tmp_path / "agent.log")], stdin=subprocess.DEVNULL)
+    try:
+        _serving(agent, d)
+        store = ShmStore(Config(store="shm", job_id=job, shm_dir=d))
+        store.commit(store.reserve(1, 100_000), manifest_of(1))
+        store.close()
+        assert any(proto.SEG_RE.match(n) for n in os.listdir(d)), os.listdir(d)
+        done: list[bool] = []
+        stopping = threading.Thread(target=lambda: done.append(proto.stop_agent(d, job, timeout_s=600)), daemon=True)
+        stopping.start()
+        stopping.join(timeout=120)  # the old wait ran out only at the 600 s time-out
+        assert done == [True], "stop_agent still waited for a directory the agent cannot remove"
+        assert os.listdir(d) == [], os.listdir(d)  # every segment, record, socket and lock freed
+        assert agent.wait(timeout=60) == 0
+    finally:
+        _reap(agent)
+        os.rmdir(d)
+    text = (tmp_path / "agent.log").read_text()
+    assert "freed 1 segments" in text and f"could not remove {d}" in text, text[-2000:]

@@ -17,6 +17,7 @@ codes into jaxckpt errors. Every name that becomes a path is validated against a
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import mmap
 import os
@@ -439,14 +440,44 @@ def stop_agent(directory: str, job: str | None = None, *, timeout_s: float = 30.
         conn = AgentConnection(directory, timeout_s=timeout_s)
     except StoreUnavailableError:
         return False
+    # The agent holds its lock until it has freed everything: the one sign of that which holds where the directory
+    # stays (a mount point, as a Kubernetes volume is, cannot be removed) or lives in another mount namespace.
+    lock = _open_lock(directory)
     try:
-        conn.call("hello", job=job, role="client")
-        conn.call("shutdown")
+        try:
+            conn.call("hello", job=job, role="client")
+            conn.call("shutdown")
+        finally:
+            conn.close()
+        deadline = time.monotonic() + timeout_s
+        while os.path.exists(directory) and not _released(lock) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the agent removes the directory last, then lets its lock go
     finally:
-        conn.close()
-    deadline = time.monotonic() + timeout_s
-    while os.path.exists(directory) and time.monotonic() < deadline:  # the agent removes it last
-        time.sleep(0.01)
+        if lock is not None:
+            os.close(lock)
+    return True
+
+
+def _open_lock(directory: str) -> int | None:
+    try:
+        fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None  # none there (an agent of before): the directory's removal is the sign
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _released(lock: int | None) -> bool:
+    """Whether no agent holds ``lock`` (opened before the shutdown: the file the agent holds, even once unlinked)."""
+    if lock is None:
+        return False
+    try:
+        fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    fcntl.flock(lock, fcntl.LOCK_UN)  # never in the way of a new agent's lock
     return True
 
 
