@@ -7,7 +7,6 @@ the other's half from its peer server.
 """
 import datetime
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -86,3 +85,56 @@ def test_two_ranks_restore_plain_tensors_through_all_gather():
         assert c["kinds"]["local"] == c["own"] and c["collective"] == total - c["own"] > 0
         assert c["timeline"]["nbytes"] == c["collective"] and c["timeline"]["count"] == 4
         assert f["routes"] == {} and f["transport"] == total - f["own"] > 0
+
+
+def backends_job(job_id: str, scratch: str) -> dict:
+    """Per process-group backend: the device jaxckpt's collectives use on it, or the error making a Checkpointer
+    there raises (every rank alike)."""
+    from jaxckpt import Config
+    from jaxckpt.errors import ConfigError
+    from jaxckpt.torch import Checkpointer
+    from jaxckpt.torch.coordination import collective_device
+
+    info = node_info()
+    rank, world = info.process_id, info.process_count
+    out = {}
+    for i, backend in enumerate(("gloo", "cpu:gloo,cuda:gloo", "cuda:gloo")):
+        dist.init_process_group(backend, store=dist.FileStore(f"{scratch}/store{i}", world), rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=60))
+        try:
+            try:
+                device = str(collective_device())
+            except ConfigError:
+                device = None
+            try:
+                with Checkpointer(Config(job_id=f"{job_id}-{i}", commit_timeout_s=30.0, restore_collective=True)) as ck:
+                    ck.save(1, _state(1)).result()
+                    got = ck.restore({"model": {k: torch.zeros_like(v) for k, v in _state(1)["model"].items()},
+                                      "epoch": 0})
+                    made = all(_same(got["model"][k], v) for k, v in _state(1)["model"].items())
+                    error = None
+            except ConfigError as e:
+                made, error = False, str(e)
+        finally:
+            dist.destroy_process_group()
+        out[backend] = {"device": device, "restored": made, "error": error}
+    return {"gpu": torch.cuda.is_available(), **out}
+
+
+def test_collectives_use_the_device_the_groups_backend_serves(tmp_path):
+    # gloo (and a backend string giving the CPU one) carries CPU tensors: the run token and the collective
+    # restore go there. A group with a backend for GPU tensors only ("nccl"; here "cuda:gloo", which this
+    # machine can make) would take this rank's GPU; where the process sees none, making the Checkpointer is a
+    # ConfigError that says what the group needs, on every rank, where torch's broadcast raised its own error.
+    values = expect_ok(launch(backends_job, nodes=1, procs_per_node=2, distributed=False,
+                              args=["torch-backends", str(tmp_path)], timeout=180))
+    for v in values:
+        for backend in ("gloo", "cpu:gloo,cuda:gloo"):
+            assert v[backend] == {"device": "cpu", "restored": True, "error": None}, v
+        gpu_only = v["cuda:gloo"]
+        if v["gpu"]:  # the token and the collective restore go through this rank's GPU
+            assert gpu_only["device"].startswith("cuda") and gpu_only["restored"], gpu_only
+            continue
+        assert gpu_only["device"] is None and not gpu_only["restored"], gpu_only
+        assert "'cuda:gloo' has no backend for CPU tensors and this process sees no GPU" in gpu_only["error"]
+        assert 'init_process_group("cpu:gloo,cuda:nccl")' in gpu_only["error"], gpu_only

@@ -26,6 +26,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from jaxckpt.errors import ConfigError
+
 log = logging.getLogger("jaxckpt.torch.coordination")
 
 
@@ -102,19 +104,33 @@ _tokens: dict[dist.ProcessGroup, str] = {}  # holds its groups: a new group neve
 _tokens_lock = threading.Lock()
 
 
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device whose tensors the collectives of ``group`` (default: the world) carry: the CPU where the group
+    has a backend for it (``"gloo"``, ``"mpi"``, ``"cpu:gloo,cuda:nccl"``), else this rank's current GPU (an
+    ``"nccl"`` group). A ConfigError where it has neither (a GPU-only backend in a process that sees no GPU)."""
+    pg = group if group is not None else dist.group.WORLD
+    config = str(dist.get_backend_config(pg)).lower()  # "cpu:gloo,cuda:nccl": a backend per device type
+    devices = {part.split(":", 1)[0].strip() for part in config.split(",") if ":" in part}
+    if "cpu" in devices or (not devices and any(b in config for b in ("gloo", "mpi", "ucc"))):
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    raise ConfigError(f"process group {config!r} has no backend for CPU tensors and this process sees no GPU: "
+                      f"jaxckpt's collectives on it (the run token, Config.restore_collective) need one; give it "
+                      f"a CPU backend, for instance init_process_group(\"cpu:gloo,cuda:nccl\")")
+
+
 def incarnation(group: dist.ProcessGroup | None = None) -> str:
     """A token every rank of ``group`` (default: the world) shares and no other process group had: drawn by its
     rank 0 and broadcast over the group, the first time a rank asks (a collective then: every rank asks at the
-    same point, as every rank makes its Checkpointer). The group's backend carries it: a CPU tensor where the
-    group has a CPU backend (gloo, mpi, ucc, or ``"cpu:gloo,cuda:nccl"``), else one on this rank's GPU."""
+    same point, as every rank makes its Checkpointer), on the device the group's backend serves
+    (:func:`collective_device`)."""
     pg = group if group is not None else dist.group.WORLD
     with _tokens_lock:
         token = _tokens.get(pg)
         if token is not None:
             return token
-        backend = str(dist.get_backend(pg)).lower()
-        cpu = any(b in backend for b in ("gloo", "mpi", "ucc")) or not torch.cuda.is_available()
-        device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
+        device = collective_device(pg)
         drawn = torch.frombuffer(bytearray(os.urandom(16)), dtype=torch.int64)
         t = drawn.to(device) if dist.get_rank(pg) == 0 else torch.zeros(2, dtype=torch.int64, device=device)
         dist.broadcast(t, dist.get_global_rank(pg, 0), group=pg)

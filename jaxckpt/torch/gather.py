@@ -4,8 +4,9 @@ For the plain tensors ``jaxckpt.core.routes`` routes to the collective (every ra
 rank saved 1/R of it), each rank has filled one staging row per array with the chunks it reads from its own
 node's memory. The rows of every such array are laid back to back into one byte buffer per rank (the same
 layout on every rank: routes are computed alike everywhere) and one ``all_gather_into_tensor`` on the process
-group carries them all (gloo between CPU ranks, NCCL on GPUs); each rank then cuts every saved chunk out of the
-gathered rows into the whole tensor. A pure copy of bytes: the result is bit for bit the saved array.
+group carries them all, on the device the group's backend serves (the CPU where it has a CPU backend, as gloo;
+else the rank's GPU, as an NCCL-only group: the rows go up and the gathered bytes come back); each rank then
+cuts every saved chunk out of the gathered rows into the whole tensor. A pure copy of bytes: the result is bit for bit the saved array.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from jaxckpt.core.collective import Channel
 from jaxckpt.core.dtypes import dtype_from_name
 from jaxckpt.core.restore import Staged
 from jaxckpt.core.routes import TargetLayout
+from jaxckpt.torch.coordination import collective_device
 
 log = logging.getLogger("jaxckpt.torch.gather")
 
@@ -41,6 +43,7 @@ class TorchGather:
         self._channel = channel
         self.process_count = dist.get_world_size()
         self._rank = dist.get_rank()
+        self._device = collective_device()  # a ConfigError now, before any byte is read, where there is none
 
     def all_gather(self, name: str, value: Any) -> list:
         return self._channel.all_gather(name, value)
@@ -63,9 +66,9 @@ class TorchGather:
         view = mine.numpy()
         for s, off, n in zip(staged, offsets, sizes):
             view[off:off + n] = s.rows[self._rank].view(np.uint8)
-        gathered = torch.empty(world * total, dtype=torch.uint8)
-        dist.all_gather_into_tensor(gathered, mine)
-        rows = gathered.numpy().reshape(world, total)
+        gathered = torch.empty(world * total, dtype=torch.uint8, device=self._device)
+        dist.all_gather_into_tensor(gathered, mine.to(self._device))
+        rows = gathered.cpu().numpy().reshape(world, total)
         out = []
         for s, off, n in zip(staged, offsets, sizes):
             meta = s.request.meta
