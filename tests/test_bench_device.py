@@ -79,18 +79,20 @@ def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path, monkeypat
 
 
 PART_THAT_HANGS = """
-import os, subprocess, sys, tempfile, time
+import os, signal, subprocess, sys, tempfile, time
 from jaxckpt import Config
 from jaxckpt.backends.agent import protocol as proto
 d = tempfile.mkdtemp(prefix="jaxckpt-bench-devtest-", dir="/dev/shm")
-proto.spawn_agent(Config(job_id="devtest", shm_dir=d), d)
-for _ in range(300):  # its pid file: the agent serves
-    if proto.read_pid_file(d):
-        break
-    time.sleep(0.1)
+starting = proto.spawn_agent(Config(job_id="devtest2", shm_dir=d), f"{d}/starting")
+os.kill(starting.pid, signal.SIGSTOP)  # an agent still starting when the time is up: no pid file written
+serving = proto.spawn_agent(Config(job_id="devtest", shm_dir=d), f"{d}/serving")
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 with open(sys.argv[1], "w") as f:
-    f.write(f"{d} {child.pid} {proto.read_pid_file(d)[0]}")
+    f.write(f"{d} {child.pid} {serving.pid} {starting.pid}")
+for _ in range(300):  # its pid file: the agent serves (on a machine this slow, it too is still starting)
+    if proto.read_pid_file(f"{d}/serving"):
+        break
+    time.sleep(0.1)
 time.sleep(600)
 """
 
@@ -104,9 +106,11 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_part_out_of_time_goes_with_its_processes_agents_and_scratch(tmp_path, monkeypatch):
-    # The part starts a real node agent in a scratch directory of its own and a child process, then hangs: at its
-    # time limit the driver kills the part's session, stops the agent (which runs in a session of its own) and
-    # removes the directory, and the next part still runs.
+    # The part starts two real node agents in a scratch directory of its own (one serving, one stopped before it
+    # wrote its pid file, as an agent still starting) and a child process, then hangs: at its time limit the
+    # driver kills the part's session, kills both agents (which run in sessions of their own: one found by its
+    # pid file, the other by the directory its command line names) and removes the directory, and the next part
+    # still runs.
     real, facts = device.part_command, tmp_path / "facts"
 
     def command(part, opts, json_path):
@@ -115,12 +119,12 @@ def test_a_part_out_of_time_goes_with_its_processes_agents_and_scratch(tmp_path,
         return real(part, opts, json_path)
 
     monkeypatch.setattr(device, "part_command", command)
-    opts = {**device.options(device_args(["--quick", "--parts", "save,floors"])), "timeout": 30.0}
+    opts = {**device.options(device_args(["--quick", "--parts", "save,floors"])), "timeout": 10.0}
     res = device.measure(opts, "jaxckpt bench device --quick", str(tmp_path / "parts"))
     assert res["failed"]["save"]["rc"] == "timeout" and "floors" in res["parts"]
-    scratch, child, agent = facts.read_text().split()
+    scratch, *pids = facts.read_text().split()
     assert not os.path.exists(scratch)
-    for pid in (int(child), int(agent)):
+    for pid in map(int, pids):
         for _ in range(100):  # SIGKILLed: gone once its parent (or init) reaps it
             if not _alive(pid):
                 break

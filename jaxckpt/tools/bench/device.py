@@ -204,6 +204,7 @@ def _reap(proc: subprocess.Popen, before: set[str]) -> list[str]:
     of their own, holding their memory for a restart that will not come) and remove the scratch directories it
     made; the directories removed."""
     from jaxckpt.backends.agent import protocol as proto
+    from jaxckpt.testing.agents import agent_processes
 
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -214,6 +215,12 @@ def _reap(proc: subprocess.Popen, before: set[str]) -> list[str]:
     for path in left:
         for dirpath, _, _ in os.walk(path):
             proto.kill_agent(dirpath, remove_memory=True)  # a directory without an agent's pid file: nothing
+        # An agent still starting has written no pid file yet: it names its directory on its command line.
+        for pid in agent_processes(path):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         shutil.rmtree(path, ignore_errors=True)
     return left
 
