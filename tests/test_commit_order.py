@@ -60,4 +60,33 @@ def test_a_save_refused_behind_a_copy_fails_alone():
     assert "step 2" in values[0]["refused"] and values[1]["refused"] == "", values
     for v in values:  # the step being copied commits on every process; the refused one on none
         assert v["first_error"] == "" and v["latest"] == 1, v
-    assert "step 2" in values[1]["second_error"] and "not committed by every process" in values[1]["second_error"]
+    assert "step 2: not committed by every process: process(es) 0 did not save it (their snapshot failed or was " \
+           "refused)" in values[1]["second_error"], values[1]
+
+
+def different_steps(job_id: str) -> dict:
+    import jax.numpy as jnp
+
+    import jaxckpt
+
+    me = node_info().process_id
+    with jaxckpt.Checkpointer(jaxckpt.Config(job_id=job_id, commit_timeout_s=3.0)) as ck:
+        ck.save(1, {"w": jnp.arange(8.0) + me}).result(timeout=60)
+        try:  # a user's bug: the processes disagree on the step they save
+            ck.save(2 + me, {"w": jnp.arange(8.0) + me}).result()
+            error = ""
+        except jaxckpt.errors.CommitError as e:
+            error = str(e)
+        return {"error": error, "latest": ck.latest_step()}
+
+
+def test_processes_saving_different_steps_each_fail_saying_so_and_keep_the_committed_step():
+    a, b = expect_ok(launch(different_steps, nodes=2, procs_per_node=1, devices_per_proc=1,
+                            args=(f"commit-steps-{uuid.uuid4().hex[:6]}",), timeout=240))
+    # process 0 decides step 2's round: process 1 never comes to it (it saved step 3)
+    assert a["error"].startswith("step 2: not committed by every process: round 'commit 2'"), a
+    assert "process 1 did not arrive within 3s (every process must save the same steps)" in a["error"], a
+    # process 1 waits for a decision on step 3, which process 0 never saved
+    assert b["error"] == ("step 3: no commit decision within 6s (process 0 decides: still copying, stalled or "
+                          "gone, or it did not save step 3; every process must save the same steps)"), b
+    assert a["latest"] == b["latest"] == 1  # the step committed before stays the newest, on both

@@ -88,6 +88,10 @@ class LocalCoordinator:
             return sorted(self._kv)
 
 
+def _failed(oks: list[bool]) -> list[int]:
+    return [q for q, ok in enumerate(oks) if not ok]
+
+
 class CommitTracker:
     """Runs the commit protocol above for each locally finished step, in order, on its own thread."""
 
@@ -107,6 +111,7 @@ class CommitTracker:
         # step -> (local done, decided) on time.monotonic(), which all processes of one host share: the commit
         # protocol's latency is read off these (jaxckpt bench scaling). Bounded: the newest TIMES_KEPT steps.
         self._times: dict[int, tuple[float, float]] = {}
+        self._why: dict[int, str] = {}  # step -> why it did not commit, for its error (the newest TIMES_KEPT)
         self._queue: queue.Queue = queue.Queue()
         # Rounds are numbered by step and must grow, so outcomes are agreed in step order: a save refused at once
         # (its slot not reserved) reports its step while an earlier step's copy is still running here, and other
@@ -169,6 +174,11 @@ class CommitTracker:
         """Report this process's outcome for ``step`` (called from a snapshot thread)."""
         self._queue.put((step, ok, time.monotonic()))
 
+    def why(self, step: int) -> str | None:
+        """Why ``step`` did not commit (the processes that failed it, or the round's error), if known here."""
+        with self._cv:
+            return self._why.get(step)
+
     def times(self) -> dict[int, tuple[float, float]]:
         """For the newest decided steps: (local done, decided here), in ``time.monotonic()`` seconds."""
         with self._cv:
@@ -180,7 +190,9 @@ class CommitTracker:
         with self._cv:
             # Settled, not just decided: after wait() the retention of the step is done and visible.
             if not self._cv.wait_for(lambda: step in self._settled or step <= self._floor, timeout=timeout_s):
-                raise CommitError(f"step {step}: no commit decision within {timeout_s:.0f}s")
+                raise CommitError(f"step {step}: no commit decision within {timeout_s:.0f}s (process 0 decides: "
+                                  f"still copying, stalled or gone, or it did not save step {step}; every process "
+                                  f"must save the same steps)")
             return self._outcome_of(step)
 
     def _run(self) -> None:
@@ -197,14 +209,21 @@ class CommitTracker:
 
     def _decide(self, step: int, ok: bool, t_done: float) -> None:
         try:
-            committed = self._agree(step, ok)
+            failed = self._agree(step, ok)
+            why = None if not failed else \
+                f"process(es) {', '.join(map(str, failed))} did not save it (their snapshot failed or was refused)"
         except Exception as e:  # noqa: BLE001 - a failed agreement aborts the step, never the job
             log.error("step %d: commit agreement failed: %s", step, e)
-            committed = False
+            why = f"{e} (every process must save the same steps)"
+        committed = why is None
         with self._cv:
             self._times[step] = (t_done, time.monotonic())
             if len(self._times) > TIMES_KEPT:
                 del self._times[min(self._times)]
+            if why is not None:
+                self._why[step] = why
+                if len(self._why) > TIMES_KEPT:
+                    del self._why[min(self._why)]
             self._outcome[step] = committed
             if committed and (self._latest is None or step > self._latest):
                 self._latest = step
@@ -219,10 +238,11 @@ class CommitTracker:
             self._trim()
             self._cv.notify_all()
 
-    def _agree(self, step: int, ok: bool) -> bool:
+    def _agree(self, step: int, ok: bool) -> list[int]:
+        """The processes that did not save ``step`` (empty: it commits)."""
         # Numbered by the step: a process that never reported a step (a save refused before it) fails that
         # step's round only.
-        return bool(self._channel.reduce(f"commit {step}", bool(ok), all, timeout_s=self._timeout, number=step))
+        return list(self._channel.reduce(f"commit {step}", bool(ok), _failed, timeout_s=self._timeout, number=step))
 
     def close(self) -> None:
         self._queue.put(None)

@@ -108,7 +108,8 @@ class SaveHandle:
         if self.error is not None:
             raise self.error
         if not self._tracker.wait(self.step, timeout):
-            raise CommitError(f"step {self.step}: not committed by every process (a process failed or timed out)")
+            why = self._tracker.why(self.step) or "a process failed or timed out"
+            raise CommitError(f"step {self.step}: not committed by every process: {why}")
 
 
 class CheckpointEngine:
