@@ -26,7 +26,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Protocol
 
 from jaxckpt.core.trim import STEPS_KEPT, trim
-from jaxckpt.errors import CommitError
+from jaxckpt.errors import CommitError, CoordinationError
 
 if TYPE_CHECKING:
     from jaxckpt.core.collective import Channel
@@ -214,7 +214,8 @@ class CommitTracker:
                 f"process(es) {', '.join(map(str, failed))} did not save it (their snapshot failed or was refused)"
         except Exception as e:  # noqa: BLE001 - a failed agreement aborts the step, never the job
             log.error("step %d: commit agreement failed: %s", step, e)
-            why = f"{e} (every process must save the same steps)"
+            absent = isinstance(e, CoordinationError) and "" in e.errors.values()  # a process did not arrive
+            why = f"{e} (every process must save the same steps)" if absent else str(e)
         committed = why is None
         with self._cv:
             self._times[step] = (t_done, time.monotonic())
