@@ -17,7 +17,6 @@ the allocation ends meanwhile.
 One 2-node cluster for the module; it skips with the reason where it cannot run, except under CI=true
 (tests/requires.py). About 80 s on 2 cores.
 """
-import fcntl
 import importlib.util
 import json
 import os
@@ -152,15 +151,11 @@ def _freed_or_swept(cluster, job: str, *names: str) -> None:
         return [d for n in names for d in _dirs(n, job)]
 
     def held(d: str) -> bool:  # an agent lives there (it holds the directory's lock until it exits)
-        try:
-            fd = os.open(os.path.join(SHM, d, proto.LOCK_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
+        fd = proto.open_lock(os.path.join(SHM, d))
+        if fd is None:
             return os.path.isdir(os.path.join(SHM, d))  # a directory being made or removed: look again
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return False
-        except BlockingIOError:
-            return True
+            return proto.lock_held(fd)
         finally:
             os.close(fd)
 

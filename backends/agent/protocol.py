@@ -442,7 +442,7 @@ def stop_agent(directory: str, job: str | None = None, *, timeout_s: float = 30.
         return False
     # The agent holds its lock until it has freed everything: the one sign of that which holds where the directory
     # stays (a mount point, as a Kubernetes volume is, cannot be removed) or lives in another mount namespace.
-    lock = _open_lock(directory)
+    lock = open_lock(directory)
     try:
         try:
             conn.call("hello", job=job, role="client")
@@ -450,7 +450,7 @@ def stop_agent(directory: str, job: str | None = None, *, timeout_s: float = 30.
         finally:
             conn.close()
         deadline = time.monotonic() + timeout_s
-        while os.path.exists(directory) and not _released(lock) and time.monotonic() < deadline:
+        while os.path.exists(directory) and (lock is None or lock_held(lock)) and time.monotonic() < deadline:
             time.sleep(0.01)  # the agent removes the directory last, then lets its lock go
     finally:
         if lock is not None:
@@ -458,27 +458,27 @@ def stop_agent(directory: str, job: str | None = None, *, timeout_s: float = 30.
     return True
 
 
-def _open_lock(directory: str) -> int | None:
+def open_lock(directory: str) -> int | None:
+    """A read-only descriptor of the lock file of ``directory``'s agent (a regular file, no link followed), or
+    None where there is none: the file an agent holds while it lives, even once it unlinked it."""
     try:
         fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
-        return None  # none there (an agent of before): the directory's removal is the sign
+        return None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         return None
     return fd
 
 
-def _released(lock: int | None) -> bool:
-    """Whether no agent holds ``lock`` (opened before the shutdown: the file the agent holds, even once unlinked)."""
-    if lock is None:
-        return False
+def lock_held(fd: int) -> bool:
+    """Whether an agent holds the lock file open as ``fd`` (:func:`open_lock`): it lets it go only as it exits."""
     try:
-        fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        return False
-    fcntl.flock(lock, fcntl.LOCK_UN)  # never in the way of a new agent's lock
-    return True
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)  # never in the way of a new agent's lock
+    return False
 
 
 def kill_agent(directory: str, *, remove_memory: bool = False) -> int | None:
