@@ -1,7 +1,7 @@
 """PyTorch DCP through jaxckpt's stores: ``dcp.save`` / ``dcp.async_save`` / ``dcp.load`` with JaxckptWriter and
-JaxckptReader, unchanged DCP code on top. Single process: every dtype bit for bit, non-tensor values, async_save,
-checkpoint ids, a corrupted chunk, the metadata codec that replaces DCP's pickle, snapshots that outlive their
-process (store="shm"). Real gloo processes: a DTensor-sharded model and its AdamW state saved on 2 ranks and
+JaxckptReader, unchanged DCP code on top. Single process: every dtype bit for bit, non-tensor values (their codec:
+tests/test_torch_dcp_values.py), async_save, checkpoint ids, a corrupted chunk, the metadata codec that replaces
+DCP's pickle, snapshots that outlive their process (store="shm"). Real gloo processes: a DTensor-sharded model and its AdamW state saved on 2 ranks and
 loaded resharded (Shard(0) -> Replicate, -> another mesh), a corrupted chunk raising on every rank, and 2 ranks'
 shm snapshots loaded by one process after they exited."""
 import datetime
@@ -30,8 +30,8 @@ from jaxckpt.torch import dcp_metadata
 from jaxckpt.torch.dcp import checkpoint_step
 from jaxckpt.torch.dcp_metadata import Locator, StorageIndex
 from jaxckpt.torch.dtypes import DTYPE_NAMES
-from jaxckpt.errors import (BudgetExceededError, ChecksumError, ConfigError, CoordinationError, ManifestError, PlanError,
-                            StepError, StepNotFoundError, UnsupportedTypeError)
+from jaxckpt.errors import (ChecksumError, ConfigError, CoordinationError, ManifestError, PlanError, StepError,
+                            StepNotFoundError)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -95,36 +95,6 @@ def test_save_load_every_dtype_bit_for_bit():
         target["extra"] = {"epoch": 0, "name": "", "betas": [0.0, 0.0]}
         dcp.load(target, storage_reader=JaxckptReader(store=w.store), checkpoint_id="step_3")
         assert_same(target, state)
-
-
-class Schedule:
-    """A value of the user's own class: only a full unpickling can load it."""
-
-    def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Schedule) and other.warmup == self.warmup
-
-
-def test_a_value_only_a_full_unpickling_loads_is_refused_unless_trusted():
-    """Non-tensor items are stored as DCP's pickled bytes, written by another process: the reader loads them with
-    torch's restricted unpickler first, and a value it refuses (a class of the user's) raises a jaxckpt error
-    naming the item and step before DCP's planner would unpickle it; ``trust_pickled_values=True`` loads it."""
-    state = {"w": torch.arange(6.0), "extra": {"schedule": Schedule(7), "epoch": 3}}
-    with JaxckptWriter(config=Config(job_id="dcp-pickled")) as w:
-        dcp.save(state, storage_writer=w, checkpoint_id=2)
-        target = {"w": torch.zeros(6), "extra": {"schedule": None, "epoch": 0}}
-        with pytest.raises(CheckpointException) as e:  # DCP wraps what its storage raises, per rank
-            dcp.load(target, storage_reader=JaxckptReader(store=w.store))
-        err = e.value.failures[0][0]
-        assert isinstance(err, UnsupportedTypeError), err
-        assert "step 2, item 'extra.schedule'" in str(err) and "Schedule" in str(err), err
-        assert "trust_pickled_values=True" in str(err), err
-        assert target["extra"]["schedule"] is None  # nothing of the refused value was loaded
-        dcp.load(target, storage_reader=JaxckptReader(store=w.store, trust_pickled_values=True))
-        assert target["extra"] == {"schedule": Schedule(7), "epoch": 3}
-        assert torch.equal(target["w"], state["w"])
 
 
 def test_async_save_is_the_state_at_the_call():

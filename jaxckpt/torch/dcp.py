@@ -24,7 +24,8 @@ Save, in DCP's call order (ranks are those of the process group DCP runs on):
 4) (all ranks) ``write_data``: writes the rank's items through the slot path every save of jaxckpt takes
    (``jaxckpt.core.slots.SlotWriter``, the engine's): one slot of the exact size at step = checkpoint id in the
    rank's own store, laid out by this rank (each ``WriteItem`` 64-byte aligned: tensors straight from the live
-   tensor, ``BytesIO`` items as the raw bytes DCP serialised), copied with a crc32c each on the copy workers.
+   tensor, ``BytesIO`` items as their value in msgpack, see below), copied with a crc32c each on the copy
+   workers.
    Then every rank learns whether every rank wrote its slot (``jaxckpt.core.collective.agree``, one round over
    the process group's store): a failure on any rank (a slot over the store's budget, a tensor the planner
    cannot resolve) is raised on every rank (the same ``jaxckpt.errors`` class, naming the rank) and every rank
@@ -66,14 +67,16 @@ message ("metadata is None; global metadata read failed: ...").
 ``dcp.async_save`` blocks for DCP's own staging copy (its default stager); this writer's copy into the store then
 runs on DCP's background thread.
 
-Non-tensor values: DCP turns them into ``BytesIO`` with ``torch.save`` and they are stored as those raw bytes.
-DCP's default load planner then calls ``torch.load(..., weights_only=False)`` on them (torch 2.13), a full
-unpickling of bytes another process wrote. The reader first loads each such item with torch's restricted
-unpickler (``weights_only=True``: tensors, numbers, strings, containers, no other globals, no code run) and
-hands it to the planner only if that succeeds: the planner's own unpickling then meets nothing the restricted
-one refused. Anything else raises :class:`jaxckpt.errors.UnsupportedTypeError` naming the item and the step,
-unless the reader is made with ``trust_pickled_values=True`` (for values of your own classes, from stores you
-trust).
+Non-tensor values: DCP's save planner turns each into ``BytesIO`` with ``torch.save``, and its load planner
+unpickles what it reads in full (``torch.load(..., weights_only=False)``, torch 2.13). So no pickle crosses the
+store: the writer decodes the bytes its own planner just made with torch's restricted loader and stores the value
+as msgpack (``dcp_values``: numbers, strings, bytes, lists, tuples, dicts, sets, dtypes, devices, dense tensors);
+the reader rebuilds the value, every type checked, and hands the planner ``torch.save`` bytes of it made in its own
+process. A value with no such encoding (a class of your own) raises :class:`jaxckpt.errors.UnsupportedTypeError`
+at save, naming the item, the step and where in the value, on every rank, and nothing is committed. Opting in on
+both ends stores it as DCP's pickled bytes: ``JaxckptWriter(pickle_values=True)`` writes them, and only
+``JaxckptReader(trust_pickled_values=True)`` loads them (for stores you trust); any other reader raises
+UnsupportedTypeError naming the item and the step before anything is unpickled.
 
 The process group must have a CPU backend (gloo, or ``"cpu:gloo,cuda:nccl"``) and be the one DCP runs on; pass
 the same ``process_group`` to the writer/reader and to ``dcp.save``/``dcp.load``.
@@ -81,7 +84,6 @@ the same ``process_group`` to the writer/reader and to ``dcp.save``/``dcp.load``
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import math
 import os
@@ -101,7 +103,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from jaxckpt.torch import dcp_exchange as xc
-from jaxckpt.torch import dcp_metadata
+from jaxckpt.torch import dcp_metadata, dcp_values
 from jaxckpt.torch.dcp_exchange import align, byte_tensor
 from jaxckpt.torch.dcp_metadata import Locator, StorageIndex, pack_slot_manifest, unpack_slot_manifest
 from jaxckpt.torch.coordination import TorchStoreCoordinator, incarnation
@@ -113,8 +115,7 @@ from jaxckpt.core.copier import CopyTask
 from jaxckpt.core.slots import SlotWriter
 from jaxckpt.registry import get_store_class
 from jaxckpt.core.store import Slot, Store
-from jaxckpt.errors import (ConfigError, ManifestError, PlanError, StepError, StepNotFoundError,
-                            UnsupportedTypeError)
+from jaxckpt.errors import ConfigError, ManifestError, PlanError, StepError, StepNotFoundError
 
 log = logging.getLogger("jaxckpt.torch.dcp")
 
@@ -223,11 +224,14 @@ class JaxckptWriter(StorageWriter):
 
     ``store``: an existing store to write into (for ``store="memory"``, share it with the reader:
     ``JaxckptReader(store=writer.store)``); otherwise one is made from ``config`` for this rank and closed by
-    :meth:`close`.
+    :meth:`close`. ``pickle_values``: store a non-tensor value that has no encoding without pickle (a class of
+    your own) as DCP's ``torch.save`` bytes instead of refusing it; only a reader made with
+    ``trust_pickled_values=True`` loads it (see the module docstring).
     """
 
     def __init__(self, checkpoint_id: Any = None, *, config: Config | None = None, store: Store | None = None,
-                 process_group: dist.ProcessGroup | None = None) -> None:
+                 process_group: dist.ProcessGroup | None = None, pickle_values: bool = False) -> None:
+        self.pickle_values = pickle_values
         group, self.rank, self.world = _group_of(process_group)
         self.config, self.store, self._owns_store = _make_store(config, store, self.rank, self.world)
         # The one slot path (jaxckpt.core.slots): an id saved again replaces its slot; retention counts what the
@@ -299,7 +303,7 @@ class JaxckptWriter(StorageWriter):
                 raise PlanError(f"step {step}: DCP planned rank {tag.rank}, but this writer's store is that of "
                                 f"process {self.store.process_index}: give JaxckptWriter the process_group of "
                                 f"dcp.save")
-            layout, nbytes = self._layout(plan, planner)
+            layout, nbytes = self._layout(plan, planner, step)
             slot = self._reserve(step, nbytes)
             crcs = self.slots.write(slot, self._tasks(layout, planner, step)).result().crcs
         except Exception as e:  # noqa: BLE001 - agreed on below: raised on every rank
@@ -310,7 +314,7 @@ class JaxckptWriter(StorageWriter):
             if slot is not None:
                 self.slots.abort(slot)  # a failed write freed its slot already; aborting again is harmless
             raise
-        chunks = [[it.index.fqn, off, n, crc] for (it, off, n, _), crc in zip(layout, crcs)]
+        chunks = [[it.index.fqn, off, n, crc, enc] for (it, off, n, _, enc), crc in zip(layout, crcs)]
         body = {"save_id": tag.save_id, "rank": tag.rank, "world": tag.world, "step": step,
                 "checkpoint_id": self.checkpoint_id, "chunks": chunks}
         if self._is_coordinator:
@@ -318,8 +322,9 @@ class JaxckptWriter(StorageWriter):
         else:
             self._commit(slot, body)
         fut: Future[list[WriteResult]] = Future()
-        fut.set_result([WriteResult(index=it.index, size_in_bytes=n, storage_data=Locator(tag.rank, off, n, crc))
-                        for (it, off, n, _), crc in zip(layout, crcs)])
+        fut.set_result([WriteResult(index=it.index, size_in_bytes=n,
+                                    storage_data=Locator(tag.rank, off, n, crc, enc))
+                        for (it, off, n, _, enc), crc in zip(layout, crcs)])
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -346,21 +351,20 @@ class JaxckptWriter(StorageWriter):
                  len(locators), body["world"])
 
     # ------------------------------------------------------------------------------------------- helpers
-    @staticmethod
-    def _layout(plan: SavePlan, planner: SavePlanner) -> tuple[list, int]:
-        """This rank's slot layout: (item, offset, nbytes, raw bytes of a BytesIO item or None) per item, each
-        64-byte aligned, and the slot's size."""
+    def _layout(self, plan: SavePlan, planner: SavePlanner, step: int) -> tuple[list, int]:
+        """This rank's slot layout: (item, offset, nbytes, the bytes of a non-tensor value or None, encoding) per
+        item, each 64-byte aligned, and the slot's size."""
         layout, pos = [], 0
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
-                data = planner.resolve_data(item)
-                raw = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(bytes(data))
-                layout.append((item, pos, len(raw), raw))
+                raw, encoding = dcp_values.stored(planner.resolve_data(item), f"DCP checkpoint step {step}, item "
+                                                  f"{item.index.fqn!r}", self.pickle_values)
+                layout.append((item, pos, len(raw), raw, encoding))
                 pos = align(pos + len(raw))
             else:
                 td = item.tensor_data
                 n = math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
-                layout.append((item, pos, n, None))
+                layout.append((item, pos, n, None, "raw"))
                 pos = align(pos + n)
         return layout, pos
 
@@ -376,7 +380,7 @@ class JaxckptWriter(StorageWriter):
         ``Config.inflight_bytes`` in flight; torch copies and crc32c release the GIL); tensors straight from
         their source, on any device."""
         tasks = []
-        for item, off, n, raw in layout:
+        for item, off, n, raw, _ in layout:
             if raw is not None:
                 tasks.append(CopyTask(lambda raw=raw: np.frombuffer(raw, np.uint8), off, n))
             else:
@@ -428,8 +432,9 @@ class JaxckptReader(StorageReader):
     """A DCP ``StorageReader`` from jaxckpt's store ``config.store`` (see the module docstring).
 
     ``store``: an existing store to read (e.g. ``writer.store`` for ``store="memory"``); otherwise one is made
-    from ``config`` for this rank and closed by :meth:`close`. ``trust_pickled_values``: hand non-tensor items
-    that torch's restricted unpickler refuses to DCP's planner anyway (see the module docstring).
+    from ``config`` for this rank and closed by :meth:`close`. ``trust_pickled_values``: load the non-tensor values
+    a writer stored pickled (``pickle_values=True``), which DCP's planner unpickles in full; only for a store you
+    trust (see the module docstring).
     """
 
     def __init__(self, checkpoint_id: Any = None, *, config: Config | None = None, store: Store | None = None,
@@ -500,7 +505,7 @@ class JaxckptReader(StorageReader):
         try:
             got = chunks.read(plan)
             for req in plan.items:
-                self._deliver(req, got[req.storage_index], planner, index.step)
+                self._deliver(req, got[req.storage_index], planner, index)
         finally:
             chunks.close()
         fut: Future[None] = Future()
@@ -534,21 +539,12 @@ class JaxckptReader(StorageReader):
         raise StepNotFoundError(f"no finished DCP checkpoint in the {self.store.name} store of rank 0 (steps "
                                 f"{steps})")
 
-    def _deliver(self, req: Any, buf: memoryview, planner: LoadPlanner, step: int) -> None:
+    def _deliver(self, req: Any, buf: memoryview, planner: LoadPlanner, index: StorageIndex) -> None:
+        step = index.step
         if req.type == LoadItemType.BYTE_IO:
-            raw = bytes(buf)
-            if not self.trust_pickled_values:
-                try:
-                    torch.load(io.BytesIO(raw), weights_only=True)
-                except Exception as e:  # noqa: BLE001 - any refusal of the restricted unpickler
-                    why = next((ln.strip() for ln in str(e).splitlines() if "Unsupported global" in ln),
-                               type(e).__name__)
-                    raise UnsupportedTypeError(
-                        f"DCP checkpoint step {step}, item {req.storage_index.fqn!r}: its non-tensor value needs "
-                        f"a full unpickling (torch's restricted loader refused it: {why}); it was written by "
-                        f"another process, so it is not loaded: pass trust_pickled_values=True to JaxckptReader "
-                        f"for a store you trust") from None
-            planner.load_bytes(req, io.BytesIO(raw))
+            where = f"DCP checkpoint step {step}, item {req.storage_index.fqn!r}"
+            encoding = index.locators[req.storage_index].encoding
+            planner.load_bytes(req, dcp_values.loadable(bytes(buf), encoding, where, self.trust_pickled_values))
             return
         dtype, sizes = self._chunks[MetadataIndex(req.storage_index.fqn, req.storage_index.offset)]
         src = byte_tensor(buf).view(dtype).view(sizes)

@@ -28,7 +28,8 @@ from jaxckpt.core.checksum import crc32c
 from jaxckpt.errors import ManifestError, UnsupportedLeafError
 
 FORMAT = "jaxckpt-dcp-metadata"
-VERSION = 1
+VERSION = 2  # 2: each chunk row says how its bytes hold the item (non-tensor values as msgpack)
+ENCODINGS = ("raw", "msgpack", "pickle")
 SLOT_FORMAT = "jaxckpt-dcp"  # the manifest of each rank's slot
 SLOT_VERSION = 1
 _MEMORY_FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last,
@@ -45,6 +46,10 @@ class Locator:
     offset: int
     nbytes: int
     crc: int
+    # How the bytes hold the item: "raw" (a tensor's values), "msgpack" (a non-tensor value, ``dcp_values``) or
+    # "pickle" (DCP's own torch.save bytes, written only with ``JaxckptWriter(pickle_values=True)``); None in a
+    # version 1 record, whose non-tensor values were all DCP's pickled bytes.
+    encoding: str | None = "raw"
 
 
 @dataclass(frozen=True)
@@ -186,7 +191,9 @@ def _encode_index(index: StorageIndex) -> dict[str, Any]:
     rows = []
     for mi, loc in index.locators.items():
         offset = None if mi.offset is None else _ints(mi.offset, f"{mi.fqn} offset")
-        rows.append([mi.fqn, offset, mi.index, loc.rank, loc.offset, loc.nbytes, loc.crc])
+        if loc.encoding not in ENCODINGS:
+            raise ManifestError(f"{mi.fqn}: chunk encoding {loc.encoding!r} is not one of {ENCODINGS}")
+        rows.append([mi.fqn, offset, mi.index, loc.rank, loc.offset, loc.nbytes, loc.crc, loc.encoding])
     return {"save_id": index.save_id, "step": index.step, "world": index.world, "chunks": rows}
 
 
@@ -194,8 +201,8 @@ def _encode_index(index: StorageIndex) -> dict[str, Any]:
 def decode(d: Any, where: str) -> Metadata:
     """The ``Metadata`` encoded by :func:`encode`; ManifestError naming ``where`` if it is not well formed."""
     d = _expect(d, dict, where)
-    if d.get("format") != FORMAT or d.get("version") != VERSION:
-        raise ManifestError(f"{where}: not a jaxckpt DCP metadata record of version {VERSION} "
+    if d.get("format") != FORMAT or d.get("version") not in (1, VERSION):
+        raise ManifestError(f"{where}: not a jaxckpt DCP metadata record of version 1 or {VERSION} "
                             f"(format {d.get('format')!r}, version {d.get('version')!r})")
     try:
         entries = {_expect(fqn, str, f"{where}: key"): _decode_entry(fqn, v, where)
@@ -207,7 +214,7 @@ def decode(d: Any, where: str) -> Metadata:
         version = d["dcp_version"]
         if version is not None:
             _expect(version, str, f"{where}: dcp_version")
-        return Metadata(state_dict_metadata=entries, planner_data=pd, storage_data=_decode_index(d["storage"], where),
+        return Metadata(state_dict_metadata=entries, planner_data=pd, storage_data=_decode_index(d["storage"], where, d["version"]),
                         storage_meta=_decode_storage_meta(d["storage_meta"], where), version=version)
     except KeyError as e:
         raise ManifestError(f"{where}: field {e.args[0]!r} is missing") from None
@@ -267,13 +274,19 @@ def _decode_storage_meta(v: Any, where: str) -> StorageMeta:
     return StorageMeta(checkpoint_id=v["checkpoint_id"], save_id=v["save_id"], load_id=v["load_id"], modules=modules)
 
 
-def _decode_index(v: Any, where: str) -> StorageIndex:
+def _decode_index(v: Any, where: str, version: int) -> StorageIndex:
     v = _expect(v, dict, f"{where}: storage")
     world = _expect(v["world"], int, f"{where}: world")
     locators: dict[MetadataIndex, Locator] = {}
     for row in _expect(v["chunks"], list, f"{where}: chunks"):
-        fqn, offset, hint, rank, off, nbytes, crc = _expect(row, list, f"{where}: chunk")
+        row = _expect(row, list, f"{where}: chunk")
+        if len(row) != (7 if version == 1 else 8):
+            raise ManifestError(f"{where}: a chunk row of {len(row)} fields in a version {version} record")
+        fqn, offset, hint, rank, off, nbytes, crc = row[:7]
+        encoding = None if version == 1 else row[7]
         what = f"{where}: chunk of {fqn!r}"
+        if version > 1 and encoding not in ENCODINGS:
+            raise ManifestError(f"{what}: unknown encoding {encoding!r}")
         mi = MetadataIndex(_expect(fqn, str, what), None if offset is None else _int_list(offset, what),
                            None if hint is None else _expect(hint, int, what))
         for name, x in (("rank", rank), ("offset", off), ("nbytes", nbytes), ("crc", crc)):
@@ -281,6 +294,6 @@ def _decode_index(v: Any, where: str) -> StorageIndex:
                 raise ManifestError(f"{what}: negative {name} {x}")
         if rank >= world:
             raise ManifestError(f"{what}: rank {rank} is outside the {world} ranks that saved")
-        locators[mi] = Locator(rank, off, nbytes, crc)
+        locators[mi] = Locator(rank, off, nbytes, crc, encoding)
     return StorageIndex(_expect(v["save_id"], str, f"{where}: save_id"), _expect(v["step"], int, f"{where}: step"),
                         world, locators)
