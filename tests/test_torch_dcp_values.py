@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from jaxckpt import Config
@@ -153,18 +154,38 @@ def test_every_value_type_and_an_optimizer_state_round_trip_through_dcp():
         assert_identical(target["model"][k], state["model"][k], k)
 
 
+class _OwnBytesPlanner(DefaultSavePlanner):
+    """A planner with its own transform_object (here DCP's torch.save): the writer takes its bytes, not the object."""
+
+    def transform_object(self, write_item, object):
+        return super().transform_object(write_item, object)
+
+
+def test_a_planner_making_its_own_bytes_gets_the_same_values():
+    state = {"w": torch.ones(2), "extra": every_value()}
+    with JaxckptWriter(config=Config(job_id="dcp-own-bytes")) as w:
+        dcp.save(state, storage_writer=w, checkpoint_id=1, planner=_OwnBytesPlanner())
+        target = {"w": torch.zeros(2), "extra": blank(state["extra"])}
+        dcp.load(target, storage_reader=JaxckptReader(store=w.store), checkpoint_id=1)
+    assert_identical(target["extra"], state["extra"], "extra")
+
+
 def test_a_value_of_the_users_class_is_refused_at_save_unless_pickled_on_both_ends():
     with JaxckptWriter(config=Config(job_id="dcp-pickled")) as w:
         dcp.save({"w": torch.arange(6.0), "extra": {"epoch": 2}}, storage_writer=w, checkpoint_id=1)
         state = {"w": torch.arange(6.0) + 1, "extra": {"schedule": Schedule(7), "epoch": 3}}
-        with pytest.raises(CheckpointException) as e:  # DCP wraps what its storage raises, per rank
-            dcp.save(state, storage_writer=w, checkpoint_id=2)
-        err = e.value.failures[0][0]
-        assert isinstance(err, UnsupportedTypeError), err
-        assert str(err).startswith(f"DCP checkpoint step 2, item 'extra.schedule': its value has no encoding "
-                                   f"without pickle (it holds a {__name__}.Schedule)"), err
-        assert "pickle_values=True" in str(err) and "trust_pickled_values=True" in str(err), err
-        assert w.store.steps() == [1]  # nothing of step 2 committed, step 1 kept
+        # DCP's own planner (the writer encodes the object it looks up) and one that makes the bytes its own way
+        # (the writer reads them back with torch's restricted loader): the same refusal.
+        for planner, says in ((None, f"a {__name__}.Schedule has no encoding without pickle"),
+                              (_OwnBytesPlanner(), f"its value has no encoding without pickle (it holds a "
+                                                   f"{__name__}.Schedule)")):
+            with pytest.raises(CheckpointException) as e:  # DCP wraps what its storage raises, per rank
+                dcp.save(state, storage_writer=w, checkpoint_id=2, planner=planner)
+            err = e.value.failures[0][0]
+            assert isinstance(err, UnsupportedTypeError), err
+            assert str(err).startswith(f"DCP checkpoint step 2, item 'extra.schedule': {says}"), err
+            assert "pickle_values=True" in str(err) and "trust_pickled_values=True" in str(err), err
+            assert w.store.steps() == [1]  # nothing of step 2 committed, step 1 kept
 
     with JaxckptWriter(config=Config(job_id="dcp-pickled"), pickle_values=True) as w:
         dcp.save(state, storage_writer=w, checkpoint_id=2)

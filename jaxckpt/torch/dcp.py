@@ -69,10 +69,10 @@ runs on DCP's background thread.
 
 Non-tensor values: DCP's save planner turns each into ``BytesIO`` with ``torch.save``, and its load planner
 unpickles what it reads in full (``torch.load(..., weights_only=False)``, torch 2.13). So no pickle crosses the
-store: the writer decodes the bytes its own planner just made with torch's restricted loader and stores the value
-as msgpack (``dcp_values``: numbers, strings, bytes, lists, tuples, dicts, sets, dtypes, devices, dense tensors);
-the reader rebuilds the value, every type checked, and hands the planner ``torch.save`` bytes of it made in its own
-process. A value with no such encoding (a class of your own) raises :class:`jaxckpt.errors.UnsupportedTypeError`
+store: the writer stores the value as msgpack (``dcp_values``: numbers, strings, bytes, lists, tuples, dicts, sets,
+dtypes, devices, dense tensors), taking the object DCP's own planner looks up, or reading a custom planner's bytes
+back with torch's restricted loader; the reader rebuilds the value, every type checked, and hands the planner
+``torch.save`` bytes of it made in its own process. A value with no such encoding (a class of your own) raises :class:`jaxckpt.errors.UnsupportedTypeError`
 at save, naming the item, the step and where in the value, on every rank, and nothing is committed. Opting in on
 both ends stores it as DCP's pickled bytes: ``JaxckptWriter(pickle_values=True)`` writes them, and only
 ``JaxckptReader(trust_pickled_values=True)`` loads them (for stores you trust); any other reader raises
@@ -96,6 +96,7 @@ import msgpack
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner,
                                                   WriteItem, WriteItemType)
@@ -357,8 +358,7 @@ class JaxckptWriter(StorageWriter):
         layout, pos = [], 0
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
-                raw, encoding = dcp_values.stored(planner.resolve_data(item), f"DCP checkpoint step {step}, item "
-                                                  f"{item.index.fqn!r}", self.pickle_values)
+                raw, encoding = self._value(item, planner, f"DCP checkpoint step {step}, item {item.index.fqn!r}")
                 layout.append((item, pos, len(raw), raw, encoding))
                 pos = align(pos + len(raw))
             else:
@@ -367,6 +367,17 @@ class JaxckptWriter(StorageWriter):
                 layout.append((item, pos, n, None, "raw"))
                 pos = align(pos + n)
         return layout, pos
+
+    def _value(self, item: WriteItem, planner: SavePlanner, where: str) -> tuple[bytes | memoryview, str]:
+        """A non-tensor item's stored bytes and their encoding (``dcp_values``)."""
+        kind = type(planner)
+        if kind.resolve_data is DefaultSavePlanner.resolve_data and \
+                kind.transform_object is DefaultSavePlanner.transform_object:
+            # DCP's own planner would torch.save the looked-up object: encode that object, rather than bytes made
+            # of it and read back (a torch.save and a restricted torch.load: ~80 us a value, BENCHMARKS.md).
+            return dcp_values.stored_value(planner.lookup_object(item.index), where, self.pickle_values,
+                                           lambda: planner.resolve_data(item).getbuffer())
+        return dcp_values.stored(planner.resolve_data(item), where, self.pickle_values)
 
     def _reserve(self, step: int, nbytes: int) -> Slot:
         try:

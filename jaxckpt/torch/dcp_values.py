@@ -19,7 +19,7 @@ import collections
 import io
 import math
 import re
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 import numpy as np
@@ -29,10 +29,12 @@ from jaxckpt.core.dtypes import dtype_from_name
 from jaxckpt.errors import ManifestError, UnsupportedLeafError, UnsupportedTypeError
 from jaxckpt.torch.dtypes import DTYPE_NAMES, dtype_name, from_numpy, numpy_view, torch_dtype
 
-__all__ = ["decode", "encode", "loadable", "stored"]
+__all__ = ["decode", "encode", "loadable", "stored", "stored_value"]
 
 # msgpack extension codes; each payload is itself msgpack of the fields named.
 _TUPLE, _ODICT, _COUNTER, _SET, _COMPLEX, _BYTEARRAY, _BIGINT, _SIZE, _DTYPE, _DEVICE, _TENSOR = range(1, 12)
+_HINT = ("save plain values (numbers, strings, containers, tensors), or pass pickle_values=True to JaxckptWriter to "
+         "store it pickled (a reader then needs trust_pickled_values=True)")
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1  # what msgpack's own ints hold
 _TORCH_DTYPES = {str(d): d for d in DTYPE_NAMES} | {str(d): d for d in vars(torch).values()
                                                      if isinstance(d, torch.dtype)}
@@ -48,12 +50,9 @@ def _kind(x: Any) -> str:
 
 # ------------------------------------------------------------------------------------- writer and reader
 def stored(data: Any, where: str, pickle_values: bool) -> tuple[bytes | memoryview, str]:
-    """The bytes a writer stores for DCP's ``torch.save`` bytes ``data`` of one value, and their encoding: the
-    value as msgpack, or ``data`` itself ("pickle") where the value has none and ``pickle_values`` allows it;
-    UnsupportedTypeError naming ``where`` otherwise."""
+    """The bytes a writer stores for DCP's ``torch.save`` bytes ``data`` of one value, and their encoding (see
+    :func:`stored_value`); the value is read back with torch's restricted loader."""
     pickled = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(bytes(data))
-    hint = ("pass pickle_values=True to JaxckptWriter to store it pickled (a reader then needs "
-            "trust_pickled_values=True)")
     try:
         # This process's planner made these bytes from the user's value a moment ago; the restricted loader runs
         # nothing of theirs and refuses the classes only a full unpickling could rebuild.
@@ -64,14 +63,21 @@ def stored(data: Any, where: str, pickle_values: bool) -> tuple[bytes | memoryvi
         found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
         why = f"it holds a {found.group(1)}" if found else \
             f"torch's restricted loader refused DCP's bytes of it: {type(e).__name__}: {str(e)[:200]}"
-        raise UnsupportedTypeError(f"{where}: its value has no encoding without pickle ({why}); save plain values "
-                                   f"(numbers, strings, containers, tensors), or {hint}") from None
+        raise UnsupportedTypeError(f"{where}: its value has no encoding without pickle ({why}); {_HINT}") from None
+    return stored_value(value, where, pickle_values, lambda: pickled)
+
+
+def stored_value(value: Any, where: str, pickle_values: bool,
+                 pickled: Callable[[], bytes | memoryview]) -> tuple[bytes | memoryview, str]:
+    """The bytes a writer stores for one value and their encoding: ``value`` as msgpack, or DCP's pickled bytes
+    of it (``pickled()``, "pickle") where it has no such encoding and ``pickle_values`` allows them;
+    UnsupportedTypeError naming ``where`` and the place in the value otherwise."""
     try:
         return encode(value, where), "msgpack"
     except UnsupportedTypeError as e:
         if pickle_values:
-            return pickled, "pickle"
-        raise UnsupportedTypeError(f"{e}; or {hint}") from None
+            return pickled(), "pickle"
+        raise UnsupportedTypeError(f"{e}; {_HINT}") from None
 
 
 def loadable(raw: bytes, encoding: str | None, where: str, trust_pickled_values: bool) -> io.BytesIO:
