@@ -488,3 +488,40 @@ def test_stop_returns_once_the_agent_has_freed_its_memory_where_its_directory_ca
         os.rmdir(d)
     text = (tmp_path / "agent.log").read_text()
     assert "freed 1 segments" in text and f"could not remove {d}" in text, text[-2000:]
+
+
+HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+print("open", flush=True)
+fcntl.flock(fd, fcntl.LOCK_EX)  # granted once the agent lets its lock go; kept
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_stop_raises_when_the_agent_answers_but_its_lock_stays_held(tmp_path):
+    # A stop that ran out of time returned True, as if the agent had freed its memory. Here the agent's directory is
+    # a mount point (it stays) and another process takes the lock file as the agent lets it go and keeps it: the
+    # stop cannot see the agent finish, and says so naming the directory and the agent's pid.
+    job = "lockheld"
+    d = _dir(job)
+    os.makedirs(d, mode=0o700)
+    unshare = ["unshare", "--mount", "--propagation", "private"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
+    agent = subprocess.Popen(unshare + ["bash", "-c", 'mount --bind "$1" "$1" && shift && exec "$@"', "bind", d,
+                                        sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d,
+                                        "--log", str(tmp_path / "agent.log")], stdin=subprocess.DEVNULL)
+    holder = None
+    try:
+        _serving(agent, d)
+        holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, os.path.join(d, proto.LOCK_NAME)],
+                                  stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline() == "open\n"
+        with pytest.raises(AgentError) as e:
+            proto.stop_agent(d, job, timeout_s=2)
+        assert str(e.value).startswith(f"the agent of {d} (pid {agent.pid}) answered the shutdown but still holds "
+                                       f"its lock after 2 s"), e.value
+        assert agent.wait(timeout=60) == 0 and holder.stdout.readline() == "held\n"
+    finally:
+        _reap(agent, holder)
+        os.rmdir(d)

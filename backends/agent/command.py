@@ -14,7 +14,7 @@ from jaxckpt.backends.agent import heap, lifetime
 from jaxckpt.backends.agent.daemon import MESSAGE_TIMEOUT_S, Agent
 from jaxckpt.backends.agent.protocol import agent_dir, default_log_path, shm_base, stop_agent
 from jaxckpt.config import PEER_SECURITY, Config
-from jaxckpt.errors import AgentError, ConfigError
+from jaxckpt.errors import AgentError, ConfigError, JaxckptError
 from jaxckpt.node_identity import allocation, node_identity, parse_agent_dir_name
 
 log = logging.getLogger("jaxckpt.backends.agent.daemon")
@@ -92,7 +92,11 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"jaxckpt agent: ConfigError: {e}", file=sys.stderr)
         return 2
     if args.stop:
-        stopped = stop_agent(directory, args.job)
+        try:
+            stopped = stop_agent(directory, args.job)
+        except JaxckptError as e:  # it answered but did not finish, or something else answers on its socket
+            print(f"jaxckpt agent: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
         print(f"jaxckpt agent: {'stopped the agent of' if stopped else 'no agent serves'} {directory}")
         return 0
     heap.fix_mmap_threshold()  # before anything big is allocated and freed

@@ -435,7 +435,8 @@ def agent_status(directory: str, job: str | None = None, *, timeout_s: float = 3
 
 
 def stop_agent(directory: str, job: str | None = None, *, timeout_s: float = 30.0) -> bool:
-    """Ask the agent of ``directory`` to shut down (it frees its memory) and wait until it has; False if none ran."""
+    """Ask the agent of ``directory`` to shut down (it frees its memory) and wait until it has; False if none ran.
+    AgentError if it answered but still holds its lock after ``timeout_s`` (its memory may not be freed)."""
     try:
         conn = AgentConnection(directory, timeout_s=timeout_s)
     except StoreUnavailableError:
@@ -443,6 +444,7 @@ def stop_agent(directory: str, job: str | None = None, *, timeout_s: float = 30.
     # The agent holds its lock until it has freed everything: the one sign of that which holds where the directory
     # stays (a mount point, as a Kubernetes volume is, cannot be removed) or lives in another mount namespace.
     lock = open_lock(directory)
+    pid = read_pid_file(directory)  # for the error below: the agent removes the file as it stops
     try:
         try:
             conn.call("hello", job=job, role="client")
@@ -452,6 +454,11 @@ def stop_agent(directory: str, job: str | None = None, *, timeout_s: float = 30.
         deadline = time.monotonic() + timeout_s
         while os.path.exists(directory) and (lock is None or lock_held(lock)) and time.monotonic() < deadline:
             time.sleep(0.01)  # the agent removes the directory last, then lets its lock go
+        if lock is not None and lock_held(lock) and os.path.exists(directory):
+            who = f"pid {pid[0]}" if pid else "its pid unknown"
+            raise AgentError(f"the agent of {directory} ({who}) answered the shutdown but still holds its lock after "
+                             f"{timeout_s:g} s, so its memory may not be freed yet: wait longer, or look at what it "
+                             f"waits on ('kill -USR1 <pid>' writes its threads' stacks to its log)")
     finally:
         if lock is not None:
             os.close(lock)
