@@ -48,6 +48,10 @@ ENV_TORCHRUN_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # "True": workers sha
 ENV_TORCH_UNSHARE_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # torch's opt-out: a fresh store per round
 ENV_OMPI_RANK = "OMPI_COMM_WORLD_RANK"
 ENV_OMPI_URI = "OMPI_MCA_orte_hnp_uri"
+# MPICH's and Intel MPI's launcher (Hydra: mpiexec / mpirun of either) sets these for each rank.
+ENV_PMI_RANK = "PMI_RANK"
+ENV_PMI_SIZE = "PMI_SIZE"
+ENV_HYDRA_LOCAL = "MPI_LOCALNRANKS"
 
 _DIR_PART = 48  # at most this much of a node name goes into a directory name as it is
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
@@ -96,6 +100,8 @@ def detect_scheduler(environ: Mapping[str, str] | None = None) -> Scheduler:
         return Scheduler("torchrun", env[ENV_TORCHRUN], (("restart", env.get(ENV_TORCHRUN_RESTART, "0")),))
     if env.get(ENV_OMPI_RANK) is not None:
         return Scheduler("mpirun", "", (("rank", env[ENV_OMPI_RANK]),))
+    if env.get(ENV_PMI_RANK) is not None and env.get(ENV_PMI_SIZE):  # after SLURM: srun --mpi=pmi2 sets them too
+        return Scheduler("mpirun", "", (("rank", env[ENV_PMI_RANK]), ("launcher", "Hydra (MPICH, Intel MPI)")))
     if env.get(ENV_K8S):
         return Scheduler("kubernetes", "", ())
     return Scheduler("none")
@@ -129,7 +135,7 @@ def torchrun_store_hazard(environ: Mapping[str, str] | None = None) -> str | Non
 def local_process_count(environ: Mapping[str, str] | None = None) -> int | None:
     """How many processes of the job run on this node, as the launcher says (None if it does not)."""
     env = os.environ if environ is None else environ
-    for var in (ENV_PROCS_PER_NODE, ENV_TORCHRUN_LOCAL, ENV_OMPI_LOCAL):
+    for var in (ENV_PROCS_PER_NODE, ENV_TORCHRUN_LOCAL, ENV_OMPI_LOCAL, ENV_HYDRA_LOCAL):
         if env.get(var, "").isdigit():
             return int(env[var])
     per_node = env.get(ENV_SLURM_TASKS_PER_NODE, "")

@@ -1,6 +1,7 @@
-"""A trainer started by real schedulers and launchers (srun, mpirun, torchrun), as a user would write one.
+"""A trainer started by real schedulers and launchers (srun, mpirun, mpiexec, torchrun), as a user would write one.
 
-``jax`` mode: ``jax.distributed.initialize()`` with no arguments (JAX's own detection of SLURM or Open MPI), a
+``jax`` mode: ``jax.distributed.initialize()`` with no arguments (JAX's own detection of SLURM or Open MPI; with
+``--coordinator HOST:PORT``, as MPICH's users call it: that address and the ranks PMI_RANK/PMI_SIZE say), a
 small state sharded over every process's CPU device (one per process) plus a replicated vector, a jitted step
 whose all-reduce crosses processes (gloo), a snapshot every step to the node agent (``store="shm"``, the default
 agent directory: the node is the scheduler's). ``torch`` mode (torchrun): a small model and SGD with momentum,
@@ -82,11 +83,12 @@ def _where(config) -> dict:
     """Where this process ran as jaxckpt sees it: the node and where its name came from, the scheduler, the
     agent's directory and pid (the same pid across a relaunch: the memory outlived the trainers), this pid."""
     from jaxckpt.backends.agent.protocol import agent_dir, read_pid_file
-    from jaxckpt.node_identity import detect_scheduler, node_identity
+    from jaxckpt.node_identity import detect_scheduler, local_process_count, node_identity
 
     ident, directory = node_identity(config), agent_dir(config)
     info = read_pid_file(directory)
     return {"node": ident.name, "source": ident.source, "scheduler": detect_scheduler().name,
+            "scheduler_details": dict(detect_scheduler().details), "processes_on_node": local_process_count(),
             "agent_dir": directory, "agent_pid": info[0] if info else None, "pid": os.getpid()}
 
 
@@ -104,7 +106,11 @@ def jax_main(args: argparse.Namespace) -> None:
 
     jax.config.update("jax_num_cpu_devices", 1)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize()  # JAX detects SLURM (srun) or Open MPI (mpirun) by itself
+    if args.coordinator:  # MPICH / Intel MPI (Hydra): JAX detects neither, the ranks come from PMI's variables
+        jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=int(os.environ["PMI_SIZE"]),
+                                   process_id=int(os.environ["PMI_RANK"]))
+    else:
+        jax.distributed.initialize()  # JAX detects SLURM (srun) or Open MPI (mpirun) by itself
     import jaxckpt
 
     rank, n = jax.process_index(), jax.process_count()
@@ -266,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--linger", action="store_true")
     p.add_argument("--early-agent", metavar="TAG", default=None)
     p.add_argument("--agent-ports", default="")
+    p.add_argument("--coordinator", default="", help="HOST:PORT of JAX's coordinator, ranks from PMI_RANK/PMI_SIZE")
     args = p.parse_args(argv)
     if args.agent_ports:
         os.environ["JAXCKPT_AGENT_PORT"] = dict(e.split("=") for e in args.agent_ports.split(","))[

@@ -7,8 +7,9 @@ names nodes):
   both restore step 3 from the node agent (torch front end) and, beside it, load the same step through
   ``torch.distributed.checkpoint`` from jaxckpt's storage, then train on bit for bit; without the opt-out the
   torch front end and ``jaxckpt doctor`` name it;
-- mpirun (Open MPI, JAX's own detection in ``jax.distributed.initialize()``): a rank SIGKILLs itself at step 3,
-  mpirun ends the job; the job is launched again and restores from the node agent bit for bit.
+- mpirun (Open MPI, JAX's own detection in ``jax.distributed.initialize()``), and MPICH's mpiexec (Hydra, JAX
+  initialized from PMI's variables): a rank SIGKILLs itself at step 3, the launcher ends the job; the job is
+  launched again and restores from the node agent bit for bit.
 
 In both the agent is the one the first attempt's trainers spawned (its own session, so the launcher's kills do
 not reach it): the restarted or relaunched trainers find it with the memory, same pid. Each test stops its
@@ -192,3 +193,49 @@ def test_mpirun_relaunched_job_restores_from_the_agent(job, tmp_path):
         assert d["scheduler"] == "mpirun" and d["source"] == "host name" and d["processes"] == 2, d
     assert {d["agent_pid"] for d in got} == {agent[0]}, (got, agent)  # the memory outlived the first job
     assert [c["started"] for c in early_agent_calls(out, "again")] == [False, False]
+    assert [d["processes_on_node"] for d in got] == [2, 2], got  # OMPI_COMM_WORLD_LOCAL_SIZE: the budget's count
+
+
+@available(missing("mpiexec.hydra"))
+def test_mpich_hydra_relaunched_job_restores_from_the_agent(job, tmp_path):
+    """MPICH's mpiexec (Hydra; Intel MPI's is the same launcher) -n 2 of the JAX trainer, which initializes JAX as
+    an MPICH user does (JAX detects no Hydra: the coordinator's address and the PMI ranks); rank 1 dies at step 3
+    and Hydra ends the job; the same mpiexec again restores step 3 from the agent the first run spawned and trains
+    to 5 bit for bit. jaxckpt sees the launcher: mpirun, Hydra, 2 processes on the node (the memory budget's
+    count; it counted 1)."""
+    out = str(tmp_path)
+    first_port, again_port = free_ports(2)
+
+    def cmd(port: int, tag: str) -> list[str]:
+        return ["mpiexec.hydra", "-n", "2", sys.executable, TRAINER, "jax", "--out", out, "--job", job, "--steps",
+                "5", "--coordinator", f"127.0.0.1:{port}", "--fail-rank", "1", "--fail-at", "3", "--early-agent", tag]
+
+    first = run(cmd(first_port, "first"), job)
+    assert first.returncode != 0 and os.path.exists(os.path.join(out, "failed-1")), first.stdout[-4000:]
+    agent = proto.read_pid_file(agent_dir(job))
+    assert agent is not None and proto.pid_alive(agent[0])  # its own session: Hydra's kills did not reach it
+    calls = early_agent_calls(out, "first")
+    assert len(calls) == 2 and any(c["started"] for c in calls), calls
+    again = run(cmd(again_port, "again"), job)
+    assert again.returncode == 0, again.stdout[-4000:]
+    got = results(out, "relaunch", 2)
+    for d in got:
+        assert d["restored"] == 3 and d["latest"] == 5 and d["bitwise"], d
+        assert d["kinds"] and set(d["kinds"]) <= MEMORY_KINDS, d
+        assert d["scheduler"] == "mpirun" and d["scheduler_details"]["launcher"].startswith("Hydra"), d
+        assert d["processes_on_node"] == 2 and d["source"] == "host name" and d["processes"] == 2, d
+    assert {d["agent_pid"] for d in got} == {agent[0]}, (got, agent)  # the memory outlived the first job
+    assert [c["started"] for c in early_agent_calls(out, "again")] == [False, False]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on loopback now (bound together, then let go)."""
+    import socket
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sk in socks:
+            sk.bind(("127.0.0.1", 0))
+        return [sk.getsockname()[1] for sk in socks]
+    finally:
+        for sk in socks:
+            sk.close()

@@ -61,6 +61,10 @@ def test_scheduler_detection_and_local_processes():
     assert (s.name, s.job, dict(s.details)["step"]) == ("slurm", "42", "3")
     assert detect_scheduler({"TORCHELASTIC_RUN_ID": "r1", "TORCHELASTIC_RESTART_COUNT": "2"}).name == "torchrun"
     assert detect_scheduler({"OMPI_COMM_WORLD_RANK": "0"}).name == "mpirun"
+    hydra = detect_scheduler({"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALNRANKS": "2"})  # MPICH's / Intel MPI's
+    assert hydra.name == "mpirun" and dict(hydra.details) == {"rank": "1", "launcher": "Hydra (MPICH, Intel MPI)"}
+    assert detect_scheduler({"PMI_RANK": "1", "PMI_SIZE": "4", "SLURM_JOB_ID": "9"}).name == "slurm"  # --mpi=pmi2
+    assert local_process_count({"MPI_LOCALNRANKS": "3"}) == 3
     assert detect_scheduler({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}).name == "kubernetes"
     assert local_process_count({"SLURM_STEP_TASKS_PER_NODE": "2(x3),1", "SLURM_NODEID": "1"}) == 2
     assert local_process_count({"SLURM_STEP_TASKS_PER_NODE": "2(x3),1", "SLURM_NODEID": "3"}) == 1
