@@ -27,6 +27,7 @@ import pytest
 
 import jaxckpt
 from jaxckpt.backends.agent import protocol as proto
+from jaxckpt.testing import free_ports
 from jaxckpt.node_identity import ENV_TORCH_UNSHARE_STORE
 from requires import available, missing
 from scheduler_trainer import early_agent_calls, live_pids, results
@@ -226,16 +227,3 @@ def test_mpich_hydra_relaunched_job_restores_from_the_agent(job, tmp_path):
         assert d["processes_on_node"] == 2 and d["source"] == "host name" and d["processes"] == 2, d
     assert {d["agent_pid"] for d in got} == {agent[0]}, (got, agent)  # the memory outlived the first job
     assert [c["started"] for c in early_agent_calls(out, "again")] == [False, False]
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free on loopback now (bound together, then let go)."""
-    import socket
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sk in socks:
-            sk.bind(("127.0.0.1", 0))
-        return [sk.getsockname()[1] for sk in socks]
-    finally:
-        for sk in socks:
-            sk.close()

@@ -20,7 +20,6 @@ on 2 cores.
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ import pytest
 from jaxckpt.backends.agent import protocol as proto
 from jaxckpt.backends.agent.protocol import kill_agent, read_pid_file
 from jaxckpt.config import Config
-from jaxckpt.testing import slurm
+from jaxckpt.testing import free_ports, slurm
 from requires import available
 from scheduler_trainer import early_agent_calls, live_pids, results
 
@@ -245,17 +244,6 @@ def test_agent_decides_within_kill_wait_when_the_controller_does_not_answer(clus
         cluster.run(["scancel", job])
         agent.wait(60)
         cluster.wait_gone(job)
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def test_node_lost_replaced_by_a_spare_whose_agent_recovers_its_share(cluster, job_name, tmp_path):
