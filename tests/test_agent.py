@@ -457,6 +457,16 @@ def test_pid_file_is_read_only_as_a_regular_file(tmp_path):
     assert proto.read_pid_file(str(tmp_path / "none")) is None
 
 
+def _agent_on_a_mount_point(d: str, job: str, log: str) -> subprocess.Popen:
+    """An agent of ``job`` serving ``d``, made here, in a mount namespace where ``d`` is bound onto itself (as a
+    Kubernetes volume is mounted at it): the agent cannot remove it."""
+    os.makedirs(d, mode=0o700)
+    unshare = ["unshare", "--mount", "--propagation", "private"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
+    return subprocess.Popen(unshare + ["bash", "-c", 'mount --bind "$1" "$1" && shift && exec "$@"', "bind", d,
+                                       sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d,
+                                       "--log", log], stdin=subprocess.DEVNULL)
+
+
 def test_stop_returns_once_the_agent_has_freed_its_memory_where_its_directory_cannot_go(tmp_path):
     # The agent's directory is a mount point where the agent runs (as a Kubernetes volume is), so the agent frees
     # its memory and cannot remove the directory: `jaxckpt agent --stop` waited its whole time-out for the removal.
@@ -465,11 +475,7 @@ def test_stop_returns_once_the_agent_has_freed_its_memory_where_its_directory_ca
 
     job = "mounted"
     d = _dir(job)
-    os.makedirs(d, mode=0o700)
-    unshare = ["unshare", "--mount", "--propagation", "private"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
-    agent = subprocess.Popen(unshare + ["bash", "-c", 'mount --bind "$1" "$1" && shift && exec "$@"', "bind", d,
-                                        sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d,
-                                        "--log", str(tmp_path / "agent.log")], stdin=subprocess.DEVNULL)
+    agent = _agent_on_a_mount_point(d, job, str(tmp_path / "agent.log"))
     try:
         _serving(agent, d)
         store = ShmStore(Config(store="shm", job_id=job, shm_dir=d))
@@ -506,11 +512,7 @@ def test_stop_raises_when_the_agent_answers_but_its_lock_stays_held(tmp_path):
     # stop cannot see the agent finish, and says so naming the directory and the agent's pid.
     job = "lockheld"
     d = _dir(job)
-    os.makedirs(d, mode=0o700)
-    unshare = ["unshare", "--mount", "--propagation", "private"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
-    agent = subprocess.Popen(unshare + ["bash", "-c", 'mount --bind "$1" "$1" && shift && exec "$@"', "bind", d,
-                                        sys.executable, "-m", "jaxckpt.cli", "agent", "--job", job, "--dir", d,
-                                        "--log", str(tmp_path / "agent.log")], stdin=subprocess.DEVNULL)
+    agent = _agent_on_a_mount_point(d, job, str(tmp_path / "agent.log"))
     holder = None
     try:
         _serving(agent, d)
