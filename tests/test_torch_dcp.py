@@ -197,7 +197,7 @@ def test_metadata_codec_round_trip_and_refusals():
         storage_meta=StorageMeta(checkpoint_id="step_3", save_id="s", modules=["a"]), version="1.0.0")
     index = StorageIndex("abc", 3, 2, {MetadataIndex("m.w", [0, 0], 0): Locator(0, 0, 24, 7),
                                        MetadataIndex("m.w", [2, 0], 1): Locator(1, 64, 24, 8),
-                                       MetadataIndex("extra.epoch"): Locator(0, 128, 10, 9)})
+                                       MetadataIndex("extra.epoch"): Locator(0, 128, 10, 9, "msgpack")})
     import msgpack
     back = dcp_metadata.decode(msgpack.unpackb(msgpack.packb(dcp_metadata.encode(md, index))), "test")
     assert back.state_dict_metadata == md.state_dict_metadata and back.planner_data == md.planner_data
@@ -217,6 +217,12 @@ def test_metadata_codec_round_trip_and_refusals():
     wire["storage"]["chunks"][0][3] = 5
     with pytest.raises(ManifestError, match=r"chunk of 'm.w': rank 5 is outside the 2 ranks that saved"):
         dcp_metadata.decode(wire, "test")
+    for row, encoding, says in ((0, "msgpack", "encoding 'msgpack' for a tensor"),
+                                (2, "raw", "encoding 'raw' for a non-tensor value")):
+        wire = dcp_metadata.encode(md, index)
+        wire["storage"]["chunks"][row][7] = encoding  # a value's bytes read as a tensor's, or the other way
+        with pytest.raises(ManifestError, match=says):
+            dcp_metadata.decode(wire, "test")
 
 
 class _OpaquePlanner(DefaultSavePlanner):

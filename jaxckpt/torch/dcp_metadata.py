@@ -214,7 +214,14 @@ def decode(d: Any, where: str) -> Metadata:
         version = d["dcp_version"]
         if version is not None:
             _expect(version, str, f"{where}: dcp_version")
-        return Metadata(state_dict_metadata=entries, planner_data=pd, storage_data=_decode_index(d["storage"], where, d["version"]),
+        index = _decode_index(d["storage"], where, d["version"])
+        for mi, loc in index.locators.items():
+            # A value's bytes read as a tensor's, or a tensor's handed to DCP's planner as a value: refused here.
+            is_tensor = isinstance(entries.get(mi.fqn), TensorStorageMetadata)
+            if loc.encoding is not None and (loc.encoding == "raw") != is_tensor:
+                raise ManifestError(f"{where}: chunk of {mi.fqn!r}: encoding {loc.encoding!r} for "
+                                    f"{'a tensor' if is_tensor else 'a non-tensor value'}")
+        return Metadata(state_dict_metadata=entries, planner_data=pd, storage_data=index,
                         storage_meta=_decode_storage_meta(d["storage_meta"], where), version=version)
     except KeyError as e:
         raise ManifestError(f"{where}: field {e.args[0]!r} is missing") from None
