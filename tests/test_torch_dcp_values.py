@@ -260,3 +260,41 @@ def test_version_1_metadata_still_reads_and_its_values_count_as_pickled():
     wire["version"] = 2  # a version 2 record must say each row's encoding
     with pytest.raises(ManifestError, match="a chunk row of 7 fields in a version 2 record"):
         dcp_metadata.decode(wire, "test")
+
+
+README_PRELUDE = """
+import torch, jaxckpt
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+optim = torch.optim.AdamW(model.parameters(), betas=(0.8, 0.95))
+model(torch.ones(3, 4)).sum().backward()
+optim.step()
+step = 7
+saved = {k: v.clone() for k, v in model.state_dict().items()}
+"""
+README_CHECK = """
+assert all(torch.equal(state["model"][k], v) for k, v in saved.items())
+assert state["optim"]["param_groups"][0]["betas"] == (0.8, 0.95)
+print("README DCP OK", type(state["optim"]["param_groups"][0]["betas"]).__name__)
+"""
+
+
+def test_the_readmes_dcp_example_runs_as_written(tmp_path):
+    """The README's DCP block, as written, after a model and optimizer are made: it saves to the node agent's
+    shared memory and loads the newest checkpoint back (tuples still tuples)."""
+    import re
+    import subprocess
+    import sys
+
+    from jaxckpt.testing import remove_agents
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    block = re.search(r"PyTorch DCP, unchanged.*?```python\n(.*?)```", readme, re.S).group(1)
+    root = tmp_path / "shm"
+    root.mkdir()
+    try:
+        done = subprocess.run([sys.executable, "-c", README_PRELUDE + block + README_CHECK], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "JAXCKPT_SHM_ROOT": str(root)})
+        assert done.returncode == 0 and "README DCP OK tuple" in done.stdout, (done.stdout + done.stderr)[-3000:]
+    finally:
+        remove_agents(str(root))
