@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from jaxckpt.core import collective
 from jaxckpt.core.collective import MAX_UNACKED, Collective, instance_namespace
 from jaxckpt.core.coordination import LocalCoordinator
 from jaxckpt.errors import CommitError, CoordinationError
@@ -154,8 +155,9 @@ def test_processes_in_different_rounds_fail_instead_of_mixing_results(tmp_path):
 
 def test_a_process_that_skips_a_numbered_round_fails_that_round_only(tmp_path):
     """Commit rounds are numbered by step: a process whose save was refused before it reported the step (so it
-    never joins that round) costs that step, not every later one."""
-    n, timeout = 3, 0.3
+    never joins that round) costs that step, not every later one. The leader learns it skipped the round from
+    where it waits (a later round) and fails the round then, not at the time-out."""
+    n, timeout = 3, 10.0
 
     def body(c):
         ch, got = c.channel("commit"), {}
@@ -172,10 +174,45 @@ def test_a_process_that_skips_a_numbered_round_fails_that_round_only(tmp_path):
     out, _ = _run(n, str(tmp_path), body, timeout_s=timeout)
     for p in range(n):
         assert [out[p][s] for s in (1, 2, 4, 5)] == [True] * 4, out[p]
-    assert "process 2 did not arrive" in out[0][3] and out[0][3] == out[1][3] and 3 not in out[2]
+    assert out[0][3] == out[1][3] and 3 not in out[2]
+    assert out[0][3].endswith("process 2 skipped it: it waits in round 'commit 4' #4 already (the processes ran "
+                              "different rounds)"), out[0][3]
     assert _keys(str(tmp_path)) == []
     with pytest.raises(ValueError, match="round numbers must grow"):
         Collective(LocalCoordinator(), "jaxckpt/t/0", 1.0).channel("commit").reduce("x", 1, sum, number=-1)
+
+
+def test_processes_whose_rounds_interleave_fail_each_round_without_waiting_out_the_time_out(tmp_path, monkeypatch):
+    """Process 0 commits steps 2, 4, 6, 8 and process 1 steps 3, 5, 7 (a user's processes saving different
+    steps), then both step 9. Each waits in its round, says so, and sees the other waiting in a later round: every
+    round of one process fails, on both, naming the round the other is in, long before the 30 s time-out (the
+    messages say it: a round that ran out says "did not arrive" or "published no result"); round 9 commits,
+    nothing is left after close, and the waits' extra operations are counted apart ("slow")."""
+    steps = {0: (2, 4, 6, 8, 9), 1: (3, 5, 7, 9)}
+    monkeypatch.setattr(collective, "SLOW_WAIT_S", 0.2)  # a shorter grace: the same protocol, sooner
+
+    def body(c):
+        ch, got = c.channel("commit"), {}
+        for step in steps[c.process_index]:
+            try:
+                got[step] = ch.reduce(f"commit {step}", True, all, number=step)
+            except CoordinationError as e:
+                got[step] = str(e)
+        c.close()
+        return got, c.stats()
+
+    out, _ = _run(2, str(tmp_path), body, timeout_s=30.0, join_s=60.0)
+    (lead, lead_stats), (follow, follow_stats) = out
+    for step in (2, 4, 6, 8):
+        assert lead[step].endswith(f"process 1 skipped it: it waits in round 'commit {step + 1}' #{step + 1} already "
+                                   f"(the processes ran different rounds)"), (step, lead[step])
+    for step in (3, 5, 7):
+        assert follow[step].endswith(f"process 0 (the leader) skipped it: it waits in round 'commit {step + 1}' "
+                                     f"#{step + 1} already (the processes ran different rounds)"), (step, follow[step])
+    assert lead[9] is True and follow[9] is True
+    assert lead_stats["slow"] > 0 and follow_stats["slow"] > 0
+    assert follow_stats["sets"] == 5  # a contribution per round and the close: the waits' own sets are apart
+    assert _keys(str(tmp_path)) == []
 
 
 def test_channels_are_independent_and_numbered_on_their_own(tmp_path):
@@ -238,7 +275,7 @@ def test_one_process_touches_no_key_and_raises_its_own_error():
                                                 r"reducing"):
         ch.reduce("g", 0, lambda xs: 1 / xs[0])
     c.close()
-    assert c.stats() == {"sets": 0, "gets": 0, "try_gets": 0, "deletes": 0, "rounds": 7}
+    assert c.stats() == {"sets": 0, "gets": 0, "try_gets": 0, "deletes": 0, "slow": 0, "rounds": 7}
     assert coord.keys() == []
 
 

@@ -35,6 +35,15 @@ steps: per channel at most N-1 contributions and one or two results. Per round t
 2(N-1) + 2 key-value operations and every follower 2 (one set, one blocking get): :meth:`Collective.stats`
 counts them.
 
+Slow waits (:meth:`Channel._wait_for`). A wait that passes its grace (``SLOW_WAIT_S``, or a quarter of its
+time-out) sets ``<ns>/<ch>/at/<process>`` to the round it waits in, deletes it when the wait ends, and meanwhile
+looks at that key of the process it waits for (the leader: the follower's; a follower: the leader's). A peer
+waiting in a later round is past this one without the key awaited (looked at once more), and a channel's
+rounds run in order, so the key would never come: the round fails then ("skipped it: it waits in round ...")
+rather than at its time-out. Processes saving different steps learn it in about a grace. These operations
+are counted apart (``slow`` in :meth:`Collective.stats`), at most one such key lives per process and channel,
+and a round that is not slow does none of them.
+
 Early answers (:meth:`Channel.answer_early`): the leader may settle a numbered round before it is due, with
 the value it would broadcast (process 0's "skip" of a step whose protection retention made moot). It sets that
 round's ``out`` at once, marked early, and never runs the round; a follower reaching the round reads ``out``
@@ -66,6 +75,7 @@ from jaxckpt.errors import CoordinationError, named
 log = logging.getLogger("jaxckpt.core.collective")
 
 MAX_UNACKED = 64  # results kept for a follower that stopped answering before they are deleted anyway
+SLOW_WAIT_S = 1.0  # a wait past this (or a quarter of its time-out) says where it waits: see Channel._wait_for
 _instances: dict[str, itertools.count] = defaultdict(itertools.count)
 _instances_lock = threading.Lock()
 
@@ -94,7 +104,9 @@ class Collective:
         self.process_index, self.process_count = coordinator.process_index, coordinator.process_count
         self._channels: dict[str, Channel] = {}
         self._lock = threading.Lock()
-        self._ops = {"sets": 0, "gets": 0, "try_gets": 0, "deletes": 0}
+        # "slow": the operations of waits past their grace (saying and reading where processes wait, polling
+        # again), apart: the other counts are a round's own, whatever the processes' pace
+        self._ops = {"sets": 0, "gets": 0, "try_gets": 0, "deletes": 0, "slow": 0}
         # leader: followers that missed their last round on some channel and were not seen since (a process that
         # died): close() does not wait for them
         self._absent: set[int] = set()
@@ -150,7 +162,8 @@ class Collective:
             log.warning("could not delete coordination key %s: %s", key, e)
 
     def stats(self) -> dict[str, int]:
-        """Key-value operations this process did so far (sets, gets, try_gets, deletes) and rounds run."""
+        """Key-value operations this process did so far (sets, gets, try_gets, deletes; slow: those of waits
+        past their grace) and rounds run."""
         with self._lock:
             out = dict(self._ops)
             out["rounds"] = sum(ch.rounds for ch in self._channels.values())
@@ -347,11 +360,16 @@ class Channel:
         if not publish:
             return None
         try:
-            raw = c._get(f"{base}/out", 2 * timeout)
+            raw = self._wait_for(f"{base}/out", 2 * timeout, n, name, 0)
         except TimeoutError:
             raise CoordinationError(f"{self._describe(name, n)}: process 0 (the leader) published no result "
                                     f"within {2 * timeout:g}s", processes=(0,), round_name=name,
                                     round_number=n) from None
+        except _Ahead as a:  # the leader is past this round without a result: it never ran it
+            c._delete(f"{base}/{self.process_index}")  # never to be read: take it back
+            raise CoordinationError(f"{self._describe(name, n)}: process 0 (the leader) skipped it: it waits in "
+                                    f"round {a.name!r} #{a.number} already (the processes ran different rounds)",
+                                    processes=(0,), round_name=name, round_number=n, errors={0: ""}) from None
         done, result, *answered = _unpack(raw)
         if answered:  # answered early: the leader never reads this round's contributions, so take ours back
             c._delete(f"{base}/{self.process_index}")
@@ -373,9 +391,20 @@ class Channel:
             left = deadline - time.monotonic()
             try:
                 # Once the time-out is spent, only look (at close: not at all for a follower gone already).
-                raw = c._get(key, left) if left > 0 and not (closing and q in c._absent) else c._try_get(key)
+                if left > 0 and not closing:
+                    raw = self._wait_for(key, left, n, name, q)
+                elif left > 0 and q not in c._absent:
+                    raw = c._get(key, left)
+                else:
+                    raw = c._try_get(key)
             except TimeoutError:
                 raw = None
+            except _Ahead as a:  # it is past this round without its key: it would never have come
+                failures.append((q, f"skipped it: it waits in round {a.name!r} #{a.number} already (the "
+                                    f"processes ran different rounds)", ""))
+                with c._lock:
+                    c._absent.discard(q)
+                continue
             except Exception as e:  # noqa: BLE001 - an unreachable service: this follower's part is missing
                 log.warning("%s: could not read the contribution of process %d: %s", what, q, e)
                 raw = None
@@ -427,6 +456,52 @@ class Channel:
             raise error
         return out[1] if publish else values
 
+    def _wait_for(self, key: str, timeout: float, n: int, name: str, peer: int) -> bytes:
+        """``key``'s value, set within ``timeout`` (else TimeoutError). Past a grace (``SLOW_WAIT_S`` or a
+        quarter of the time-out) this process says it waits in round ``n`` and looks where ``peer`` waits:
+        :class:`_Ahead` once ``peer`` waits in a later round and ``key`` is still unset. A channel's rounds run in
+        order, so that peer is past round ``n`` and would never set ``key``: the wait could only have run out
+        (a process saving other steps than its peers learns it in a second, not at the time-out). Nothing of
+        this is done in a round that is not slow."""
+        c = self._c
+        grace = min(SLOW_WAIT_S, timeout / 4)
+        deadline = time.monotonic() + timeout
+        try:
+            return c._get(key, grace)
+        except TimeoutError:
+            pass
+        here = f"{c.namespace}/{self.name}/at/{self.process_index}"
+        self._slow(c.coordinator.delete, here)  # one left by a wait whose last step failed
+        self._slow(c.coordinator.set, here, _pack([n, name]))
+        try:
+            while True:
+                raw = self._slow(c.coordinator.try_get, f"{c.namespace}/{self.name}/at/{peer}")
+                at = _unpack(raw) if raw is not None else None
+                if isinstance(at, list) and len(at) == 2 and isinstance(at[0], int) and at[0] > n:
+                    mine = self._slow(c.coordinator.try_get, key)  # set just before it moved on?
+                    if mine is not None:
+                        return mine
+                    raise _Ahead(at[0], str(at[1]))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(key)
+                c._count("slow")
+                try:
+                    return c.coordinator.get(key, min(grace, left))
+                except TimeoutError:
+                    continue
+        finally:
+            self._slow(c.coordinator.delete, here)
+
+    def _slow(self, op: Callable[..., Any], *args: Any) -> Any:
+        """A key-value operation of a slow wait (counted apart); where it fails it did nothing (None)."""
+        self._c._count("slow")
+        try:
+            return op(*args)
+        except Exception as e:  # noqa: BLE001 - saying where one waits is advice: the wait goes on without it
+            log.debug("channel %r: %s%s failed: %s", self.name, getattr(op, "__name__", op), args[:1], e)
+            return None
+
     def _retire(self, seen: set[int], n: int) -> None:
         """Delete what the followers ``seen`` in round ``n`` have provably read (or set) by now: results of
         earlier rounds (an early answer of a later round is still to be read)."""
@@ -470,6 +545,14 @@ class Channel:
                 for key in [k for k, _ in self._unacked] + [k for _, k, _ in early]:
                     self._c._delete(key)
                 self._unacked = []
+
+
+class _Ahead(Exception):
+    """A peer waits in a later round (``number``, ``name``) than the one being waited in: it skipped that one."""
+
+    def __init__(self, number: int, name: str) -> None:
+        super().__init__(number, name)
+        self.number, self.name = number, name
 
 
 class Rounds(Protocol):

@@ -310,7 +310,7 @@ def commit_phase(spec: dict) -> dict:
         live = None
         if jax.process_index() == 0 and jax.process_count() > 1:  # one process coordinates in memory
             live = len(distributed.global_state.client.key_value_dir_get_bytes(f"jaxckpt/{spec['job']}/"))
-    ops = {k: after.get(k, 0) - before.get(k, 0) for k in ("sets", "gets", "try_gets", "deletes", "rounds")}
+    ops = {k: after.get(k, 0) - before.get(k, 0) for k in ("sets", "gets", "try_gets", "deletes", "slow", "rounds")}
     return {"process": jax.process_index(), "steps": spec["steps"], "ops": ops,
             "times": {str(s): list(t) for s, t in times.items()}, "live_keys": live}
 
@@ -322,7 +322,7 @@ def merge_commit(n: int, per: list[Mapping[str, Any]]) -> dict[str, Any]:
 
     def per_step(p: Mapping[str, Any]) -> float:
         o = p["ops"]
-        return (o["sets"] + o["gets"] + o["try_gets"] + o["deletes"]) / steps
+        return (o["sets"] + o["gets"] + o["try_gets"] + o["deletes"] + o.get("slow", 0)) / steps  # all of them
 
     leader = next(p for p in per if p["process"] == 0)
     followers = [per_step(p) for p in per if p["process"] != 0]
