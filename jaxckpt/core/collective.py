@@ -475,13 +475,13 @@ class Channel:
         self._slow(c.coordinator.set, here, _pack([n, name]))
         try:
             while True:
-                raw = self._slow(c.coordinator.try_get, f"{c.namespace}/{self.name}/at/{peer}")
-                at = _unpack(raw) if raw is not None else None
-                if isinstance(at, list) and len(at) == 2 and isinstance(at[0], int) and at[0] > n:
-                    mine = self._slow(c.coordinator.try_get, key)  # set just before it moved on?
+                at = self._waiting_in(peer)
+                if at is not None and at[0] > n:
+                    c._count("slow")
+                    mine = c.coordinator.try_get(key)  # set just before it moved on? (an error: raised as is)
                     if mine is not None:
                         return mine
-                    raise _Ahead(at[0], str(at[1]))
+                    raise _Ahead(*at)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(key)
@@ -492,6 +492,15 @@ class Channel:
                     continue
         finally:
             self._slow(c.coordinator.delete, here)
+
+    def _waiting_in(self, peer: int) -> tuple[int, str] | None:
+        """(number, name) of the round ``peer`` says it waits in now, or None (not waiting, or not said)."""
+        raw = self._slow(self._c.coordinator.try_get, f"{self._c.namespace}/{self.name}/at/{peer}")
+        try:
+            number, name = _unpack(raw)
+        except Exception:  # noqa: BLE001 - nothing said (None), or not what a wait says: no conclusion
+            return None
+        return (number, str(name)) if isinstance(number, int) and not isinstance(number, bool) else None
 
     def _slow(self, op: Callable[..., Any], *args: Any) -> Any:
         """A key-value operation of a slow wait (counted apart); where it fails it did nothing (None)."""
