@@ -26,6 +26,7 @@ MAY_BE_ZERO = {"process", "exit_code", "extra_bytes_per_node", "sent_bytes_per_n
                "transport_bytes", "collective_bytes",  # a restore may need neither (all local, one process)
                "widened",  # restores that opened every process's manifests: none when their node's suffice
                "try_gets", "live_keys",  # the commit protocol polls no key; all keys of a round may be gone
+               "slow",  # a commit round that waited no longer than its grace did no slow-wait operation
                "recovery_wait_s", "cpu_s"}  # a hello that found the recovery over; a stage within a clock tick
 # step-time overhead and cost vs the baseline (bench stall): within noise they can be below zero
 SIGNED = ("overhead_pct_", "overhead_of_orbax_", "cost_vs_floor_")
