@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxckpt.core import collective
+from jaxckpt.core import slow_wait
 from jaxckpt.core.collective import MAX_UNACKED, Collective, instance_namespace
 from jaxckpt.core.coordination import LocalCoordinator
 from jaxckpt.errors import CommitError, CoordinationError
@@ -189,7 +189,7 @@ def test_processes_whose_rounds_interleave_fail_each_round_without_waiting_out_t
     messages say it: a round that ran out says "did not arrive" or "published no result"); round 9 commits,
     nothing is left after close, and the waits' extra operations are counted apart ("slow")."""
     steps = {0: (2, 4, 6, 8, 9), 1: (3, 5, 7, 9)}
-    monkeypatch.setattr(collective, "SLOW_WAIT_S", 0.2)  # a shorter grace: the same protocol, sooner
+    monkeypatch.setattr(slow_wait, "SLOW_WAIT_S", 0.2)  # a shorter grace: the same protocol, sooner
 
     def body(c):
         ch, got = c.channel("commit"), {}

@@ -35,14 +35,9 @@ steps: per channel at most N-1 contributions and one or two results. Per round t
 2(N-1) + 2 key-value operations and every follower 2 (one set, one blocking get): :meth:`Collective.stats`
 counts them.
 
-Slow waits (:meth:`Channel._wait_for`). A wait that passes its grace (``SLOW_WAIT_S``, or a quarter of its
-time-out) sets ``<ns>/<ch>/at/<process>`` to the round it waits in, deletes it when the wait ends, and meanwhile
-looks at that key of the process it waits for (the leader: the follower's; a follower: the leader's). A peer
-waiting in a later round is past this one without the key awaited (looked at once more), and a channel's
-rounds run in order, so the key would never come: the round fails then ("skipped it: it waits in round ...")
-rather than at its time-out. Processes saving different steps learn it in about a grace. These operations
-are counted apart (``slow`` in :meth:`Collective.stats`), at most one such key lives per process and channel,
-and a round that is not slow does none of them.
+Slow waits (``jaxckpt.core.slow_wait``): a wait past its grace says which round it waits in and looks where the
+process it waits for is; a round whose awaited process waits in a later one fails then ("skipped it: it waits in
+round ..."), not at its time-out. A round that is not slow does none of it.
 
 Early answers (:meth:`Channel.answer_early`): the leader may settle a numbered round before it is due, with
 the value it would broadcast (process 0's "skip" of a step whose protection retention made moot). It sets that
@@ -70,12 +65,12 @@ from typing import Any, Callable, Protocol
 import msgpack
 
 from jaxckpt.core.coordination import Coordinator
+from jaxckpt.core.slow_wait import Ahead, wait_for
 from jaxckpt.errors import CoordinationError, named
 
 log = logging.getLogger("jaxckpt.core.collective")
 
 MAX_UNACKED = 64  # results kept for a follower that stopped answering before they are deleted anyway
-SLOW_WAIT_S = 1.0  # a wait past this (or a quarter of its time-out) says where it waits: see Channel._wait_for
 _instances: dict[str, itertools.count] = defaultdict(itertools.count)
 _instances_lock = threading.Lock()
 
@@ -138,24 +133,26 @@ class Collective:
             return ch
 
     # ------------------------------------------------------------------------ counted key-value operations
-    def _count(self, op: str) -> None:
+    def count(self, op: str) -> None:
+        """Count one key-value operation of kind ``op`` (a key of :meth:`stats`), done by a caller of
+        ``coordinator`` (``jaxckpt.core.slow_wait``)."""
         with self._lock:
             self._ops[op] += 1
 
     def _set(self, key: str, value: bytes) -> None:
-        self._count("sets")
+        self.count("sets")
         self.coordinator.set(key, value)
 
     def _get(self, key: str, timeout_s: float) -> bytes:
-        self._count("gets")
+        self.count("gets")
         return self.coordinator.get(key, timeout_s)
 
     def _try_get(self, key: str) -> bytes | None:
-        self._count("try_gets")
+        self.count("try_gets")
         return self.coordinator.try_get(key)
 
     def _delete(self, key: str) -> None:
-        self._count("deletes")
+        self.count("deletes")
         try:
             self.coordinator.delete(key)
         except Exception as e:  # noqa: BLE001 - a key left behind is a leak, not a failure of the round
@@ -360,12 +357,12 @@ class Channel:
         if not publish:
             return None
         try:
-            raw = self._wait_for(f"{base}/out", 2 * timeout, n, name, 0)
+            raw = wait_for(c, self.name, f"{base}/out", 2 * timeout, n, name, 0)
         except TimeoutError:
             raise CoordinationError(f"{self._describe(name, n)}: process 0 (the leader) published no result "
                                     f"within {2 * timeout:g}s", processes=(0,), round_name=name,
                                     round_number=n) from None
-        except _Ahead as a:  # the leader is past this round without a result: it never ran it
+        except Ahead as a:  # the leader is past this round without a result: it never ran it
             c._delete(f"{base}/{self.process_index}")  # never to be read: take it back
             raise CoordinationError(f"{self._describe(name, n)}: process 0 (the leader) skipped it: it waits in "
                                     f"round {a.name!r} #{a.number} already (the processes ran different rounds)",
@@ -392,14 +389,14 @@ class Channel:
             try:
                 # Once the time-out is spent, only look (at close: not at all for a follower gone already).
                 if left > 0 and not closing:
-                    raw = self._wait_for(key, left, n, name, q)
+                    raw = wait_for(c, self.name, key, left, n, name, q)
                 elif left > 0 and q not in c._absent:
                     raw = c._get(key, left)
                 else:
                     raw = c._try_get(key)
             except TimeoutError:
                 raw = None
-            except _Ahead as a:  # it is past this round without its key: it would never have come
+            except Ahead as a:  # it is past this round without its key: it would never have come
                 failures.append((q, f"skipped it: it waits in round {a.name!r} #{a.number} already (the "
                                     f"processes ran different rounds)", ""))
                 with c._lock:
@@ -456,61 +453,6 @@ class Channel:
             raise error
         return out[1] if publish else values
 
-    def _wait_for(self, key: str, timeout: float, n: int, name: str, peer: int) -> bytes:
-        """``key``'s value, set within ``timeout`` (else TimeoutError). Past a grace (``SLOW_WAIT_S`` or a
-        quarter of the time-out) this process says it waits in round ``n`` and looks where ``peer`` waits:
-        :class:`_Ahead` once ``peer`` waits in a later round and ``key`` is still unset. A channel's rounds run in
-        order, so that peer is past round ``n`` and would never set ``key``: the wait could only have run out
-        (a process saving other steps than its peers learns it in a second, not at the time-out). Nothing of
-        this is done in a round that is not slow."""
-        c = self._c
-        grace = min(SLOW_WAIT_S, timeout / 4)
-        deadline = time.monotonic() + timeout
-        try:
-            return c._get(key, grace)
-        except TimeoutError:
-            pass
-        here = f"{c.namespace}/{self.name}/at/{self.process_index}"
-        self._slow(c.coordinator.delete, here)  # one left by a wait whose last step failed
-        self._slow(c.coordinator.set, here, _pack([n, name]))
-        try:
-            while True:
-                at = self._waiting_in(peer)
-                if at is not None and at[0] > n:
-                    c._count("slow")
-                    mine = c.coordinator.try_get(key)  # set just before it moved on? (an error: raised as is)
-                    if mine is not None:
-                        return mine
-                    raise _Ahead(*at)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(key)
-                c._count("slow")
-                try:
-                    return c.coordinator.get(key, min(grace, left))
-                except TimeoutError:
-                    continue
-        finally:
-            self._slow(c.coordinator.delete, here)
-
-    def _waiting_in(self, peer: int) -> tuple[int, str] | None:
-        """(number, name) of the round ``peer`` says it waits in now, or None (not waiting, or not said)."""
-        raw = self._slow(self._c.coordinator.try_get, f"{self._c.namespace}/{self.name}/at/{peer}")
-        try:
-            number, name = _unpack(raw)
-        except Exception:  # noqa: BLE001 - nothing said (None), or not what a wait says: no conclusion
-            return None
-        return (number, str(name)) if isinstance(number, int) and not isinstance(number, bool) else None
-
-    def _slow(self, op: Callable[..., Any], *args: Any) -> Any:
-        """A key-value operation of a slow wait (counted apart); where it fails it did nothing (None)."""
-        self._c._count("slow")
-        try:
-            return op(*args)
-        except Exception as e:  # noqa: BLE001 - saying where one waits is advice: the wait goes on without it
-            log.debug("channel %r: %s%s failed: %s", self.name, getattr(op, "__name__", op), args[:1], e)
-            return None
-
     def _retire(self, seen: set[int], n: int) -> None:
         """Delete what the followers ``seen`` in round ``n`` have provably read (or set) by now: results of
         earlier rounds (an early answer of a later round is still to be read)."""
@@ -554,14 +496,6 @@ class Channel:
                 for key in [k for k, _ in self._unacked] + [k for _, k, _ in early]:
                     self._c._delete(key)
                 self._unacked = []
-
-
-class _Ahead(Exception):
-    """A peer waits in a later round (``number``, ``name``) than the one being waited in: it skipped that one."""
-
-    def __init__(self, number: int, name: str) -> None:
-        super().__init__(number, name)
-        self.number, self.name = number, name
 
 
 class Rounds(Protocol):

@@ -67,16 +67,17 @@ message ("metadata is None; global metadata read failed: ...").
 ``dcp.async_save`` blocks for DCP's own staging copy (its default stager); this writer's copy into the store then
 runs on DCP's background thread.
 
-Non-tensor values: DCP's save planner turns each into ``BytesIO`` with ``torch.save``, and its load planner
-unpickles what it reads in full (``torch.load(..., weights_only=False)``, torch 2.13). So no pickle crosses the
-store: the writer stores the value as msgpack (``dcp_values``: numbers, strings, bytes, lists, tuples, dicts, sets,
-dtypes, devices, dense tensors), taking the object DCP's own planner looks up, or reading a custom planner's bytes
-back with torch's restricted loader; the reader rebuilds the value, every type checked, and hands the planner
-``torch.save`` bytes of it made in its own process. A value with no such encoding (a class of your own) raises :class:`jaxckpt.errors.UnsupportedTypeError`
-at save, naming the item, the step and where in the value, on every rank, and nothing is committed. Opting in on
-both ends stores it as DCP's pickled bytes: ``JaxckptWriter(pickle_values=True)`` writes them, and only
-``JaxckptReader(trust_pickled_values=True)`` loads them (for stores you trust); any other reader raises
-UnsupportedTypeError naming the item and the step before anything is unpickled.
+Non-tensor values: DCP's save planner turns each into ``BytesIO`` with ``torch.save``, and its default load
+planner hands what it reads to torch's full unpickler (torch 2.13). So no pickle crosses the store: the writer
+stores the value as msgpack (``dcp_values``: numbers, strings, bytes, lists, tuples, dicts, sets, dtypes, devices,
+dense tensors), taking the object DCP's own planner looks up, or reading a custom planner's bytes back with
+torch's restricted loader; the reader rebuilds the value, every type checked, and hands the planner ``torch.save``
+bytes of it made in its own process. A value with no such encoding (a class of your own) raises
+:class:`jaxckpt.errors.UnsupportedTypeError` at save, naming the item, the step and where in the value, on every
+rank, and nothing is committed. Opting in on both ends stores it as DCP's pickled bytes:
+``JaxckptWriter(pickle_values=True)`` writes them, and only ``JaxckptReader(trust_pickled_values=True)`` loads them
+(for stores you trust); any other reader raises UnsupportedTypeError naming the item and the step before anything
+is unpickled.
 
 The process group must have a CPU backend (gloo, or ``"cpu:gloo,cuda:nccl"``) and be the one DCP runs on; pass
 the same ``process_group`` to the writer/reader and to ``dcp.save``/``dcp.load``.
