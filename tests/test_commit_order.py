@@ -103,3 +103,40 @@ def test_processes_saving_different_steps_each_fail_saying_so_and_keep_the_commi
                                                f"{step + 1}' #{step + 1} already {hint}"), b
     assert a["latest_then"] == b["latest_then"] == 1  # the step committed before stays the newest, on both
     assert a["latest"] == b["latest"] == 6
+
+
+def one_more_step(job_id: str) -> dict:
+    import jax.numpy as jnp
+
+    import jaxckpt
+
+    me, errors = node_info().process_id, {}
+    for extra in (1, 0):  # process ``extra`` saves step 3 as well (a user's last save on one process only)
+        with jaxckpt.Checkpointer(jaxckpt.Config(job_id=f"{job_id}-{extra}", commit_timeout_s=30.0)) as ck:
+            for step in (1, 2, 3) if me == extra else (1, 2):
+                try:
+                    ck.save(step, {"w": jnp.arange(8.0) + step}).result()
+                    errors[f"{extra}/{step}"] = ""
+                except jaxckpt.errors.CommitError as e:
+                    errors[f"{extra}/{step}"] = str(e)
+            errors[f"{extra}/latest"] = ck.latest_step()
+    return errors
+
+
+def test_a_step_saved_by_one_process_while_the_other_closes_fails_saying_so():
+    """Each process in turn saves a step 3 the other does not, and the other closes its Checkpointer. Step 3 fails
+    on the process that saved it, naming the process that is closing, without waiting out the 30 s commit time-out
+    (one that ran out would say "did not arrive" or "published no result"); steps 1 and 2 commit on both, and both
+    close (the one that closed first is not held up past its own close)."""
+    a, b = expect_ok(launch(one_more_step, nodes=2, procs_per_node=1, devices_per_proc=1,
+                            args=(f"commit-close-{uuid.uuid4().hex[:6]}",), timeout=240))
+    tail = "is closing: it will not run this round (the processes ran different rounds) (every process must save " \
+           "the same steps)"
+    for extra, saver, other in ((1, b, a), (0, a, b)):
+        assert [saver[f"{extra}/{s}"] for s in (1, 2)] == ["", ""] and [other[f"{extra}/{s}"] for s in (1, 2)] == \
+            ["", ""], (saver, other)
+        assert f"{extra}/3" not in other
+        assert saver[f"{extra}/3"].startswith("step 3: not committed by every process: round 'commit 3'"), saver
+        who = "process 0 (the leader)" if extra == 1 else "process 1"
+        assert saver[f"{extra}/3"].endswith(f"{who} {tail}"), saver
+        assert saver[f"{extra}/latest"] == other[f"{extra}/latest"] == 2

@@ -68,13 +68,14 @@ def test_rounds_give_every_process_the_same_result_and_leave_no_key(tmp_path):
         want += [[[q, r] for q in range(n)], sum(q * r for q in range(n)), f"from 0 at {r}"]
     assert out[0][0] == want
     assert _keys(str(tmp_path)) == [], "keys left after close"
-    # kv operations per round: the leader O(processes), every other process 2 (a set and a blocking get)
-    per_round = 4 * rounds + 1  # and the one-way close round
+    # kv operations per round: the leader O(processes), every other process 2 (a set and a blocking get); the
+    # close: its one-way round, and the key that says the process is closing, set and deleted
+    per_round = 4 * rounds + 1
     lead, follow = colls[0].stats(), colls[1].stats()
     assert lead["rounds"] == follow["rounds"] == per_round
-    assert follow["sets"] == per_round and follow["gets"] == 4 * rounds and follow["deletes"] == 0
-    assert lead["gets"] == (n - 1) * per_round and lead["sets"] == 4 * rounds
-    assert lead["deletes"] <= (n - 1) * per_round + 4 * rounds
+    assert follow["sets"] == per_round + 1 and follow["gets"] == 4 * rounds and follow["deletes"] == 1
+    assert lead["gets"] == (n - 1) * per_round and lead["sets"] == 4 * rounds + 1
+    assert lead["deletes"] <= (n - 1) * per_round + 4 * rounds + 1
 
 
 def test_an_error_in_one_process_is_raised_on_every_process_naming_it(tmp_path):
@@ -211,7 +212,40 @@ def test_processes_whose_rounds_interleave_fail_each_round_without_waiting_out_t
                                      f"#{step + 1} already (the processes ran different rounds)"), (step, follow[step])
     assert lead[9] is True and follow[9] is True
     assert lead_stats["slow"] > 0 and follow_stats["slow"] > 0
-    assert follow_stats["sets"] == 5  # a contribution per round and the close: the waits' own sets are apart
+    # a contribution per round, the close's and its closing key: the waits' own sets are apart
+    assert follow_stats["sets"] == 6
+    assert _keys(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_a_round_the_awaited_process_closed_without_fails_without_waiting_out_the_time_out(tmp_path, monkeypatch,
+                                                                                          extra):
+    """Both processes commit steps 1 and 2, then process ``extra`` commits step 3 alone (a user's last save on one
+    process only) while the other closes (a barrier of its own first, as a Checkpointer with peers does). The
+    round of step 3 fails on both, naming the process that is closing, long before the 30 s time-out (a round
+    that ran out says "did not arrive" or "published no result"); both close, and no key is left."""
+    monkeypatch.setattr(slow_wait, "SLOW_WAIT_S", 0.2)
+    gone = 1 - extra
+
+    def body(c):
+        ch, got = c.channel("commit"), {}
+        for step in (1, 2, 3) if c.process_index == extra else (1, 2):
+            try:
+                got[step] = ch.reduce(f"commit {step}", True, all, number=step)
+            except CoordinationError as e:
+                got[step] = str(e)
+        c.closing()
+        c.channel("main").barrier("close", timeout_s=30.0)
+        c.close()
+        return got, c.is_closing
+
+    out, _ = _run(2, str(tmp_path), body, timeout_s=30.0, join_s=60.0)
+    (mine, closing), (theirs, _) = out[extra], out[gone]
+    assert mine[1] is True and mine[2] is True and theirs == {1: True, 2: True} and closing
+    who = "process 0 (the leader)" if gone == 0 else "process 1"
+    assert mine[3].startswith("round 'commit 3' #3 of channel 'commit'"), mine[3]
+    assert mine[3].endswith(f"{who} is closing: it will not run this round (the processes ran different rounds)"), \
+        mine[3]
     assert _keys(str(tmp_path)) == []
 
 

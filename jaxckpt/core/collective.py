@@ -37,7 +37,9 @@ counts them.
 
 Slow waits (``jaxckpt.core.slow_wait``): a wait past its grace says which round it waits in and looks where the
 process it waits for is; a round whose awaited process waits in a later one fails then ("skipped it: it waits in
-round ..."), not at its time-out. A round that is not slow does none of it.
+round ..."), not at its time-out, and so does one whose awaited process is closing (:meth:`Collective.closing`:
+it runs no more rounds but the close's; "is closing: it will not run this round"). A round that is not slow does
+none of it.
 
 Early answers (:meth:`Channel.answer_early`): the leader may settle a numbered round before it is due, with
 the value it would broadcast (process 0's "skip" of a step whose protection retention made moot). It sets that
@@ -65,7 +67,7 @@ from typing import Any, Callable, Protocol
 import msgpack
 
 from jaxckpt.core.coordination import Coordinator
-from jaxckpt.core.slow_wait import Ahead, wait_for
+from jaxckpt.core.slow_wait import Ahead, Closing, closing_key, wait_for
 from jaxckpt.errors import CoordinationError, named
 
 log = logging.getLogger("jaxckpt.core.collective")
@@ -106,6 +108,7 @@ class Collective:
         # died): close() does not wait for them
         self._absent: set[int] = set()
         self._closed = False
+        self._closing = False
         # Added to every numbered round's number (numbers derived from steps): raised when the job agreed to
         # forget steps (jaxckpt.core.fallback), so that saving those step numbers again gives new round numbers.
         self.number_shift = 0
@@ -206,17 +209,41 @@ class Collective:
             self.unpublish(f"{name}/{slot}")
 
     # ---------------------------------------------------------------------------------------------- close
+    @property
+    def is_closing(self) -> bool:
+        """True once :meth:`closing` was called: this process runs no round but its close's."""
+        return self._closing
+
+    def closing(self) -> None:
+        """Say that this process runs no more rounds but its close's (a barrier of its own, the channels' close):
+        a peer's slow wait for a round this one never ran fails then instead of at its time-out. Call once the
+        threads using the channels are done; :meth:`close` calls it first."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        if self.process_count > 1:
+            try:
+                self._set(closing_key(self.namespace, self.process_index), _pack(True))
+            except Exception as e:  # noqa: BLE001 - advice to the peers' waits: they time out without it
+                log.warning("could not say that process %d is closing: %s", self.process_index, e)
+
     def close(self, timeout_s: float | None = None) -> None:
         """End every channel that ran a round (see the module docstring); call once the threads using the
         channels are done. Waits at most ``timeout_s`` (default: the time-out) in all for the followers."""
+        self.closing()
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             channels = list(self._channels.values())
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        for ch in channels:
-            ch._close(deadline)
+        try:
+            for ch in channels:
+                ch._close(deadline)
+        finally:
+            if self.process_count > 1:
+                self._delete(closing_key(self.namespace, self.process_index))
 
 
 class Channel:
@@ -362,11 +389,13 @@ class Channel:
             raise CoordinationError(f"{self._describe(name, n)}: process 0 (the leader) published no result "
                                     f"within {2 * timeout:g}s", processes=(0,), round_name=name,
                                     round_number=n) from None
-        except Ahead as a:  # the leader is past this round without a result: it never ran it
+        except (Ahead, Closing) as a:  # the leader is past this round without a result: it never ran it
             c._delete(f"{base}/{self.process_index}")  # never to be read: take it back
-            raise CoordinationError(f"{self._describe(name, n)}: process 0 (the leader) skipped it: it waits in "
-                                    f"round {a.name!r} #{a.number} already (the processes ran different rounds)",
-                                    processes=(0,), round_name=name, round_number=n, errors={0: ""}) from None
+            why = f"skipped it: it waits in round {a.name!r} #{a.number} already" if isinstance(a, Ahead) else \
+                "is closing: it will not run this round"
+            raise CoordinationError(f"{self._describe(name, n)}: process 0 (the leader) {why} (the processes ran "
+                                    f"different rounds)", processes=(0,), round_name=name, round_number=n,
+                                    errors={0: ""}) from None
         done, result, *answered = _unpack(raw)
         if answered:  # answered early: the leader never reads this round's contributions, so take ours back
             c._delete(f"{base}/{self.process_index}")
@@ -396,9 +425,10 @@ class Channel:
                     raw = c._try_get(key)
             except TimeoutError:
                 raw = None
-            except Ahead as a:  # it is past this round without its key: it would never have come
-                failures.append((q, f"skipped it: it waits in round {a.name!r} #{a.number} already (the "
-                                    f"processes ran different rounds)", ""))
+            except (Ahead, Closing) as a:  # it is past this round without its key: it would never have come
+                why = f"skipped it: it waits in round {a.name!r} #{a.number} already" if isinstance(a, Ahead) \
+                    else "is closing: it will not run this round"
+                failures.append((q, f"{why} (the processes ran different rounds)", ""))
                 with c._lock:
                     c._absent.discard(q)
                 continue

@@ -563,6 +563,8 @@ class CheckpointEngine:
         if self.protection is not None:
             self.protection.close()
         self.catalog.close()
+        # From here this process runs only its close's rounds: a peer waiting in one it never ran fails at once.
+        self.collective.closing()
         if self._peers is not None:
             self._close_barrier()
             self._peers.close()

@@ -8,6 +8,12 @@ key awaited (looked at once more), so the key would never come and the wait coul
 is raised then. Processes saving different steps (a user's bug) learn it in about a grace, not at the commit
 time-out. These operations are counted apart (``slow`` in ``Collective.stats``); at most one such key lives per
 process and channel, and a wait that ends within its grace does none of them.
+
+A process that closes runs no round after its last save but the close's own: it says so first
+(:func:`closing_key`, set by ``Collective.closing``), and a follower's closed channel leaves its close round's
+key. A slow wait of a process that is not closing itself also looks at those: the awaited process is closing
+and the key is still unset (looked at once more), so it would never come, and :class:`Closing` is raised. A
+process whose peer saved a step it did not and then finished learns it at once instead of at the time-out.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("jaxckpt.core.slow_wait")
 
-__all__ = ["Ahead", "SLOW_WAIT_S", "wait_for"]
+__all__ = ["Ahead", "Closing", "SLOW_WAIT_S", "closing_key", "wait_for"]
 
 SLOW_WAIT_S = 1.0  # a wait past this (or a quarter of its time-out) says where it waits
 
@@ -35,10 +41,19 @@ class Ahead(Exception):
         self.number, self.name = number, name
 
 
+class Closing(Exception):
+    """The awaited peer is closing (or closed the channel): it runs no more rounds of the channel but the close."""
+
+
+def closing_key(namespace: str, process: int) -> str:
+    """The key ``process`` sets under ``namespace`` once it runs no more rounds but its close's."""
+    return f"{namespace}/pub/closing/{process}"
+
+
 def wait_for(c: "Collective", channel: str, key: str, timeout: float, n: int, name: str, peer: int) -> bytes:
     """``key``'s value, set within ``timeout`` (else TimeoutError), for round ``n`` (named ``name``) of
-    ``channel``; :class:`Ahead` once ``peer`` waits in a later round and ``key`` is still unset (see the module
-    docstring)."""
+    ``channel``; :class:`Ahead` once ``peer`` waits in a later round and ``key`` is still unset, :class:`Closing`
+    once it is closing (see the module docstring)."""
     grace = min(SLOW_WAIT_S, timeout / 4)
     deadline = time.monotonic() + timeout
     c.count("gets")  # the round's own wait: only what follows is a slow wait's
@@ -58,6 +73,12 @@ def wait_for(c: "Collective", channel: str, key: str, timeout: float, n: int, na
                 if mine is not None:
                     return mine
                 raise Ahead(*at)
+            if not c.is_closing and _gone(c, channel, peer):
+                c.count("slow")
+                mine = c.coordinator.try_get(key)  # set before it said so?
+                if mine is not None:
+                    return mine
+                raise Closing(peer)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(key)
@@ -78,6 +99,13 @@ def _waiting_in(c: "Collective", key: str) -> tuple[int, str] | None:
     except Exception:  # noqa: BLE001 - nothing said (None), or not what a wait says: no conclusion
         return None
     return (number, str(name)) if isinstance(number, int) and not isinstance(number, bool) else None
+
+
+def _gone(c: "Collective", channel: str, peer: int) -> bool:
+    """True once ``peer`` said it is closing, or (a follower) closed ``channel``: its close round's key is set."""
+    if _slow(c, c.coordinator.try_get, closing_key(c.namespace, peer)) is not None:
+        return True
+    return peer != 0 and _slow(c, c.coordinator.try_get, f"{c.namespace}/{channel}/close/{peer}") is not None
 
 
 def _slow(c: "Collective", op: Callable[..., Any], *args: Any) -> Any:
