@@ -127,6 +127,37 @@ def test_the_report_splits_the_protection_lag_by_the_trial_s_fault_and_counts_re
     assert "| `peer-drop` | 1 | 1 | 0 | 0 | 2 (1) |" in md, md
 
 
+def test_an_agent_killed_within_the_restore_may_cost_the_steps_newer_than_the_protected_one_and_no_more():
+    """Known answer for the driver's check: a restore of step 338 where 340 was committed and 338 protected. An
+    agent killed within that restore takes its memory from the restore as a node loss would (a chunk no other
+    source holds: the step is lost to the job, jaxckpt.core.fallback), so 338 is expected there; the same restore
+    is an unexpected loss after the same fault at the commit, or when the restore's fault never went off, and so
+    is a restore of 336 after any of them. A restore's digest that differs is a wrong restore in every case."""
+    from jaxckpt.tools.chaos.incarnation import Incarnation, TrialResult
+
+    run = chaos.ChaosRun(chaos.PROFILES["long"], seed=3, trials=1)
+    try:
+        def check(step: int, phase: str, fired: bool, digest: str | None = None) -> TrialResult:
+            res = TrialResult(0, "kill-agent-phase", detail=f"kill-agent at {phase} on process 1", trained=341,
+                              committed=340, protected=338)
+            inc = Incarnation.__new__(Incarnation)  # its events alone: no processes
+            inc.events = [{"ev": "phase-fault", "p": 1, "phase": phase, "step": 0, "action": "kill-agent"}] * fired
+            inc.events += [{"ev": "restored", "p": q, "step": step, "digest": digest or run.reference(step, "numpy")}
+                           for q in range(run.n)]
+            run.trained_max = 341
+            run._check(inc, res, "numpy")
+            return res
+
+        got = check(338, "restore", True)
+        assert not got.unexpected_loss and got.recovered and got.lost == 3 and got.wrong == 0
+        assert check(340, "restore", True).lost == 1
+        for step, phase, fired in ((338, "commit", True), (338, "restore", False), (336, "restore", True)):
+            assert check(step, phase, fired).unexpected_loss, (step, phase, fired)
+        assert check(338, "restore", True, digest="0" * 16).wrong == run.n  # each process's
+    finally:
+        shutil.rmtree(run.tmp, ignore_errors=True)
+
+
 def test_the_protection_lag_is_measured_at_the_commit_and_the_announcement_not_when_a_trainer_looks():
     """Known answer: trainers look between 11 ms steps (``t``), the events carry the times the commit was decided
     and the step announced protected (``at``); the lag and the steps committed meanwhile come from those."""

@@ -91,8 +91,9 @@ def render(rep: Mapping[str, Any], command: str, machine: Mapping[str, Any] | No
         "restore: newer steps a restore passed over for bad bytes inside the same call (jaxckpt.core.fallback), "
         "with no relaunch. A wrong restore is a digest that differs from the "
         "state recomputed outside the system, or processes that restored different steps; a hang is any wait "
-        "that ran past its time-out; an unexpected loss is a committed step (or, after a node's memory was lost, a "
-        "protected step) that the restore did not get back although the fault did not destroy it.",
+        "that ran past its time-out; an unexpected loss is a committed step (or, after a node's memory was lost or "
+        "with an agent killed within the restore, a protected step) that the restore did not get back although "
+        "the fault did not destroy it.",
     ]
     lag = rep.get("protection_lag") or {}
     if lag.get("steps"):

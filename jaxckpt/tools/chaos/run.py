@@ -7,8 +7,9 @@ is one incarnation of the job:
   0) start every trainer: the engine agrees on the steps the processes hold, each process restores the newest
      one whole (other processes' chunks through the peer transport) and reports a digest, checked here against
      the state recomputed outside the system from (seed, step). A wrong digest, or processes that restored
-     different steps, is a **wrong restore**; a committed step lost although no fault destroyed data is an
-     **unexpected loss**. An incarnation that cannot restore (a step failed its integrity checks and was
+     different steps, is a **wrong restore**; a committed step lost although no fault destroyed data (or a
+     protected one where a node's memory was lost, or an agent killed within the restore) is an **unexpected
+     loss**. An incarnation that cannot restore (a step failed its integrity checks and was
      dropped, a process died) is stopped and relaunched, at most MAX_RELAUNCH times;
   1) train, a snapshot every ``interval`` steps, until one fault strikes at a random point of a save, a commit
      or the restore (jaxckpt/tools/chaos/faults.py): trainers SIGKILLed by a timer or by themselves at an exact
@@ -290,9 +291,14 @@ class ChaosRun:
         prev.wrong += len(wrong)
         prev.recovered = prev.checks > 0 and prev.wrong == 0
         prev.lost = max(prev.lost, prev.trained - (step or 0))
-        # What no fault of this kind may take: the committed step, or (data destroyed) the protected one.
-        floor = prev.committed if prev.kind not in DESTRUCTIVE else \
-            prev.protected if prev.kind in NODE_LOSS and self.profile.protection != "none" else 0
+        # What no fault of this kind may take: the committed step, or (data destroyed) the protected one. An
+        # agent killed within the restore itself takes its memory from that restore as a node loss would, kept
+        # or not: a chunk no other source holds makes the step lost to the job (jaxckpt.core.fallback), and only
+        # protection covers it.
+        gone = prev.kind in NODE_LOSS or (prev.kind.startswith("kill-agent-phase") and " at restore " in prev.detail
+                                          and any(e["phase"] == "restore" for e in inc.of("phase-fault")))
+        floor = prev.committed if prev.kind not in DESTRUCTIVE and not gone else \
+            prev.protected if gone and self.profile.protection != "none" else 0
         if (step or 0) < floor:
             prev.unexpected_loss = True
             log.error("trial %d (%s): step %d lost, restored %s", prev.trial, prev.kind, floor, step)
