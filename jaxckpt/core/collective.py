@@ -226,7 +226,7 @@ class Collective:
             try:
                 self._set(closing_key(self.namespace, self.process_index), _pack(True))
             except Exception as e:  # noqa: BLE001 - advice to the peers' waits: they time out without it
-                log.warning("could not say that process %d is closing: %s", self.process_index, e)
+                log.info("could not say that process %d is closing: %s", self.process_index, e)
 
     def close(self, timeout_s: float | None = None) -> None:
         """End every channel that ran a round (see the module docstring); call once the threads using the
@@ -243,7 +243,11 @@ class Collective:
                 ch._close(deadline)
         finally:
             if self.process_count > 1:
-                self._delete(closing_key(self.namespace, self.process_index))
+                self.count("deletes")
+                try:
+                    self.coordinator.delete(closing_key(self.namespace, self.process_index))
+                except Exception as e:  # noqa: BLE001 - a service gone with the job takes its keys with it
+                    log.info("could not delete the key saying that process %d is closing: %s", self.process_index, e)
 
 
 class Channel:
