@@ -544,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _breakdown(ref: dict, overhead: float) -> str:
     """The per-thread CPU of a step with a snapshot against one without, beside the copy + crc32c floor."""
-    from jaxckpt.tools.bench.breakdown import describe
+    from jaxckpt.tools.bench.breakdown import blocked_added, describe
 
     b, floor = ref["breakdown"], ref["floor"]
     cpu = {k: b["with"]["cpu_ms"].get(k, 0.0) - b["without"]["cpu_ms"].get(k, 0.0)
@@ -552,7 +552,8 @@ def _breakdown(ref: dict, overhead: float) -> str:
     extra = sum(cpu.values())
     text = (f"{overhead * 1e3:.1f} ms of step time = {overhead / floor['copy_crc_s']:.1f}x the floor; CPU added "
             f"per step {extra:.1f} ms = {extra / (floor['copy_crc_s'] * 1e3):.1f}x the floor (" +
-            ", ".join(f"{k} {v:+.1f}" for k, v in sorted(cpu.items())) + ")\n")
+            ", ".join(f"{k} {v:+.1f}" for k, v in sorted(cpu.items())) + ")" +
+            "".join(f"; {t}" for t in [blocked_added(b["with"], b["without"])] if t) + "\n")
     return text + "\n".join(" " * 33 + line for line in describe(b["with"], floor).splitlines())
 
 

@@ -223,6 +223,12 @@ def test_stall_rounds_measure_every_mode_in_turn_and_pool_its_steps(tmp_path):
     assert mine["step_s"]["n"] == mine["save_call_s"]["n"] == mine["snapshot_s"]["n"] == 2 * steps, mine
     assert mine["idle_snapshot_s"]["n"] == 2 and mine["bytes_this_process"] > 0  # --quick: 2 idle saves, once
     assert mine["breakdown"]["cpu_ms"]["copy workers"] > 0 and p["floor"]["copy_crc_s"] > 0
+    # the training thread's span: its blocked time (its GIL waits among it) within its wall time, averaged too
+    t = mine["breakdown"]["training"]
+    assert 0 <= t["blocked_ms"] <= t["wall_ms"] and t["switches"] >= 0, t
+    md = stall.render_stall(r)
+    assert "training thread blocked ms per save" in md and "`jaxckpt`: " in md, md
+    assert "; training thread blocked " in next(line for line in md.splitlines() if "`jaxckpt`: " in line), md
     waited = p["modes"]["jaxckpt-wait"]  # each call returned once its snapshot was committed
     assert waited["save_call_s"]["n"] == waited["snapshot_s"]["n"] == 2 * steps
     assert waited["save_call_s"]["median"] >= waited["snapshot_s"]["median"], waited

@@ -110,3 +110,47 @@ def test_memcpy_runs_its_hook_ahead_of_each_timed_copy_and_checks_its_sizes():
     assert called == [0, 1, 2] and len(times) == 3 and all(t > 0 for t in times)
     with pytest.raises(ValueError, match="nbytes=0"):
         memcpy_seconds(0, 3)
+
+
+def test_the_breakdown_counts_the_training_thread_s_waits_for_the_gil_among_its_blocked_time():
+    """A span in which another thread holds the GIL in a pure-Python loop while the training thread runs Python
+    too: the training thread waits for the GIL at every switch interval, off a core, and the breakdown's blocked
+    time and voluntary switches say so; the same span alone shows neither. A sleep is blocked time too."""
+    import time as _time
+
+    from jaxckpt.tools.bench.breakdown import Breakdown, blocked_added, describe
+
+    def work(seconds_cpu: float) -> None:  # Python bytecode until this thread has had that much CPU
+        end = _time.thread_time() + seconds_cpu
+        while _time.thread_time() < end:
+            sum(range(200))
+
+    def span(contended: bool) -> dict:
+        stop = threading.Event()
+
+        def spin():
+            while not stop.is_set():
+                sum(range(200))
+        other = threading.Thread(target=spin, daemon=True) if contended else None
+        probe = Breakdown()
+        probe.start()
+        if other is not None:
+            other.start()
+        work(0.2)
+        stop.set()
+        if other is not None:
+            other.join()
+        return probe.stop(1)
+
+    alone, contended = span(False), span(True)
+    assert alone["training"]["blocked_ms"] < 100, alone  # it ran: 200 ms of CPU, nothing to wait for
+    assert contended["training"]["blocked_ms"] > 50, contended  # about a switch interval per turn of the other
+    assert contended["training"]["switches"] > alone["training"]["switches"] + 5, (alone, contended)
+    assert contended["cpu_ms"]["training thread"] >= 200 * 0.95, contended
+    assert blocked_added(contended, alone).startswith("training thread blocked +"), blocked_added(contended, alone)
+    assert "training thread blocked ms per save (waiting for the GIL" in describe(contended)
+    probe = Breakdown()
+    probe.start()
+    _time.sleep(0.1)
+    slept = probe.stop(1)["training"]
+    assert slept["blocked_ms"] >= 90 and slept["switches"] >= 1, slept

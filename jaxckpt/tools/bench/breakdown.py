@@ -15,7 +15,11 @@ second is where a busy machine shows. Threads are grouped by the names jaxckpt g
 workers, the dispatcher, the commit thread); the rest of the process is XLA's and JAX's. The time the training
 thread waits for the GIL is not counted by the interpreter (CPython 3.11); what holds it for long is: the
 collector's pauses (``gc.callbacks``, CPU time of whichever thread collects; a collection holds the GIL
-throughout) and the save() call itself, both reported. Compare per-save CPU figures between runs of the same
+throughout) and the save() call itself, both reported. What bounds it: the training thread's blocked time (the
+span's wall time less its CPU and run-queue time: off a core by its own wait, for the GIL, a lock, XLA's results or
+the agent's reply) and its voluntary context switches (``/proc/self/task/*/status``: a GIL wait that blocks is
+one); the snapshot's added blocked time, less the agent's round trips (reported apart) and, for ``wrap_step``,
+its wait for the copy, is the most its GIL waits can be. Compare per-save CPU figures between runs of the same
 machine load only, and the ratios to the floor within one run.
 """
 from __future__ import annotations
@@ -46,6 +50,18 @@ def _threads() -> dict[int, tuple[int, int]]:
     return out
 
 
+def _switches(tid: int) -> int:
+    """Voluntary context switches of thread ``tid`` of this process so far (0 where Linux does not say)."""
+    try:
+        with open(f"/proc/self/task/{tid}/status") as f:
+            for line in f:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 class Breakdown:
     """Counts a span of a training loop on the thread that calls :meth:`start` (the training thread)."""
 
@@ -56,6 +72,7 @@ class Breakdown:
         self._gc_t0 = 0.0
         self._t0: dict[int, tuple[int, int]] = {}
         self._agent0 = (0, 0)
+        self._wall0, self._switches0 = 0, 0
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -79,11 +96,15 @@ class Breakdown:
         self._gc = {}
         gc.callbacks.append(self._on_gc)
         self._agent0 = self._agent()
+        self._switches0 = _switches(self._training)
         self._t0 = _threads()
+        self._wall0 = time.perf_counter_ns()
 
     def stop(self, saves: int) -> dict[str, Any]:
         """Stop counting; per save (``saves`` of them in the span): milliseconds and counts."""
+        wall = time.perf_counter_ns() - self._wall0
         t1 = _threads()
+        switches = _switches(self._training) - self._switches0
         agent1 = self._agent()
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
@@ -103,6 +124,11 @@ class Breakdown:
         out: dict[str, Any] = {"cpu_ms": {k: round(v[0], 3) for k, v in groups.items()},
                                "runqueue_ms": {k: round(v[1], 3) for k, v in groups.items()},
                                "gc": {k: round(v / n, 3) for k, v in sorted(self._gc.items())}}
+        mine = groups.get("training thread")
+        if mine is not None:  # off a core by its own wait: the GIL, a lock, XLA's results, the agent's reply
+            out["training"] = {"wall_ms": round(wall / 1e6 / n, 3),
+                               "blocked_ms": round(max(0.0, wall / 1e6 / n - mine[0] - mine[1]), 3),
+                               "switches": round(switches / n, 3)}
         if self._store is not None and hasattr(self._store, "metrics"):
             out["agent_requests"] = (agent1[0] - self._agent0[0]) / n
             out["agent_request_ms"] = round((agent1[1] - self._agent0[1]) / 1e6 / n, 3)
@@ -242,6 +268,10 @@ def describe(per_save: dict[str, Any], floor: dict[str, float] | None = None) ->
                          for k in range(3) if g.get(f"gen{k}_n"))
         lines.append(f"collector pauses per save (hold the GIL): {gens}; on the training thread "
                      f"{g.get('on_training_ms', 0):.2f} ms, elsewhere {g.get('on_other_ms', 0):.2f} ms")
+    if "training" in per_save:
+        t = per_save["training"]
+        lines.append(f"training thread blocked ms per save (waiting for the GIL, a lock, XLA's results or the agent): "
+                     f"{t['blocked_ms']:.2f} of {t['wall_ms']:.2f}, voluntary switches {t['switches']:.1f}")
     if "agent_requests" in per_save:
         lines.append(f"agent round trips per save: {per_save['agent_requests']:.2f} "
                      f"({per_save['agent_request_ms']:.2f} ms)")
@@ -252,9 +282,20 @@ def describe(per_save: dict[str, Any], floor: dict[str, float] | None = None) ->
     return "\n".join(lines)
 
 
+def blocked_added(per_save: dict[str, Any], base: dict[str, Any]) -> str:
+    """The training thread's blocked time and voluntary switches per save over ``base``'s (the same steps without
+    a snapshot): the most its waits for the GIL can add, with the agent's round trips and any wait for the copy
+    among them. Empty where either lacks them."""
+    a, b = per_save.get("training"), base.get("training")
+    if not a or not b:
+        return ""
+    return (f"training thread blocked {a['blocked_ms'] - b['blocked_ms']:+.2f} ms, voluntary switches "
+            f"{a['switches'] - b['switches']:+.1f}")
+
+
 def process_cpu_ms(per_save: dict[str, Any]) -> float:
     """All of the process's CPU per save (every thread), milliseconds."""
     return float(sum(per_save["cpu_ms"].values()))
 
 
-__all__ = ["Breakdown", "FloorCopy", "copy_floor", "describe", "process_cpu_ms"]
+__all__ = ["Breakdown", "FloorCopy", "blocked_added", "copy_floor", "describe", "process_cpu_ms"]

@@ -536,7 +536,7 @@ def render_stall(result: dict) -> str:
 
 
 def _breakdown_lines(row: dict) -> list[str]:
-    from jaxckpt.tools.bench.breakdown import describe
+    from jaxckpt.tools.bench.breakdown import blocked_added, describe
 
     p0, s = row["processes"][0], row["summary"]
     base = p0["modes"].get("none", {}).get("breakdown")
@@ -556,7 +556,8 @@ def _breakdown_lines(row: dict) -> list[str]:
                         "" if past is None else f"{past:+.1f} beyond the view floor's "
                                                 f"{s['overhead_pct_view-floor']:+.1f}%; ",
                         "" if views is None else f"the views alone {views:.1f} points; ",
-                        "CPU added per step ", ", ".join(f"{k} {v:+.2f} ms" for k, v in sorted(added.items()))])
+                        "CPU added per step ", ", ".join(f"{k} {v:+.2f} ms" for k, v in sorted(added.items())),
+                        "".join(f"; {t}" for t in [blocked_added(b, base)] if t)])
         out.append(head)
         out += ["  " + line for line in describe(b, p0.get("floor") if mode == "jaxckpt" else None).splitlines()]
     return out
