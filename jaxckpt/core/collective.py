@@ -154,12 +154,12 @@ class Collective:
         self.count("try_gets")
         return self.coordinator.try_get(key)
 
-    def _delete(self, key: str) -> None:
+    def _delete(self, key: str, level: int = logging.WARNING) -> None:
         self.count("deletes")
         try:
             self.coordinator.delete(key)
         except Exception as e:  # noqa: BLE001 - a key left behind is a leak, not a failure of the round
-            log.warning("could not delete coordination key %s: %s", key, e)
+            log.log(level, "could not delete coordination key %s: %s", key, e)
 
     def stats(self) -> dict[str, int]:
         """Key-value operations this process did so far (sets, gets, try_gets, deletes; slow: those of waits
@@ -242,12 +242,8 @@ class Collective:
             for ch in channels:
                 ch._close(deadline)
         finally:
-            if self.process_count > 1:
-                self.count("deletes")
-                try:
-                    self.coordinator.delete(closing_key(self.namespace, self.process_index))
-                except Exception as e:  # noqa: BLE001 - a service gone with the job takes its keys with it
-                    log.info("could not delete the key saying that process %d is closing: %s", self.process_index, e)
+            if self.process_count > 1:  # at info: a service gone with the job takes its keys with it
+                self._delete(closing_key(self.namespace, self.process_index), logging.INFO)
 
 
 class Channel:
@@ -395,9 +391,7 @@ class Channel:
                                     round_number=n) from None
         except (Ahead, Closing) as a:  # the leader is past this round without a result: it never ran it
             c._delete(f"{base}/{self.process_index}")  # never to be read: take it back
-            why = f"skipped it: it waits in round {a.name!r} #{a.number} already" if isinstance(a, Ahead) else \
-                "is closing: it will not run this round"
-            raise CoordinationError(f"{self._describe(name, n)}: process 0 (the leader) {why} (the processes ran "
+            raise CoordinationError(f"{self._describe(name, n)}: process 0 (the leader) {a.why} (the processes ran "
                                     f"different rounds)", processes=(0,), round_name=name, round_number=n,
                                     errors={0: ""}) from None
         done, result, *answered = _unpack(raw)
@@ -430,9 +424,7 @@ class Channel:
             except TimeoutError:
                 raw = None
             except (Ahead, Closing) as a:  # it is past this round without its key: it would never have come
-                why = f"skipped it: it waits in round {a.name!r} #{a.number} already" if isinstance(a, Ahead) \
-                    else "is closing: it will not run this round"
-                failures.append((q, f"{why} (the processes ran different rounds)", ""))
+                failures.append((q, f"{a.why} (the processes ran different rounds)", ""))
                 with c._lock:
                     c._absent.discard(q)
                 continue

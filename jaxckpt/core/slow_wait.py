@@ -39,10 +39,13 @@ class Ahead(Exception):
     def __init__(self, number: int, name: str) -> None:
         super().__init__(number, name)
         self.number, self.name = number, name
+        self.why = f"skipped it: it waits in round {name!r} #{number} already"  # said of the peer in the error
 
 
 class Closing(Exception):
     """The awaited peer is closing (or closed the channel): it runs no more rounds of the channel but the close."""
+
+    why = "is closing: it will not run this round"
 
 
 def closing_key(namespace: str, process: int) -> str:
@@ -67,18 +70,13 @@ def wait_for(c: "Collective", channel: str, key: str, timeout: float, n: int, na
     try:
         while True:
             at = _waiting_in(c, f"{c.namespace}/{channel}/at/{peer}")
-            if at is not None and at[0] > n:
+            ahead = at is not None and at[0] > n
+            if ahead or (not c.is_closing and _gone(c, channel, peer)):
                 c.count("slow")
                 mine = c.coordinator.try_get(key)  # set just before it moved on? (an error: raised as is)
                 if mine is not None:
                     return mine
-                raise Ahead(*at)
-            if not c.is_closing and _gone(c, channel, peer):
-                c.count("slow")
-                mine = c.coordinator.try_get(key)  # set before it said so?
-                if mine is not None:
-                    return mine
-                raise Closing(peer)
+                raise Ahead(*at) if ahead else Closing(peer)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(key)
