@@ -140,3 +140,49 @@ def test_a_step_saved_by_one_process_while_the_other_closes_fails_saying_so():
         who = "process 0 (the leader)" if extra == 1 else "process 1"
         assert saver[f"{extra}/3"].endswith(f"{who} {tail}"), saver
         assert saver[f"{extra}/latest"] == other[f"{extra}/latest"] == 2
+
+
+def only_process_0_saves(job_id: str) -> dict:
+    import logging
+
+    import jax.numpy as jnp
+
+    import jaxckpt
+
+    me, errors, warnings = node_info().process_id, {}, []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+    keep = Keep(logging.WARNING)
+    logging.getLogger("jaxckpt").addHandler(keep)
+    try:
+        # the time-outs long enough that a wait which runs them out cannot pass for one that concluded
+        with jaxckpt.Checkpointer(jaxckpt.Config(job_id=job_id, commit_timeout_s=60.0, peer_timeout_s=60.0)) as ck:
+            for step in (1, 2) if me == 0 else ():  # a user's bug: only process 0 saves; process 1 closes at once
+                try:
+                    ck.save(step, {"w": jnp.arange(8.0) + step}).result()
+                    errors[step] = ""
+                except jaxckpt.errors.JaxckptError as e:
+                    errors[step] = f"{type(e).__name__}: {e}"
+    finally:
+        logging.getLogger("jaxckpt").removeHandler(keep)
+    return {"errors": errors, "close": [w for w in warnings if w.startswith("close:")]}
+
+
+def test_saves_of_process_0_alone_fail_saying_so_and_both_close_without_waiting_out_the_time_out():
+    """Only process 0 saves (the habit of "rank 0 saves"); process 1 closes its Checkpointer at once. Process 0's
+    first save meets process 1's close barrier and fails at once, with the hint that every process must save; its
+    second save and its close barrier find that process 1 closed (it left one key saying so) and fail at once too,
+    where both waited out the 60 s time-out (a wait that ran out says "did not arrive within 60s")."""
+    a, b = expect_ok(launch(only_process_0_saves, nodes=2, procs_per_node=1, devices_per_proc=1,
+                            args=(f"commit-alone-{uuid.uuid4().hex[:6]}",), timeout=240))
+    hint = "(the processes ran different rounds) (every process must save the same steps: the first save plans on " \
+           "all of them together)"
+    assert a["errors"]["1"].startswith("CoordinationError: round 'save nodes'") and \
+        a["errors"]["1"].endswith(f"process 1 is in round 'close' instead {hint}"), a
+    assert a["errors"]["2"].startswith("CoordinationError: round 'save nodes'") and \
+        a["errors"]["2"].endswith(f"process 1 has closed: it will not run this round {hint}"), a
+    assert len(a["close"]) == 1 and "process 1 has closed: it will not run this round (the processes ran " \
+        "different rounds)" in a["close"][0], a["close"]
+    assert b["errors"] == {} and len(b["close"]) == 1 and "process 1 is in round 'close' instead" in b["close"][0], b

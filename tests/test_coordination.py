@@ -249,6 +249,46 @@ def test_a_round_the_awaited_process_closed_without_fails_without_waiting_out_th
     assert _keys(str(tmp_path)) == []
 
 
+@pytest.mark.parametrize("early", [0, 1])
+def test_a_close_after_different_rounds_ends_without_waiting_out_the_time_out(tmp_path, monkeypatch, early):
+    """Both processes run rounds 'save 1' and 'save 2' of the main channel; process ``early`` then closes as a
+    Checkpointer does (closing, its close barrier, the channels' last rounds) while the other runs 'save 3'
+    (a user's save on one process only) and closes after it. Both are closing in the close barrier, so a closing
+    key says nothing there: the barrier of the process that closes last fails at once because the other closed
+    (its closed key, or the leader waiting in its last round), where it waited out the 30 s time-out (twice that
+    for a follower) and its close with it. Every round fails saying so (a round that ran out says "did not
+    arrive" or "published no result"); the one key left says that the process whose close barrier failed closed."""
+    monkeypatch.setattr(slow_wait, "SLOW_WAIT_S", 0.2)
+    late = 1 - early
+
+    def body(c):
+        ch, got = c.channel("main"), {}
+        for r in (1, 2, 3) if c.process_index == late else (1, 2):
+            try:
+                got[r] = ch.all_gather(f"save {r}", c.process_index)
+            except CoordinationError as e:
+                got[r] = str(e)
+        c.closing()
+        try:
+            ch.barrier("close", timeout_s=30.0)
+            got["close"] = True
+        except CoordinationError as e:
+            got["close"] = str(e)
+        c.close()
+        return got
+
+    out, _ = _run(2, str(tmp_path), body, timeout_s=30.0, join_s=50.0)
+    first, last = out[early], out[late]
+    assert first[1] == last[1] == [0, 1] and first[2] == last[2] == [0, 1]
+    for said in (last[3], first["close"], last["close"]):
+        assert isinstance(said, str) and said.endswith("(the processes ran different rounds)"), said
+    who = "process 0 (the leader)" if early == 0 else "process 1"
+    assert last["close"].startswith("round 'close' #3 of channel 'main'"), last["close"]
+    assert f"{who} is closing: it will not run this round" in last["close"] or \
+        f"{who} has closed: it will not run this round" in last["close"], last["close"]
+    assert _keys(str(tmp_path)) == ["jaxckpt%2Ft%2F0%2Fpub%2Fclosed%2F1"]
+
+
 def test_channels_are_independent_and_numbered_on_their_own(tmp_path):
     def body(c):
         a, b = c.channel("commit"), c.channel("protect")
@@ -293,7 +333,8 @@ def test_close_does_not_wait_for_a_follower_that_died(tmp_path):
     t0 = time.monotonic()
     lead.close(timeout_s=30)
     assert time.monotonic() - t0 < 10, "close waited for a process known to be gone"
-    assert _keys(str(tmp_path)) == [], "close left keys behind"
+    # one key says it closed without its follower (which may yet wait for it, as far as it knows): nothing else
+    assert _keys(str(tmp_path)) == ["jaxckpt%2Ft%2F0%2Fpub%2Fclosed%2F0"], "close left keys behind"
 
 
 def test_one_process_touches_no_key_and_raises_its_own_error():

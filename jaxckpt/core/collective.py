@@ -30,10 +30,11 @@ read every follower's key of round ``n+1``, ``out`` of round ``n`` is provably r
 A follower that missed a round (did not arrive in time) has its late key deleted once it is seen again; a
 result some follower never acknowledges is deleted after ``MAX_UNACKED`` newer rounds. At ``close()`` each
 channel that ran a round ends with a one-way :meth:`Channel.gather` (the followers' last acknowledgement), after
-which the leader deletes what is left. So the live keys of an instance are O(processes) whatever the number of
-steps: per channel at most N-1 contributions and one or two results. Per round the leader does about
-2(N-1) + 2 key-value operations and every follower 2 (one set, one blocking get): :meth:`Collective.stats`
-counts them.
+which the leader deletes what is left; a close in which a round failed where a peer may yet wait leaves one key
+(``slow_wait.closed_key``: that peer's wait ends at once). So the live keys of an instance are O(processes)
+whatever the number of steps: per channel at most N-1 contributions and one or two results. Per round the
+leader does about 2(N-1) + 2 key-value operations and every follower 2 (one set, one blocking get):
+:meth:`Collective.stats` counts them.
 
 Slow waits (``jaxckpt.core.slow_wait``): a wait past its grace says which round it waits in and looks where the
 process it waits for is; a round whose awaited process waits in a later one fails then ("skipped it: it waits in
@@ -67,7 +68,7 @@ from typing import Any, Callable, Protocol
 import msgpack
 
 from jaxckpt.core.coordination import Coordinator
-from jaxckpt.core.slow_wait import Ahead, Closing, closing_key, wait_for
+from jaxckpt.core.slow_wait import Ahead, Closing, closed_key, closing_key, wait_for
 from jaxckpt.errors import CoordinationError, named
 
 log = logging.getLogger("jaxckpt.core.collective")
@@ -109,6 +110,9 @@ class Collective:
         self._absent: set[int] = set()
         self._closed = False
         self._closing = False
+        # A round of this process's close failed where a peer may yet wait for this one (a follower: any round
+        # once closing; the leader: a channel's last round a follower missed): close() then leaves closed_key
+        self._unclean = False
         # Added to every numbered round's number (numbers derived from steps): raised when the job agreed to
         # forget steps (jaxckpt.core.fallback), so that saving those step numbers again gives new round numbers.
         self.number_shift = 0
@@ -242,7 +246,13 @@ class Collective:
             for ch in channels:
                 ch._close(deadline)
         finally:
-            if self.process_count > 1:  # at info: a service gone with the job takes its keys with it
+            if self.process_count > 1:
+                if self._unclean:  # kept: one key a close that did not meet every peer, in its own namespace
+                    try:
+                        self._set(closed_key(self.namespace, self.process_index), _pack(True))
+                    except Exception as e:  # noqa: BLE001 - advice to the peers' waits: they time out without it
+                        log.info("could not say that process %d closed: %s", self.process_index, e)
+                # at info: a service gone with the job takes its keys with it
                 self._delete(closing_key(self.namespace, self.process_index), logging.INFO)
 
 
@@ -364,6 +374,8 @@ class Channel:
                     return self._lead(name, n, base, ok, payload, fn, timeout, publish, closing)
                 return self._follow(name, n, base, ok, payload, timeout, publish, early)
             except CoordinationError as e:
+                if self._c._closing and (closing or self.process_index != 0):
+                    self._c._unclean = True
                 if mine is not None:  # where it was raised, the original stays reachable as the cause
                     raise e from mine
                 raise
@@ -415,10 +427,8 @@ class Channel:
             left = deadline - time.monotonic()
             try:
                 # Once the time-out is spent, only look (at close: not at all for a follower gone already).
-                if left > 0 and not closing:
-                    raw = wait_for(c, self.name, key, left, n, name, q)
-                elif left > 0 and q not in c._absent:
-                    raw = c._get(key, left)
+                if left > 0 and (not closing or q not in c._absent):
+                    raw = wait_for(c, self.name, key, left, n, name, q, last=closing)
                 else:
                     raw = c._try_get(key)
             except TimeoutError:

@@ -32,7 +32,7 @@ from jaxckpt.core.adoption import Adoption, decide
 from jaxckpt.core.advise import IntervalAdvice, SaveCosts
 from jaxckpt.core.collective import Collective
 from jaxckpt.core.coordination import CommitTracker, Coordinator
-from jaxckpt.errors import (ClosedError, CommitError, ConfigError, NoCheckpointError, StepError,
+from jaxckpt.errors import (ClosedError, CommitError, ConfigError, CoordinationError, NoCheckpointError, StepError,
                             StepOutOfRangeError, StoreUnavailableError, brief)
 from jaxckpt.core.capabilities import NodeAgent, ProtectionSlots
 from jaxckpt.core.catalog import Catalog
@@ -323,7 +323,15 @@ class CheckpointEngine:
         if self.config.replicas != "whole" or self.process_count <= 1:
             return None
         if self._nodes is None:
-            got = self.collective.channel("main").all_gather("save nodes", node_identity(self.config).name)
+            try:
+                got = self.collective.channel("main").all_gather("save nodes", node_identity(self.config).name)
+            except CoordinationError as e:
+                if "" not in e.errors.values():  # a process raised: its error says why
+                    raise
+                # a process absent or in another round: most often one that does not save (only process 0 does)
+                raise CoordinationError(f"{e} (every process must save the same steps: the first save plans on "
+                                        f"all of them together)", processes=e.processes, round_name=e.round_name,
+                                        round_number=e.round_number, errors=e.errors) from e
             names: dict[str, int] = {}
             self._nodes = tuple(names.setdefault(str(n), len(names)) for n in got)
             log.info("process %d: whole replicas over %d node(s) %s", self.process_index, len(names), list(names))
@@ -581,7 +589,7 @@ class CheckpointEngine:
         try:
             self.collective.channel("main").barrier("close", timeout_s=timeout)
         except Exception as e:  # noqa: BLE001 - closing must not hang or fail on a dead peer
-            log.warning("close: not every process reached close within %.0fs (%s); closing anyway", timeout, e)
+            log.warning("close: not every process reached close (%s); closing anyway", e)
 
     @property
     def closed(self) -> bool:
