@@ -39,6 +39,17 @@ def _run(n: int, directory: str, body, timeout_s: float = 2.0, join_s: float = 6
     return out, colls
 
 
+def _outcomes(rounds, run) -> dict:
+    """Per round of ``rounds``: what ``run(round)`` returned, or the message of the CoordinationError it raised."""
+    got = {}
+    for r in rounds:
+        try:
+            got[r] = run(r)
+        except CoordinationError as e:
+            got[r] = str(e)
+    return got
+
+
 def _keys(directory: str) -> list[str]:
     return sorted(f for f in os.listdir(directory) if not f.endswith(".tmp"))
 
@@ -228,12 +239,9 @@ def test_a_round_the_awaited_process_closed_without_fails_without_waiting_out_th
     gone = 1 - extra
 
     def body(c):
-        ch, got = c.channel("commit"), {}
-        for step in (1, 2, 3) if c.process_index == extra else (1, 2):
-            try:
-                got[step] = ch.reduce(f"commit {step}", True, all, number=step)
-            except CoordinationError as e:
-                got[step] = str(e)
+        ch = c.channel("commit")
+        got = _outcomes((1, 2, 3) if c.process_index == extra else (1, 2),
+                        lambda step: ch.reduce(f"commit {step}", True, all, number=step))
         c.closing()
         c.channel("main").barrier("close", timeout_s=30.0)
         c.close()
@@ -262,18 +270,11 @@ def test_a_close_after_different_rounds_ends_without_waiting_out_the_time_out(tm
     late = 1 - early
 
     def body(c):
-        ch, got = c.channel("main"), {}
-        for r in (1, 2, 3) if c.process_index == late else (1, 2):
-            try:
-                got[r] = ch.all_gather(f"save {r}", c.process_index)
-            except CoordinationError as e:
-                got[r] = str(e)
+        ch = c.channel("main")
+        got = _outcomes((1, 2, 3) if c.process_index == late else (1, 2),
+                        lambda r: ch.all_gather(f"save {r}", c.process_index))
         c.closing()
-        try:
-            ch.barrier("close", timeout_s=30.0)
-            got["close"] = True
-        except CoordinationError as e:
-            got["close"] = str(e)
+        got.update(_outcomes(["close"], lambda _: ch.barrier("close", timeout_s=30.0) or True))
         c.close()
         return got
 
