@@ -143,6 +143,16 @@ class CoordinationError(CommitError):
         self.processes, self.round_name, self.round_number = tuple(processes), round_name, round_number
         self.errors = dict(errors or {})
 
+    @property
+    def missed(self) -> bool:
+        """A process missed the round (did not arrive, or ran other rounds) rather than raised in it."""
+        return "" in self.errors.values()
+
+    def hinted(self, hint: str) -> "CoordinationError":
+        """The same error with `` (hint)`` added to its message."""
+        return CoordinationError(f"{self} ({hint})", processes=self.processes, round_name=self.round_name,
+                                 round_number=self.round_number, errors=self.errors)
+
 
 def named(kind: str, message: str, default: type[JaxckptError] = CoordinationError) -> JaxckptError:
     """An error of the class named ``kind`` in this module carrying ``message`` (``default`` when there is none):

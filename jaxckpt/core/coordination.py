@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("jaxckpt.core.coordination")
 
+SAME_STEPS = "every process must save the same steps"  # what a round a process missed most often means
+
 TIMES_KEPT = STEPS_KEPT  # steps whose commit timings a tracker keeps
 
 
@@ -191,8 +193,7 @@ class CommitTracker:
             # Settled, not just decided: after wait() the retention of the step is done and visible.
             if not self._cv.wait_for(lambda: step in self._settled or step <= self._floor, timeout=timeout_s):
                 raise CommitError(f"step {step}: no commit decision within {timeout_s:.0f}s (process 0 decides: "
-                                  f"still copying, stalled or gone, or it did not save step {step}; every process "
-                                  f"must save the same steps)")
+                                  f"still copying, stalled or gone, or it did not save step {step}; {SAME_STEPS})")
             return self._outcome_of(step)
 
     def _run(self) -> None:
@@ -214,8 +215,8 @@ class CommitTracker:
                 f"process(es) {', '.join(map(str, failed))} did not save it (their snapshot failed or was refused)"
         except Exception as e:  # noqa: BLE001 - a failed agreement aborts the step, never the job
             log.error("step %d: commit agreement failed: %s", step, e)
-            absent = isinstance(e, CoordinationError) and "" in e.errors.values()  # a process did not arrive
-            why = f"{e} (every process must save the same steps)" if absent else str(e)
+            missed = isinstance(e, CoordinationError) and e.missed
+            why = str(e.hinted(SAME_STEPS) if missed else e)
         committed = why is None
         with self._cv:
             self._times[step] = (t_done, time.monotonic())

@@ -31,7 +31,7 @@ from jaxckpt.config import Config
 from jaxckpt.core.adoption import Adoption, decide
 from jaxckpt.core.advise import IntervalAdvice, SaveCosts
 from jaxckpt.core.collective import Collective
-from jaxckpt.core.coordination import CommitTracker, Coordinator
+from jaxckpt.core.coordination import SAME_STEPS, CommitTracker, Coordinator
 from jaxckpt.errors import (ClosedError, CommitError, ConfigError, CoordinationError, NoCheckpointError, StepError,
                             StepOutOfRangeError, StoreUnavailableError, brief)
 from jaxckpt.core.capabilities import NodeAgent, ProtectionSlots
@@ -325,13 +325,10 @@ class CheckpointEngine:
         if self._nodes is None:
             try:
                 got = self.collective.channel("main").all_gather("save nodes", node_identity(self.config).name)
-            except CoordinationError as e:
-                if "" not in e.errors.values():  # a process raised: its error says why
-                    raise
-                # a process absent or in another round: most often one that does not save (only process 0 does)
-                raise CoordinationError(f"{e} (every process must save the same steps: the first save plans on "
-                                        f"all of them together)", processes=e.processes, round_name=e.round_name,
-                                        round_number=e.round_number, errors=e.errors) from e
+            except CoordinationError as e:  # a process that missed it most often does not save (only process 0 does)
+                if e.missed:
+                    raise e.hinted(f"{SAME_STEPS}: the first save plans on all of them together") from e
+                raise
             names: dict[str, int] = {}
             self._nodes = tuple(names.setdefault(str(n), len(names)) for n in got)
             log.info("process %d: whole replicas over %d node(s) %s", self.process_index, len(names), list(names))
