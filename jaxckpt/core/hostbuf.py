@@ -7,34 +7,24 @@ held in such memory is copied a second time by ``device_put``. Restore allocates
 from __future__ import annotations
 
 import math
-import mmap
 from typing import Callable, Sequence
 
 import numpy as np
 
 ALIGN = 64
-# Buffers from this size on are mappings of their own advised for transparent huge pages: a restore's host memory
-# is fresh from the kernel in a relaunched process, and faulting it in 4 KiB pages (one trap each, 13.5k for a
-# 128 MiB restore) made the first restore cost 2.5x the CPU of a later one, which reuses what glibc kept
-# (BENCHMARKS.md, first restore). A 2 MiB page is one fault; where THP is off the advice changes nothing.
-HUGE = 2 << 20
-_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
 def empty(shape: int | Sequence[int], dtype: np.dtype | type | str) -> np.ndarray:
-    """An uninitialised C-contiguous array whose data starts on an ``ALIGN``-byte boundary (a page, and huge
-    pages advised, from ``HUGE`` bytes on)."""
+    """An uninitialised C-contiguous array whose data starts on an ``ALIGN``-byte boundary.
+
+    Plain pages, as malloc gives them: advising a restore's buffers for transparent huge pages (one fault per
+    2 MiB) made a relaunched process's first restore slower, not faster, on the virtual machine the benchmarks run
+    on (its guest hands free memory back to the host, which backs a fresh 2 MiB page again in one fault of
+    several ms), and memory malloc kept from an earlier restore is reused either way (BENCHMARKS.md, "Huge pages
+    for a restore's buffers, measured again")."""
     dtype = np.dtype(dtype)
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     nbytes = int(math.prod(shape)) * dtype.itemsize  # math.prod: np.prod took 4 of the 7 us of a small buffer
-    if nbytes >= HUGE and _HUGEPAGE is not None:
-        m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        try:
-            m.madvise(_HUGEPAGE)
-        except OSError:  # a kernel without THP: plain pages
-            pass
-        # the array holds the mapping (its base): unmapped when the last view of it goes
-        return np.frombuffer(m, dtype=np.uint8, count=nbytes).view(dtype).reshape(shape)
     raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
     start = (-raw.ctypes.data) % ALIGN
     return raw[start:start + nbytes].view(dtype).reshape(shape)
