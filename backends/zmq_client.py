@@ -10,7 +10,7 @@ the old one: the old socket's queue may still belong to the dying connection, wh
 Every request is a read, so sending it twice is harmless.
 
 A read's payload is received into the reader's own memory (``recv_into``), asked for ``READ_BYTES`` at a time: an
-aligned buffer per range (huge pages advised from 2 MiB, ``jaxckpt.core.hostbuf``), which a restore keeps as the
+aligned buffer per range (``jaxckpt.core.hostbuf``), which a restore keeps as the
 array's memory. libzmq's own copy of each frame is then freed at once and its memory reused by the next frame. Ranges smaller
 than that go together, a frame's worth to one ``spans`` request (``read_spans``); a peer that refuses the op as
 unknown (an older jaxckpt) is asked a range a request from then on.
@@ -42,8 +42,8 @@ log = logging.getLogger("jaxckpt.backends.zmq_client")
 # (``_payload``): libzmq allocates every frame it receives (malloc, in its I/O thread), and a frame of several
 # MiB is a fresh mapping faulted page by page, then given back, so each restore would fault its frames anew
 # (9,400 minor faults of a 128 MiB restore's first run, BENCHMARKS.md). Frames of 1 MiB, copied out at once,
-# stay in libzmq's heap and are reused from frame to frame; the copy lands in memory of the reader's, faulted
-# once in huge pages (core/hostbuf.py).
+# stay in libzmq's heap and are reused from frame to frame; the copy lands in memory of the reader's
+# (core/hostbuf.py).
 READ_BYTES = 1 << 20
 MAX_RESENDS = 8  # lost connections one call lives through before it gives up on the peer
 MAX_IN_FLIGHT = 64  # requests of one call in flight at most, however small (the window counts whole frames)

@@ -77,12 +77,11 @@ def save(base: str, mib: int, replicas: str = "split", leaves: int = 0) -> int:
 
 
 def _touch(mib: int) -> None:
-    """Map ``mib`` MiB of fresh memory as a restore does (core/hostbuf: huge pages advised), write it, unmap it."""
+    """Map ``mib`` MiB of fresh memory in plain pages, as a restore's buffers are (core/hostbuf), write it, unmap it."""
     import mmap
 
     m = mmap.mmap(-1, mib << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
-        m.madvise(getattr(mmap, "MADV_HUGEPAGE", 0))
         np.frombuffer(m, dtype=np.uint8)[:] = 1
     finally:
         m.close()
