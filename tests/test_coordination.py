@@ -391,7 +391,6 @@ def test_a_versioned_value_lives_in_a_ring_of_two_keys(tmp_path):
 # ------------------------------------------------------------------------------ real JAX processes (launch)
 def _small_state(step: int):
     import jax
-    import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))

@@ -19,7 +19,6 @@ STEPS = 3
 
 def scenario(job_id, replicas):
     import jax
-    import jax.numpy as jnp
     from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
