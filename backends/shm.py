@@ -28,7 +28,7 @@ from typing import Any
 
 from jaxckpt.backends.agent.capacity import check_budget
 from jaxckpt.backends.agent.protocol import (AgentConnection, agent_dir, default_log_path,
-                                             open_segment, populate, start_agent)
+                                             open_segment, start_agent)
 from jaxckpt.node_identity import local_process_count, node_identity
 from jaxckpt.core.trim import trim
 from jaxckpt.config import Config
@@ -219,23 +219,23 @@ class ShmStore(Store):
                   self.metrics["saves_skipped"], e)
         return StoreUnavailableError(f"step {step}: save skipped on process {self.process_index}: {e}")
 
-    def _map(self, seg: str, size: int, read: int = 0) -> mmap.mmap:
-        """Segment ``seg`` mapped (once per segment); ``read``: bytes about to be read, mapped now in one call
-        when the mapping is new (a relaunched process's first restore reads the whole snapshot: page by page
-        that was a fault per 64 KiB, 1.6k for 64 MiB, where a later restore reuses the mapping)."""
+    def _map(self, seg: str, size: int) -> mmap.mmap:
+        """Segment ``seg`` mapped (once per segment: a later restore reuses the mapping and its pages). A new
+        mapping's pages fault in where the restore reads them, on its reading threads at once: mapped ahead in one
+        call (``MADV_POPULATE_READ``, 2026-12-03 until stop 64) they were mapped by one thread, under the store's lock, and a
+        relaunched process's first restore of 1 GiB took 135-174 ms instead of 79-102 (BENCHMARKS.md, "The
+        agent's pages faulted in by the restore's readers")."""
         m = self._maps.get(seg)
         if m is None or len(m) < size:
             m = self._maps[seg] = open_segment(self.directory, seg, size)
-            if read:
-                populate(m, read)
         return m
 
-    def _map_handed(self, r: dict, read: int = 0) -> mmap.mmap:
+    def _map_handed(self, r: dict) -> mmap.mmap:
         """The segment an agent's reply names, mapped; StoreUnavailableError if it is gone: the agent that named
         it died before we mapped it, and the agent after it unlinked it (it adopts committed slots only, and a
         node whose memory went with its agent has none)."""
         try:
-            return self._map(r["seg"], r["size"], read)
+            return self._map(r["seg"], r["size"])
         except AgentError as e:
             if os.path.lexists(os.path.join(self.directory, r["seg"])):
                 raise
@@ -340,7 +340,7 @@ class ShmStore(Store):
             if r is None:
                 return None
             try:
-                buf = memoryview(self._map_handed(r, r["nbytes"]))[:r["nbytes"]] if r["seg"] else memoryview(b"")
+                buf = memoryview(self._map_handed(r))[:r["nbytes"]] if r["seg"] else memoryview(b"")
             except StoreUnavailableError as e:
                 raise StepNotFoundError(f"step {step} of process {self.process_index} is gone: {e}") from None
             view = _View(self, step, r["manifest"], buf.toreadonly(), self._conn_id)
@@ -348,8 +348,8 @@ class ShmStore(Store):
             return view
 
     def manifest(self, step: int) -> bytes | None:
-        """The manifest alone: pinned and unpinned at once, the segment neither mapped nor populated (a start-up
-        adopting its held steps would otherwise fault in every one of them, and most are then deleted)."""
+        """The manifest alone: pinned and unpinned at once, the segment not mapped (a start-up
+        adopting its held steps needs their manifests alone, and most of those steps are then deleted)."""
         with self._lock:
             r = self._pin(step)
             if r is None:
@@ -361,8 +361,8 @@ class ShmStore(Store):
             return r["manifest"]
 
     def prefetch(self, step: int) -> None:
-        """Map and populate ``step``'s segment on a thread of its own: the restore that follows a start-up finds the
-        mapping made (or waits, under the store's lock, for what is left of it) instead of faulting it in."""
+        """Pin and map ``step``'s segment on a thread of its own: the restore that follows a start-up finds the
+        agent's answer and the mapping made; its pages fault in as the restore reads them (see ``_map``)."""
         def run() -> None:
             try:
                 view = self.open(step)

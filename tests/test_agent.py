@@ -262,7 +262,7 @@ def _mp_restore(job: str, d: str):
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     ckpt = jaxckpt.Checkpointer(Config(store="shm", job_id=job, shm_dir=d, keep=2))
-    # The adoption read the held steps' manifests only; the step to restore is then mapped (and populated) on a
+    # The adoption read the held steps' manifests only; the step to restore is then mapped (not populated) on a
     # thread of its own (Store.prefetch): one segment, never process 1's step 3 that was dropped.
     deadline = time.monotonic() + 30
     while not ckpt.store._maps and time.monotonic() < deadline:

@@ -201,40 +201,6 @@ def open_segment(directory: str, name: str, size: int, *, writable: bool = True)
         os.close(fd)
 
 
-# Linux 5.14's madvise(MADV_POPULATE_READ), which Python's mmap module does not name: map every page of a range at
-# once. A restore reads the whole snapshot it opens; page by page, the first restore of a relaunched process took a
-# fault per 64 KiB of it (fault-around: 1.6k faults, 128 MiB), a later one in the same process none.
-MADV_POPULATE_READ = 22
-_madvise: Any = None  # libc's madvise through ctypes, made at the first populate (the agent itself never populates)
-
-
-def populate(m: mmap.mmap, nbytes: int) -> None:
-    """Map the first ``nbytes`` of shared mapping ``m`` now, in one call (no-op where the kernel cannot), without
-    holding the GIL: ``mmap.madvise`` holds it for the whole call (10 ms for 320 MiB on an idle core, longer on a
-    relaunch's busy ones), and the training thread stalled behind a start-up's prefetch."""
-    global _madvise
-    n = min(round_to_pages(nbytes), len(m))
-    if not n:
-        return
-    import ctypes  # trainers have both loaded (numpy, JAX); the agent never comes here
-    import numpy as np
-    if _madvise is None:
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).madvise
-        except (OSError, AttributeError, TypeError):  # no C library to call: the pages fault in as read
-            _madvise = False
-            return
-        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-        _madvise = fn
-    if _madvise is False:
-        return
-    view = np.frombuffer(m, dtype=np.uint8, count=n)  # the mapping's address; holds it mapped during the call
-    try:
-        _madvise(view.ctypes.data, n, MADV_POPULATE_READ)  # a ctypes call drops the GIL; before Linux 5.14 it
-    finally:  # fails with EINVAL and the pages fault in as read instead
-        del view
-
-
 # -------------------------------------------------------------------------------------------------- framing
 def send_msg(sock: socket.socket, msg: dict) -> None:
     """Send one framed msgpack map."""

@@ -21,7 +21,7 @@ import queue
 import threading
 from typing import Any, Mapping, Sequence
 
-from jaxckpt.backends.agent.protocol import PROTECT_BASE, AgentConnection, open_segment, populate
+from jaxckpt.backends.agent.protocol import PROTECT_BASE, AgentConnection, open_segment
 from jaxckpt.backends.agent.serve import read_peer_info
 from jaxckpt.errors import AgentError, PeerError, StepNotFoundError, StoreUnavailableError
 from jaxckpt.core.capabilities import AgentInfo
@@ -139,8 +139,6 @@ class NodeAgentHolder(Holder):
                             self._conn = None
                     raise StepNotFoundError(f"step {step} of process {process} is gone from the {self.name}: "
                                             f"{e} (the agent that named it was lost)") from None
-                if process < PROTECT_BASE:  # a snapshot's reads follow at once; a protection slot's header and
-                    populate(m, r["nbytes"])  # metadata are read at every start-up scan, its blocks only to rebuild
                 buf = memoryview(m)[:r["nbytes"]]
         except BaseException:
             unpin()
@@ -148,7 +146,7 @@ class NodeAgentHolder(Holder):
         return Opened(r["manifest"], buffer_reader(buf.toreadonly()), unpin)
 
     def manifest(self, process: int, step: int) -> bytes:
-        # one request, no pin: the segment is neither mapped nor populated (an open populates all of it)
+        # one request, no pin: the segment is not mapped
         r = self._call("manifest", process=process, step=step)
         if not r.get("found"):
             raise StepNotFoundError(f"step {step} of process {process} is not held by the {self.name}")
