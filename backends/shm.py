@@ -222,9 +222,9 @@ class ShmStore(Store):
     def _map(self, seg: str, size: int) -> mmap.mmap:
         """Segment ``seg`` mapped (once per segment: a later restore reuses the mapping and its pages). A new
         mapping's pages fault in where the restore reads them, on its reading threads at once: mapped ahead in one
-        call (``MADV_POPULATE_READ``, 2026-12-03 until stop 64) they were mapped by one thread, under the store's lock, and a
-        relaunched process's first restore of 1 GiB took 135-174 ms instead of 79-102 (BENCHMARKS.md, "The
-        agent's pages faulted in by the restore's readers")."""
+        call (``MADV_POPULATE_READ``, 2026-12-03 until stop 64) they were mapped by one thread, under the store's
+        lock, and a relaunched process's first restore of 1 GiB took 135-174 ms instead of 79-102 (BENCHMARKS.md,
+        "The agent's pages faulted in by the restore's readers")."""
         m = self._maps.get(seg)
         if m is None or len(m) < size:
             m = self._maps[seg] = open_segment(self.directory, seg, size)
@@ -362,7 +362,7 @@ class ShmStore(Store):
 
     def prefetch(self, step: int) -> None:
         """Pin and map ``step``'s segment on a thread of its own: the restore that follows a start-up finds the
-        agent's answer and the mapping made; its pages fault in as the restore reads them (see ``_map``)."""
+        mapping made; its pages fault in as the restore reads them (see ``_map``)."""
         def run() -> None:
             try:
                 view = self.open(step)
