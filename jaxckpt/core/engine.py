@@ -493,7 +493,7 @@ class CheckpointEngine:
             self.slots.adopt(a.agreed)
             self._last_step = a.newest
             self._tracker.adopt(a.newest)
-            self.store.prefetch(a.newest)  # what a relaunch restores next: its bytes made ready meanwhile
+            self.store.prefetch(a.newest)  # what a relaunch restores next: pinned and mapped meanwhile (shm)
             if a.newest_manifest is not None:  # and its manifest, decoded above, not decoded again by it
                 self.catalog.keep_decoded(*a.newest_manifest)
             log.info("process %d adopted steps %s held by store %r from an earlier run (latest %d%s)",
