@@ -6,7 +6,7 @@ Used when ``Config.peer_security`` asks for it (``jaxckpt.config.peer_uses_curve
 * every peer *server* (a trainer process's, a node agent's) makes its own key pair when it starts; the secret
   key goes into its socket and nowhere else (never a file, never a message). Its public key is published next
   to its address through what already publishes the address: the ``peer addresses`` round of the job's
-  collective (``jaxckpt.backends.peers``), an agent's ``peer.addr`` file (``jaxckpt.backends.agent.serve``),
+  collective (``jaxckpt.backends.peers``), an agent's ``peer.addr`` file (``jaxckpt.backends.agent.peer_files``),
   and from there the catalog's exchange of agent infos and the protection pulls' sources. A client sets that
   key as ``CURVE_SERVERKEY``: a server at the address that does not hold the matching secret key cannot
   complete the handshake, so nothing is sent to it and nothing it says is read. Node agents reached by address

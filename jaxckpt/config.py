@@ -5,7 +5,6 @@ import dataclasses
 import functools
 import logging
 import os
-import tomllib
 import typing
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -199,6 +198,8 @@ class Config:
     @classmethod
     def from_file(cls, path: str | os.PathLike, *, env: bool = True) -> "Config":
         """Load a TOML file (top-level keys, or a ``[jaxckpt]`` table), then apply JAXCKPT_* overrides."""
+        import tomllib  # here: only a config file needs it (3-4 ms of a relaunched process's start-up otherwise)
+
         try:
             with open(path, "rb") as f:
                 data = tomllib.load(f)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from jaxckpt.backends.agent import serve as agent_serve
+from jaxckpt.backends.agent import peer_files
 from jaxckpt.backends.shm import ShmStore
 from jaxckpt.config import Config
 
@@ -19,7 +19,7 @@ def node_store(base: str, job: str, node: str, process: int, process_count: int 
 def peer_of(base: str, node: str, timeout_s: float = 30.0) -> list:
     """[peer address, token] that ``node``'s agent published (AssertionError if none within ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
-    while (info := agent_serve.read_peer_info(f"{base}/{node}")) is None:
+    while (info := peer_files.read_peer_info(f"{base}/{node}")) is None:
         assert time.monotonic() < deadline, f"{node}'s agent published no peer address within {timeout_s:g} s"
         time.sleep(0.05)
     return [info["address"], info["token"]]

@@ -37,7 +37,7 @@ import zmq
 from jaxckpt import Config
 from jaxckpt.backends.agent import protocol as proto
 from jaxckpt.backends.agent.readers import RemoteAgentHolder, local_agents
-from jaxckpt.backends.agent.serve import read_peer_info
+from jaxckpt.backends.agent.peer_files import read_peer_info
 from jaxckpt.backends.curve import client_keys, valid_public_key
 from jaxckpt.backends.memory import MemoryStore
 from jaxckpt.backends.shm import ShmStore

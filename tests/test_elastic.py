@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from jaxckpt.backends.agent import protocol as proto
-from jaxckpt.backends.agent.serve import PEER_NAME, TOKEN_NAME, read_peer_info
+from jaxckpt.backends.agent.peer_files import PEER_NAME, TOKEN_NAME, read_peer_info
 from jaxckpt.backends.transport import ZmqTransport
 from jaxckpt.core.box import Box
 from jaxckpt.core.checksum import crc32c

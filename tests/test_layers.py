@@ -209,6 +209,33 @@ def test_import_jaxckpt_and_the_orbax_handler_and_a_jax_save_import_no_tooling()
     assert "jaxckpt.orbax.handler" in got["orbax"] and "jaxckpt.jax.checkpointer" in got["used"]
 
 
+
+def test_a_trainer_on_the_node_agent_without_protection_imports_only_what_it_uses(agent_dir):
+    """A relaunched trainer's ``Checkpointer()`` pays for every module it imports (a replacement node's start-up):
+    with ``protection="none"`` it saves and restores through its node's agent importing no protection module, none
+    of the agent's own side (its slot table, its server) and no config-file parser, and reads no installed
+    distribution's entry points for a built-in store."""
+    got = _python(f"""
+        import json
+        import jax.numpy as jnp
+        import numpy as np
+        import jaxckpt
+        from jaxckpt import registry
+        state = {{"w": jnp.arange(8, dtype=jnp.float32)}}
+        with jaxckpt.Checkpointer(jaxckpt.Config(store="shm", job_id="layers-lean", shm_dir={agent_dir!r})) as ck:
+            ck.save(1, state).result()
+            got = ck.restore(state)
+            same = bool(np.array_equal(np.asarray(got["w"]), np.arange(8, dtype=np.float32)))
+        print(json.dumps({{"modules": sorted(sys.modules), "same": same,
+                          "entry_points": registry._entry_points_loaded}}))
+    """)
+    assert got["same"]
+    assert "jaxckpt.backends.shm" in got["modules"]
+    unused = ("jaxckpt.protection.slot", "jaxckpt.protection.plan", "jaxckpt.protection.runtime",
+              "jaxckpt.backends.agent.table", "jaxckpt.backends.agent.serve", "tomllib")
+    assert _offending(got["modules"], unused) == []
+    assert got["entry_points"] is False
+
 # ------------------------------------------------------------------------------------------ torch only
 def test_torch_front_end_saves_and_restores_bit_for_bit_without_jax():
     torch = pytest.importorskip("torch")

@@ -409,7 +409,7 @@ def test_wrong_token_is_refused_and_ls_shows_protection(replica_job, capsys):
 
     from jaxckpt import cli
 
-    from jaxckpt.backends.agent.serve import read_peer_info
+    from jaxckpt.backends.agent.peer_files import read_peer_info
     from jaxckpt.protection.slot import PROTECT_BASE
     from jaxckpt.backends.transport import ZmqTransport
     from jaxckpt.errors import PeerError
@@ -587,17 +587,17 @@ def test_a_rebuild_its_parity_holder_cannot_make_is_made_by_the_restore(saved, t
     such range is rebuilt by the restoring process itself (parity and units read here), bit for bit, logged,
     and said so in its report: ``fallbacks`` (why), ``rebuilt_at["here"]`` (the bytes XORed here) and
     ``rebuild_reads`` / ``rebuild_received`` (what it read, and received over the transport, to do so)."""
-    from jaxckpt.backends.agent import serve as agent_serve
+    from jaxckpt.backends.agent import peer_files
 
     job = "holder-fallback"
     assert all(r["protected"] == [1, 2] for r in saved[job]), saved[job]
     lose_node(job, 1)
     d = f"{BASE}/{job}-node0"
     proto.kill_agent(d)  # its memory stays for the next agent of the directory
-    assert os.path.exists(os.path.join(d, agent_serve.PEER_NAME))  # the killed agent's address, left behind
+    assert os.path.exists(os.path.join(d, peer_files.PEER_NAME))  # the killed agent's address, left behind
     agent = run_agent(job, 0, str(tmp_path / "agent.log"), "--peer-bind", "none")
     # the new agent serves no peers: it removed the address, so no reader waits out a connect to a dead one
-    assert not os.path.exists(os.path.join(d, agent_serve.PEER_NAME))
+    assert not os.path.exists(os.path.join(d, peer_files.PEER_NAME))
     try:
         (r,) = expect_ok(launch(restore_alone, nodes=1, procs_per_node=1, devices_per_proc=2, args=(BASE, job),
                                 env=ENV, timeout=240))

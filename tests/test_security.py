@@ -276,9 +276,9 @@ def _start_agent(job: str, d: str, *extra: str, umask: int = 0) -> subprocess.Po
         assert p.poll() is None and time.monotonic() < deadline, "the agent did not start"
         time.sleep(0.01)
     deadline = time.monotonic() + 30
-    while not os.path.exists(os.path.join(d, "peer.addr")) and time.monotonic() < deadline and \
-            os.path.exists(ROOT / "backends" / "agent_serve.py"):
-        time.sleep(0.01)  # the peer server comes up with the agent (when this build has one)
+    while not os.path.exists(os.path.join(d, "peer.addr")):  # the peer server comes up with the agent
+        assert p.poll() is None and time.monotonic() < deadline, "the agent serves no peers"
+        time.sleep(0.01)
     return p
 
 
@@ -298,7 +298,7 @@ def test_a_real_agent_under_umask_0_keeps_everything_private_and_listens_on_loop
         st = os.lstat(agent_dir)
         assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
         names = os.listdir(agent_dir)
-        assert {"agent.sock", "agent.lock", "agent.pid", "rec-p0-s1"} <= set(names)
+        assert {"agent.sock", "agent.lock", "agent.pid", "rec-p0-s1", "peer.addr", "peer.token"} <= set(names)
         assert sum(n.startswith("seg-") for n in names) == 2
         for n in names:
             st = os.lstat(os.path.join(agent_dir, n))

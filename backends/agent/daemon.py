@@ -12,7 +12,7 @@ directory committed, listens on a Unix socket (mode 0600) and serves each connec
   readers    ``hello`` as a reader of the job (a restoring process of this node): index, and open/unpin of any
              process's committed slot, which the reader maps read-only (zero-copy); its pins go with it.
 
-Peers on other nodes read the same memory over the peer transport (agent_serve.py): the agent serves every
+Peers on other nodes read the same memory over the peer transport (serve.py): the agent serves every
 committed slot of its node, token-authenticated, on ``--peer-bind`` (loopback by default; off loopback with
 ZeroMQ CURVE, ``--peer-security``, jaxckpt.backends.curve), and publishes its address and CURVE public key in
 ``peer.addr`` next to ``peer.token``.
@@ -117,7 +117,7 @@ class Agent:
         self.agent_peers, self.agent_port = agent_peers, agent_port
         self.token = b""  # the peer token it serves with, once serving
         if agent_peers:
-            from jaxckpt.backends.agent.serve import TOKEN_ENV, read_token
+            from jaxckpt.backends.agent.peer_files import TOKEN_ENV, read_token
 
             if not (os.environ.get(TOKEN_ENV) or os.path.isdir(self.dir) and read_token(self.dir)):
                 raise ConfigError(f"agent of job {job}: Config.agent_peers ({agent_peers!r}) needs the job's shared "
@@ -234,27 +234,28 @@ class Agent:
                                            "started": self.started}), path + ".tmp")
 
     def _serve_peers(self) -> None:
-        """Serve the node's committed snapshots to peers and publish the address (agent_serve.py)."""
+        """Serve the node's committed snapshots to peers and publish the address (peer_files.py)."""
+        from jaxckpt.backends.agent import peer_files
         from jaxckpt.backends.agent import serve as agent_serve
 
         self.snapshots = agent_serve.AgentSnapshots(self.table, self.dir, self.transport, about={
             "node": self.node, "job": self.job, "generation": self.generation, "directory": self.dir})
         # a dead predecessor's address (we hold the directory's lock): readers would wait out a connect to it
-        remove_file(os.path.join(self.dir, agent_serve.PEER_NAME))
+        remove_file(os.path.join(self.dir, peer_files.PEER_NAME))
         if self.peer_bind is None:
             return
         try:
             from jaxckpt.core.transport import get_transport
 
-            self.token = token = agent_serve.load_or_make_token(self.dir)
+            self.token = token = peer_files.load_or_make_token(self.dir)
             # reached by address alone (Config.agent_peers): a known port, and the CURVE key the token derives
             self.peer_server = get_transport(self.transport).serve(
                 self.snapshots, token=token, host=self.peer_bind, port=self.agent_port,
                 curve=peer_uses_curve(self.peer_bind, self.peer_security), token_key=bool(self.agent_peers))
-            agent_serve.write_peer_info(self.dir, {"address": self.peer_server.address, "node": self.node,
-                                                   "job": self.job, "generation": self.generation,
-                                                   "pid": os.getpid(), "directory": self.dir,
-                                                   "server_key": self.peer_server.public_key})
+            peer_files.write_peer_info(self.dir, {"address": self.peer_server.address, "node": self.node,
+                                                  "job": self.job, "generation": self.generation,
+                                                  "pid": os.getpid(), "directory": self.dir,
+                                                  "server_key": self.peer_server.public_key})
         except Exception:  # noqa: BLE001 - the node's trainers are served without it; restores say what is missing
             log.exception("agent %s: cannot serve peers on %s", self.generation, self.peer_bind)
 
@@ -319,7 +320,7 @@ class Agent:
             self.peer_server = None
         if self._lock_fd is None:
             return
-        from jaxckpt.backends.agent.serve import remove_peer_files
+        from jaxckpt.backends.agent.peer_files import remove_peer_files
         remove_peer_files(self.dir)
         if not free:
             remove_file(os.path.join(self.dir, PID_NAME))  # its pid may be reused: never signalled through this file

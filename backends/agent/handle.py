@@ -11,12 +11,12 @@ import os
 from typing import Any, Hashable, Protocol, Sequence
 
 from jaxckpt.backends.agent.readers import NodeAgentHolder, RemoteAgentHolder, expand_dirs, local_agents
-from jaxckpt.backends.agent.serve import PEER_NAME
+from jaxckpt.backends.agent.peer_files import PEER_NAME
 from jaxckpt.config import Config
 from jaxckpt.core.capabilities import AgentHolders, AgentInfo, NodeAgent, ProtectionSlots
 from jaxckpt.core.sources import Holder
 from jaxckpt.core.store import Slot, Store
-from jaxckpt.protection.slot import PROTECT_BASE
+from jaxckpt.protection import PROTECT_BASE  # not .slot: a store without protection imports no protection module
 
 class AgentStore(Protocol):
     """What the handle reads of its store (``jaxckpt.backends.shm.ShmStore``, which imports this module)."""

@@ -8,7 +8,7 @@ checked):
   agent.sock            Unix socket, mode 0600: trainers and the CLI talk to the agent here
   seg-p<P>-<gen>-<n>    a shared-memory segment (mode 0600) of process P, created by agent generation <gen>
   rec-p<P>-s<step>      commit record of (P, step): segment, size, manifest; written last, atomically
-  peer.addr, peer.token where peers read this node's snapshots, and the token they need (agent_serve.py)
+  peer.addr, peer.token where peers read this node's snapshots, and the token they need (peer_files.py)
 
 Messages are msgpack maps framed by a 4-byte big-endian length, never pickle, at most ``MAX_MESSAGE_BYTES``
 (a manifest travels inline in ``commit`` and ``open``). A request is ``{"v": 1, "op": ..., fields}``; a reply
@@ -320,7 +320,7 @@ def start_agent(config: Config, directory: str, *, recover: bool = False) -> sub
     peers with it) and :func:`spawn_agent`: what a trainer does when no agent serves its node."""
     ensure_private_dir(directory, create=True)
     if config.peer_token:
-        from jaxckpt.backends.agent.serve import read_token, write_token
+        from jaxckpt.backends.agent.peer_files import read_token, write_token
         if read_token(directory) is None:
             write_token(directory, config.peer_token.encode())
     return spawn_agent(config, directory, recover=recover)

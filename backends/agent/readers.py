@@ -10,7 +10,7 @@ Both classes are ``jaxckpt.core.sources.Holder``:
   fetch threads read one agent in parallel.
 
 :func:`local_agents` finds the agents whose directories this process can read (its own node's and
-``Config.agent_dirs``) from the ``peer.addr`` / ``peer.token`` files each agent writes (agent_serve.py).
+``Config.agent_dirs``) from the ``peer.addr`` / ``peer.token`` files each agent writes (peer_files.py).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import threading
 from typing import Any, Mapping, Sequence
 
 from jaxckpt.backends.agent.protocol import PROTECT_BASE, AgentConnection, open_segment
-from jaxckpt.backends.agent.serve import read_peer_info
+from jaxckpt.backends.agent.peer_files import read_peer_info
 from jaxckpt.errors import AgentError, PeerError, StepNotFoundError, StoreUnavailableError
 from jaxckpt.core.capabilities import AgentInfo
 from jaxckpt.core.fetch import buffer_reader

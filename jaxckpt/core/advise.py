@@ -20,7 +20,6 @@ overhead is tiny the answer is "every step".
 from __future__ import annotations
 
 import math
-import statistics
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -109,6 +108,8 @@ class SaveCosts:
         """Medians over the recorded saves: ``overhead_s`` (what save() blocked the caller), ``step_time_s`` (time
         per step between save() calls, less that overhead) and ``latency_s`` (save() called -> committed, from
         ``decided``: step -> (local done, decided) on ``time.monotonic()``); keys missing when not measurable."""
+        import statistics  # here: only an advice needs it (2 ms of every process's import of the engine otherwise)
+
         with self._lock:
             saves = list(self._saves)
         out: dict[str, float] = {}

@@ -23,7 +23,7 @@ import msgpack
 
 from jaxckpt.core import manifest as mf
 from jaxckpt.backends.agent import protocol as proto
-from jaxckpt.backends.agent import serve as agent_serve
+from jaxckpt.backends.agent import peer_files
 from jaxckpt.tools.chaos.proxy import PeerProxy
 from jaxckpt.errors import BudgetExceededError
 from jaxckpt.tools.chaos import trainer as ct
@@ -229,7 +229,7 @@ def _peer_prep(kind: str) -> Callable:
         end_trial(run)
         node = run.rng.randrange(run.profile.nodes) if res.mode == "numpy" else 0
         d, seed, drops = _node_dir(run, res, node), run.rng.randrange(1 << 32), run.rng.randint(1, 3)
-        info = agent_serve.read_peer_info(d)
+        info = peer_files.read_peer_info(d)
         if info is None:
             res.detail = f"node {node}'s agent serves no peers: nothing to intercept"
             return None, -1
@@ -240,7 +240,7 @@ def _peer_prep(kind: str) -> Callable:
                           armed="drop_p" not in opts, **opts)
         published = dict(info)
         del published["token"]  # the agent's peer file keeps the token in its own file
-        agent_serve.write_peer_info(d, {**published, "address": proxy.address})
+        peer_files.write_peer_info(d, {**published, "address": proxy.address})
         run.peer_proxy = (proxy, d, published, node)
         return None, -1
     return prep
@@ -269,9 +269,9 @@ def end_trial(run: "ChaosRun") -> None:
     proxy, d, published, _ = entry
     proxy.close()
     try:
-        now = agent_serve.read_peer_info(d)
+        now = peer_files.read_peer_info(d)
         if now is not None and now.get("address") == proxy.address:
-            agent_serve.write_peer_info(d, published)
+            peer_files.write_peer_info(d, published)
     except OSError:  # the node's directory went (node loss): nothing to give back
         pass
 

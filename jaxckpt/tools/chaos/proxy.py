@@ -1,7 +1,7 @@
 """A loopback TCP proxy that delays or drops peer-transport traffic, for ``jaxckpt chaos``'s peer faults.
 
 The chaos driver starts one in front of a node agent's peer endpoint and rewrites that agent's ``peer.addr``
-(agent_serve.py) to name the proxy, so that every other node's restore reads and protection pulls from that
+(peer_files.py) to name the proxy, so that every other node's restore reads and protection pulls from that
 node cross it. The proxy works on the TCP byte stream under ZeroMQ, so what it does is what a network does:
 
   delay   hold a piece of the stream for a random time before passing it on (the order is kept);

@@ -211,9 +211,9 @@ class ChaosRun:
                     tail = ""
                 raise RuntimeError(f"the agent of {d} did not start (exit code {p.poll()}); its log ends:\n{tail}")
             time.sleep(0.005)
-        from jaxckpt.backends.agent import serve as agent_serve
+        from jaxckpt.backends.agent import peer_files
 
-        info = agent_serve.read_peer_info(d) or {}
+        info = peer_files.read_peer_info(d) or {}
         self.agent_keys["curve" if info.get("server_key") else "token"] += 1
 
     @staticmethod
