@@ -267,6 +267,8 @@ def test_torch_front_end_saves_and_restores_bit_for_bit_without_jax():
     """, blocked=blocked)
     assert got["same"] and got["values"] == [1, 0.5]
     assert _offending(got["modules"], blocked) == []
+    # a state without DTensors imports neither DTensor's module nor DCP's (0.7 s of a relaunch's start-up, sympy's)
+    assert _offending(got["modules"], ("torch.distributed.tensor", "torch.distributed.checkpoint", "sympy")) == []
 
 
 def test_ml_dtypes_stand_ins_have_the_widths_of_the_real_types():

@@ -18,11 +18,10 @@ stream, numpy copies). Arrays from host boxes: ``jaxckpt.torch.restore.restore_s
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from jaxckpt.config import Config
 from jaxckpt.core import manifest as mf
@@ -34,12 +33,14 @@ from jaxckpt.core.engine import ArrayRecord, CheckpointEngine, ShardReads
 from jaxckpt.core.fetch import ChunkReader
 from jaxckpt.core.plan import ArrayLayout, Placement
 from jaxckpt.core.restore import Gather
-from jaxckpt.torch import dtensor as dt
 from jaxckpt.torch.coordination import TorchStoreCoordinator
 from jaxckpt.torch.dtypes import dtype_name
 from jaxckpt.torch.host import HostCopies, Reads
 from jaxckpt.torch.restore import restore_state
 from jaxckpt.torch.tree import Leaf, flatten
+
+if TYPE_CHECKING:  # DTensor's module is imported only by a state holding one (jaxckpt.torch.tree.is_dtensor)
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["TorchFrontend", "TorchLayout"]
 
@@ -146,6 +147,8 @@ class TorchFrontend:
 
     def _local_box(self, leaf: Leaf) -> tuple[Box | None, Any]:
         """This rank's box of a DTensor (checked once per layout) and its local tensor."""
+        from jaxckpt.torch import dtensor as dt
+
         x: DTensor = leaf.value
         key = (leaf.path, _leaf_key(leaf))
         if key in self._boxes:
@@ -197,6 +200,8 @@ class TorchFrontend:
                            lambda: mf.ArrayMeta(path, leaf.keypath, shape, name, meta_kind, sharding, attrs))
 
     def _dtensor_record(self, leaf: Leaf) -> ArrayRecord:
+        from jaxckpt.torch import dtensor as dt
+
         x: DTensor = leaf.value
         path, shape, name = leaf.path, tuple(x.shape), dtype_name(x.dtype, leaf.path)
         mesh, placements = x.device_mesh, tuple(x.placements)

@@ -10,12 +10,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 from torch.autograd.graph import increment_version
-from torch.distributed.tensor import DTensor
 
 from jaxckpt.core.box import Box
 from jaxckpt.core.dtypes import dtype_from_name
@@ -24,11 +23,13 @@ from jaxckpt.core.manifest import ArrayMeta, Manifest, check_target_paths, merge
 from jaxckpt.core.restore import ArrayRequest, restore_leaves
 from jaxckpt.errors import TargetMismatchError
 
-from jaxckpt.torch import dtensor as dt
 from jaxckpt.torch.gather import replicated_layout
 from jaxckpt.torch.dtypes import dtype_name, from_numpy, numpy_view, torch_dtype
-from jaxckpt.torch.tree import Leaf, flatten, rebuild
+from jaxckpt.torch.tree import Leaf, flatten, is_dtensor, rebuild
 from jaxckpt.core.keypath import nested
+
+if TYPE_CHECKING:  # DTensor's module is imported only by a state holding one (jaxckpt.torch.tree.is_dtensor)
+    from torch.distributed.tensor import DTensor
 
 log = logging.getLogger("jaxckpt.torch.restore")
 
@@ -36,7 +37,7 @@ ROW_KINDS = ("torch_rng", "per_rank")  # saved as (process_count, *shape): one r
 
 
 def _describe(x: Any) -> str:
-    if isinstance(x, DTensor):
+    if is_dtensor(x):
         return f"DTensor {x.dtype}{list(x.shape)} {tuple(str(p) for p in x.placements)}"
     if isinstance(x, torch.Tensor):
         return f"tensor {x.dtype}{list(x.shape)} on {x.device}"
@@ -117,6 +118,8 @@ def _tensor(path: str, meta: ArrayMeta, t: torch.Tensor, in_place: bool) -> Arra
 
 
 def _dtensor(path: str, meta: ArrayMeta, t: DTensor, in_place: bool) -> Any:
+    from jaxckpt.torch import dtensor as dt
+
     _check(path, meta, tuple(t.shape), t.dtype, t)
     box, local = dt.local_tensor(path, t)
     if box is None:  # this rank is not in the target's mesh: nothing to hold

@@ -6,12 +6,12 @@ the "/"-joined path the JAX front end gives the same nesting (``{"model": {"laye
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from jaxckpt.core.manifest import host_kind
 from jaxckpt.errors import UnsupportedLeafError
@@ -30,7 +30,7 @@ class PerRank:
     __slots__ = ("tensor",)
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        if not isinstance(tensor, torch.Tensor) or isinstance(tensor, DTensor):
+        if not isinstance(tensor, torch.Tensor) or is_dtensor(tensor):
             raise UnsupportedLeafError(f"PerRank wraps a plain torch.Tensor, got {type(tensor).__qualname__}")
         self.tensor = tensor
 
@@ -47,9 +47,16 @@ class Leaf:
     kind: str
 
 
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a DTensor, without importing ``torch.distributed.tensor`` (0.6-0.7 s of a relaunched
+    process's start-up, most of it sympy): a DTensor exists only once that module has been imported."""
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return cls is not None and isinstance(value, cls)
+
+
 def classify(value: Any, path: str) -> str:
     """The kind of a leaf; UnsupportedLeafError naming ``path`` for anything else."""
-    if isinstance(value, DTensor):
+    if is_dtensor(value):
         return "dtensor"
     if isinstance(value, torch.Tensor):
         if value.is_quantized or value.is_sparse or value.layout != torch.strided:
